@@ -1,0 +1,185 @@
+"""Detectors: decide, after each step, whether training just failed.
+
+The :class:`Monitor` is shared by the recorder and the replayer so that a
+bundle is judged on replay by exactly the rules that recorded it. Per step it
+adds one host-device sync (reading the loss, grad norm and param norm
+together); everything else stays on the device.
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from reprokit.errors import RecorderWarning
+from reprokit.signature import Failure, from_exception
+from reprokit.state import TrainState
+
+Predicate = Callable[[int, "float | None", TrainState], Any]
+
+
+@dataclass(kw_only=True)
+class DetectSettings:
+    """Which detectors run after every step (stored in the bundle's run.json)."""
+
+    check_loss: bool = True
+    """Fail on a NaN/inf loss."""
+    check_grads: bool = True
+    """Fail on a non-finite global gradient norm, read in an optimizer step pre-hook
+    (with a GradScaler the hook only sees steps the scaler lets through)."""
+    check_params: bool = False
+    """Fail on a non-finite parameter (reads every parameter each step)."""
+    scaler_patience: int = 25
+    """Fail after this many consecutive steps skipped by the GradScaler."""
+    spike_factor: float | None = None
+    """Opt-in: fail when loss > spike_factor x median of the last `spike_window` losses."""
+    spike_window: int = 50
+    """How many recent losses the spike median is taken over."""
+
+    def __post_init__(self) -> None:
+        if self.scaler_patience < 1:
+            raise ValueError(f"scaler_patience must be >= 1, got {self.scaler_patience}")
+        if self.spike_factor is not None and self.spike_factor <= 1:
+            raise ValueError(f"spike_factor must be > 1 (a multiple of the median loss), got {self.spike_factor}")
+        if self.spike_window < 2:
+            raise ValueError(f"spike_window must be >= 2, got {self.spike_window}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StepResult:
+    """What one watched step did."""
+
+    loss: float | None
+    grad_norm: float | None
+    failure: Failure | None
+    exc: BaseException | None = None
+    value: Any = None
+    """What the step function returned, untouched."""
+
+
+class Monitor:
+    """Runs one step under watch. Create one per (state, run); call :meth:`close` after."""
+
+    def __init__(self, state: TrainState, settings: DetectSettings, predicates: Sequence[Predicate] = ()):
+        self.state = state
+        self.settings = settings
+        self.predicates = list(predicates)
+        self.history: deque[float] = deque(maxlen=settings.spike_window)
+        self.skip_streak = 0
+        self.last_scale: float | None = None
+        self._norms: list[torch.Tensor] = []
+        self._hook = state.optimizer.register_step_pre_hook(self._on_optimizer_step) if settings.check_grads else None
+        self._hook_warned = False
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # The monitor's own counters travel with snapshots so replay starts where recording was.
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "skip_streak": self.skip_streak, "last_scale": self.last_scale}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.history = deque(d.get("history", []), maxlen=self.settings.spike_window)
+        self.skip_streak = int(d.get("skip_streak", 0))
+        self.last_scale = d.get("last_scale")
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        try:
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                with torch.no_grad():
+                    norms = torch._foreach_norm(grads)
+                    dev = norms[0].device
+                    self._norms.append(torch.linalg.vector_norm(torch.stack([n.to(dev, torch.float32) for n in norms])))
+        except Exception as e:  # never break the user's optimizer step
+            if not self._hook_warned:
+                self._hook_warned = True
+                warnings.warn(f"reprokit: gradient-norm check disabled: {e!r}", RecorderWarning, stacklevel=2)
+
+    def run(self, step_fn: Callable[[TrainState, Any], Any], batch: Any, step: int) -> StepResult:
+        """Run ``step_fn(state, batch)`` and the detectors. Never raises the step's exception: returns it."""
+        self._norms.clear()
+        try:
+            loss = step_fn(self.state, batch)
+        except Exception as e:
+            return StepResult(None, None, from_exception(e, step), e)
+        loss_f, grad_norm, param_norm = self._read(loss)
+        return StepResult(loss_f, grad_norm, self._check(step, loss_f, grad_norm, param_norm), value=loss)
+
+    def _read(self, loss: Any) -> tuple[float | None, float | None, float | None]:
+        """Loss, grad norm and param norm, fetched from the device in one sync."""
+        vals: list[torch.Tensor] = []
+        dev = None
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            vals.append(loss.detach().reshape(()).float())
+            dev = loss.device
+        has_grad = bool(self._norms)
+        if has_grad:
+            dev = dev or self._norms[-1].device
+            # With accumulation the optimizer may step several times: keep the worst.
+            vals.append(torch.stack([n.to(dev) for n in self._norms]).max())
+        has_param = self.settings.check_params
+        if has_param:
+            params = [p.detach() for p in self.state.model.parameters()]
+            if params:
+                dev = dev or params[0].device
+                norms = torch._foreach_norm(params)
+                vals.append(torch.linalg.vector_norm(torch.stack([n.to(dev, torch.float32) for n in norms])))
+            else:
+                has_param = False
+        got = torch.stack([v.to(dev) for v in vals]).tolist() if vals else []
+        loss_f = got.pop(0) if vals and isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+        if loss_f is None and isinstance(loss, (int, float)):
+            loss_f = float(loss)
+        grad_norm = got.pop(0) if has_grad else None
+        param_norm = got.pop(0) if has_param else None
+        return loss_f, grad_norm, param_norm
+
+    def _check(self, step: int, loss: float | None, grad_norm: float | None,
+               param_norm: float | None) -> Failure | None:
+        s = self.settings
+        if s.check_loss and loss is not None and not _finite(loss):
+            return Failure("nonfinite_loss", step, message=f"loss = {loss}")
+        if grad_norm is not None and not _finite(grad_norm):
+            return Failure("nonfinite_grad", step, message=f"grad norm = {grad_norm}")
+        if param_norm is not None and not _finite(param_norm):
+            return Failure("nonfinite_param", step, message=f"param norm = {param_norm}")
+        if self.state.scaler_enabled():
+            scale = float(self.state.scaler.get_scale())
+            skipped = self.last_scale is not None and scale < self.last_scale
+            self.skip_streak = self.skip_streak + 1 if skipped else 0
+            self.last_scale = scale
+            if self.skip_streak >= s.scaler_patience:
+                return Failure("scaler_collapse", step,
+                               message=f"{self.skip_streak} skipped steps in a row, scale = {scale}")
+        if s.spike_factor is not None and loss is not None and len(self.history) >= min(10, s.spike_window):
+            median = statistics.median(self.history)
+            if median > 0 and loss > s.spike_factor * median:
+                return Failure("loss_spike", step, message=f"loss {loss:.4g} > {s.spike_factor} x median {median:.4g}")
+        if loss is not None and _finite(loss):
+            self.history.append(loss)
+        for fn in self.predicates:
+            try:
+                verdict = fn(step, loss, self.state)
+            except Exception as e:
+                return from_exception(e, step)
+            if verdict:
+                name = getattr(fn, "__qualname__", repr(fn))
+                return Failure("predicate", step, frame=name,
+                               message=verdict if isinstance(verdict, str) else f"{name} returned {verdict!r}")
+        return None
+
+
+def _finite(x: float) -> bool:
+    return x == x and x not in (float("inf"), float("-inf"))

@@ -1,0 +1,72 @@
+"""Every error reprokit raises on purpose derives from :class:`ReprokitError`.
+
+Messages follow one rule: say what happened, what was expected, and what to
+do next. The CLI maps each class to an exit code (see ``EXIT_CODE``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ReprokitError(Exception):
+    """Root of every error reprokit raises on purpose."""
+
+    exit_code = 2
+
+
+class BundleError(ReprokitError):
+    """A bundle is missing, malformed, or fails its checksums."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, problems: list[dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.problems = problems or []
+
+
+class BundleVersionError(BundleError):
+    """A bundle was written by a newer (or unknown) format version."""
+
+
+class CaptureError(ReprokitError):
+    """Some piece of training state cannot be captured into a bundle."""
+
+
+class CodeLoadError(ReprokitError):
+    """``build`` or the step function cannot be imported for replay."""
+
+    # 125 is what ``git bisect run`` reads as "cannot test this commit, skip it".
+    exit_code = 125
+
+
+class StateMismatchError(ReprokitError):
+    """The recorded state does not fit the model/optimizer that ``build`` made."""
+
+    exit_code = 125
+
+
+class DidNotReproduce(ReprokitError):
+    """A command needed a failing bundle, but replay did not fail the same way."""
+
+    exit_code = 1
+
+
+class TrainingFailure(ReprokitError, RuntimeError):
+    """Raised into the training loop when a detector (not an exception) fires.
+
+    Attributes:
+        failure: the :class:`reprokit.signature.Failure` that fired.
+        bundle: path of the bundle written, or ``None`` when writing it failed
+            (a warning then says why).
+    """
+
+    def __init__(self, failure: Any, bundle: Any):
+        where = f"bundle written to {bundle}" if bundle else "no bundle could be written (see the warning above)"
+        super().__init__(f"{failure.describe()}; {where}")
+        self.failure = failure
+        self.bundle = bundle
+
+
+class RecorderWarning(UserWarning):
+    """The recorder hit a fault of its own; training goes on without it."""

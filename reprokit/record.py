@@ -1,0 +1,271 @@
+"""The Recorder: watch every training step, keep a replayable window, dump it on failure.
+
+Cost model: every step records the batch (a copy, so in-place edits by the step
+cannot change what was recorded) and the RNG state; every ``snapshot_every``
+steps the full state is copied to host memory and the window restarts. On a
+failure the window is written as a bundle. Faults of the recorder itself only
+warn: it never changes training results and never raises its own errors into
+the loop.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reprokit import bundle as B
+from reprokit import pytree
+from reprokit.code import ref_of, relative, snapshot_files
+from reprokit.detect import DetectSettings, Monitor, Predicate
+from reprokit.env import capture_env, determinism_flags
+from reprokit.errors import CaptureError, RecorderWarning, TrainingFailure
+from reprokit.signature import Failure
+from reprokit.state import TrainState, capture_rng, capture_state
+
+StepFn = Callable[[TrainState, Any], Any]
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """Copy a tensor to host memory without stalling the training stream.
+
+    CUDA tensors go to pinned memory with a non-blocking copy ordered on the
+    current stream; readers must synchronise first (the dump does).
+    """
+    t = t.detach()
+    if t.is_cuda:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@dataclass
+class _StepRecord:
+    step: int
+    batch: Any
+    tensors: dict[str, torch.Tensor]
+    rng: dict[str, Any]
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+@dataclass
+class _Snapshot:
+    step: int
+    tree: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+class Recorder:
+    """Watch a training loop and write a bundle when it fails.
+
+    Args:
+        state: the :class:`TrainState` your loop trains.
+        train_step: ``train_step(state, batch) -> loss``, a module-level function.
+        build: ``build(config) -> TrainState``, a module-level function; replay calls it.
+        config: what ``build`` takes: plain data (numbers, strings, lists, dicts).
+        out_dir: where bundles are written.
+        snapshot_every: steps between full-state snapshots; a bundle holds at most
+            this many steps.
+        detect: extra predicates ``fn(step, loss, state) -> bool | str``; truthy fails.
+        check_grads / check_params / scaler_patience / spike_factor / spike_window:
+            see :class:`reprokit.detect.DetectSettings`.
+        loss_history: how many recent (step, loss) pairs to keep for ``inspect``.
+
+    Raises:
+        CaptureError: at attach time, naming what cannot be recorded (a lambda as
+            ``build``, a config that is not plain data, an optimizer state holding
+            an unsupported object).
+
+    Example:
+        >>> rec = Recorder(state, train_step, build=build, config=cfg)   # doctest: +SKIP
+        >>> for batch in loader:                                          # doctest: +SKIP
+        ...     loss = rec.step(batch)
+    """
+
+    def __init__(
+        self,
+        state: TrainState,
+        train_step: StepFn,
+        *,
+        build: Callable[[Any], TrainState],
+        config: Any = None,
+        out_dir: str | Path = "repros",
+        snapshot_every: int = 100,
+        detect: Sequence[Predicate] = (),
+        check_grads: bool = True,
+        check_params: bool = False,
+        scaler_patience: int = 25,
+        spike_factor: float | None = None,
+        spike_window: int = 50,
+        loss_history: int = 1000,
+    ):
+        if snapshot_every < 1:
+            raise CaptureError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        self.state = state
+        self.train_step = train_step
+        self.out_dir = Path(out_dir)
+        self.snapshot_every = snapshot_every
+        self.settings = DetectSettings(check_grads=check_grads, check_params=check_params,
+                                       scaler_patience=scaler_patience, spike_factor=spike_factor,
+                                       spike_window=spike_window)
+        build_ref, build_root = ref_of(build, "build")
+        step_ref, step_root = ref_of(train_step, "train_step")
+        self._root = build_root or step_root
+        self._refs: dict[str, Any] = {"build": build_ref, "step": step_ref,
+                                      "predicates": [self._predicate_ref(fn) for fn in detect]}
+        self._scripts = [self._root / r["script"] for r in (build_ref, step_ref) if "script" in r and self._root]
+        config_tree, config_tensors = pytree.encode(config, "config")
+        if config_tensors:
+            raise CaptureError(f"config holds tensors ({', '.join(config_tensors)}); pass plain data that build() "
+                               "turns into tensors")
+        self._config = config_tree
+        capture_state(state)  # fail now, at attach time, if anything cannot be recorded
+        self.monitor = Monitor(state, self.settings, detect)
+        self.step_index = 0
+        self.bundles: list[Path] = []
+        self._snapshot: _Snapshot | None = None
+        self._ring: list[_StepRecord] = []
+        self._window_ok = False
+        self._history: deque[tuple[int, float | None, float | None]] = deque(maxlen=loss_history)
+        self._warned: set[str] = set()
+
+    # --- the hot path -----------------------------------------------------------
+
+    def step(self, batch: Any) -> Any:
+        """Run ``train_step(state, batch)`` under watch and return its loss.
+
+        Raises:
+            The step's own exception, unchanged (a note names the bundle).
+            TrainingFailure: when a detector fires; ``.bundle`` is the bundle path.
+        """
+        k = self.step_index
+        record = self._record_step_start(k, batch)
+        result = self.monitor.run(self.train_step, batch, k)
+        self.step_index += 1
+        if record is not None:
+            record.loss, record.grad_norm = result.loss, result.grad_norm
+        self._history.append((k, result.loss, result.grad_norm))
+        if result.failure is None:
+            return result.value
+        path = self._dump(result.failure)
+        if result.exc is not None:
+            note = f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written"
+            if hasattr(result.exc, "add_note"):
+                result.exc.add_note(note)
+            raise result.exc
+        raise TrainingFailure(result.failure, path)
+
+    def _record_step_start(self, k: int, batch: Any) -> _StepRecord | None:
+        try:
+            if self._snapshot is None or k - self._snapshot.step >= self.snapshot_every:
+                self._take_snapshot(k)
+            if not self._window_ok:
+                return None
+            tree, tensors = pytree.encode(batch, "batch", copy=host_copy)
+            rng_tree, rng_tensors = capture_rng()
+            rec = _StepRecord(k, tree, {**tensors, **rng_tensors}, rng_tree)
+            self._ring.append(rec)
+            return rec
+        except Exception as e:
+            self._window_ok = False
+            self._ring.clear()
+            self._warn("capture", f"reprokit: cannot record step {k} ({e}); no bundle can be written until the "
+                                  f"next snapshot (step {self._next_snapshot(k)}). Training continues.")
+            return None
+
+    def _take_snapshot(self, k: int) -> None:
+        self._ring.clear()
+        self._snapshot = None  # free the old one before copying the new one
+        self._window_ok = False
+        tree, tensors = capture_state(self.state, copy=host_copy)
+        rng_tree, rng_tensors = capture_rng()
+        tree = {"state": tree, "rng": rng_tree, "monitor": self.monitor.state_dict(), "step": k}
+        self._snapshot = _Snapshot(k, tree, {**tensors, **rng_tensors})
+        self._window_ok = True
+
+    def _next_snapshot(self, k: int) -> int:
+        start = self._snapshot.step if self._snapshot else k
+        return start + self.snapshot_every * ((k - start) // self.snapshot_every + 1)
+
+    # --- on failure ---------------------------------------------------------------
+
+    def _dump(self, failure: Failure) -> Path | None:
+        """Write the window as a bundle; on any fault of ours warn and return None."""
+        if not self._window_ok or self._snapshot is None:
+            self._warn("", f"reprokit: {failure.describe()}, but the recorded window is incomplete; no bundle")
+            return None
+        writer = None
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # pinned copies in flight must land before we read them
+            stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+            writer = B.BundleWriter(self.out_dir, f"bundle-{stamp}-step{failure.step:08d}-{failure.kind}")
+            self._write(writer, failure)
+            path = writer.commit()
+        except Exception as e:
+            if writer is not None:
+                writer.abort()
+            self._warn("", f"reprokit: could not write a bundle to {self.out_dir}: {e!r}. "
+                               "Training's own error is raised as usual.")
+            return None
+        self.bundles.append(path)
+        return path
+
+    def _write(self, w: B.BundleWriter, failure: Failure) -> None:
+        snap = self._snapshot
+        assert snap is not None
+        w.write_json(B.FAILURE, failure.to_json())
+        w.write_json(B.RUN, self._run_doc(snap, failure))
+        w.write_json(B.ENV, capture_env(self._root))
+        w.write_json(B.STATE_JSON, snap.tree)
+        w.write_tensors(B.STATE_TENSORS, snap.tensors)
+        for rec in self._ring:
+            name = f"{B.STEPS}/{B.step_name(rec.step)}"
+            w.write_json(name + ".json", {"step": rec.step, "batch": rec.batch, "rng": rec.rng,
+                                          "loss": rec.loss, "grad_norm": rec.grad_norm})
+            w.write_tensors(name + ".safetensors", rec.tensors)
+        if self._root is not None:
+            for path in snapshot_files(self._root, self._scripts):
+                w.copy_file(f"{B.CODE}/{relative(path, self._root)}", path)
+
+    def _run_doc(self, snap: _Snapshot, failure: Failure) -> dict[str, Any]:
+        device = next((str(p.device) for p in self.state.model.parameters()), "cpu")
+        return {
+            "refs": self._refs,
+            "config": self._config,
+            "recorder": {"snapshot_every": self.snapshot_every, "detect": self.settings.to_json()},
+            "determinism": determinism_flags(),
+            "device": device,
+            "window": {"start": snap.step, "end": failure.step, "steps": [r.step for r in self._ring]},
+            "history": [{"step": s, "loss": loss, "grad_norm": g} for s, loss, g in self._history],
+        }
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _predicate_ref(self, fn: Predicate) -> dict[str, Any] | None:
+        try:
+            return ref_of(fn, "detect")[0]
+        except CaptureError:
+            warnings.warn(f"reprokit: predicate {fn!r} is not a module-level function; bundles will record it "
+                          "but replay cannot re-check it", RecorderWarning, stacklevel=3)
+            return None
+
+    def _warn(self, key: str, message: str) -> None:
+        """Warn once per ``key``; an empty key always warns."""
+        if not key or key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RecorderWarning, stacklevel=3)
+
+    def close(self) -> None:
+        """Detach from the optimizer and free the window."""
+        self.monitor.close()
+        self._ring.clear()
+        self._snapshot = None

@@ -1,0 +1,249 @@
+"""Replay a bundle: rebuild the state, re-run the window, compare the failure.
+
+:class:`Session` loads a bundle once and can then run the window (or a variant
+of it: fewer steps, edited batches) many times, restoring the snapshot in
+memory before each run. :func:`replay` is the one-call form behind
+``reprokit replay``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reprokit import pytree
+from reprokit.bundle import Bundle, jsonable, open_bundle
+from reprokit.code import imported, resolve
+from reprokit.detect import DetectSettings, Monitor
+from reprokit.env import apply_determinism_flags
+from reprokit.errors import CodeLoadError, ReprokitError
+from reprokit.signature import Failure
+from reprokit.state import TrainState, restore_rng, restore_state
+
+
+@dataclass
+class StepInput:
+    """One step to run: its number, batch and the RNG state at its start."""
+
+    step: int
+    batch: Any
+    rng: dict[str, Any]
+    rng_tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class RunOutcome:
+    """One replay of a window."""
+
+    failure: Failure | None
+    same: bool
+    losses: dict[int, float | None]
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reproduced": self.same, "failure": self.failure.to_json() if self.failure else None,
+                "different_failure": bool(self.failure and not self.same), "seconds": round(self.seconds, 4),
+                "steps_run": len(self.losses)}
+
+
+@dataclass
+class ReplayReport:
+    """N replays of a bundle and what they add up to."""
+
+    bundle: Path
+    recorded: Failure
+    runs: list[RunOutcome]
+    fidelity: dict[str, Any]
+    device: str
+    code: str
+
+    @property
+    def failed_runs(self) -> int:
+        return sum(r.same for r in self.runs)
+
+    @property
+    def reproduced(self) -> bool:
+        return self.failed_runs > 0
+
+    @property
+    def verdict(self) -> str:
+        n = self.failed_runs
+        return "deterministic" if n == len(self.runs) else "flaky" if n else "not_reproduced"
+
+    def to_json(self) -> dict[str, Any]:
+        first = next((r.failure for r in self.runs if r.same), None) or next(
+            (r.failure for r in self.runs if r.failure), None)
+        return jsonable({
+            "bundle": str(self.bundle),
+            "reproduced": self.reproduced,
+            "runs": len(self.runs),
+            "failed_runs": self.failed_runs,
+            "verdict": self.verdict,
+            "failure": _failure_summary(first),
+            "recorded_failure": _failure_summary(self.recorded),
+            "fidelity": self.fidelity,
+            "device": self.device,
+            "code": self.code,
+            "per_run": [r.to_json() for r in self.runs],
+        })
+
+
+def _failure_summary(f: Failure | None) -> dict[str, Any] | None:
+    if f is None:
+        return None
+    return {"kind": f.kind, "step": f.step, "exception_type": f.exc_type, "message": f.message, "frame": f.frame}
+
+
+def default_device(bundle: Bundle) -> str:
+    recorded = str(bundle.run.get("device", "cpu"))
+    return "cuda" if recorded.startswith("cuda") and torch.cuda.is_available() else "cpu"
+
+
+class Session:
+    """A bundle loaded once, ready to be run many times.
+
+    Use as a context manager: imports of the user's code are isolated to it.
+
+    Example:
+        >>> with Session(open_bundle(path)) as s:                       # doctest: +SKIP
+        ...     outcome = s.run(s.inputs())
+    """
+
+    def __init__(self, bundle: Bundle, *, device: str | None = None, code: str | Path | None = None):
+        self.bundle = bundle
+        self.device = torch.device(device or default_device(bundle))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ReprokitError("--device cuda was asked for, but torch sees no CUDA device here; use --device cpu")
+        self.code_dir = Path(code).resolve() if code else bundle.code_dir
+        if code and not self.code_dir.is_dir():
+            raise CodeLoadError(f"--code {code}: no such directory")
+        self.recorded = bundle.failure
+        self._stack = ExitStack()
+        self.state: TrainState | None = None
+
+    def __enter__(self) -> Session:
+        try:
+            self._enter()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def _enter(self) -> None:
+        run = self.bundle.run
+        self._stack.enter_context(imported(self.code_dir))
+        refs = run["refs"]
+        build = resolve(refs["build"], self.code_dir)
+        self.step_fn = resolve(refs["step"], self.code_dir)
+        predicates = [resolve(r, self.code_dir) for r in refs.get("predicates", []) if r is not None]
+        flags = apply_determinism_flags(run.get("determinism", {}))
+        self._stack.callback(apply_determinism_flags, flags)
+        config = pytree.decode(run["config"], {})
+        try:
+            state = build(config)
+        except Exception as e:
+            raise CodeLoadError(f"build(config) failed: {type(e).__name__}: {e}") from e
+        if not isinstance(state, TrainState):
+            raise CodeLoadError(f"build(config) must return a reprokit.TrainState, got {type(state).__qualname__}")
+        state.model.to(self.device)
+        self.state = state
+        tree, tensors = self.bundle.state()
+        self.snapshot = (tree, tensors)
+        self.monitor = Monitor(state, DetectSettings(**run["recorder"]["detect"]), predicates)
+        self._stack.callback(self.monitor.close)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def inputs(self, steps: Sequence[int] | None = None) -> list[StepInput]:
+        """The recorded steps of the window (all, or those listed)."""
+        out = []
+        for k in steps if steps is not None else self.bundle.steps:
+            batch, rng, rng_tensors = self.bundle.step(k)
+            out.append(StepInput(k, batch, rng, rng_tensors))
+        return out
+
+    def restore(self, snapshot: tuple[dict, dict] | None = None) -> None:
+        """Put model/optimizer/scheduler/scaler/RNG/monitor back to a snapshot (default: the bundle's)."""
+        assert self.state is not None, "use Session as a context manager"
+        tree, tensors = snapshot or self.snapshot
+        restore_state(self.state, tree["state"], tensors)
+        restore_rng(tree["rng"], tensors)
+        self.monitor.load_state_dict(tree.get("monitor", {}))
+
+    def run(self, steps: Sequence[StepInput], snapshot: tuple[dict, dict] | None = None) -> RunOutcome:
+        """Restore the snapshot, then run ``steps`` in order until one fails."""
+        self.restore(snapshot)
+        losses: dict[int, float | None] = {}
+        failure = None
+        t0 = time.perf_counter()
+        for inp in steps:
+            restore_rng(inp.rng, inp.rng_tensors)
+            batch = pytree.map_tensors(inp.batch, lambda t: t.to(self.device))
+            result = self.monitor.run(self.step_fn, batch, inp.step)
+            losses[inp.step] = result.loss
+            if result.failure is not None:
+                failure = result.failure
+                break
+        return RunOutcome(failure, failure is not None and failure.same_as(self.recorded), losses,
+                          time.perf_counter() - t0)
+
+    def fidelity(self, outcome: RunOutcome) -> dict[str, Any]:
+        """Replayed vs recorded per-step losses."""
+        recorded = {h["step"]: h["loss"] for h in self.bundle.run.get("history", [])}
+        pairs = [(recorded[k], v) for k, v in outcome.losses.items() if k in recorded
+                 and recorded[k] is not None and v is not None]
+        exact = all(_same_float(float(a), b) for a, b in pairs)
+        diffs = [abs(float(a) - b) for a, b in pairs if math.isfinite(float(a)) and math.isfinite(b)]
+        return {"steps_compared": len(pairs), "max_abs_diff": max(diffs, default=0.0), "bit_exact": exact and bool(pairs)}
+
+
+def _same_float(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+@contextmanager
+def session(bundle: str | Path | Bundle, **kw: Any) -> Iterator[Session]:
+    b = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
+    with Session(b, **kw) as s:
+        yield s
+
+
+def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = None,
+           code: str | Path | None = None, progress: Any = None) -> ReplayReport:
+    """Re-run a bundle's window ``times`` times and say whether it fails the same way.
+
+    Args:
+        bundle: a bundle directory (or an opened :class:`Bundle`).
+        times: number of independent replays; more than one tells deterministic from flaky.
+        device: ``"cpu"`` or ``"cuda"``; default: where it was recorded, if available here.
+        code: a directory to import ``build``/step from instead of the bundle's snapshot
+            (a fixed checkout makes the bundle pass).
+        progress: optional callable ``progress(i, n)`` after each run.
+
+    Returns:
+        A :class:`ReplayReport`; ``report.reproduced`` is the headline.
+
+    Example:
+        >>> report = replay("repros/bundle-...", times=3)                   # doctest: +SKIP
+        >>> report.verdict                                                   # doctest: +SKIP
+        'deterministic'
+    """
+    if times < 1:
+        raise ReprokitError(f"--times must be >= 1, got {times}")
+    with session(bundle, device=device, code=code) as s:
+        inputs = s.inputs()
+        runs = []
+        for i in range(times):
+            runs.append(s.run(inputs))
+            if progress:
+                progress(i + 1, times)
+        return ReplayReport(s.bundle.path, s.recorded, runs, s.fidelity(runs[0]), str(s.device),
+                            str(s.code_dir) if s.code_dir else "installed modules")

@@ -1,0 +1,98 @@
+"""Human and JSON descriptions of a bundle (``reprokit inspect``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from safetensors import safe_open
+
+from reprokit import pytree
+from reprokit.bundle import STATE_TENSORS, Bundle, jsonable
+
+
+def describe(bundle: Bundle) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as one JSON-able dict."""
+    run, f = bundle.run, bundle.failure
+    steps = bundle.steps
+    return jsonable({
+        "bundle": str(bundle.path),
+        "format_version": bundle.manifest["version"],
+        "failure": {"kind": f.kind, "step": f.step, "exception_type": f.exc_type, "message": f.message,
+                    "frame": f.frame, "signature": f.signature()},
+        "window": {"start": run["window"]["start"], "end": run["window"]["end"], "steps": len(steps)},
+        "batch": _batch_structure(bundle, steps[-1]) if steps else {},
+        "state": _state_sizes(bundle),
+        "sizes": bundle.sizes(),
+        "refs": run["refs"],
+        "env": {k: v for k, v in bundle.env.items() if k != "git"} | {"git": _git_summary(bundle.env.get("git"))},
+        "losses": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in run["history"]],
+    })
+
+
+def _batch_structure(bundle: Bundle, step: int) -> dict[str, Any]:
+    doc, tensors = bundle.step_doc(step)
+    batch = pytree.decode(doc["batch"], tensors)
+    out = {}
+    for path, leaf in pytree.leaves(batch):
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            out[path] = {"shape": list(leaf.shape), "dtype": str(leaf.dtype).replace("torch.", "")}
+        else:
+            out[path] = {"type": type(leaf).__name__, "value": leaf if isinstance(leaf, (int, float, str)) else None}
+    return out
+
+
+def _state_sizes(bundle: Bundle) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    with safe_open(str(bundle.path / STATE_TENSORS), framework="pt") as f:
+        for key in f.keys():
+            sl = f.get_slice(key)
+            n = 1
+            for d in sl.get_shape():
+                n *= d
+            top = key.split("/", 1)[0]
+            sizes[top] = sizes.get(top, 0) + n * _itemsize(sl.get_dtype())
+    return sizes
+
+
+def _itemsize(dtype: str) -> int:
+    digits = "".join(c for c in dtype if c.isdigit())
+    return max(1, int(digits) // 8) if digits else 1
+
+
+def _git_summary(git: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not git:
+        return None
+    return {"commit": git.get("commit"), "branch": git.get("branch"), "dirty": git.get("dirty")}
+
+
+def format_describe(d: dict[str, Any]) -> str:
+    f, w = d["failure"], d["window"]
+    lines = [
+        f"bundle   {d['bundle']}",
+        f"failure  {f['kind']} at step {f['step']}" + (f": {f['exception_type']}: {f['message']}" if f["exception_type"]
+                                                       else (f" ({f['message']})" if f["message"] else "")),
+    ]
+    if f["frame"]:
+        lines.append(f"raised   in {f['frame']}")
+    lines.append(f"window   steps {w['start']}..{w['end']} ({w['steps']} steps, replayed from the snapshot at "
+                 f"step {w['start']})")
+    lines.append("batch    " + ("; ".join(f"{k}: {v.get('dtype', v.get('type'))}{v.get('shape', '')}"
+                                           for k, v in d["batch"].items()) or "(empty)"))
+    lines.append("state    " + ", ".join(f"{k} {_mb(v)}" for k, v in d["state"].items()))
+    lines.append("on disk  " + ", ".join(f"{k} {_mb(v)}" for k, v in d["sizes"].items()))
+    e = d["env"]
+    git = e.get("git") or {}
+    lines.append(f"env      python {e['python']}, torch {e['torch']}, cuda {e['cuda']}, "
+                 f"devices {e['devices'] or ['cpu']}" + (f", git {str(git.get('commit'))[:10]}"
+                                                        f"{' (dirty)' if git.get('dirty') else ''}" if git else ""))
+    losses = d["losses"][-12:]
+    if losses:
+        lines.append(f"losses   (last {len(losses)} of {len(d['losses'])})")
+        lines += [f"  step {h['step']:>8}  loss {h['loss'] if h['loss'] is not None else '-':<24}"
+                  f"grad norm {h['grad_norm'] if h['grad_norm'] is not None else '-'}" for h in losses]
+    return "\n".join(lines)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+

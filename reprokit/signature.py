@@ -1,0 +1,109 @@
+"""What failed, and whether two failures are "the same".
+
+Decided in one place: two failures are the same when their ``kind``, exception
+type and raising frame in user code (``file:function``) agree. Digits are
+normalised out of messages so that shape numbers may change while shrinking;
+the message is kept for people but not compared.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+import traceback
+from dataclasses import asdict, dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+
+KINDS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "scaler_collapse", "exception", "loss_spike",
+         "predicate")
+
+_LIBRARY_ROOTS = tuple(
+    os.path.realpath(p) + os.sep
+    for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+              os.path.dirname(torch.__file__), os.path.dirname(__file__)}
+)
+
+
+@dataclass
+class Failure:
+    """One failure: detector kind, step, and for exceptions what raised where."""
+
+    kind: str
+    step: int
+    exc_type: str | None = None
+    message: str = ""
+    frame: str | None = None
+    traceback: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def signature(self) -> dict[str, Any]:
+        """The fields that decide "same failure" (plus the normalised message, for show)."""
+        return {"kind": self.kind, "exc_type": self.exc_type, "frame": self.frame,
+                "message": normalise(self.message)}
+
+    def same_as(self, other: Failure | dict[str, Any] | None) -> bool:
+        return same_failure(self.signature(), other.signature() if isinstance(other, Failure) else other)
+
+    def describe(self) -> str:
+        what = {
+            "nonfinite_loss": "non-finite loss",
+            "nonfinite_grad": "non-finite gradient norm",
+            "nonfinite_param": "non-finite parameter",
+            "scaler_collapse": "GradScaler skipped too many steps in a row",
+            "loss_spike": "loss spike",
+            "predicate": "user predicate fired",
+        }.get(self.kind)
+        if self.kind == "exception":
+            where = f" in {self.frame}" if self.frame else ""
+            return f"{self.exc_type}{where} at step {self.step}: {self.message}"
+        extra = f" ({self.message})" if self.message else ""
+        return f"{what} at step {self.step}{extra}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "signature": self.signature()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Failure:
+        names = {"kind", "step", "exc_type", "message", "frame", "traceback", "detail"}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def normalise(message: str) -> str:
+    return re.sub(r"\d+", "N", message or "").strip()
+
+
+def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """True when two signatures describe the same failure."""
+    if a is None or b is None:
+        return False
+    return all(a.get(k) == b.get(k) for k in ("kind", "exc_type", "frame"))
+
+
+def from_exception(exc: BaseException, step: int) -> Failure:
+    return Failure(
+        kind="exception",
+        step=step,
+        exc_type=type(exc).__qualname__,
+        message=str(exc).splitlines()[0][:500] if str(exc) else "",
+        frame=user_frame(exc.__traceback__),
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:],
+    )
+
+
+def user_frame(tb: TracebackType | None) -> str | None:
+    """``file:function`` of the deepest frame outside python, torch and reprokit.
+
+    The file is its base name so that a bundle's code snapshot, a live checkout
+    and an extracted tarball all give the same signature.
+    """
+    found = None
+    for frame, _ in traceback.walk_tb(tb):
+        path = os.path.realpath(frame.f_code.co_filename)
+        if path.startswith(_LIBRARY_ROOTS) or frame.f_code.co_filename.startswith("<"):
+            continue
+        found = f"{os.path.basename(path)}:{frame.f_code.co_name}"
+    return found

@@ -1,0 +1,177 @@
+"""Capture and restore everything a training step depends on.
+
+A snapshot is ``(tree, tensors)`` as produced by :func:`reprokit.pytree.encode`:
+model / optimizer / scheduler / scaler ``state_dict()``s plus RNG state. The
+recorder keeps the latest one in memory; a bundle stores it in ``state/``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from reprokit import pytree
+from reprokit.errors import CaptureError, StateMismatchError
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+SCHEDULER = "scheduler"
+SCALER = "scaler"
+RNG = "rng"
+EXTRA = "extra"
+COMPONENTS = (MODEL, OPTIMIZER, SCHEDULER, SCALER)
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """What ``build(config)`` returns and what the step function receives.
+
+    Attributes:
+        model: the ``nn.Module`` being trained.
+        optimizer: its optimizer (any ``torch.optim.Optimizer``).
+        scheduler: an LR scheduler, or ``None``.
+        scaler: a ``torch.amp.GradScaler``, or ``None``.
+        extra: free-form state your step needs (counters, EMA models' state
+            dicts...): tensors, numbers, strings and containers of those. It is
+            snapshotted and restored with the rest.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 1)
+        >>> st = TrainState(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    scaler: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise CaptureError(f"TrainState.model must be a torch.nn.Module, got {type(self.model).__qualname__}")
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise CaptureError(
+                f"TrainState.optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__qualname__}"
+            )
+
+    def scaler_enabled(self) -> bool:
+        return self.scaler is not None and bool(getattr(self.scaler, "is_enabled", lambda: True)())
+
+
+# --- RNG -------------------------------------------------------------------
+
+def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """RNG state of python, numpy, torch CPU and every initialised CUDA device.
+
+    The big state vectors go to tensors (binary), the small scalars to JSON.
+    """
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    tree: dict[str, Any] = {
+        "python": [version, gauss],
+        "numpy": [name, int(pos), int(has_gauss), float(cached)],
+    }
+    tensors = {
+        "rng/torch": torch.get_rng_state(),
+        "rng/python": torch.tensor(internal, dtype=torch.int64),
+        "rng/numpy": torch.from_numpy(keys.astype(np.int64)),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # get_rng_state reads the generator's seed/offset on the host: no sync.
+        for i in range(torch.cuda.device_count()):
+            tensors[f"rng/cuda/{i}"] = torch.cuda.get_rng_state(i)
+    return tree, tensors
+
+
+def restore_rng(tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    version, gauss = tree["python"]
+    random.setstate((version, tuple(tensors["rng/python"].tolist()), gauss))
+    name, pos, has_gauss, cached = tree["numpy"]
+    np.random.set_state((name, tensors["rng/numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["rng/torch"])
+    if torch.cuda.is_available():
+        for key, t in tensors.items():
+            if key.startswith("rng/cuda/"):
+                dev = int(key.rsplit("/", 1)[1])
+                if dev < torch.cuda.device_count():
+                    torch.cuda.set_rng_state(t, dev)
+
+
+# --- training state --------------------------------------------------------
+
+def capture_state(state: TrainState, copy: pytree.TensorCopy | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Snapshot model, optimizer, scheduler, scaler and ``extra`` (not RNG).
+
+    Raises:
+        CaptureError: naming the component and path that cannot be recorded.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    kw: dict[str, Any] = {"tensors": tensors}
+    if copy is not None:
+        kw["copy"] = copy
+    tree: dict[str, Any] = {"training": state.model.training}
+    parts = {
+        MODEL: state.model.state_dict(),
+        OPTIMIZER: state.optimizer.state_dict(),
+        SCHEDULER: state.scheduler.state_dict() if state.scheduler is not None else None,
+        SCALER: state.scaler.state_dict() if state.scaler is not None else None,
+        EXTRA: state.extra,
+    }
+    for name, sd in parts.items():
+        try:
+            tree[name], _ = pytree.encode(sd, name, skip_callables=(name == SCHEDULER), **kw)
+        except CaptureError as e:
+            raise CaptureError(f"cannot capture the {name} state: {e}") from None
+    return tree, tensors
+
+
+def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Load a snapshot made by :func:`capture_state` into ``state`` in place.
+
+    Raises:
+        StateMismatchError: when the snapshot does not fit what ``build`` made
+            (missing/unexpected keys, shape mismatch), saying which.
+    """
+    device = _model_device(state.model)
+    model_sd = pytree.decode(tree[MODEL], tensors)
+    try:
+        state.model.load_state_dict({k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                     for k, v in model_sd.items()})
+    except RuntimeError as e:
+        raise StateMismatchError(f"the recorded model state does not fit the model that build() made: {e}") from None
+    state.model.train(tree.get("training", True))
+    try:
+        state.optimizer.load_state_dict(pytree.decode(tree[OPTIMIZER], tensors))
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise StateMismatchError(f"the recorded optimizer state does not fit the optimizer that build() made: {e}") from None
+    for name, obj in ((SCHEDULER, state.scheduler), (SCALER, state.scaler)):
+        recorded = tree.get(name)
+        if (recorded is None) != (obj is None):
+            have = "has" if obj is not None else "has no"
+            raise StateMismatchError(
+                f"the bundle {'has no' if recorded is None else 'has a'} {name} state but build() {have} {name}"
+            )
+        if obj is not None:
+            obj.load_state_dict(pytree.decode(recorded, tensors))
+    extra = pytree.decode(tree.get(EXTRA, {}), tensors)
+    state.extra.clear()
+    state.extra.update(pytree.map_tensors(extra, lambda t: t.to(device)))
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def component_sizes(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Bytes of tensor data per top-level component (model, optimizer, ...)."""
+    sizes: dict[str, int] = {}
+    for key, t in tensors.items():
+        top = key.split("/", 1)[0]
+        sizes[top] = sizes.get(top, 0) + t.numel() * t.element_size()
+    return sizes
