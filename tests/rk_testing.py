@@ -1,0 +1,33 @@
+"""Helpers shared by the test tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import reprokit
+
+
+def record(mod: Any, config: dict, batches: Iterable, out_dir: Path, step: Any = None,
+           **kw: Any) -> tuple[reprokit.Recorder, BaseException | None]:
+    """Train ``mod`` on ``batches`` under a Recorder until something raises."""
+    state = mod.build(config)
+    rec = reprokit.Recorder(state, step or mod.train_step, build=mod.build, config=config, out_dir=out_dir, **kw)
+    for b in batches:
+        try:
+            rec.step(b)
+        except Exception as e:  # noqa: BLE001 - the test inspects whatever came out
+            return rec, e
+    return rec, None
+
+
+def bundle_of(exc: BaseException | None) -> Path:
+    """The bundle path a failure carries (TrainingFailure.bundle or the exception's note)."""
+    assert exc is not None, "training did not fail"
+    if isinstance(exc, reprokit.TrainingFailure):
+        assert exc.bundle is not None
+        return Path(exc.bundle)
+    notes = [n for n in getattr(exc, "__notes__", []) if n.startswith("reprokit: bundle written to ")]
+    assert notes, f"no bundle note on {exc!r}"
+    return Path(notes[-1].removeprefix("reprokit: bundle written to "))
