@@ -63,10 +63,11 @@ def snapshot_files(root: Path, extra: list[Path] = ()) -> list[Path]:  # type: i
     found = {p.resolve() for p in extra}
     for mod in list(sys.modules.values()):
         f = getattr(mod, "__file__", None)
-        if not f or not f.endswith(".py"):
+        # Relative or vanished __file__s (torch._classes has one) are not the user's source.
+        if not f or not f.endswith(".py") or not os.path.isabs(f):
             continue
         p = Path(f).resolve()
-        if root in p.parents and not _is_library(p):
+        if root in p.parents and not _is_library(p) and p.is_file():
             found.add(p)
     return sorted(found)
 

@@ -1,0 +1,31 @@
+"""Every script in examples/ runs (in --quick mode) and tells its story."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+EXPECT = {
+    "bad_batch.py": ["training failed: non-finite loss at step 45", "replay: deterministic, 2/2"],
+    "oov_token.py": ["IndexError: index out of range in self", "replay: deterministic; failure in oov_token.py"],
+}
+
+
+def test_every_example_is_listed():
+    assert sorted(p.name for p in EXAMPLES) == sorted(EXPECT)
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+def test_example_runs(script, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(script), "--quick"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in EXPECT[script.name]:
+        assert line in proc.stdout, proc.stdout

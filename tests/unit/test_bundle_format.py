@@ -1,0 +1,87 @@
+"""The bundle format: manifest, verification, versions, and the golden v1 bundle."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import reprokit
+from reprokit import bundle as B
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+
+
+def write_tiny(tmp_path: Path) -> Path:
+    w = B.BundleWriter(tmp_path, "b")
+    w.write_json(B.RUN, {"x": float("nan")})
+    w.write_tensors("state/t.safetensors", {"a": torch.arange(4)})
+    return w.commit()
+
+
+def test_manifest_is_last_and_lists_every_file(tmp_path):
+    path = write_tiny(tmp_path)
+    manifest = json.loads((path / B.MANIFEST).read_text())
+    assert manifest["format"] == B.FORMAT and manifest["version"] == B.VERSION
+    assert set(manifest["files"]) == {"run.json", "state/t.safetensors"}
+    assert json.loads((path / "run.json").read_text()) == {"x": "nan"}, "strict JSON on disk"
+    assert B.verify(path) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["b"], "no temp dir left behind"
+
+
+def test_second_bundle_with_same_name_does_not_overwrite(tmp_path):
+    a, b = write_tiny(tmp_path), write_tiny(tmp_path)
+    assert a != b and a.exists() and b.exists()
+
+
+def test_interrupted_write_is_never_valid(tmp_path):
+    w = B.BundleWriter(tmp_path, "b")
+    w.write_json(B.RUN, {})
+    # A crash here leaves the temp dir without a manifest.
+    assert B.verify(w.tmp) == [{"file": "manifest.json", "problem": "missing (an interrupted write, or not a bundle)"}]
+    with pytest.raises(reprokit.BundleError, match="manifest.json"):
+        B.open_bundle(w.tmp)
+
+
+def test_future_version_is_refused_with_a_clear_message(tmp_path):
+    path = write_tiny(tmp_path)
+    m = json.loads((path / B.MANIFEST).read_text())
+    m["version"] = B.VERSION + 1
+    (path / B.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(reprokit.BundleVersionError, match=f"version {B.VERSION + 1}.*Upgrade reprokit"):
+        B.verify(path)
+
+
+def test_unsafe_manifest_paths_are_problems(tmp_path):
+    path = write_tiny(tmp_path)
+    m = json.loads((path / B.MANIFEST).read_text())
+    m["files"]["../../etc/passwd"] = {"sha256": "0" * 64, "size": 1}
+    (path / B.MANIFEST).write_text(json.dumps(m))
+    assert {"file": "../../etc/passwd", "problem": "unsafe path in manifest"} in B.verify(path)
+
+
+@pytest.mark.parametrize("version_dir", sorted(p.name for p in GOLDEN.iterdir() if p.is_dir()))
+def test_golden_bundles_still_open_and_replay(version_dir, tmp_path):
+    src = GOLDEN / version_dir / "demo-nan"
+    path = tmp_path / "golden"
+    shutil.copytree(src, path)
+    b = B.open_bundle(path)
+    assert b.failure.kind == "nonfinite_loss" and b.failure.step == 6
+    assert b.steps == [4, 5, 6]
+    batch, rng, rng_tensors = b.step(6)
+    assert batch["x"].shape == (16, 16) and batch["x"].dtype == torch.float32
+    assert not torch.isfinite(batch["x"]).all(), "the poisoned sample is in the failing batch"
+    assert "rng/torch" in rng_tensors
+    report = reprokit.replay(b, times=2)
+    assert report.verdict == "deterministic" and report.fidelity["bit_exact"]
+
+
+def test_golden_manifest_bytes_are_stable():
+    """Pin the exact layout of the v1 manifest's header fields."""
+    m = json.loads((GOLDEN / "v1" / "demo-nan" / B.MANIFEST).read_text())
+    assert list(m) == ["created", "files", "format", "reprokit_version", "version"]
+    assert m["format"] == "reprokit-bundle" and m["version"] == 1
+    assert sorted({f.split("/")[0] for f in m["files"]}) == ["env.json", "failure.json", "run.json", "state", "steps"]
