@@ -122,7 +122,7 @@ class Session:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ReprokitError("--device cuda was asked for, but torch sees no CUDA device here; use --device cpu")
         self.code_dir = Path(code).resolve() if code else bundle.code_dir
-        if code and not self.code_dir.is_dir():
+        if code and not (self.code_dir and self.code_dir.is_dir()):
             raise CodeLoadError(f"--code {code}: no such directory")
         self.recorded = bundle.failure
         self._stack = ExitStack()

@@ -32,7 +32,7 @@ def describe(bundle: Bundle) -> dict[str, Any]:
 def _batch_structure(bundle: Bundle, step: int) -> dict[str, Any]:
     doc, tensors = bundle.step_doc(step)
     batch = pytree.decode(doc["batch"], tensors)
-    out = {}
+    out: dict[str, Any] = {}
     for path, leaf in pytree.leaves(batch):
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
             out[path] = {"shape": list(leaf.shape), "dtype": str(leaf.dtype).replace("torch.", "")}

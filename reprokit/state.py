@@ -70,7 +70,8 @@ def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     The big state vectors go to tensors (binary), the small scalars to JSON.
     """
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    assert isinstance(keys, np.ndarray)
     tree: dict[str, Any] = {
         "python": [version, gauss],
         "numpy": [name, int(pos), int(has_gauss), float(cached)],

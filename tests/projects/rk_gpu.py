@@ -1,0 +1,42 @@
+"""A CUDA project: dropout (CUDA RNG), fp16 autocast with GradScaler, batches living on the GPU."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import reprokit
+
+
+def build(config):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.2), nn.GELU(), nn.Linear(64, 1)).to(config["device"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0) if config.get("amp") else None
+    return reprokit.TrainState(model=model, optimizer=opt, scaler=scaler)
+
+
+def train_step(state, batch):
+    x, y = batch["x"], batch["y"]
+    if state.scaler is not None:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = nn.functional.mse_loss(state.model(x).squeeze(-1).float(), y)
+        state.scaler.scale(loss).backward()
+        state.scaler.step(state.optimizer)
+        state.scaler.update()
+    else:
+        loss = nn.functional.mse_loss(state.model(x).squeeze(-1), y)
+        loss.backward()
+        state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def batches(steps, poison_step, device):
+    g = torch.Generator(device=device).manual_seed(5)
+    w = torch.randn(32, generator=g, device=device)
+    for s in range(steps):
+        x = torch.randn(64, 32, generator=g, device=device)
+        if s == poison_step:
+            x[7, 3] = float("nan")
+        yield {"x": x, "y": x @ w}
