@@ -14,7 +14,7 @@ import math
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -141,6 +141,37 @@ class BundleWriter:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@dataclass
+class StepRecord:
+    """One step as stored in ``steps/``: encoded batch, its tensors (and RNG tensors), RNG tree."""
+
+    step: int
+    batch: Any
+    tensors: dict[str, torch.Tensor]
+    rng: dict[str, Any]
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+def write_bundle(w: BundleWriter, *, failure: dict[str, Any], run: dict[str, Any], env: dict[str, Any],
+                 state: tuple[dict[str, Any], dict[str, torch.Tensor]], steps: Iterable[StepRecord],
+                 code: Iterable[tuple[str, Path]] = ()) -> Path:
+    """Write every part of a bundle through ``w`` and commit it (manifest last)."""
+    w.write_json(FAILURE, failure)
+    w.write_json(RUN, run)
+    w.write_json(ENV, env)
+    w.write_json(STATE_JSON, state[0])
+    w.write_tensors(STATE_TENSORS, state[1])
+    for rec in steps:
+        name = f"{STEPS}/{step_name(rec.step)}"
+        w.write_json(name + ".json", {"step": rec.step, "batch": rec.batch, "rng": rec.rng,
+                                      "loss": rec.loss, "grad_norm": rec.grad_norm})
+        w.write_tensors(name + ".safetensors", rec.tensors)
+    for rel, src in code:
+        w.copy_file(f"{CODE}/{rel}", src)
+    return w.commit()
 
 
 def _fsync_dir(path: Path) -> None:

@@ -130,6 +130,62 @@ def verify(bundle: Path, as_json: bool) -> None:
 
 
 @main.command()
+@bundle_arg
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+              help="Directory for the shrunk bundle (must not exist, or be empty).")
+@click.option("--budget", default=300, show_default=True, type=click.IntRange(1),
+              help="Most candidate replays to spend.")
+@click.option("--passes", default=",".join(["steps", "rows", "sequence", "tokens"]), show_default=True,
+              help="Comma-separated passes to run, in order.")
+@click.option("--pad-id", default=0, show_default=True, type=int,
+              help="Neutral value for integer tensors in the tokens pass (your tokenizer's pad id).")
+@click.option("--isolate", is_flag=True, help="Replay each candidate in a subprocess (segfaults, hangs).")
+@click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds per isolated candidate before it counts as not failing.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay candidates.")
+@click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Import build/step from this checkout instead of the bundle's code snapshot.")
+@json_opt
+def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, isolate: bool, timeout: float,
+           device: str | None, code: Path | None, as_json: bool) -> None:
+    """Minimise BUNDLE to the fewest steps, rows, sequence positions and tokens that fail the same way.
+
+    Exit 0 with the shrunk bundle written to OUTPUT; exit 1 if BUNDLE does not
+    reproduce to begin with.
+    """
+    from reprokit.shrink import shrink as do_shrink
+
+    def progress(name: str, replays: int, size: str) -> None:
+        click.echo(f"\r  {name:<9} replays {replays:>4}/{budget}  best: {size}\033[K", nl=False, err=True)
+
+    result = do_shrink(bundle, output, budget=budget, passes=[p.strip() for p in passes.split(",") if p.strip()],
+                       pad_id=pad_id, isolate=isolate, timeout=timeout, device=device, code=code,
+                       progress=None if as_json else progress)
+    if not as_json:
+        click.echo("", err=True)
+    d = result.to_json()
+    _emit(d) if as_json else click.echo(format_shrink(d))
+
+
+def format_shrink(d: dict[str, Any]) -> str:
+    rows = [(k, d[f"{k}_before"], d[f"{k}_after"]) for k in ("steps", "rows", "seq", "tokens")]
+    lines = [f"shrunk in {d['replays']} replays ({d['seconds']:.1f}s)"
+             + (" - budget exhausted, result may not be minimal" if d["budget_exhausted"] else ""),
+             f"  {'':<8}{'before':>10}{'after':>10}"]
+    lines += [f"  {k:<8}{b if b is not None else '-':>10}{a if a is not None else '-':>10}" for k, b, a in rows]
+    if d["kept_rows"] is not None:
+        lines.append(f"  kept rows {d['kept_rows']} of the failing batch"
+                     + (f" (dataset indices {d['dataset_indices']})" if d["dataset_indices"] else ""))
+    if d["seq_window"]:
+        lines.append(f"  sequence window {d['seq_window'][0]}:{d['seq_window'][1]}")
+    lines.append("  passes: " + ", ".join(f"{k} {v['accepted']}/{v['runs']} accepted, {v['replays']} replays"
+                                          for k, v in d["passes"].items()))
+    lines.append(f"  still fails: {_fail_line(d['failure'])}")
+    lines.append(f"wrote {d['output']}")
+    return "\n".join(lines)
+
+
+@main.command()
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where to write the bundle (default: a temporary directory).")
 @json_opt

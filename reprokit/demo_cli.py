@@ -10,6 +10,7 @@ from reprokit import demo
 from reprokit.errors import ReprokitError, TrainingFailure
 from reprokit.record import Recorder
 from reprokit.replay import replay
+from reprokit.shrink import shrink
 
 
 def run_demo(out: Path, say: Callable[[str], None] = print, config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -37,5 +38,13 @@ def run_demo(out: Path, say: Callable[[str], None] = print, config: dict[str, An
     exact = "losses bit-exact" if fid["bit_exact"] else f"losses within {fid['max_abs_diff']:.3g}"
     say(f"   reproduced {report.failed_runs}/{len(report.runs)}, {report.verdict}, {exact} "
         f"({fid['steps_compared']} steps compared).")
-    say(f"Next: reprokit inspect {failure.bundle}")
-    return {"bundle": str(failure.bundle), "failure": f.to_json(), "replay": report.to_json()}
+    say("4. Shrinking it to the smallest case that fails the same way...")
+    small = shrink(failure.bundle, out / "shrunk")
+    a, b = small.after, small.before
+    say(f"   {b['steps']} steps x {b['rows']} rows -> {a['steps']} step x {a['rows']} row in {small.replays} replays: "
+        f"row {small.kept_rows} of the batch, dataset index {small.dataset_indices}, "
+        f"{a['tokens']} non-zero value(s) left.")
+    say(f"   wrote {small.output}")
+    say(f"Next: reprokit inspect {small.output}")
+    return {"bundle": str(failure.bundle), "failure": f.to_json(), "replay": report.to_json(),
+            "shrink": small.to_json()}

@@ -47,16 +47,6 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _StepRecord:
-    step: int
-    batch: Any
-    tensors: dict[str, torch.Tensor]
-    rng: dict[str, Any]
-    loss: float | None = None
-    grad_norm: float | None = None
-
-
-@dataclass
 class _Snapshot:
     step: int
     tree: dict[str, Any]
@@ -132,7 +122,7 @@ class Recorder:
         self.step_index = 0
         self.bundles: list[Path] = []
         self._snapshot: _Snapshot | None = None
-        self._ring: list[_StepRecord] = []
+        self._ring: list[B.StepRecord] = []
         self._window_ok = False
         self._history: deque[tuple[int, float | None, float | None]] = deque(maxlen=loss_history)
         self._warned: set[str] = set()
@@ -163,7 +153,7 @@ class Recorder:
             raise result.exc
         raise TrainingFailure(result.failure, path)
 
-    def _record_step_start(self, k: int, batch: Any) -> _StepRecord | None:
+    def _record_step_start(self, k: int, batch: Any) -> B.StepRecord | None:
         try:
             if self._snapshot is None or k - self._snapshot.step >= self.snapshot_every:
                 self._take_snapshot(k)
@@ -171,7 +161,7 @@ class Recorder:
                 return None
             tree, tensors = pytree.encode(batch, "batch", copy=host_copy)
             rng_tree, rng_tensors = capture_rng()
-            rec = _StepRecord(k, tree, {**tensors, **rng_tensors}, rng_tree)
+            rec = B.StepRecord(k, tree, {**tensors, **rng_tensors}, rng_tree)
             self._ring.append(rec)
             return rec
         except Exception as e:
@@ -208,8 +198,7 @@ class Recorder:
                 torch.cuda.synchronize()  # pinned copies in flight must land before we read them
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
             writer = B.BundleWriter(self.out_dir, f"bundle-{stamp}-step{failure.step:08d}-{failure.kind}")
-            self._write(writer, failure)
-            path = writer.commit()
+            path = self._write(writer, failure)
         except Exception as e:
             if writer is not None:
                 writer.abort()
@@ -219,22 +208,14 @@ class Recorder:
         self.bundles.append(path)
         return path
 
-    def _write(self, w: B.BundleWriter, failure: Failure) -> None:
+    def _write(self, w: B.BundleWriter, failure: Failure) -> Path:
         snap = self._snapshot
         assert snap is not None
-        w.write_json(B.FAILURE, failure.to_json())
-        w.write_json(B.RUN, self._run_doc(snap, failure))
-        w.write_json(B.ENV, capture_env(self._root))
-        w.write_json(B.STATE_JSON, snap.tree)
-        w.write_tensors(B.STATE_TENSORS, snap.tensors)
-        for rec in self._ring:
-            name = f"{B.STEPS}/{B.step_name(rec.step)}"
-            w.write_json(name + ".json", {"step": rec.step, "batch": rec.batch, "rng": rec.rng,
-                                          "loss": rec.loss, "grad_norm": rec.grad_norm})
-            w.write_tensors(name + ".safetensors", rec.tensors)
-        if self._root is not None:
-            for path in snapshot_files(self._root, self._scripts):
-                w.copy_file(f"{B.CODE}/{relative(path, self._root)}", path)
+        code = [] if self._root is None else [(relative(p, self._root), p)
+                                              for p in snapshot_files(self._root, self._scripts)]
+        return B.write_bundle(w, failure=failure.to_json(), run=self._run_doc(snap, failure),
+                              env=capture_env(self._root), state=(snap.tree, snap.tensors), steps=self._ring,
+                              code=code)
 
     def _run_doc(self, snap: _Snapshot, failure: Failure) -> dict[str, Any]:
         device = next((str(p.device) for p in self.state.model.parameters()), "cpu")

@@ -8,11 +8,13 @@ memory before each run. :func:`replay` is the one-call form behind
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
 from reprokit.errors import CodeLoadError, ReprokitError
 from reprokit.signature import Failure
-from reprokit.state import TrainState, restore_rng, restore_state
+from reprokit.state import TrainState, capture_rng, capture_state, restore_rng, restore_state
 
 
 @dataclass
@@ -36,6 +38,20 @@ class StepInput:
     batch: Any
     rng: dict[str, Any]
     rng_tensors: dict[str, torch.Tensor]
+
+    @cached_property
+    def digest(self) -> str:
+        """Content hash of the batch (and step number): equal inputs, equal digests."""
+        h = hashlib.sha1(str(self.step).encode())
+        for path, leaf in pytree.leaves(self.batch):
+            h.update(path.encode())
+            if isinstance(leaf, torch.Tensor):
+                h.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
+                h.update(leaf.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                         if leaf.numel() else b"")
+            else:
+                h.update(repr(leaf).encode())
+        return h.hexdigest()
 
 
 @dataclass
@@ -50,7 +66,8 @@ class RunOutcome:
     def to_json(self) -> dict[str, Any]:
         return {"reproduced": self.same, "failure": self.failure.to_json() if self.failure else None,
                 "different_failure": bool(self.failure and not self.same), "seconds": round(self.seconds, 4),
-                "steps_run": len(self.losses)}
+                "steps_run": len(self.losses),
+                "losses": [{"step": k, "loss": v} for k, v in self.losses.items()]}
 
 
 @dataclass
@@ -195,6 +212,23 @@ class Session:
         return RunOutcome(failure, failure is not None and failure.same_as(self.recorded), losses,
                           time.perf_counter() - t0)
 
+    def capture(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The live state as a snapshot in the bundle's ``state/`` format."""
+        assert self.state is not None, "use Session as a context manager"
+        tree, tensors = capture_state(self.state)
+        rng_tree, rng_tensors = capture_rng()
+        return {"state": tree, "rng": rng_tree, "monitor": self.monitor.state_dict()}, {**tensors, **rng_tensors}
+
+    def advance(self, steps: Sequence[StepInput],
+                snapshot: tuple[dict, dict] | None = None) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """Run ``steps`` from a snapshot and capture the state after them; None if any step failed."""
+        outcome = self.run(steps, snapshot)
+        if outcome.failure is not None:
+            return None
+        snap = self.capture()
+        snap[0]["step"] = steps[-1].step + 1 if steps else (snapshot or self.snapshot)[0].get("step")
+        return snap
+
     def fidelity(self, outcome: RunOutcome) -> dict[str, Any]:
         """Replayed vs recorded per-step losses."""
         recorded = {h["step"]: h["loss"] for h in self.bundle.run.get("history", [])}
@@ -245,5 +279,11 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
             runs.append(s.run(inputs))
             if progress:
                 progress(i + 1, times)
-        return ReplayReport(s.bundle.path, s.recorded, runs, s.fidelity(runs[0]), str(s.device),
+        fidelity = s.fidelity(runs[0])
+        fidelity["runs_bit_identical"] = all(
+            r.losses.keys() == runs[0].losses.keys()
+            and all(_same_float(a, b) for a, b in zip(r.losses.values(), runs[0].losses.values())
+                    if a is not None and b is not None)
+            for r in runs[1:])
+        return ReplayReport(s.bundle.path, s.recorded, runs, fidelity, str(s.device),
                             str(s.code_dir) if s.code_dir else "installed modules")

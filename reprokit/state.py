@@ -145,6 +145,9 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     except RuntimeError as e:
         raise StateMismatchError(f"the recorded model state does not fit the model that build() made: {e}") from None
     state.model.train(tree.get("training", True))
+    # Optimizers keep the tensors they are given (no copy when dtype and device match),
+    # so hand them clones: the snapshot must survive any number of restores.
+    tensors = {k: v.clone() for k, v in tensors.items() if not k.startswith(MODEL + "/")}
     try:
         state.optimizer.load_state_dict(pytree.decode(tree[OPTIMIZER], tensors))
     except (ValueError, KeyError, RuntimeError) as e:

@@ -29,3 +29,14 @@ def test_example_runs(script, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in EXPECT[script.name]:
         assert line in proc.stdout, proc.stdout
+
+
+def test_shrink_bench_quick_runs():
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "shrink_bench.py"), "--quick", "--json"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert len(rows) == 4 and all(r["after"]["rows"] <= r["before"]["rows"] for r in rows)

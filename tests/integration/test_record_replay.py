@@ -26,6 +26,7 @@ def test_nan_after_n_steps_is_recorded_and_replays_bit_exact(projects, tmp_path)
     assert report.reproduced and report.verdict == "deterministic"
     assert report.runs[0].failure.step == 27
     assert report.fidelity["steps_compared"] == 8 and report.fidelity["bit_exact"]
+    assert report.fidelity["runs_bit_identical"], "every replay restores the same snapshot"
 
 
 def test_user_exception_is_reraised_unchanged_with_a_note(projects, tmp_path):

@@ -76,7 +76,7 @@ def test_golden_bundles_still_open_and_replay(version_dir, tmp_path):
     assert not torch.isfinite(batch["x"]).all(), "the poisoned sample is in the failing batch"
     assert "rng/torch" in rng_tensors
     report = reprokit.replay(b, times=2)
-    assert report.verdict == "deterministic" and report.fidelity["bit_exact"]
+    assert report.verdict == "deterministic" and report.fidelity["bit_exact"] and report.fidelity["runs_bit_identical"]
 
 
 def test_golden_manifest_bytes_are_stable():

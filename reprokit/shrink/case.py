@@ -1,0 +1,153 @@
+"""The thing being shrunk: a window of steps, its starting snapshot, and how it maps to the original.
+
+Batch surgery lives here too: selecting rows along the batch dimension,
+windows along the sequence dimension, and neutralising token values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from reprokit.replay import StepInput
+
+INDEX_NAMES = frozenset({"index", "indices", "idx", "sample_id"})
+Snapshot = tuple[dict, dict]
+
+
+@dataclass(frozen=True, eq=False)
+class Case:
+    """A candidate repro: run ``inputs`` from ``snapshot``; it is interesting if it fails the same way."""
+
+    inputs: tuple[StepInput, ...]
+    snapshot: Snapshot
+    snap_id: int
+    rows: tuple[int, ...] | None
+    """Positions, in the original failing batch, of the rows still in the last batch."""
+    seq: tuple[int, int] | None
+    """The original ``[lo, hi)`` the last batch's sequence window covers."""
+
+    @property
+    def last(self) -> StepInput:
+        return self.inputs[-1]
+
+    def key(self) -> str:
+        h = hashlib.sha1(str(self.snap_id).encode())
+        for inp in self.inputs:
+            h.update(inp.digest.encode())
+        return h.hexdigest()
+
+    def with_last(self, batch: Any, **changes: Any) -> Case:
+        last = StepInput(self.last.step, batch, self.last.rng, self.last.rng_tensors)
+        return replace(self, inputs=(*self.inputs[:-1], last), **changes)
+
+    def sort_key(self, pad_id: int = 0) -> tuple[int, int, int, int, int]:
+        """The one definition of "smaller": fewer steps, then rows, sequence, meaningful tokens, elements."""
+        b = self.last.batch
+        n = batch_size(b)
+        s = seq_len(b, n)
+        elements = sum(t.numel() for t in _tensors(b))
+        return (len(self.inputs), n or 0, s or 0, len(token_positions(b, pad_id)), elements)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    from reprokit.pytree import leaves
+
+    return [leaf for _, leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
+
+
+def batch_size(batch: Any) -> int | None:
+    """The most common leading dimension among tensor leaves (ties: the larger)."""
+    sizes = Counter(t.shape[0] for t in _tensors(batch) if t.dim() >= 1)
+    return max(sizes, key=lambda k: (sizes[k], k)) if sizes else None
+
+
+def seq_len(batch: Any, n: int | None) -> int | None:
+    """The most common second dimension among ``[n, S, ...]`` tensor leaves."""
+    sizes = Counter(t.shape[1] for t in _tensors(batch) if t.dim() >= 2 and (n is None or t.shape[0] == n))
+    return max(sizes, key=lambda k: (sizes[k], k)) if sizes else None
+
+
+def select_rows(batch: Any, n: int, keep: list[int]) -> Any:
+    """Keep rows ``keep`` of every leaf with leading dimension ``n`` (tensors, and lists of scalars)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[torch.tensor(keep, dtype=torch.long, device=batch.device)] \
+            if batch.dim() >= 1 and batch.shape[0] == n else batch
+    if isinstance(batch, Mapping):
+        return {k: select_rows(v, n, keep) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == n and all(isinstance(v, (str, int, float, bool)) or v is None for v in batch):
+            return type(batch)(batch[i] for i in keep)
+        return type(batch)(select_rows(v, n, keep) for v in batch)
+    return batch
+
+
+def select_seq(batch: Any, n: int | None, s: int, lo: int, hi: int) -> Any:
+    """Slice ``[:, lo:hi]`` out of every ``[n, s, ...]`` tensor leaf."""
+    if isinstance(batch, torch.Tensor):
+        ok = batch.dim() >= 2 and batch.shape[1] == s and (n is None or batch.shape[0] == n)
+        return batch[:, lo:hi].contiguous() if ok else batch
+    if isinstance(batch, Mapping):
+        return {k: select_seq(v, n, s, lo, hi) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(select_seq(v, n, s, lo, hi) for v in batch)
+    return batch
+
+
+def _eligible(path: str, leaf: Any) -> bool:
+    return (isinstance(leaf, torch.Tensor) and leaf.dtype != torch.bool and leaf.numel() > 0
+            and not leaf.is_complex() and path.rsplit("/", 1)[-1] not in INDEX_NAMES)
+
+
+def _neutral(t: torch.Tensor, pad_id: int) -> float | int:
+    return 0.0 if t.is_floating_point() else pad_id
+
+
+def token_positions(batch: Any, pad_id: int) -> list[tuple[str, int]]:
+    """``(leaf path, flat index)`` of every value that is not already neutral."""
+    from reprokit.pytree import leaves
+
+    out: list[tuple[str, int]] = []
+    for path, leaf in leaves(batch):
+        if _eligible(path, leaf):
+            flat = leaf.detach().reshape(-1)
+            idx = torch.nonzero(flat != _neutral(leaf, pad_id)).reshape(-1).tolist()
+            out.extend((path, i) for i in idx)
+    return out
+
+
+def neutralise(batch: Any, keep: set[tuple[str, int]], pad_id: int, path: str = "") -> Any:
+    """Set every eligible value not in ``keep`` to its neutral value (0, or ``pad_id`` for integers)."""
+    if isinstance(batch, Mapping):
+        return {k: neutralise(v, keep, pad_id, f"{path}/{k}" if path else str(k)) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(neutralise(v, keep, pad_id, f"{path}/{i}" if path else str(i)) for i, v in enumerate(batch))
+    leaf_path = path or "<root>"
+    if not _eligible(leaf_path, batch):
+        return batch
+    flat = batch.detach().clone().reshape(-1)
+    mask = torch.ones(flat.numel(), dtype=torch.bool)
+    kept = [i for p, i in keep if p == leaf_path]
+    if kept:
+        mask[torch.tensor(kept, dtype=torch.long)] = False
+    flat[mask.to(flat.device)] = _neutral(batch, pad_id)
+    return flat.reshape(batch.shape)
+
+
+def dataset_indices(batch: Any, rows: tuple[int, ...] | None) -> list[Any] | None:
+    """Values of an ``index``-like leaf at the kept rows, when the batch carries one."""
+    from reprokit.pytree import leaves
+
+    if rows is None:
+        return None
+    for path, leaf in leaves(batch):
+        if path.rsplit("/", 1)[-1] in INDEX_NAMES:
+            values = leaf.tolist() if isinstance(leaf, torch.Tensor) else leaf
+            if isinstance(values, list) and rows and max(rows) < len(values):
+                return [values[i] for i in rows]
+    return None

@@ -1,0 +1,91 @@
+"""The shrink passes, each a small function listed once in ``PASSES``.
+
+A pass takes the shrinker and the current best case, makes one deterministic
+search over its own kind of reduction (it does not loop to its own fixpoint;
+the scheduler owns that), and returns a smaller interesting case or ``None``.
+Every candidate goes through ``shrinker.test``, which caches, counts the
+budget, and accepts only the same failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from reprokit.search import ddmin, find_integer, shortest_window
+from reprokit.shrink.case import Case, batch_size, neutralise, select_rows, select_seq, seq_len, token_positions
+
+if TYPE_CHECKING:
+    from reprokit.shrink.shrinker import Shrinker
+
+Pass = Callable[["Shrinker", Case], "Case | None"]
+
+
+def steps(sh: Shrinker, case: Case) -> Case | None:
+    """Fewest steps: the failing step alone from the state just before it, else the shortest failing suffix."""
+    n = len(case.inputs)
+    if n <= 1:
+        return None
+
+    def suffix(k: int) -> Case | None:
+        snap = sh.snapshot_at(case, k)
+        return None if snap is None else replace(case, inputs=case.inputs[k:], snapshot=snap[0], snap_id=snap[1])
+
+    def fails(k: int) -> bool:
+        c = suffix(k)
+        return c is not None and sh.test(c)
+
+    if fails(n - 1):
+        return suffix(n - 1)
+    k = find_integer(lambda k: k < n - 1 and fails(k))
+    return suffix(k) if k else None
+
+
+def rows(sh: Shrinker, case: Case) -> Case | None:
+    """Fewest rows of the failing batch (delta debugging over the batch dimension)."""
+    batch = case.last.batch
+    n = batch_size(batch)
+    if not n or n < 2:
+        return None
+    origin = case.rows or tuple(range(n))
+
+    def make(keep: list[int]) -> Case:
+        return case.with_last(select_rows(batch, n, keep), rows=tuple(origin[i] for i in keep))
+
+    keep = ddmin(list(range(n)), lambda ks: sh.test(make(ks)))
+    return make(keep) if len(keep) < n else None
+
+
+def sequence(sh: Shrinker, case: Case) -> Case | None:
+    """Shortest contiguous window along the sequence dimension (prefix and suffix trimmed by binary search)."""
+    batch = case.last.batch
+    n = batch_size(batch)
+    s = seq_len(batch, n)
+    if not s or s < 2:
+        return None
+    base = case.seq[0] if case.seq else 0
+
+    def make(lo: int, hi: int) -> Case:
+        return case.with_last(select_seq(batch, n, s, lo, hi), seq=(base + lo, base + hi))
+
+    lo, hi = shortest_window(s, lambda lo, hi: sh.test(make(lo, hi)))
+    return make(lo, hi) if (lo, hi) != (0, s) else None
+
+
+def tokens(sh: Shrinker, case: Case) -> Case | None:
+    """Fewest meaningful values: everything else set to 0 (floats) or the pad id (integers)."""
+    batch = case.last.batch
+    positions = token_positions(batch, sh.pad_id)
+    if not positions:
+        return None
+
+    def make(keep: list[tuple[str, int]]) -> Case:
+        return case.with_last(neutralise(batch, set(keep), sh.pad_id))
+
+    keep = [] if sh.test(make([])) else ddmin(positions, lambda ks: sh.test(make(ks)))
+    return make(keep) if len(keep) < len(positions) else None
+
+
+# The one list. Order matters: fewer steps make every later replay cheaper.
+PASSES: dict[str, Pass] = {"steps": steps, "rows": rows, "sequence": sequence, "tokens": tokens}

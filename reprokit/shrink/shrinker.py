@@ -1,0 +1,290 @@
+"""The shrink scheduler: runs the passes to a joint fixpoint within a replay budget."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reprokit import bundle as B
+from reprokit import pytree
+from reprokit.bundle import Bundle, StepRecord, open_bundle
+from reprokit.errors import DidNotReproduce, ReprokitError
+from reprokit.replay import RunOutcome, Session
+from reprokit.shrink.case import Case, Snapshot, batch_size, dataset_indices, seq_len, token_positions
+from reprokit.shrink.passes import PASSES
+from reprokit.signature import Failure
+
+Progress = Callable[[str, int, str], None]
+
+
+class BudgetExhausted(Exception):
+    """Internal: the replay budget ran out mid-pass."""
+
+
+@dataclass
+class PassStats:
+    runs: int = 0
+    accepted: int = 0
+    replays: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class ShrinkResult:
+    """What ``shrink`` did. ``to_json()`` is what ``reprokit shrink --json`` prints."""
+
+    output: Path
+    replays: int
+    before: dict[str, Any]
+    after: dict[str, Any]
+    kept_rows: list[int] | None
+    dataset_indices: list[Any] | None
+    seq_window: list[int] | None
+    passes: dict[str, PassStats]
+    seconds: float
+    budget_exhausted: bool
+    failure: Failure
+    different_failures: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return B.jsonable({
+            "output": str(self.output),
+            "replays": self.replays,
+            **{f"{k}_before": v for k, v in self.before.items()},
+            **{f"{k}_after": v for k, v in self.after.items()},
+            "kept_rows": self.kept_rows,
+            "dataset_indices": self.dataset_indices,
+            "seq_window": self.seq_window,
+            "budget_exhausted": self.budget_exhausted,
+            "different_failures": self.different_failures,
+            "seconds": round(self.seconds, 3),
+            "failure": {"kind": self.failure.kind, "step": self.failure.step, "exception_type": self.failure.exc_type,
+                        "message": self.failure.message},
+            "passes": {k: vars(v) | {"seconds": round(v.seconds, 3)} for k, v in self.passes.items()},
+        })
+
+
+def dims(case: Case, pad_id: int) -> dict[str, Any]:
+    b = case.last.batch
+    n = batch_size(b)
+    return {"steps": len(case.inputs), "rows": n, "seq": seq_len(b, n), "tokens": len(token_positions(b, pad_id))}
+
+
+@dataclass
+class Shrinker:
+    """Owns the cache, the budget, the per-pass stats and the best case so far."""
+
+    session: Session
+    budget: int = 300
+    pad_id: int = 0
+    isolate: bool = False
+    timeout: float = 60.0
+    progress: Progress | None = None
+    replays: int = 0
+    steps_run: int = 0
+    different_failures: int = 0
+    """Candidates rejected because they failed, but not the same way."""
+    best: Case | None = None
+    _cache: dict[str, tuple[bool, RunOutcome | dict]] = field(default_factory=dict)
+    _snapshots: dict[tuple, tuple[Snapshot, int]] = field(default_factory=dict)
+    _next_snap_id: int = 1
+    _current_pass: str = "check"
+
+    def test(self, case: Case) -> bool:
+        """Does ``case`` fail the same way? Cached; each new candidate costs one replay."""
+        key = case.key()
+        if key not in self._cache:
+            if self.replays >= self.budget:
+                raise BudgetExhausted
+            self.replays += 1
+            self._cache[key] = self._isolated(case) if self.isolate else self._in_process(case)
+            interesting, out = self._cache[key]
+            if not interesting and _failed(out):
+                self.different_failures += 1
+            if interesting and (self.best is None or case.sort_key(self.pad_id) < self.best.sort_key(self.pad_id)):
+                self.best = case
+            if self.progress:
+                size = dims(self.best, self.pad_id) if self.best else {}
+                self.progress(self._current_pass, self.replays, ", ".join(f"{k} {v}" for k, v in size.items()))
+        return self._cache[key][0]
+
+    def outcome(self, case: Case) -> RunOutcome | dict:
+        return self._cache[case.key()][1]
+
+    def _in_process(self, case: Case) -> tuple[bool, RunOutcome]:
+        out = self.session.run(case.inputs, case.snapshot)
+        self.steps_run += len(out.losses)
+        return out.same, out
+
+    def _isolated(self, case: Case) -> tuple[bool, dict]:
+        """Replay ``case`` in a subprocess: a segfault or hang costs the candidate, not the shrink."""
+        with tempfile.TemporaryDirectory(prefix="reprokit-candidate-") as tmp:
+            path = write_case(self.session, case, Path(tmp), "candidate", self.session.recorded.to_json(), None, {})
+            cmd = [sys.executable, "-m", "reprokit", "replay", str(path), "--json", "--device", self.session.device.type]
+            if self.session.code_dir and self.session.code_dir != self.session.bundle.code_dir:
+                cmd += ["--code", str(self.session.code_dir)]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
+                d = json.loads(proc.stdout) if proc.returncode in (0, 1) and proc.stdout.strip() else {}
+            except (subprocess.TimeoutExpired, ValueError):
+                d = {}
+        self.steps_run += len(case.inputs)
+        return bool(d.get("reproduced")), d
+
+    def snapshot_at(self, case: Case, k: int) -> tuple[Snapshot, int] | None:
+        """State just before ``case.inputs[k]``: replays the first k steps once, then cached."""
+        if k == 0:
+            return case.snapshot, case.snap_id
+        key = (case.snap_id, tuple(inp.digest for inp in case.inputs[:k]))
+        if key not in self._snapshots:
+            snap = self.session.advance(case.inputs[:k], case.snapshot)
+            self.steps_run += k
+            if snap is None:
+                return None
+            self._snapshots[key] = (snap, self._next_snap_id)
+            self._next_snap_id += 1
+        return self._snapshots[key]
+
+    def run(self, case: Case, passes: Sequence[str]) -> tuple[Case, dict[str, PassStats], bool]:
+        stats = {name: PassStats() for name in passes}
+        order = list(passes)
+        exhausted = False
+        while not exhausted:
+            progressed = []
+            for name in order:
+                self._current_pass = name
+                before, replays0, t0 = self.best, self.replays, time.perf_counter()
+                stats[name].runs += 1
+                try:
+                    PASSES[name](self, self.best)  # type: ignore[arg-type]
+                except BudgetExhausted:
+                    exhausted = True
+                stats[name].replays += self.replays - replays0
+                stats[name].seconds += time.perf_counter() - t0
+                if self.best is not before:
+                    stats[name].accepted += 1
+                    progressed.append(name)
+                if exhausted:
+                    break
+            if not progressed:
+                break
+            # Passes that just made progress go first in the next round.
+            order = progressed + [n for n in order if n not in progressed]
+        assert self.best is not None
+        return self.best, stats, exhausted
+
+
+def _failed(out: RunOutcome | dict) -> bool:
+    if isinstance(out, RunOutcome):
+        return out.failure is not None
+    return bool(out.get("per_run") and out["per_run"][0].get("different_failure"))
+
+
+def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: dict[str, Any],
+               outcome: RunOutcome | None, provenance: dict[str, Any]) -> Path:
+    """Write ``case`` as an ordinary bundle (manifest, checksums) next to its source's code and env."""
+    src: Bundle = session.bundle
+    run = copy.deepcopy(src.run)
+    steps = [inp.step for inp in case.inputs]
+    losses = outcome.losses if outcome else {}
+    run["window"] = {"start": steps[0], "end": steps[-1], "steps": steps}
+    run["history"] = [h for h in run["history"] if h["step"] < steps[0]] + [
+        {"step": k, "loss": losses.get(k), "grad_norm": None} for k in steps]
+    if provenance:
+        run["provenance"] = provenance
+    records = []
+    for inp in case.inputs:
+        tree, tensors = pytree.encode(inp.batch, "batch")
+        records.append(StepRecord(inp.step, tree, {**tensors, **inp.rng_tensors}, inp.rng, losses.get(inp.step)))
+    snap_tree, snap_tensors = case.snapshot
+    snap_tree = {**snap_tree, "step": steps[0]}
+    code_dir = src.code_dir
+    code = [(p.relative_to(code_dir).as_posix(), p) for p in sorted(code_dir.rglob("*")) if p.is_file()] \
+        if code_dir else []
+    return B.write_bundle(B.BundleWriter(out_dir, name), failure=failure, run=run, env=src.env,
+                          state=(snap_tree, snap_tensors), steps=records, code=code)
+
+
+def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300,
+           passes: Sequence[str] = tuple(PASSES), pad_id: int = 0, isolate: bool = False, timeout: float = 60.0,
+           device: str | None = None, code: str | Path | None = None, progress: Progress | None = None) -> ShrinkResult:
+    """Minimise a bundle: fewest steps, rows, sequence positions and meaningful tokens, same failure.
+
+    Args:
+        bundle: the failing bundle.
+        output: directory to write the shrunk bundle to (must not exist yet).
+        budget: most candidate replays to spend.
+        passes: which passes to run, from ``steps``, ``rows``, ``sequence``, ``tokens``.
+        pad_id: the neutral value for integer tensors in the ``tokens`` pass.
+        isolate: replay each candidate in a subprocess (segfaults, hangs), ``timeout`` seconds each.
+
+    Raises:
+        DidNotReproduce: when the bundle does not fail the same way to begin with.
+
+    Example:
+        >>> r = shrink("repros/bundle-...", "small")                       # doctest: +SKIP
+        >>> r.after["rows"], r.kept_rows                                    # doctest: +SKIP
+        (1, [7])
+    """
+    t0 = time.perf_counter()
+    unknown = [p for p in passes if p not in PASSES]
+    if unknown or not passes:
+        raise ReprokitError(f"unknown shrink pass(es) {', '.join(unknown) or '(none given)'}; "
+                            f"choose from {', '.join(PASSES)}")
+    if budget < 1:
+        raise ReprokitError(f"--budget must be >= 1, got {budget}")
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise ReprokitError(f"{output} already exists and is not empty; pick another -o or remove it")
+    src = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
+    with Session(src, device=device, code=code) as session:
+        inputs = tuple(session.inputs())
+        first = inputs[-1].batch
+        n = batch_size(first)
+        s = seq_len(first, n)
+        original = Case(inputs, session.snapshot, 0, tuple(range(n)) if n else None, (0, s) if s else None)
+        sh = Shrinker(session, budget=budget, pad_id=pad_id, isolate=isolate, timeout=timeout, progress=progress)
+        if not sh.test(original):
+            out = sh.outcome(original)
+            got = out.failure.describe() if isinstance(out, RunOutcome) and out.failure else "no failure"
+            raise DidNotReproduce(
+                f"{src.path} does not reproduce ({got} on replay; recorded: {src.failure.describe()}), so there is "
+                "nothing to shrink. Run `reprokit replay --times 5` to see whether it is flaky."
+            )
+        before = dims(original, pad_id)
+        best, stats, exhausted = sh.run(original, passes)
+        out = sh.outcome(best)
+        if isinstance(out, RunOutcome):
+            failure = out.failure
+        else:
+            failure = Failure.from_json(out["per_run"][0]["failure"])
+        assert failure is not None
+        kept = list(best.rows) if best.rows is not None and n and len(best.rows) < n else None
+        indices = dataset_indices(first, best.rows)
+        window = list(best.seq) if best.seq else None
+        provenance: dict[str, Any] = {
+            "source_bundle": str(src.path),
+            "source_manifest_sha256": B.sha256_file(src.path / B.MANIFEST),
+            "passes": {k: vars(v) for k, v in stats.items()},
+            "replays": sh.replays,
+            "different_failures": sh.different_failures,
+            "kept_rows": list(best.rows) if best.rows is not None else None,
+            "dataset_indices": indices,
+            "seq_window": window,
+            "before": before,
+        }
+        output.parent.mkdir(parents=True, exist_ok=True)
+        if output.exists():
+            output.rmdir()
+        written = write_case(session, best, output.parent, output.name, failure.to_json(),
+                             out if isinstance(out, RunOutcome) else None, provenance)
+        return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
+                            time.perf_counter() - t0, exhausted, failure, sh.different_failures)

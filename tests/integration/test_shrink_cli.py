@@ -1,0 +1,71 @@
+"""`reprokit shrink` through the CLI, in-process and with --isolate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from rk_testing import record
+
+from reprokit import bundle as B
+from reprokit.cli import main
+
+
+@pytest.fixture
+def nan_bundle(projects, tmp_path):
+    mlp = projects("rk_mlp")
+    cfg = {"batch_size": 12}
+    _, exc = record(mlp, cfg, mlp.batches(cfg, 9, poison_step=7), tmp_path / "repros", snapshot_every=4)
+    return exc.bundle
+
+
+def test_shrink_json(nan_bundle, tmp_path):
+    out = tmp_path / "small"
+    result = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    d = json.loads(result.output)
+    assert {"replays", "steps_before", "steps_after", "rows_before", "rows_after", "seq_before", "seq_after",
+            "kept_rows", "output"} <= d.keys()
+    assert (d["steps_before"], d["steps_after"], d["rows_before"], d["rows_after"]) == (4, 1, 12, 1)
+    assert d["kept_rows"] == [3] and d["dataset_indices"] == [7 * 12 + 3] and d["output"] == str(out)
+    assert B.verify(out) == []
+    prov = json.loads((out / "run.json").read_text())["provenance"]
+    assert prov["source_manifest_sha256"] == B.sha256_file(nan_bundle / "manifest.json")
+    assert prov["replays"] == d["replays"] and prov["kept_rows"] == [3]
+    assert set(prov["passes"]) == {"steps", "rows", "sequence", "tokens"}
+    replay = CliRunner().invoke(main, ["replay", str(out), "--json"])
+    assert replay.exit_code == 1 and json.loads(replay.output)["fidelity"]["bit_exact"]
+
+
+def test_shrink_human_summary(nan_bundle, tmp_path):
+    result = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(tmp_path / "s")])
+    assert result.exit_code == 0, result.output
+    assert "kept rows [3] of the failing batch" in result.output and "still fails: nonfinite_loss" in result.output
+
+
+def test_isolated_shrink_matches_in_process(nan_bundle, tmp_path):
+    a = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(tmp_path / "a"), "--passes", "steps,rows",
+                                  "--json"])
+    b = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(tmp_path / "b"), "--passes", "steps,rows",
+                                  "--isolate", "--timeout", "120", "--json"])
+    assert a.exit_code == 0 and b.exit_code == 0, b.output
+    da, db = json.loads(a.output), json.loads(b.output)
+    assert (da["kept_rows"], da["steps_after"], da["replays"]) == (db["kept_rows"], db["steps_after"], db["replays"])
+
+
+def test_shrink_errors(nan_bundle, tmp_path, projects):
+    bad = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(tmp_path / "x"), "--passes", "rows,nope"])
+    assert bad.exit_code == 2 and "unknown shrink pass(es) nope" in bad.output
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "f").write_text("x")
+    busy = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(tmp_path / "full")])
+    assert busy.exit_code == 2 and "already exists" in busy.output
+    fixed = tmp_path / "fixed"
+    fixed.mkdir()
+    src = (nan_bundle / "code" / "rk_mlp.py").read_text().replace(
+        "def train_step(state, batch):\n",
+        "def train_step(state, batch):\n    batch = {**batch, 'x': torch.nan_to_num(batch['x'])}\n")
+    (fixed / "rk_mlp.py").write_text(src)
+    gone = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(tmp_path / "y"), "--code", str(fixed)])
+    assert gone.exit_code == 1 and "does not reproduce" in gone.output

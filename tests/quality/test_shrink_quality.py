@@ -1,0 +1,112 @@
+"""The shrinker reaches minimal results within its replay budget (all CPU, real training loops)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rk_testing import bundle_of, record
+
+import reprokit
+from reprokit.bundle import open_bundle
+from reprokit.shrink import shrink
+
+
+def test_one_poisoned_row_among_512_in_at_most_22_replays(projects, tmp_path):
+    mlp = projects("rk_mlp")
+    cfg = {"batch_size": 512, "optimizer": "sgd"}
+    _, exc = record(mlp, cfg, mlp.batches(cfg, 6, poison_step=4), tmp_path / "r", snapshot_every=100)
+    r = shrink(exc.bundle, tmp_path / "small", passes=["rows"])
+    assert r.after["rows"] == 1 and r.kept_rows == [3], "the batches helper poisons row 3"
+    assert r.dataset_indices == [4 * 512 + 3]
+    assert r.replays <= 22, r.replays  # 2*ceil(log2 512) + 4, counting the initial check
+
+
+def test_two_rows_that_fail_only_together_are_both_kept(projects, tmp_path):
+    pair = projects("rk_pair")
+    _, exc = record(pair, {}, pair.batches(64, 5, 3, rows=(11, 50)), tmp_path / "r")
+    r = shrink(exc.bundle, tmp_path / "small", passes=["steps", "rows"])
+    assert r.kept_rows == [11, 50] and r.after["rows"] == 2 and r.after["steps"] == 1
+    assert r.dataset_indices == [3 * 64 + 11, 3 * 64 + 50]
+
+
+def test_one_bad_token_in_256_positions(projects, tmp_path):
+    lm = projects("rk_lm")
+    cfg = {"vocab": 40, "max_len": 256, "nan_token": 13}
+    p = 173
+    _, exc = record(lm, cfg, lm.batches(cfg, 6, seq=256, bs=4, bad=(4, 2, p)), tmp_path / "r", snapshot_every=3)
+    assert exc.failure.kind == "nonfinite_loss"
+    r = shrink(exc.bundle, tmp_path / "small")
+    lo, hi = r.seq_window
+    assert lo <= p < hi and hi - lo <= 4, r.seq_window
+    assert r.after == {"steps": 1, "rows": 1, "seq": hi - lo, "tokens": 1}
+    assert r.kept_rows == [2]
+    batch = open_bundle(r.output).step(4)[0]
+    nonzero = torch.nonzero(batch["input_ids"]).tolist()
+    assert nonzero == [[0, p - lo]] and batch["input_ids"][0, p - lo] == 13
+    assert not batch["labels"].any(), "labels were neutralised too"
+
+
+@pytest.mark.parametrize("min_len", [0, 14])
+def test_sequence_past_the_position_table_shrinks_to_table_size_plus_one(projects, tmp_path, min_len):
+    lm = projects("rk_lm")
+    P = 16
+    cfg = {"vocab": 30, "max_len": P, "pos_table": True, "min_len": min_len}
+    _, exc = record(lm, cfg, lm.batches(cfg, 10, seq=14, long_step=7, long_len=60), tmp_path / "r", snapshot_every=5)
+    assert isinstance(exc, IndexError)
+    r = shrink(bundle_of(exc), tmp_path / "small")
+    assert r.after["seq"] == P + 1 and r.after["rows"] == 1 and r.after["steps"] == 1
+    assert r.failure.exc_type == "IndexError"
+    if min_len:
+        # The binary search probes windows shorter than min_len: they raise ValueError, never accepted.
+        assert r.different_failures > 0
+    assert reprokit.replay(r.output).reproduced
+
+
+def test_candidates_failing_differently_are_never_accepted(projects, tmp_path):
+    lm = projects("rk_lm")
+    cfg = {"vocab": 40, "max_len": 64, "nan_token": 13, "min_len": 6}
+    _, exc = record(lm, cfg, lm.batches(cfg, 3, seq=64, bs=4, bad=(2, 1, 30)), tmp_path / "r")
+    r = shrink(exc.bundle, tmp_path / "small")
+    assert r.different_failures > 0
+    assert r.after["seq"] == 6, "the shortest window that still reaches the NaN without the ValueError"
+    report = reprokit.replay(r.output)
+    assert report.reproduced and report.runs[0].failure.kind == "nonfinite_loss"
+
+
+def test_bundle_that_does_not_reproduce_is_refused(projects, tmp_path):
+    import shutil
+
+    mlp = projects("rk_mlp")
+    _, exc = record(mlp, {}, mlp.batches({}, 8, poison_step=6), tmp_path / "r", snapshot_every=4)
+    fixed = tmp_path / "fixed"
+    shutil.copytree(exc.bundle / "code", fixed)
+    src = (fixed / "rk_mlp.py").read_text().replace("def train_step(state, batch):\n",
+                                                    "def train_step(state, batch):\n"
+                                                    "    batch = {**batch, 'x': torch.nan_to_num(batch['x'])}\n")
+    (fixed / "rk_mlp.py").write_text(src)
+    with pytest.raises(reprokit.DidNotReproduce, match="does not reproduce"):
+        shrink(exc.bundle, tmp_path / "small", code=fixed)
+    assert not (tmp_path / "small").exists()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(2, 40), bad_row=st.integers(0, 39), steps=st.integers(1, 6), every=st.integers(1, 4))
+def test_shrinking_never_grows_and_always_replays(projects, tmp_path_factory, rows, bad_row, steps, every):
+    mlp = projects("rk_mlp")
+    tmp = tmp_path_factory.mktemp("prop")
+    cfg = {"batch_size": rows, "optimizer": "adam"}
+
+    def batches():
+        for i, b in enumerate(mlp.batches(cfg, steps + 1)):
+            if i == steps:
+                b["x"][bad_row % rows, 2] = float("inf")
+            yield b
+
+    _, exc = record(mlp, cfg, batches(), tmp / "r", snapshot_every=every)
+    r = shrink(exc.bundle, tmp / "small", budget=60)
+    for k in ("steps", "rows", "seq", "tokens"):
+        assert (r.after[k] or 0) <= (r.before[k] or 0), (k, r.before, r.after)
+    assert reprokit.replay(r.output).reproduced
+    assert open_bundle(r.output).run["provenance"]["source_manifest_sha256"]
