@@ -127,6 +127,7 @@ class BundleWriter:
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "files": dict(sorted(self.files.items())),
         }
+        manifest["self_sha256"] = _self_digest(manifest)
         self.write_bytes(MANIFEST, dumps(manifest))
         self.files.pop(MANIFEST)
         _fsync_dir(self.tmp)
@@ -172,6 +173,12 @@ def write_bundle(w: BundleWriter, *, failure: dict[str, Any], run: dict[str, Any
     for rel, src in code:
         w.copy_file(f"{CODE}/{rel}", src)
     return w.commit()
+
+
+def _self_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's own content (minus this field), so edits to the manifest show too."""
+    body = {k: v for k, v in manifest.items() if k != "self_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -244,6 +251,10 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, An
             f"{path} uses bundle format version {version}, but this reprokit ({__version__}) reads versions "
             f"up to {VERSION}. Upgrade reprokit (pip install -U reprokit) to open it."
         )
+    if "self_sha256" in manifest and manifest["self_sha256"] != _self_digest(manifest):
+        # An altered manifest cannot vouch for any other file: report it alone.
+        return None, [{"file": MANIFEST, "problem": "checksum mismatch (the manifest itself was altered)",
+                           "expected": manifest["self_sha256"], "found": _self_digest(manifest)}]
     return manifest, []
 
 
@@ -301,11 +312,16 @@ class Bundle:
         return st_load((self.path / rel).read_bytes())
 
     def sizes(self) -> dict[str, int]:
-        """Bytes on disk per part: state, steps, code, metadata."""
-        out = {"state": 0, "steps": 0, "code": 0, "metadata": 0}
+        """Bytes on disk per part: state, batches (steps/), code, metadata, and the vendored runtime
+        when the bundle sits in an unpacked ``reprokit pack`` archive."""
+        out = {"state": 0, "batches": 0, "code": 0, "metadata": 0, "runtime": 0}
+        names = {"state": "state", STEPS: "batches", CODE: "code"}
         for rel, meta in self.manifest["files"].items():
-            top = rel.split("/", 1)[0]
-            out[top if top in out else "metadata"] += int(meta["size"])
+            out[names.get(rel.split("/", 1)[0], "metadata")] += int(meta["size"])
+        top = self.path.parent
+        if (top / "repro.py").is_file() and (top / "reprokit").is_dir():
+            runtime = [top / "repro.py", top / "README.md", *(top / "reprokit").rglob("*")]
+            out["runtime"] = sum(p.stat().st_size for p in runtime if p.is_file())
         return out
 
 

@@ -50,6 +50,37 @@ bundle_arg = click.argument("bundle", type=click.Path(exists=True, path_type=Pat
 json_opt = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 
 
+def archive_opts(fn: Any) -> Any:
+    """Options for opening a packed .tar.gz: its digest and the extraction caps."""
+    from reprokit.archive import Limits
+
+    d = Limits()
+    opts = [
+        click.option("--sha256", default=None, help="Expected sha256 of a .tar.gz (default: read BUNDLE.sha256 "
+                                                     "beside it, if there is one)."),
+        click.option("--max-members", default=d.max_members, show_default=True, type=click.IntRange(1),
+                     help="Refuse archives with more members."),
+        click.option("--max-file-bytes", default=d.max_file_bytes, show_default=True, type=click.IntRange(1),
+                     help="Refuse archives holding a larger file."),
+        click.option("--max-total-bytes", default=d.max_total_bytes, show_default=True, type=click.IntRange(1),
+                     help="Refuse archives that inflate to more bytes."),
+        click.option("--max-ratio", default=d.max_ratio, show_default=True, type=click.FloatRange(1),
+                     help="Refuse archives that inflate more than this many times their size."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _open(bundle: Path, kw: dict[str, Any]) -> Any:
+    """Context manager yielding a bundle folder for a folder or a (safely extracted) archive."""
+    from reprokit.archive import Limits, bundle_dir
+
+    limits = Limits(max_members=kw.pop("max_members"), max_file_bytes=kw.pop("max_file_bytes"),
+                    max_total_bytes=kw.pop("max_total_bytes"), max_ratio=kw.pop("max_ratio"))
+    return bundle_dir(bundle, sha256=kw.pop("sha256"), limits=limits)
+
+
 @main.command()
 @bundle_arg
 @click.option("--times", "-n", default=1, show_default=True, type=click.IntRange(1, 1000),
@@ -58,65 +89,66 @@ json_opt = click.option("--json", "as_json", is_flag=True, help="Print one JSON 
               help="Where to replay (default: where it was recorded, if available).")
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Import build/step from this checkout instead of the bundle's code snapshot.")
+@archive_opts
 @json_opt
-def replay(bundle: Path, times: int, device: str | None, code: Path | None, as_json: bool) -> None:
+def replay(bundle: Path, times: int, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
     """Re-run BUNDLE and report whether it fails the same way.
 
     Exit 1 if the failure reproduces in at least one run, 0 if not (fixed),
     3 if the bundle is invalid or tampered with.
     """
+    from reprokit.replay import format_report
     from reprokit.replay import replay as do_replay
 
     progress = None if as_json or times == 1 else (
         lambda i, n: click.echo(f"\r  replay {i}/{n}", nl=i == n, err=True))
-    report = do_replay(bundle, times=times, device=device, code=code, progress=progress)
+    with _open(bundle, kw) as path:
+        report = do_replay(path, times=times, device=device, code=code, progress=progress)
     d = report.to_json()
+    d["bundle"] = str(bundle)
     if as_json:
         _emit(d)
     else:
-        click.echo(format_replay(d))
+        click.echo(format_report(d))
     sys.exit(1 if report.reproduced else 0)
-
-
-def format_replay(d: dict[str, Any]) -> str:
-    rec, got, fid = d["recorded_failure"], d["failure"], d["fidelity"]
-    head = {"deterministic": "REPRODUCED", "flaky": "REPRODUCED (flaky)", "not_reproduced": "NOT REPRODUCED"}
-    lines = [f"{head[d['verdict']]}: {d['failed_runs']}/{d['runs']} runs failed the same way ({d['verdict']})",
-             f"  recorded: {_fail_line(rec)}"]
-    if got and not d["reproduced"]:
-        lines.append(f"  replay hit a DIFFERENT failure: {_fail_line(got)}")
-    elif got:
-        lines.append(f"  replayed: {_fail_line(got)}")
-    exact = "bit-exact" if fid["bit_exact"] else f"max abs diff {fid['max_abs_diff']:.3g}"
-    lines.append(f"  fidelity: {fid['steps_compared']} step losses compared, {exact}")
-    lines.append(f"  device {d['device']}, code from {d['code']}")
-    return "\n".join(lines)
-
-
-def _fail_line(f: dict[str, Any] | None) -> str:
-    if not f:
-        return "none"
-    what = f"{f['exception_type']}: {f['message']}" if f["exception_type"] else f"{f['kind']} ({f['message']})"
-    return f"{what} at step {f['step']}" + (f" in {f['frame']}" if f.get("frame") else "")
 
 
 @main.command()
 @bundle_arg
+@archive_opts
 @json_opt
-def inspect(bundle: Path, as_json: bool) -> None:
-    """Show BUNDLE's failure, window, batch structure, state sizes, env and losses."""
+def inspect(bundle: Path, as_json: bool, **kw: Any) -> None:
+    """Show BUNDLE's failure, window, batch structure, state sizes, env and losses.
+
+    BUNDLE may be a bundle folder or a packed .tar.gz.
+    """
     from reprokit.report import describe, format_describe
 
-    d = describe(B.open_bundle(bundle))
+    with _open(bundle, kw) as path:
+        d = describe(B.open_bundle(path))
+    d["bundle"] = str(bundle)
     _emit(d) if as_json else click.echo(format_describe(d))
 
 
 @main.command()
 @bundle_arg
+@archive_opts
 @json_opt
-def verify(bundle: Path, as_json: bool) -> None:
-    """Check every file of BUNDLE against its manifest; exit 1 if anything is wrong."""
-    problems = B.verify(bundle)
+def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
+    """Check every file of BUNDLE against its manifest; exit 1 if anything is wrong.
+
+    For a .tar.gz: its sha256 (from --sha256 or BUNDLE.sha256 beside it), then
+    every member, then the manifest of what it holds. Every problem is listed.
+    """
+    from reprokit.errors import BundleError
+
+    try:
+        with _open(bundle, kw) as path:
+            problems = B.verify(path)
+    except BundleError as e:
+        if not e.problems:
+            raise
+        problems = e.problems
     if as_json:
         _emit({"bundle": str(bundle), "ok": not problems, "problems": problems})
     elif problems:
@@ -145,9 +177,10 @@ def verify(bundle: Path, as_json: bool) -> None:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay candidates.")
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Import build/step from this checkout instead of the bundle's code snapshot.")
+@archive_opts
 @json_opt
 def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, isolate: bool, timeout: float,
-           device: str | None, code: Path | None, as_json: bool) -> None:
+           device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
     """Minimise BUNDLE to the fewest steps, rows, sequence positions and tokens that fail the same way.
 
     Exit 0 with the shrunk bundle written to OUTPUT; exit 1 if BUNDLE does not
@@ -158,9 +191,10 @@ def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, is
     def progress(name: str, replays: int, size: str) -> None:
         click.echo(f"\r  {name:<9} replays {replays:>4}/{budget}  best: {size}\033[K", nl=False, err=True)
 
-    result = do_shrink(bundle, output, budget=budget, passes=[p.strip() for p in passes.split(",") if p.strip()],
-                       pad_id=pad_id, isolate=isolate, timeout=timeout, device=device, code=code,
-                       progress=None if as_json else progress)
+    with _open(bundle, kw) as path:
+        result = do_shrink(path, output, budget=budget, passes=[p.strip() for p in passes.split(",") if p.strip()],
+                           pad_id=pad_id, isolate=isolate, timeout=timeout, device=device, code=code,
+                           progress=None if as_json else progress)
     if not as_json:
         click.echo("", err=True)
     d = result.to_json()
@@ -168,6 +202,8 @@ def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, is
 
 
 def format_shrink(d: dict[str, Any]) -> str:
+    from reprokit.replay import fail_line
+
     rows = [(k, d[f"{k}_before"], d[f"{k}_after"]) for k in ("steps", "rows", "seq", "tokens")]
     lines = [f"shrunk in {d['replays']} replays ({d['seconds']:.1f}s)"
              + (" - budget exhausted, result may not be minimal" if d["budget_exhausted"] else ""),
@@ -180,9 +216,33 @@ def format_shrink(d: dict[str, Any]) -> str:
         lines.append(f"  sequence window {d['seq_window'][0]}:{d['seq_window'][1]}")
     lines.append("  passes: " + ", ".join(f"{k} {v['accepted']}/{v['runs']} accepted, {v['replays']} replays"
                                           for k, v in d["passes"].items()))
-    lines.append(f"  still fails: {_fail_line(d['failure'])}")
+    lines.append(f"  still fails: {fail_line(d['failure'])}")
     lines.append(f"wrote {d['output']}")
     return "\n".join(lines)
+
+
+@main.command()
+@bundle_arg
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The .tar.gz to write; OUTPUT.sha256 is written beside it.")
+@json_opt
+def pack(bundle: Path, output: Path, as_json: bool) -> None:
+    """Pack BUNDLE into a deterministic .tar.gz that replays with only torch, numpy and safetensors.
+
+    Inside: the bundle, repro.py, the reprokit runtime and a README. Send the
+    .tar.gz and its .sha256; the receiver runs `python repro.py`.
+    """
+    from reprokit.pack import pack as do_pack
+
+    if not bundle.is_dir():
+        raise click.UsageError(f"{bundle} is not a bundle folder (pack takes the folder the recorder wrote)")
+    r = do_pack(bundle, output).to_json()
+    if as_json:
+        _emit(r)
+        return
+    click.echo(f"wrote {r['output']} ({r['bytes'] / 1e6:.2f} MB), sha256 {r['sha256']}")
+    click.echo("  contents: " + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in r["breakdown"].items()))
+    click.echo(f"  receiver: tar xzf {output.name} && python repro-*/repro.py")
 
 
 @main.command()

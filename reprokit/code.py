@@ -81,6 +81,9 @@ def imported(code_dir: Path | None) -> Iterator[None]:
     the caller's own code never mix.
     """
     saved_path = list(sys.path)
+    saved_bytecode = sys.dont_write_bytecode
+    # Importing from a bundle must not write __pycache__ into it: that would make it fail verification.
+    sys.dont_write_bytecode = True
     evicted: dict[str, Any] = {}
     if code_dir is not None:
         code_dir = code_dir.resolve()
@@ -95,6 +98,7 @@ def imported(code_dir: Path | None) -> Iterator[None]:
         yield
     finally:
         sys.path[:] = saved_path
+        sys.dont_write_bytecode = saved_bytecode
         if code_dir is not None:
             for name, mod in list(sys.modules.items()):
                 f = getattr(mod, "__file__", None) or ""

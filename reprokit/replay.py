@@ -287,3 +287,26 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
             for r in runs[1:])
         return ReplayReport(s.bundle.path, s.recorded, runs, fidelity, str(s.device),
                             str(s.code_dir) if s.code_dir else "installed modules")
+
+
+def format_report(d: dict[str, Any]) -> str:
+    """The human summary of ``ReplayReport.to_json()`` that ``reprokit replay`` prints."""
+    rec, got, fid = d["recorded_failure"], d["failure"], d["fidelity"]
+    head = {"deterministic": "REPRODUCED", "flaky": "REPRODUCED (flaky)", "not_reproduced": "NOT REPRODUCED"}
+    lines = [f"{head[d['verdict']]}: {d['failed_runs']}/{d['runs']} runs failed the same way ({d['verdict']})",
+             f"  recorded: {fail_line(rec)}"]
+    if got and not d["reproduced"]:
+        lines.append(f"  replay hit a DIFFERENT failure: {fail_line(got)}")
+    elif got:
+        lines.append(f"  replayed: {fail_line(got)}")
+    exact = "bit-exact" if fid["bit_exact"] else f"max abs diff {fid['max_abs_diff']:.3g}"
+    lines.append(f"  fidelity: {fid['steps_compared']} step losses compared, {exact}")
+    lines.append(f"  device {d['device']}, code from {d['code']}")
+    return "\n".join(lines)
+
+
+def fail_line(f: dict[str, Any] | None) -> str:
+    if not f:
+        return "none"
+    what = f"{f['exception_type']}: {f['message']}" if f["exception_type"] else f"{f['kind']} ({f['message']})"
+    return f"{what} at step {f['step']}" + (f" in {f['frame']}" if f.get("frame") else "")

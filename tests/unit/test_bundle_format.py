@@ -60,6 +60,9 @@ def test_unsafe_manifest_paths_are_problems(tmp_path):
     m = json.loads((path / B.MANIFEST).read_text())
     m["files"]["../../etc/passwd"] = {"sha256": "0" * 64, "size": 1}
     (path / B.MANIFEST).write_text(json.dumps(m))
+    assert B.verify(path)[0]["problem"].startswith("checksum mismatch (the manifest itself was altered)")
+    m["self_sha256"] = B._self_digest(m)  # an attacker who re-signs the manifest
+    (path / B.MANIFEST).write_text(json.dumps(m))
     assert {"file": "../../etc/passwd", "problem": "unsafe path in manifest"} in B.verify(path)
 
 
@@ -82,6 +85,12 @@ def test_golden_bundles_still_open_and_replay(version_dir, tmp_path):
 def test_golden_manifest_bytes_are_stable():
     """Pin the exact layout of the v1 manifest's header fields."""
     m = json.loads((GOLDEN / "v1" / "demo-nan" / B.MANIFEST).read_text())
-    assert list(m) == ["created", "files", "format", "reprokit_version", "version"]
+    assert list(m) == ["created", "files", "format", "reprokit_version", "version"], "v1 as first shipped"
     assert m["format"] == "reprokit-bundle" and m["version"] == 1
     assert sorted({f.split("/")[0] for f in m["files"]}) == ["env.json", "failure.json", "run.json", "state", "steps"]
+
+
+def test_manifest_written_now_carries_its_own_digest(tmp_path):
+    m = json.loads((write_tiny(tmp_path) / B.MANIFEST).read_text())
+    assert list(m) == ["created", "files", "format", "reprokit_version", "self_sha256", "version"]
+    assert m["self_sha256"] == B._self_digest(m)

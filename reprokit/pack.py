@@ -1,0 +1,179 @@
+"""``reprokit pack``: one deterministic tarball a colleague runs with only torch, numpy and safetensors.
+
+Layout inside the archive (one top folder, ``repro-<manifest sha256 prefix>``)::
+
+    bundle/       the bundle, unchanged
+    reprokit/     the runtime replay needs (vendored; no click, no gitpython)
+    repro.py      python repro.py [--times N] [--device cpu|cuda] [--json]
+    README.md     what failed, where it was recorded, the commands to run
+
+Same bundle in, same bytes out: members sorted, mtime/uid/gid/owner fixed,
+modes normalised, gzip header without name or time.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reprokit.bundle import MANIFEST, open_bundle, sha256_file
+
+_PACKAGE = Path(__file__).resolve().parent
+# What replay imports (reprokit/__init__ pulls these in), plus the demo's build/step.
+RUNTIME = ("__init__.py", "_version.py", "bundle.py", "code.py", "detect.py", "env.py", "errors.py", "pytree.py",
+           "record.py", "replay.py", "signature.py", "state.py", "demo.py")
+
+REPRO_PY = '''\
+#!/usr/bin/env python3
+"""Replay the bundle in ./bundle with the vendored reprokit runtime in ./reprokit.
+
+    python repro.py [--times N] [--device cpu|cuda] [--json]
+
+Needs only torch, numpy and safetensors. Exit codes: 1 the failure reproduces,
+0 it does not (fixed), 3 the bundle is invalid, 125 its code does not import here.
+"""
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # the vendored runtime wins over any installed reprokit
+
+from reprokit.bundle import jsonable  # noqa: E402
+from reprokit.errors import ReprokitError  # noqa: E402
+from reprokit.replay import format_report, replay  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Replay this repro.")
+    ap.add_argument("--times", type=int, default=1, help="replays, to tell deterministic from flaky")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: where it was recorded")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    try:
+        report = replay(os.path.join(HERE, "bundle"), times=args.times, device=args.device)
+    except ReprokitError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return e.exit_code
+    d = report.to_json()
+    print(json.dumps(jsonable(d), indent=2) if args.json else format_report(d))
+    return 1 if report.reproduced else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+@dataclass
+class PackResult:
+    output: Path
+    sha256: str
+    size: int
+    breakdown: dict[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"output": str(self.output), "sha256": self.sha256, "bytes": self.size,
+                "sha256_file": str(self.output) + ".sha256", "breakdown": self.breakdown}
+
+
+def _readme(bundle_path: Path) -> str:
+    b = open_bundle(bundle_path)
+    f, env, run = b.failure, b.env, b.run
+    git = env.get("git") or {}
+    return "\n".join([
+        "# A reprokit repro",
+        "",
+        f"**Failure:** {f.describe()}",
+        "",
+        f"- window: steps {run['window']['start']}..{run['window']['end']} ({len(b.steps)} steps), replayed from "
+        f"the snapshot at step {run['window']['start']}",
+        f"- recorded with python {env.get('python')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+        f"devices {env.get('devices') or ['cpu']}",
+        f"- code: git {git.get('commit') or 'n/a'}{' (dirty)' if git.get('dirty') else ''}",
+        "",
+        "## Run it",
+        "",
+        "Needs python >= 3.10 with torch, numpy and safetensors; nothing else.",
+        "",
+        "```bash",
+        "python repro.py            # exit 1: reproduced, 0: not reproduced (fixed)",
+        "python repro.py --times 5  # deterministic or flaky?",
+        "python repro.py --device cpu --json",
+        "```",
+        "",
+        "With reprokit installed, `reprokit replay`, `inspect` and `shrink` also take this folder's `bundle/`,",
+        "or the .tar.gz itself (`reprokit verify repro.tar.gz` checks it against its .sha256 first).",
+        "",
+    ])
+
+
+def _members(bundle_path: Path) -> list[tuple[str, bytes]]:
+    files = [(f"bundle/{p.relative_to(bundle_path).as_posix()}", p.read_bytes())
+             for p in sorted(bundle_path.rglob("*")) if p.is_file()]
+    files += [(f"reprokit/{name}", (_PACKAGE / name).read_bytes()) for name in RUNTIME]
+    files += [("repro.py", REPRO_PY.encode()), ("README.md", _readme(bundle_path).encode())]
+    return files
+
+
+def pack(bundle: str | Path, output: str | Path) -> PackResult:
+    """Write ``output`` (.tar.gz) and ``output.sha256`` for a verified bundle folder.
+
+    Example:
+        >>> r = pack("repros/bundle-...", "repro.tar.gz")             # doctest: +SKIP
+        >>> r.sha256                                                   # doctest: +SKIP
+    """
+    bundle = Path(bundle)
+    open_bundle(bundle)  # verify before shipping: never pack a tampered bundle
+    top = "repro-" + sha256_file(bundle / MANIFEST)[:12]
+    members = _members(bundle)
+    dirs = sorted({str(Path(name).parent) for name, _ in members} - {"."})
+    dirs = sorted({"/".join(d.split("/")[: i + 1]) for d in dirs for i in range(d.count("/") + 1)})
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as gz:
+        with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            tf.addfile(_info(top, 0, directory=True))
+            entries = [(d, None) for d in dirs] + [(n, data) for n, data in members]
+            for name, data in sorted(entries, key=lambda e: e[0]):
+                if data is None:
+                    tf.addfile(_info(f"{top}/{name}", 0, directory=True))
+                else:
+                    tf.addfile(_info(f"{top}/{name}", len(data), executable=name == "repro.py"), io.BytesIO(data))
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(output, buf.getvalue())
+    digest = sha256_file(output)
+    _atomic_write(output.with_name(output.name + ".sha256"), f"{digest}  {output.name}\n".encode())
+    breakdown = {"state": 0, "batches": 0, "code": 0, "metadata": 0, "runtime": 0}
+    for name, data in members:
+        part = name.split("/")[1] if name.startswith("bundle/") and "/" in name[7:] else None
+        key = {"state": "state", "steps": "batches", "code": "code"}.get(part or "", "metadata" if
+                                                                          name.startswith("bundle/") else "runtime")
+        breakdown[key] += len(data)
+    return PackResult(output, digest, output.stat().st_size, breakdown)
+
+
+def _info(name: str, size: int, *, directory: bool = False, executable: bool = False) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE if directory else tarfile.REGTYPE
+    info.size = size
+    info.mode = 0o755 if directory or executable else 0o644
+    info.mtime = 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,304 @@
+"""`reprokit pack`, and opening archives from other people safely."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.metadata as md
+import io
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zlib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rk_testing import record
+
+from reprokit import bundle as B
+from reprokit.cli import main
+from reprokit.pack import pack
+
+
+@pytest.fixture
+def nan_bundle(projects, tmp_path):
+    mlp = projects("rk_mlp")
+    _, exc = record(mlp, {}, mlp.batches({}, 9, poison_step=7), tmp_path / "repros", snapshot_every=4)
+    return exc.bundle
+
+
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """Point tempfile at a folder we can list, so "nothing was written anywhere else" can be checked."""
+    d = tmp_path / "scratch"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def test_round_trip_pack_verify_replay(nan_bundle, tmp_path, scratch):
+    out = tmp_path / "ship" / "repro.tar.gz"
+    r = CliRunner().invoke(main, ["pack", str(nan_bundle), "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert (out.parent / "repro.tar.gz.sha256").read_text() == f"{d['sha256']}  repro.tar.gz\n"
+    assert d["breakdown"]["state"] > 0 and d["breakdown"]["batches"] > 0 and d["breakdown"]["runtime"] > 0
+    v = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert v.exit_code == 0 and json.loads(v.output)["ok"], v.output
+    rep = CliRunner().invoke(main, ["replay", str(out), "--json"])
+    assert rep.exit_code == 1 and json.loads(rep.output)["verdict"] == "deterministic"
+    ins = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+    sizes = json.loads(ins.output)["sizes"]
+    assert sizes["runtime"] > 0 and sizes["state"] > 0 and sizes["batches"] > 0
+    assert list(scratch.iterdir()) == [], "the temporary extraction is cleaned up"
+    with tarfile.open(out) as tf:
+        names = tf.getnames()
+    top = names[0]
+    assert {f"{top}/repro.py", f"{top}/README.md", f"{top}/reprokit/replay.py", f"{top}/bundle/manifest.json",
+            f"{top}/bundle/code/rk_mlp.py"} <= set(names)
+    assert not any(n.endswith(("cli.py", "pack.py", "archive.py")) or "/shrink/" in n for n in names), \
+        "only what replay needs"
+
+
+def test_pack_is_deterministic(nan_bundle, tmp_path):
+    a = pack(nan_bundle, tmp_path / "a" / "repro.tar.gz")
+    os.utime(nan_bundle / "run.json", (1, 1))  # mtimes on disk must not leak into the archive
+    b = pack(nan_bundle, tmp_path / "b" / "other-name.tar.gz")
+    assert (tmp_path / "a" / "repro.tar.gz").read_bytes() == (tmp_path / "b" / "other-name.tar.gz").read_bytes()
+    assert a.sha256 == b.sha256
+
+
+def test_pack_refuses_a_tampered_bundle(nan_bundle, tmp_path):
+    (nan_bundle / "run.json").write_text("{}")
+    r = CliRunner().invoke(main, ["pack", str(nan_bundle), "-o", str(tmp_path / "x.tar.gz")])
+    assert r.exit_code == 3 and "run.json: checksum mismatch" in r.output
+    assert not (tmp_path / "x.tar.gz").exists()
+
+
+def _minimal_site(dest: Path) -> Path:
+    """A folder holding torch (with what it requires), numpy and safetensors, and nothing else."""
+    dest.mkdir()
+    todo, done = ["torch", "numpy", "safetensors"], set()
+    while todo:
+        name = todo.pop()
+        if name.lower() in done:
+            continue
+        done.add(name.lower())
+        dist = md.distribution(name)
+        for req in dist.requires or []:
+            if "extra ==" not in req:
+                todo.append(re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0])
+        tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in tops:
+            src = Path(dist.locate_file(top))
+            if src.exists() and not (dest / top).exists() and top != "__pycache__":
+                (dest / top).symlink_to(src)
+    return dest
+
+
+def test_hand_off_runs_with_only_torch_numpy_safetensors(nan_bundle, tmp_path):
+    out = tmp_path / "repro.tar.gz"
+    pack(nan_bundle, out)
+    unpacked = tmp_path / "colleague"
+    unpacked.mkdir()
+    with tarfile.open(out) as tf:
+        tf.extractall(unpacked, filter="data")
+    (top,) = list(unpacked.iterdir())
+    site = _minimal_site(tmp_path / "site")
+    # -S: no site-packages at all; the import path is the minimal site plus the extracted folder.
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site), "HOME": str(tmp_path)}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    probe = subprocess.run([sys.executable, "-S", "-c", "import click"], env=env, cwd=elsewhere,
+                           capture_output=True, text=True)
+    assert probe.returncode != 0, "click must not be importable in the hand-off environment"
+    probe = subprocess.run([sys.executable, "-S", "-c", "import git"], env=env, cwd=elsewhere, capture_output=True)
+    assert probe.returncode != 0
+    proc = subprocess.run([sys.executable, "-S", str(top / "repro.py"), "--json", "--times", "2"], env=env,
+                          cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["verdict"] == "deterministic" and d["failure"]["kind"] == "nonfinite_loss" and d["failure"]["step"] == 7
+    assert d["fidelity"]["bit_exact"] and str(top) in d["code"]
+    human = subprocess.run([sys.executable, "-S", str(top / "repro.py")], env=env, cwd=elsewhere,
+                           capture_output=True, text=True, timeout=300)
+    assert human.returncode == 1 and "REPRODUCED: 1/1" in human.stdout
+
+
+# --- hostile archives -------------------------------------------------------------
+
+def _tar_gz(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        for info, data in members:
+            tf.addfile(info, io.BytesIO(data) if data is not None else None)
+    path.write_bytes(gzip.compress(buf.getvalue()))
+    return path
+
+
+def _f(name: str, data: bytes = b"x", **kw) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    for k, v in kw.items():
+        setattr(info, k, v)
+    return info, data
+
+
+def _special(name: str, kind: bytes, linkname: str = "") -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = linkname
+    return info, None
+
+
+HOSTILE = {
+    "absolute": ([_f("/tmp/reprokit-pwned")], "/tmp/reprokit-pwned", "absolute path"),
+    "dotdot": ([_f("repro/../../evil.txt")], "repro/../../evil.txt", "escapes"),
+    "symlink_out": ([_special("repro/link", tarfile.SYMTYPE, "/etc/passwd")], "repro/link", "symlink -> /etc/passwd"),
+    "symlink_in": ([_f("repro/a"), _special("repro/b", tarfile.SYMTYPE, "a")], "repro/b", "symlink -> a"),
+    "hardlink_out": ([_special("repro/h", tarfile.LNKTYPE, "/etc/shadow")], "repro/h", "hard link -> /etc/shadow"),
+    "hardlink_in": ([_f("repro/a"), _special("repro/h", tarfile.LNKTYPE, "repro/a")], "repro/h", "hard link"),
+    "fifo": ([_special("repro/pipe", tarfile.FIFOTYPE)], "repro/pipe", "FIFO"),
+    "device": ([_special("repro/sda", tarfile.BLKTYPE)], "repro/sda", "device"),
+    "duplicate": ([_f("repro/manifest.json"), _f("repro/manifest.json")], "repro/manifest.json", "duplicate name"),
+    "case_collision": ([_f("repro/Run.json"), _f("repro/run.json")], "repro/run.json", "collides case-insensitively"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_archive_is_refused_and_nothing_is_written(case, tmp_path, scratch):
+    members, member, message = HOSTILE[case]
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    archive = _tar_gz(inbox / "evil.tar.gz", members)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for cmd in (["verify", "--json"], ["replay"], ["inspect"]):
+        r = CliRunner().invoke(main, [cmd[0], str(archive), *cmd[1:]])
+        if cmd[0] == "verify":
+            assert r.exit_code == 1, r.output
+            problems = json.loads(r.output)["problems"]
+            assert any(p["file"] == member and message in p["problem"] for p in problems), problems
+        else:
+            assert r.exit_code == 3 and member in r.output and "nothing was written" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert list(scratch.iterdir()) == [] and sorted(p.name for p in inbox.iterdir()) == ["evil.tar.gz"]
+    assert not Path("/tmp/reprokit-pwned").exists()
+
+
+def test_every_problem_is_reported_not_just_the_first(tmp_path, scratch):
+    archive = _tar_gz(tmp_path / "evil.tar.gz", HOSTILE["absolute"][0] + HOSTILE["fifo"][0] + HOSTILE["dotdot"][0])
+    r = CliRunner().invoke(main, ["verify", str(archive), "--json"])
+    files = [p["file"] for p in json.loads(r.output)["problems"]]
+    assert files == ["/tmp/reprokit-pwned", "repro/pipe", "repro/../../evil.txt"]
+
+
+def test_gzip_bomb_is_refused_quickly(tmp_path, scratch):
+    """~5 MB on disk that would inflate to 5 GiB: refused by the ratio cap, long before that."""
+    head = tarfile.TarInfo("repro/bomb.bin")
+    head.size = 5 << 30
+    chunk = zlib.compressobj(9, zlib.DEFLATED, 31)
+    member = chunk.compress(bytes(64 << 20)) + chunk.flush()  # one gzip member: 64 MiB of zeros
+    with open(tmp_path / "bomb.tar.gz", "wb") as f:
+        f.write(gzip.compress(head.tobuf(tarfile.GNU_FORMAT)))
+        for _ in range(80):
+            f.write(member)
+    assert (tmp_path / "bomb.tar.gz").stat().st_size < 8 << 20
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "bomb.tar.gz"), "--json"])
+    assert r.exit_code == 1
+    assert any("decompression bomb" in p["problem"] for p in json.loads(r.output)["problems"]), r.output
+    small = CliRunner().invoke(main, ["verify", str(tmp_path / "bomb.tar.gz"), "--json", "--max-file-bytes", "1000000"])
+    assert any(p["file"] == "repro/bomb.bin" and "above max_file_bytes" in p["problem"]
+               for p in json.loads(small.output)["problems"])
+    assert list(scratch.iterdir()) == []
+
+
+def test_a_million_empty_members_is_refused(tmp_path, scratch):
+    header = tarfile.TarInfo("repro/e").tobuf(tarfile.GNU_FORMAT)
+    block = gzip.compress(header * 10_000)
+    with open(tmp_path / "many.tar.gz", "wb") as f:
+        for _ in range(100):  # 100 gzip members x 10,000 headers = a million members
+            f.write(block)
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "many.tar.gz"), "--json"])
+    problems = json.loads(r.output)["problems"]
+    assert r.exit_code == 1 and any("more than 100000 members" in p["problem"] for p in problems)
+    assert len(problems) <= 102, "the report is capped, not a million lines"
+    assert list(scratch.iterdir()) == []
+
+
+def test_archive_sha256_checked_before_decompressing(nan_bundle, tmp_path, scratch):
+    out = tmp_path / "repro.tar.gz"
+    res = pack(nan_bundle, out)
+    ok = CliRunner().invoke(main, ["verify", str(out), "--sha256", res.sha256])
+    assert ok.exit_code == 0, ok.output
+    bad = CliRunner().invoke(main, ["replay", str(out), "--sha256", "0" * 64])
+    assert bad.exit_code == 3 and "nothing was decompressed" in bad.output
+    data = bytearray(out.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    out.write_bytes(bytes(data))
+    side = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert side.exit_code == 1
+    assert json.loads(side.output)["problems"][0]["problem"] == "archive sha256 does not match repro.tar.gz.sha256"
+
+
+def test_flipped_byte_in_any_file_names_exactly_that_file(nan_bundle, tmp_path):
+    files = sorted(p for p in nan_bundle.rglob("*") if p.is_file())
+    assert len(files) > 8
+    for path in files:
+        original = path.read_bytes()
+        flipped = bytearray(original)
+        flipped[len(flipped) // 2] ^= 0x01
+        path.write_bytes(bytes(flipped))
+        rel = path.relative_to(nan_bundle).as_posix()
+        problems = B.verify(nan_bundle)
+        assert [p["file"] for p in problems] == [rel], (rel, problems)
+        path.write_bytes(original)
+    assert B.verify(nan_bundle) == []
+
+
+def test_missing_and_extra_files_in_an_archive_are_reported_distinctly(nan_bundle, tmp_path):
+    (nan_bundle / "steps" / "00000005.json").unlink()
+    (nan_bundle / "extra.bin").write_bytes(b"?")
+    with tarfile.open(tmp_path / "b.tar.gz", "w:gz") as tf:
+        tf.add(nan_bundle, arcname="mybundle")
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "b.tar.gz"), "--json"])
+    problems = {p["file"]: p["problem"] for p in json.loads(r.output)["problems"]}
+    assert problems == {"steps/00000005.json": "missing", "extra.bin": "unexpected file"}
+
+
+class _Planted:
+    """Unpickling this writes a marker file: proof that someone unpickled bundle content."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "pwned"))
+
+
+def test_planted_pickle_is_never_unpickled(nan_bundle, tmp_path):
+    marker = tmp_path / "MARKER"
+    payload = pickle.dumps(_Planted(marker))
+    assert not marker.exists()
+    (nan_bundle / "state" / "model.pt").write_bytes(payload)
+    # Unlisted: verify flags it, replay refuses to load the bundle at all.
+    v = CliRunner().invoke(main, ["verify", str(nan_bundle), "--json"])
+    assert {"file": "state/model.pt", "problem": "unexpected file"} in json.loads(v.output)["problems"]
+    assert CliRunner().invoke(main, ["replay", str(nan_bundle)]).exit_code == 3
+    # Listed by an attacker who re-signed the manifest: every command runs, none unpickles it.
+    m = json.loads((nan_bundle / "manifest.json").read_text())
+    m["files"]["state/model.pt"] = {"sha256": B.sha256_file(nan_bundle / "state" / "model.pt"), "size": len(payload)}
+    m["self_sha256"] = B._self_digest(m)
+    (nan_bundle / "manifest.json").write_text(json.dumps(m))
+    assert CliRunner().invoke(main, ["verify", str(nan_bundle)]).exit_code == 0
+    assert CliRunner().invoke(main, ["inspect", str(nan_bundle)]).exit_code == 0
+    assert CliRunner().invoke(main, ["replay", str(nan_bundle)]).exit_code == 1
+    out = tmp_path / "p.tar.gz"
+    assert CliRunner().invoke(main, ["pack", str(nan_bundle), "-o", str(out)]).exit_code == 0
+    assert CliRunner().invoke(main, ["replay", str(out)]).exit_code == 1
+    assert CliRunner().invoke(main, ["shrink", str(out), "-o", str(tmp_path / "s")]).exit_code == 0
+    assert not marker.exists()
