@@ -245,6 +245,57 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
     click.echo(f"  receiver: tar xzf {output.name} && python repro-*/repro.py")
 
 
+@main.group()
+def bisect() -> None:
+    """Localise a failure: over git commits (more axes to come)."""
+
+
+@bisect.command("commits")
+@bundle_arg
+@click.option("--good", required=True, help="A revision where training worked (tag, branch, sha).")
+@click.option("--bad", required=True, help="A revision where it fails the same way as BUNDLE.")
+@click.option("--repo", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="The repository (default: the one recorded in the bundle).")
+@click.option("--first-parent", is_flag=True, help="Follow only the first parent of merges.")
+@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds per probe before it is skipped.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
+@archive_opts
+@json_opt
+def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_parent: bool, timeout: float,
+                   device: str | None, as_json: bool, **kw: Any) -> None:
+    """Find the first commit between --good and --bad at which BUNDLE fails the same way.
+
+    Each probed commit is checked out into a temporary git worktree (your working
+    tree, index, branch and stash are left alone) and replayed in a subprocess.
+    Commits that do not import, whose state does not fit, or that fail
+    differently are skipped with the reason.
+    """
+    from reprokit.bisect import bisect_commits as run
+
+    def progress(p: Any, n: int) -> None:
+        click.echo(f"  {p.role:<8} {p.sha[:10]}  {p.verdict:<4}  {p.seconds:5.1f}s  {p.reason[:90]}", err=True)
+
+    with _open(bundle, kw) as path:
+        if not as_json:
+            click.echo(f"bisecting {good}..{bad} with {path}", err=True)
+        result = run(path, good=good, bad=bad, repo=repo, first_parent=first_parent, timeout=timeout, device=device,
+                     progress=None if as_json else progress)
+    d = result.to_json()
+    if as_json:
+        _emit(d)
+        return
+    if result.first_bad:
+        info = d["first_bad_commit"]
+        click.echo(f"first bad commit: {info['sha']}\n  {info['subject']}\n  {info['author']}, {info['date']}")
+        click.echo("  files: " + ", ".join(info["files"]))
+    else:
+        click.echo("ambiguous because of skipped commits; the first bad commit is one of:")
+        for sha in d["candidates"]:
+            click.echo(f"  {sha}")
+    click.echo(f"{d['replays']} replays over {d['commits_in_range']} commits ({len(d['skipped'])} skipped)")
+
+
 @main.command()
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where to write the bundle (default: a temporary directory).")

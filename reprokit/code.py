@@ -159,6 +159,8 @@ def git_info(root: Path | None) -> dict[str, Any] | None:
         diff = repo.git.diff("HEAD") if head else ""
         return {
             "root": str(repo.working_tree_dir),
+            # Where the project root sits inside the repository: commit bisection imports from there.
+            "code_subdir": relative(Path(root).resolve(), Path(str(repo.working_tree_dir)).resolve()),
             "commit": head,
             "branch": None if repo.head.is_detached else repo.active_branch.name,
             "dirty": repo.is_dirty(untracked_files=True),

@@ -1,0 +1,215 @@
+"""``reprokit bisect commits``: the first commit at which the bundle fails, with the bundle as the test.
+
+Each probe checks the commit out into a temporary ``git worktree`` (the user's
+working tree, index, branch and stash are never touched) and replays the
+bundle in a subprocess with ``--code`` pointing there, so no module state
+leaks between commits. Verdicts: same failure = bad, passes = good; the code
+does not import, ``build`` fails, the state does not fit, a different failure
+or a timeout = skip, with the reason (like ``git bisect run``'s exit 125).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reprokit.bundle import Bundle, open_bundle
+from reprokit.errors import ReprokitError
+
+Progress = Callable[["Probe", int], None]
+
+
+class BisectError(ReprokitError):
+    """Bisection cannot start or cannot answer (a wrong end, an unknown revision)."""
+
+
+@dataclass
+class Probe:
+    sha: str
+    verdict: str  # bad | good | skip
+    reason: str
+    seconds: float
+    role: str = "search"  # search | good end | bad end
+
+
+@dataclass
+class CommitBisectResult:
+    first_bad: str | None
+    candidates: list[str]
+    probes: list[Probe]
+    commits_in_range: int
+    first_bad_info: dict[str, Any] | None = None
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def replays(self) -> int:
+        return len(self.probes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"first_bad": self.first_bad, "candidates": self.candidates, "replays": self.replays,
+                "commits_in_range": self.commits_in_range,
+                "bound": math.ceil(math.log2(max(2, self.commits_in_range))) + 1,
+                "first_bad_commit": self.first_bad_info, "skipped": self.skipped,
+                "probes": [asdict(p) | {"seconds": round(p.seconds, 2)} for p in self.probes]}
+
+
+def _repo(path: Path) -> Any:
+    try:
+        import git
+    except ImportError as e:  # pragma: no cover - gitpython is a dependency
+        raise BisectError("commit bisection needs gitpython: pip install gitpython") from e
+    try:
+        return git.Repo(path, search_parent_directories=True)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        raise BisectError(f"{path} is not inside a git repository; pass --repo PATH") from None
+
+
+def _resolve(repo: Any, rev: str, end: str) -> str:
+    try:
+        return repo.commit(rev).hexsha
+    except Exception:
+        raise BisectError(f"--{end} {rev!r} is not a revision of {repo.working_tree_dir}") from None
+
+
+class _Prober:
+    """Checks commits out into throwaway worktrees and replays the bundle against them."""
+
+    def __init__(self, repo: Any, bundle: Bundle, subdir: str, timeout: float, device: str | None):
+        self.repo, self.bundle, self.subdir, self.timeout, self.device = repo, bundle, subdir, timeout, device
+        self.cache: dict[str, Probe] = {}
+        self.probes: list[Probe] = []
+
+    def probe(self, sha: str, role: str = "search") -> Probe:
+        if sha in self.cache:
+            return self.cache[sha]
+        t0 = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix="reprokit-bisect-"))
+        tree = tmp / "tree"
+        try:
+            try:
+                self.repo.git.worktree("add", "--detach", str(tree), sha)
+            except Exception as e:
+                raise BisectError(f"cannot check out {sha[:10]} into a temporary worktree: {e}") from None
+            verdict, reason = self._replay(tree / self.subdir)
+        finally:
+            # Also on Ctrl-C: never leave a worktree registered in the user's repository.
+            try:
+                self.repo.git.worktree("remove", "--force", str(tree))
+            except Exception:
+                pass
+            self.repo.git.worktree("prune")
+            shutil.rmtree(tmp, ignore_errors=True)
+        p = Probe(sha, verdict, reason, time.perf_counter() - t0, role)
+        self.cache[sha] = p
+        self.probes.append(p)
+        return p
+
+    def _replay(self, code: Path) -> tuple[str, str]:
+        if not code.is_dir():
+            return "skip", f"the project folder {self.subdir!r} does not exist at this commit"
+        cmd = [sys.executable, "-m", "reprokit", "replay", str(self.bundle.path), "--code", str(code), "--json"]
+        if self.device:
+            cmd += ["--device", self.device]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            return "skip", f"replay timed out after {self.timeout:g}s"
+        err = proc.stderr
+        # The CLI's own message ("Error: ...", possibly over several lines), else the last line printed.
+        last = " ".join(err[err.index("Error: ") + 7:].split()) if "Error: " in err else \
+            (err.strip().splitlines() or [""])[-1]
+        if proc.returncode in (0, 1) and proc.stdout.strip():
+            d = json.loads(proc.stdout)
+            if d["reproduced"]:
+                return "bad", "same failure: " + _describe(d["failure"])
+            run = d["per_run"][0]
+            if run["different_failure"]:
+                return "skip", "different failure: " + _describe(d["failure"])
+            return "good", f"passed {run['steps_run']} steps"
+        if proc.returncode == 125:
+            return "skip", last[:300]
+        return "skip", f"replay exited {proc.returncode}: {last[:300]}"
+
+
+def _describe(f: dict[str, Any] | None) -> str:
+    if not f:
+        return "none"
+    what = f"{f['exception_type']}: {f['message']}" if f.get("exception_type") else f"{f['kind']}"
+    return f"{what} at step {f['step']}"
+
+
+def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: str | Path | None = None,
+                   first_parent: bool = False, timeout: float = 600.0, device: str | None = None,
+                   progress: Progress | None = None) -> CommitBisectResult:
+    """Find the first commit in ``good..bad`` at which the bundle fails the same way.
+
+    Raises:
+        BisectError: when an end is wrong (bad passes, good fails) or a revision is unknown.
+
+    Example:
+        >>> r = bisect_commits("repros/bundle-...", good="v1.2", bad="HEAD")   # doctest: +SKIP
+        >>> r.first_bad                                                          # doctest: +SKIP
+    """
+    b = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
+    git_env = b.env.get("git") or {}
+    repo_path = Path(repo) if repo else Path(git_env.get("root") or ".")
+    r = _repo(repo_path)
+    subdir = git_env.get("code_subdir") or "."
+    good_sha, bad_sha = _resolve(r, good, "good"), _resolve(r, bad, "bad")
+    if not r.is_ancestor(good_sha, bad_sha):
+        raise BisectError(f"--good {good} is not an ancestor of --bad {bad}; swap them or pick another good end")
+    kw = {"first_parent": True} if first_parent else {}
+    commits = [c.hexsha for c in r.iter_commits(f"{good_sha}..{bad_sha}", topo_order=True, reverse=True, **kw)]
+    if not commits:
+        raise BisectError(f"no commits between --good {good} and --bad {bad}")
+    prober = _Prober(r, b, subdir, timeout, device)
+
+    def step(p: Probe) -> Probe:
+        if progress:
+            progress(p, len(commits))
+        return p
+
+    # Sanity checks first: the bad end must fail the same way and the good end must pass.
+    end = step(prober.probe(bad_sha, "bad end"))
+    if end.verdict != "bad":
+        raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) does not fail the same way ({end.verdict}: "
+                          f"{end.reason}); check --bad, or that this bundle reproduces at all")
+    start = step(prober.probe(good_sha, "good end"))
+    if start.verdict != "good":
+        raise BisectError(f"the good end {good} ({good_sha[:10]}) does not pass ({start.verdict}: {start.reason}); "
+                          "pick an older --good")
+    # Positions: 0 = good end, 1..n = commits (n = bad end). lo is known good, hi known bad.
+    seq = [good_sha, *commits]
+    lo, hi = 0, len(seq) - 1
+    skipped: set[int] = set()
+    while hi - lo > 1:
+        open_ = [i for i in range(lo + 1, hi) if i not in skipped]
+        if not open_:
+            break
+        mid = min(open_, key=lambda i: (abs(i - (lo + hi) / 2), i))  # nearest the middle: neighbours of skips
+        p = step(prober.probe(seq[mid]))
+        if p.verdict == "bad":
+            hi = mid
+        elif p.verdict == "good":
+            lo = mid
+        else:
+            skipped.add(mid)
+    ambiguous = [seq[i] for i in range(lo + 1, hi) if i in skipped]
+    first = seq[hi] if not ambiguous else None
+    return CommitBisectResult(first, [*ambiguous, seq[hi]] if ambiguous else [seq[hi]], prober.probes, len(commits),
+                              _info(r, first) if first else None, [seq[i] for i in sorted(skipped)])
+
+
+def _info(repo: Any, sha: str) -> dict[str, Any]:
+    c = repo.commit(sha)
+    return {"sha": c.hexsha, "subject": c.summary, "author": f"{c.author.name} <{c.author.email}>",
+            "date": c.authored_datetime.isoformat(), "files": sorted(c.stats.files)}
