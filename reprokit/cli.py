@@ -115,17 +115,23 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, as_j
 
 @main.command()
 @bundle_arg
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also draw loss and grad-norm history, failure marked, to this PNG (needs reprokit[plot]).")
 @archive_opts
 @json_opt
-def inspect(bundle: Path, as_json: bool, **kw: Any) -> None:
+def inspect(bundle: Path, plot: Path | None, as_json: bool, **kw: Any) -> None:
     """Show BUNDLE's failure, window, batch structure, state sizes, env and losses.
 
     BUNDLE may be a bundle folder or a packed .tar.gz.
     """
-    from reprokit.report import describe, format_describe
+    from reprokit.report import describe, format_describe, plot_history
 
     with _open(bundle, kw) as path:
-        d = describe(B.open_bundle(path))
+        opened = B.open_bundle(path)
+        d = describe(opened)
+        if plot is not None:
+            plot_history(opened, plot)
+            d["plot"] = str(plot)
     d["bundle"] = str(bundle)
     _emit(d) if as_json else click.echo(format_describe(d))
 
@@ -247,7 +253,46 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
 
 @main.group()
 def bisect() -> None:
-    """Localise a failure: over git commits (more axes to come)."""
+    """Localise a failure: over steps, layers/ops, precision and kernels, or git commits."""
+
+
+def _axis_command(axis: str, doc: str, extra: list[Any] | None = None) -> None:
+    def command(bundle: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
+        from reprokit.bisect import AXES
+
+        fn: Any = AXES[axis][0]
+        fmt: Any = AXES[axis][1]
+        opts = {k: kw.pop(k) for k in list(kw) if k in ("keep", "variants")}
+        if opts.get("variants"):
+            opts["variants"] = [v.strip() for v in opts["variants"].split(",") if v.strip()]
+        if axis == "precision" and not as_json:
+            opts["progress"] = lambda name, verdict: click.echo(f"  {name:<16}{verdict}", err=True)
+        with _open(bundle, kw) as path:
+            d = fn(B.open_bundle(path), device=device, code=code, **opts)
+        _emit(d) if as_json else click.echo(fmt(d))
+
+    command.__doc__ = doc
+    opts: list[Any] = [
+        bundle_arg,
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay."),
+        click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+                     help="Import build/step from this checkout instead of the bundle's code snapshot."),
+        *(extra or []), archive_opts, json_opt]
+    decorated: Any = command
+    for opt in reversed(opts):
+        decorated = opt(decorated)
+    bisect.command(axis)(decorated)
+
+
+_axis_command("steps", """Replay step by step: the first step whose grads, params, optimizer state, scaler or loss
+    went bad (often before the failure fired), with loss, grad norm, top-5 grads, LR and scale per step.""")
+_axis_command("layers", """Replay the failing step with hooks on every module: the first module (and aten op inside
+    it) producing a non-finite value, or the module whose forward raised, with the frames before it.""",
+              [click.option("--keep", default=20, show_default=True, type=click.IntRange(1),
+                            help="How many module frames before the culprit to show.")])
+_axis_command("precision", """Replay under fp32 / bf16 / fp16 autocast, TF32 on/off, each SDPA backend and
+    deterministic algorithms: pass, fail, n/a or different_failure per variant, and the smallest fix.""",
+              [click.option("--variants", default=None, help="Comma-separated subset of variants to run.")])
 
 
 @bisect.command("commits")

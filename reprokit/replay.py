@@ -195,9 +195,12 @@ class Session:
         restore_rng(tree["rng"], tensors)
         self.monitor.load_state_dict(tree.get("monitor", {}))
 
-    def run(self, steps: Sequence[StepInput], snapshot: tuple[dict, dict] | None = None) -> RunOutcome:
-        """Restore the snapshot, then run ``steps`` in order until one fails."""
-        self.restore(snapshot)
+    def run(self, steps: Sequence[StepInput], snapshot: tuple[dict, dict] | None = None,
+            restore: bool = True) -> RunOutcome:
+        """Restore the snapshot (unless ``restore=False``: go on from the live state), then run ``steps``
+        in order until one fails."""
+        if restore:
+            self.restore(snapshot)
         losses: dict[int, float | None] = {}
         failure = None
         t0 = time.perf_counter()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
 from reprokit import pytree
 from reprokit.bundle import STATE_TENSORS, Bundle, jsonable
+from reprokit.errors import ReprokitError
 
 
 def describe(bundle: Bundle) -> dict[str, Any]:
@@ -96,3 +99,49 @@ def format_describe(d: dict[str, Any]) -> str:
 def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
+
+
+def plot_history(bundle: Bundle, out: Path) -> Path:
+    """Loss and grad norm over the recorded history, window shaded, failure marked, as a PNG.
+
+    Raises:
+        ReprokitError: when matplotlib is not installed, saying how to get it.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ReprokitError("--plot needs matplotlib: pip install 'reprokit[plot]'") from None
+    hist = bundle.run.get("history", [])
+    steps = [h["step"] for h in hist]
+    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
+    for ax, key, label in ((ax1, "loss", "loss"), (ax2, "grad_norm", "grad norm")):
+        ys = [_finite_or_none(h.get(key)) for h in hist]
+        ax.plot(steps, [y if y is not None else float("nan") for y in ys], lw=1.2, color="C0")
+        bad = [s for s, h in zip(steps, hist) if h.get(key) is not None and _finite_or_none(h[key]) is None]
+        for s in bad:
+            ax.axvline(s, color="red", lw=0.8, ls=":")
+        ax.set_ylabel(label)
+        ax.axvspan(bundle.run["window"]["start"], bundle.run["window"]["end"], color="0.9", label="replay window")
+        ax.axvline(bundle.failure.step, color="red", lw=1.5, label=f"failure: {bundle.failure.kind}")
+        if any(y is not None and y > 0 for y in ys):
+            ax.set_yscale("log")
+    ax1.legend(loc="upper left", fontsize=8)
+    ax2.set_xlabel("step")
+    fig.suptitle(f"{bundle.failure.describe()}"[:100], fontsize=10)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _finite_or_none(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None

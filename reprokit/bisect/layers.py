@@ -1,0 +1,202 @@
+"""``reprokit bisect layers``: which module (and which op inside it) first produced a non-finite value.
+
+The window is replayed up to the failing step; that step then runs with a
+forward and a full backward hook on every module, recording, in execution
+order, each module's input/output/weight ranges. The first module whose
+forward output (else backward gradient) is non-finite is the culprit; the
+step is then run once more from the same state with a ``TorchDispatchMode``
+that watches only while the culprit runs and names the first aten op whose
+output is non-finite. For exception failures, the module whose forward raised
+and the shapes/dtypes it received are reported instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from reprokit import pytree
+from reprokit.bundle import Bundle
+from reprokit.replay import Session
+
+
+def _stats(obj: Any) -> dict[str, Any] | None:
+    ts = [t for _, t in pytree.leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    if not ts:
+        return None
+    with torch.no_grad():
+        flat = torch.cat([t.detach().float().reshape(-1) for t in ts])
+        finite = flat[torch.isfinite(flat)].abs()
+        return {"abs_min": float(finite.min()) if finite.numel() else None,
+                "abs_max": float(finite.max()) if finite.numel() else None,
+                "nonfinite": int((~torch.isfinite(flat)).sum()), "numel": int(flat.numel())}
+
+
+def _shapes(obj: Any) -> list[str]:
+    return [f"{p}: {t.dtype}{list(t.shape)}".replace("torch.", "") for p, t in pytree.leaves(obj)
+            if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class _Tracer:
+    model: torch.nn.Module
+    keep: int
+    frames: deque = field(default_factory=lambda: deque(maxlen=400))
+    first: dict[str, Any] | None = None
+    stack: list[tuple[str, list[str]]] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name, mod in self.model.named_modules():
+            name = name or "<model>"
+            self.handles.append(mod.register_forward_pre_hook(self._pre(name)))
+            self.handles.append(mod.register_forward_hook(self._post(name)))
+            self.handles.append(mod.register_full_backward_hook(self._back(name)))
+
+    def _pre(self, name: str) -> Any:
+        def hook(mod: torch.nn.Module, inputs: Any) -> None:
+            self.stack.append((name, _shapes(inputs)))
+        return hook
+
+    def _post(self, name: str) -> Any:
+        def hook(mod: torch.nn.Module, inputs: Any, output: Any) -> None:
+            if self.stack:
+                self.stack.pop()
+            self._record(name, mod, "forward", inputs, output)
+        return hook
+
+    def _back(self, name: str) -> Any:
+        def hook(mod: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+            self._record(name, mod, "backward", grad_output, grad_input)
+        return hook
+
+    def _record(self, name: str, mod: torch.nn.Module, phase: str, inputs: Any, outputs: Any) -> None:
+        frame: dict[str, Any] = {"module": name, "class": type(mod).__name__, "phase": phase, "inputs": _stats(inputs),
+                 "outputs": _stats(outputs),
+                 "weights": _stats([p for p in mod.parameters(recurse=False)])}
+        self.frames.append(frame)
+        out = frame["outputs"]
+        if self.first is None and out is not None and out["nonfinite"]:
+            self.first = {**frame, "index": len(self.frames) - 1,
+                          "inputs_already_nonfinite": bool(frame["inputs"] and frame["inputs"]["nonfinite"])}
+            self.first_frames = list(self.frames)[-self.keep - 1:-1]
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _FirstBadOp(TorchDispatchMode):
+    """Watches aten ops while ``active``; remembers the first with a non-finite floating output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        self.found: dict[str, Any] | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.active and self.found is None:
+            st = _stats(out)
+            if st and st["nonfinite"]:
+                self.found = {"op": str(func.overloadpacket.__name__), "overload": str(func),
+                              "inputs": _stats(list(args)), "output": st}
+        return out
+
+
+def bisect_layers(bundle: Bundle, *, device: str | None = None, code: Any = None, keep: int = 20) -> dict[str, Any]:
+    """Localise the failing step's first non-finite module and op (or the module that raised)."""
+    with Session(bundle, device=device, code=code) as s:
+        inputs = s.inputs()
+        before = s.advance(inputs[:-1]) if len(inputs) > 1 else s.snapshot
+        if before is None:
+            return {"first_nonfinite": None, "frames": [], "raised_in": None,
+                    "note": "the window failed before its last step; shrink or replay it first"}
+        assert s.state is not None
+        tracer = _Tracer(s.state.model, keep)
+        try:
+            with warnings.catch_warnings():
+                # Full backward hooks warn when a module's inputs need no grad (the first layer): expected here.
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                out = s.run(inputs[-1:], before)
+        finally:
+            tracer.close()
+        result: dict[str, Any] = {"failure": out.failure.describe() if out.failure else None,
+                                  "first_nonfinite": None, "frames": [], "raised_in": None}
+        if out.failure is not None and out.failure.kind == "exception" and tracer.stack:
+            name, shapes = tracer.stack[-1]
+            result["raised_in"] = {"module": name, "class": type(s.state.model.get_submodule(
+                "" if name == "<model>" else name)).__name__, "received": shapes,
+                "exception": f"{out.failure.exc_type}: {out.failure.message}"}
+            result["frames"] = list(tracer.frames)[-keep:]
+            return result
+        if tracer.first is None:
+            result["frames"] = list(tracer.frames)[-keep:]
+            return result
+        first = tracer.first
+        result["frames"] = tracer.first_frames + [{k: first[k] for k in ("module", "class", "phase", "inputs",
+                                                                           "outputs", "weights")}]
+        op = _find_op(s, inputs[-1:], before, first["module"], first["phase"])
+        result["first_nonfinite"] = {"module": first["module"], "class": first["class"], "phase": first["phase"],
+                                     "op": op["op"] if op else None, "op_detail": op,
+                                     "inputs_already_nonfinite": first["inputs_already_nonfinite"]}
+        return result
+
+
+def _find_op(s: Session, steps: list, before: Any, module: str, phase: str) -> dict[str, Any] | None:
+    """Run the step again from the same state, watching aten ops only inside ``module``'s forward."""
+    assert s.state is not None
+    mod = s.state.model if module == "<model>" else s.state.model.get_submodule(module)
+    mode = _FirstBadOp()
+
+    def on(*_: Any) -> None:
+        mode.active = True
+
+    def off(*_: Any) -> None:
+        mode.active = False
+
+    handles = [mod.register_forward_pre_hook(on), mod.register_forward_hook(off)] if phase == "forward" else \
+        [mod.register_full_backward_pre_hook(on), mod.register_full_backward_hook(off)]
+    try:
+        with mode, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            s.run(steps, before)
+    finally:
+        for h in handles:
+            h.remove()
+    return mode.found
+
+
+def format_layers(d: dict[str, Any]) -> str:
+    lines = []
+    if d.get("raised_in"):
+        r = d["raised_in"]
+        lines.append(f"raised in module {r['module']} ({r['class']}): {r['exception']}")
+        lines.append("  it received: " + "; ".join(r["received"]))
+    elif d.get("first_nonfinite"):
+        f = d["first_nonfinite"]
+        lines.append(f"first non-finite: {f['module']} ({f['class']}), {f['phase']}"
+                     + (f", op aten.{f['op']}" if f["op"] else ""))
+        if f["inputs_already_nonfinite"]:
+            lines.append("  its inputs were already non-finite: look at the data (or a module without hooks)")
+    else:
+        lines.append("no module produced a non-finite value in the failing step")
+    lines.append(f"{'module':<28}{'class':<16}{'phase':<9}{'in |min|..|max| (nonfinite)':<34}"
+                 f"{'out |min|..|max| (nonfinite)':<34}")
+    for fr in d.get("frames", []):
+        lines.append(f"{fr['module'][:27]:<28}{fr['class'][:15]:<16}{fr['phase']:<9}{_rng(fr['inputs']):<34}"
+                     f"{_rng(fr['outputs']):<34}")
+    return "\n".join(lines)
+
+
+def _rng(st: dict[str, Any] | None) -> str:
+    if not st:
+        return "-"
+    lo = "-" if st["abs_min"] is None else f"{st['abs_min']:.3g}"
+    hi = "-" if st["abs_max"] is None else f"{st['abs_max']:.3g}"
+    return f"{lo}..{hi} ({st['nonfinite']})"

@@ -1,0 +1,192 @@
+"""``reprokit bisect precision``: replay the window under precision and kernel variants.
+
+How variants reach user code (and the limits of that):
+
+- ``fp32`` / ``bf16`` / ``fp16``: the step runs inside ``torch.autocast`` of the
+  replay device (disabled for fp32), and ``torch.autocast`` / ``torch.amp.autocast``
+  / ``torch.cuda.amp.autocast`` / ``torch.cpu.amp.autocast`` are replaced for the
+  duration of the replay by a subclass that forces that dtype (or disables it), so
+  autocast regions inside the user's step follow. For fp32, floating parameters are
+  upcast after ``build`` (optimizer state follows them on load) and floating batch
+  tensors too. Limits: code that bound ``autocast`` under another name before the
+  replay started (``from torch import autocast``) is not patched; explicit
+  ``.half()`` / ``.to(torch.float16)`` calls inside the step are not undone; fp16
+  uses the GradScaler only if ``build`` made one.
+- ``tf32_on`` / ``tf32_off``: ``torch.backends.cuda.matmul.allow_tf32`` and
+  ``torch.backends.cudnn.allow_tf32``; CUDA only (n/a on CPU).
+- ``sdpa_*``: ``torch.nn.attention.sdpa_kernel`` restricted to one backend; a
+  backend this device cannot run is n/a (probed with a tiny attention call).
+- ``deterministic``: ``torch.use_deterministic_algorithms(True)``; an op without a
+  deterministic kernel then raises, which shows as ``different_failure``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from reprokit import pytree
+from reprokit.bundle import Bundle
+from reprokit.replay import Session
+
+Variant = Callable[[Session], contextlib.AbstractContextManager[Any]]
+
+
+@contextlib.contextmanager
+def _autocast(s: Session, dtype: torch.dtype | None) -> Iterator[None]:
+    """Force every autocast region to ``dtype`` (None: disabled), and wrap the step in one."""
+    real = torch.amp.autocast_mode.autocast
+    device = s.device.type
+
+    class Forced(real):  # type: ignore[misc, valid-type]
+        def __init__(self, device_type: str = device, dtype_: Any = None, enabled: bool = True,
+                     cache_enabled: Any = None, **kw: Any) -> None:
+            super().__init__(device, dtype=dtype or torch.float32, enabled=dtype is not None,
+                             cache_enabled=cache_enabled)
+
+    targets = [(torch, "autocast"), (torch.amp, "autocast")]
+    for mod in (getattr(torch.cuda, "amp", None), getattr(torch.cpu, "amp", None)):
+        if mod is not None and hasattr(mod, "autocast"):
+            targets.append((mod, "autocast"))
+    saved = [(m, n, getattr(m, n)) for m, n in targets]
+    step_fn = s.step_fn
+
+    def wrapped(state: Any, batch: Any) -> Any:
+        with Forced(device):
+            return step_fn(state, batch)
+
+    try:
+        for m, n, _ in saved:
+            setattr(m, n, Forced)
+        s.step_fn = wrapped
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # autocast warns about dtypes a device lacks; the result says it
+            yield
+    finally:
+        s.step_fn = step_fn
+        for m, n, v in saved:
+            setattr(m, n, v)
+
+
+@contextlib.contextmanager
+def _fp32(s: Session) -> Iterator[None]:
+    assert s.state is not None
+    s.state.model.float()
+    with _autocast(s, None):
+        yield
+
+
+@contextlib.contextmanager
+def _flags(**flags: bool) -> Iterator[None]:
+    before = {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32,
+              "det": torch.are_deterministic_algorithms_enabled()}
+    try:
+        if "tf32" in flags:
+            torch.backends.cuda.matmul.allow_tf32 = flags["tf32"]
+            torch.backends.cudnn.allow_tf32 = flags["tf32"]
+        if "deterministic" in flags:
+            torch.use_deterministic_algorithms(flags["deterministic"])
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before["matmul"]
+        torch.backends.cudnn.allow_tf32 = before["cudnn"]
+        torch.use_deterministic_algorithms(before["det"])
+
+
+def _sdpa(name: str) -> Variant:
+    def variant(s: Session) -> contextlib.AbstractContextManager[Any]:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(getattr(SDPBackend, name))
+    return variant
+
+
+def _sdpa_available(name: str, device: torch.device) -> bool:
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return False
+    if not hasattr(SDPBackend, name):
+        return False
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    q = torch.randn(1, 2, 8, 16, device=device, dtype=dtype)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with sdpa_kernel(getattr(SDPBackend, name)):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _available(name: str, device: torch.device) -> bool:
+    if name in ("tf32_on", "tf32_off"):
+        return device.type == "cuda"
+    if name == "bf16":
+        return device.type == "cpu" or torch.cuda.is_bf16_supported()
+    if name.startswith("sdpa_"):
+        return _sdpa_available(SDPA[name], device)
+    return True
+
+
+SDPA = {"sdpa_math": "MATH", "sdpa_flash": "FLASH_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION",
+        "sdpa_cudnn": "CUDNN_ATTENTION"}
+
+# The one list. Order is also the order of preference for "the smallest change that makes it pass":
+# a kernel or flag switch before a change of precision.
+VARIANTS: dict[str, Variant] = {
+    "recorded": lambda s: contextlib.nullcontext(),
+    "tf32_off": lambda s: _flags(tf32=False),
+    "tf32_on": lambda s: _flags(tf32=True),
+    **{name: _sdpa(backend) for name, backend in SDPA.items()},
+    "deterministic": lambda s: _flags(deterministic=True),
+    "bf16": lambda s: _autocast(s, torch.bfloat16),
+    "fp16": lambda s: _autocast(s, torch.float16),
+    "fp32": _fp32,
+}
+
+
+def bisect_precision(bundle: Bundle, *, device: str | None = None, code: Any = None,
+                     variants: list[str] | None = None, progress: Callable[[str, str], None] | None = None
+                     ) -> dict[str, Any]:
+    """Replay the window under each variant: ``variants`` maps name to pass | fail | n/a | different_failure."""
+    names = variants or list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        from reprokit.errors import ReprokitError
+
+        raise ReprokitError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    results: dict[str, str] = {}
+    details: dict[str, Any] = {}
+    for name in names:
+        with Session(bundle, device=device, code=code) as s:
+            if not _available(name, s.device):
+                results[name] = "n/a"
+                details[name] = f"not available on {s.device.type}"
+            else:
+                inputs = s.inputs()
+                if name == "fp32":
+                    inputs = [type(i)(i.step, pytree.map_tensors(i.batch, lambda t: t.float() if t.is_floating_point()
+                                                                 else t), i.rng, i.rng_tensors) for i in inputs]
+                with VARIANTS[name](s):
+                    out = s.run(inputs)
+                results[name] = "fail" if out.same else "different_failure" if out.failure else "pass"
+                details[name] = out.failure.describe() if out.failure else f"passed {len(out.losses)} steps"
+        if progress:
+            progress(name, results[name])
+    fixes = [n for n in names if results[n] == "pass" and n != "recorded"]
+    return {"variants": results, "details": details,
+            "smallest_fix": fixes[0] if results.get("recorded") == "fail" and fixes else None}
+
+
+def format_precision(d: dict[str, Any]) -> str:
+    lines = [f"  {n:<16}{v:<19}{d['details'][n]}" for n, v in d["variants"].items()]
+    fix = d["smallest_fix"]
+    lines.append(f"smallest change that makes the failure go away: {fix}" if fix else
+                 "no single variant makes the failure go away")
+    return "\n".join(lines)
