@@ -113,11 +113,34 @@ class BundleWriter:
     def write_json(self, rel: str, obj: Any) -> None:
         self.write_bytes(rel, dumps(obj))
 
-    def write_tensors(self, rel: str, tensors: dict[str, torch.Tensor]) -> None:
-        self.write_bytes(rel, st_save({k: t.contiguous() for k, t in tensors.items()}))
+    def write_tensors(self, rel: str, tensors: dict[str, torch.Tensor] | Path) -> None:
+        """Write tensors as safetensors; a Path is an already-written safetensors file, copied in chunks."""
+        if isinstance(tensors, Path):
+            self.copy_file(rel, tensors)
+            return
+        own: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()
+        for k, t in tensors.items():
+            # safetensors refuses tensors that share storage: give views (referenced batches) their own.
+            ptr = t.untyped_storage().data_ptr() if t.numel() else -1
+            whole = t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+            own[k] = t if whole and ptr not in storages else t.contiguous().clone()
+            storages.add(ptr)
+        self.write_bytes(rel, st_save(own))
 
     def copy_file(self, rel: str, src: Path) -> None:
-        self.write_bytes(rel, Path(src).read_bytes())
+        """Copy a file in, chunk by chunk (state files may be larger than memory)."""
+        path = self.tmp / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        h, size = hashlib.sha256(), 0
+        with open(src, "rb") as fin, open(path, "wb") as fout:
+            for chunk in iter(lambda: fin.read(1 << 24), b""):
+                h.update(chunk)
+                fout.write(chunk)
+                size += len(chunk)
+            fout.flush()
+            os.fsync(fout.fileno())
+        self.files[rel] = {"sha256": h.hexdigest(), "size": size}
 
     def commit(self) -> Path:
         manifest = {
@@ -157,7 +180,7 @@ class StepRecord:
 
 
 def write_bundle(w: BundleWriter, *, failure: dict[str, Any], run: dict[str, Any], env: dict[str, Any],
-                 state: tuple[dict[str, Any], dict[str, torch.Tensor]], steps: Iterable[StepRecord],
+                 state: tuple[dict[str, Any], dict[str, torch.Tensor] | Path], steps: Iterable[StepRecord],
                  code: Iterable[tuple[str, Path]] = ()) -> Path:
     """Write every part of a bundle through ``w`` and commit it (manifest last)."""
     w.write_json(FAILURE, failure)

@@ -77,6 +77,7 @@ class Monitor:
         self.skip_streak = 0
         self.last_scale: float | None = None
         self._norms: list[torch.Tensor] = []
+        self._scale: float | None = None
         self._hook = state.optimizer.register_step_pre_hook(self._on_optimizer_step) if settings.check_grads else None
         self._hook_warned = False
 
@@ -84,6 +85,10 @@ class Monitor:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+    def attach(self) -> None:
+        if self._hook is None and self.settings.check_grads:
+            self._hook = self.state.optimizer.register_step_pre_hook(self._on_optimizer_step)
 
     # The monitor's own counters travel with snapshots so replay starts where recording was.
     def state_dict(self) -> dict[str, Any]:
@@ -138,12 +143,19 @@ class Monitor:
                 vals.append(torch.linalg.vector_norm(torch.stack([n.to(dev, torch.float32) for n in norms])))
             else:
                 has_param = False
+        # The GradScaler's scale rides along in the same read (get_scale() would sync a second time).
+        scale_t = getattr(self.state.scaler, "_scale", None) if self.state.scaler_enabled() else None
+        has_scale = isinstance(scale_t, torch.Tensor) and (dev is None or scale_t.device == dev)
+        if has_scale:
+            vals.append(scale_t.reshape(()).float())  # type: ignore[union-attr]
+            dev = dev or scale_t.device  # type: ignore[union-attr]
         got = torch.stack([v.to(dev) for v in vals]).tolist() if vals else []
         loss_f = got.pop(0) if vals and isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
         if loss_f is None and isinstance(loss, (int, float)):
             loss_f = float(loss)
         grad_norm = got.pop(0) if has_grad else None
         param_norm = got.pop(0) if has_param else None
+        self._scale = got.pop(0) if has_scale else None
         return loss_f, grad_norm, param_norm
 
     def _check(self, step: int, loss: float | None, grad_norm: float | None,
@@ -156,7 +168,7 @@ class Monitor:
         if param_norm is not None and not _finite(param_norm):
             return Failure("nonfinite_param", step, message=f"param norm = {param_norm}")
         if self.state.scaler_enabled():
-            scale = float(self.state.scaler.get_scale())
+            scale = self._scale if self._scale is not None else float(self.state.scaler.get_scale())
             skipped = self.last_scale is not None and scale < self.last_scale
             self.skip_streak = self.skip_streak + 1 if skipped else 0
             self.last_scale = scale

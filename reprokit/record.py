@@ -27,6 +27,7 @@ from reprokit.detect import DetectSettings, Monitor, Predicate
 from reprokit.env import capture_env, determinism_flags
 from reprokit.errors import CaptureError, RecorderWarning, TrainingFailure
 from reprokit.signature import Failure
+from reprokit.snapshot import SnapshotEngine
 from reprokit.state import TrainState, capture_rng, capture_state
 
 StepFn = Callable[[TrainState, Any], Any]
@@ -50,7 +51,8 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 class _Snapshot:
     step: int
     tree: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor] | Path
+    """In host memory, or the path of a safetensors file when spilling to disk."""
 
 
 class Recorder:
@@ -68,6 +70,11 @@ class Recorder:
         check_grads / check_params / scaler_patience / spike_factor / spike_window:
             see :class:`reprokit.detect.DetectSettings`.
         loss_history: how many recent (step, loss) pairs to keep for ``inspect``.
+        spill_dir: stream snapshots to a file in this local directory instead of keeping them
+            in host memory (for states that do not fit in RAM; costs a synchronous copy).
+        batch_copy_bytes: CPU batch tensors smaller than this are copied; larger ones are
+            referenced, and if the step modifies one in place (its version counter moves) the
+            window is dropped until the next snapshot and later batches are copied.
 
     Raises:
         CaptureError: at attach time, naming what cannot be recorded (a lambda as
@@ -96,6 +103,8 @@ class Recorder:
         spike_factor: float | None = None,
         spike_window: int = 50,
         loss_history: int = 1000,
+        spill_dir: str | Path | None = None,
+        batch_copy_bytes: int = 1 << 20,
     ):
         if snapshot_every < 1:
             raise CaptureError(f"snapshot_every must be >= 1, got {snapshot_every}")
@@ -117,8 +126,11 @@ class Recorder:
             raise CaptureError(f"config holds tensors ({', '.join(config_tensors)}); pass plain data that build() "
                                "turns into tensors")
         self._config = config_tree
-        capture_state(state)  # fail now, at attach time, if anything cannot be recorded
+        capture_state(state, copy=lambda t: t)  # fail now, at attach time, if anything cannot be recorded
         self.monitor = Monitor(state, self.settings, detect)
+        self._engine = SnapshotEngine(state, spill_dir)
+        self.batch_copy_bytes = batch_copy_bytes
+        self._referenced: list[tuple[torch.Tensor, int]] = []
         self.step_index = 0
         self.bundles: list[Path] = []
         self._snapshot: _Snapshot | None = None
@@ -140,6 +152,8 @@ class Recorder:
         record = self._record_step_start(k, batch)
         result = self.monitor.run(self.train_step, batch, k)
         self.step_index += 1
+        if self._referenced:
+            self._check_referenced(k)
         if record is not None:
             record.loss, record.grad_norm = result.loss, result.grad_norm
         self._history.append((k, result.loss, result.grad_norm))
@@ -159,7 +173,8 @@ class Recorder:
                 self._take_snapshot(k)
             if not self._window_ok:
                 return None
-            tree, tensors = pytree.encode(batch, "batch", copy=host_copy)
+            self._referenced.clear()
+            tree, tensors = pytree.encode(batch, "batch", copy=self._batch_copy)
             rng_tree, rng_tensors = capture_rng()
             rec = B.StepRecord(k, tree, {**tensors, **rng_tensors}, rng_tree)
             self._ring.append(rec)
@@ -171,14 +186,30 @@ class Recorder:
                                   f"next snapshot (step {self._next_snapshot(k)}). Training continues.")
             return None
 
+    def _batch_copy(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.is_cuda or t.numel() * t.element_size() < self.batch_copy_bytes:
+            return host_copy(t)
+        self._referenced.append((t, t._version))  # large CPU tensor: keep a reference, check it after the step
+        return t
+
+    def _check_referenced(self, k: int) -> None:
+        changed = any(t._version != v for t, v in self._referenced)
+        self._referenced.clear()
+        if changed:
+            self._window_ok = False
+            self._ring.clear()
+            self.batch_copy_bytes = 1 << 62  # copy everything from now on
+            self._warn("inplace", f"reprokit: step {k} modified its batch in place; the recorded copy is lost, so "
+                                  f"no bundle until the next snapshot (step {self._next_snapshot(k)}). Batches are "
+                                  "copied from now on.")
+
     def _take_snapshot(self, k: int) -> None:
         self._ring.clear()
         self._snapshot = None  # free the old one before copying the new one
         self._window_ok = False
-        tree, tensors = capture_state(self.state, copy=host_copy)
-        rng_tree, rng_tensors = capture_rng()
-        tree = {"state": tree, "rng": rng_tree, "monitor": self.monitor.state_dict(), "step": k}
-        self._snapshot = _Snapshot(k, tree, {**tensors, **rng_tensors})
+        tree, tensors = self._engine.take({"monitor": self.monitor.state_dict(), "step": k})
+        self._snapshot = _Snapshot(k, tree, tensors)
         self._window_ok = True
 
     def _next_snapshot(self, k: int) -> int:
@@ -245,8 +276,24 @@ class Recorder:
             self._warned.add(key)
             warnings.warn(message, RecorderWarning, stacklevel=3)
 
+    def detach(self) -> None:
+        """Stop watching (remove the optimizer hooks) but keep buffers, window and snapshot; see :meth:`attach`."""
+        self.monitor.close()
+        self._engine.detach()
+
+    def attach(self) -> None:
+        """Watch again after :meth:`detach` (say, after an evaluation loop that calls the optimizer)."""
+        self.monitor.attach()
+        self._engine.attach()
+
     def close(self) -> None:
         """Detach from the optimizer and free the window."""
         self.monitor.close()
+        self._engine.close()
         self._ring.clear()
         self._snapshot = None
+
+    @property
+    def snapshot_stats(self) -> dict[str, Any]:
+        """Bytes, pinned host bytes and host seconds of the last snapshot (for benchmarks)."""
+        return dict(self._engine.stats)

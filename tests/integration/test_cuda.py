@@ -56,3 +56,57 @@ def test_gpu_bundle_replays_on_cpu(projects, tmp_path):
     assert report.device == "cpu" and report.reproduced
     # CPU kernels and the CPU dropout stream differ from CUDA's: reproduced, not bit-exact.
     assert report.fidelity["steps_compared"] == 4
+
+
+def _syncs(fn) -> int:
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_recorder_adds_exactly_one_sync_per_step(projects, tmp_path, amp):
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda", "amp": amp}
+    batches = list(gpu.batches(12, None, "cuda"))
+    bare_state = gpu.build(cfg)
+    for b in batches[:3]:
+        gpu.train_step(bare_state, b)
+    bare = _syncs(lambda: [gpu.train_step(bare_state, b) for b in batches[3:8]])
+    state = gpu.build(cfg)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path,
+                            snapshot_every=1000)
+    for b in batches[:3]:  # the first step takes the snapshot
+        rec.step(b)
+    watched = _syncs(lambda: [rec.step(b) for b in batches[3:8]])
+    assert watched == bare + 5, (bare, watched)  # one read of loss + grad norm (+ scale) per step
+
+
+def test_async_snapshot_matches_a_synchronous_copy(projects, tmp_path):
+    """Copies on the side stream land intact although training runs on right after the snapshot."""
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda", "amp": True}
+    state = gpu.build(cfg)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path, snapshot_every=4)
+    batches = list(gpu.batches(9, None, "cuda"))
+    for b in batches[:4]:
+        rec.step(b)
+    expected = {k: v.detach().cpu().clone() for k, v in state.model.state_dict().items()}
+    exp_opt = {i: {k: v.detach().cpu().clone() for k, v in s.items()} for i, s in
+               enumerate(state.optimizer.state_dict()["state"].values())}
+    for b in batches[4:9]:  # step 4 snapshots, then four more steps overwrite params in place
+        rec.step(b)
+    rec._engine.wait()
+    tensors = rec._snapshot.tensors
+    for k, v in expected.items():
+        assert torch.equal(tensors[f"model/{k}"], v), k
+    for i, s in exp_opt.items():
+        for k, v in s.items():
+            assert torch.equal(tensors[f"optimizer/state/{i}/{k}"], v), (i, k)

@@ -40,3 +40,15 @@ def test_shrink_bench_quick_runs():
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert len(rows) == 4 and all(r["after"]["rows"] <= r["before"]["rows"] for r in rows)
+
+
+def test_recorder_overhead_bench_quick_runs():
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "recorder_overhead.py"), "--quick", "--json"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert {"bare", "recorder", "recorder+checks", "detect_anomaly"} <= report["variants"].keys()
+    assert report["variants"]["bare"]["ratio"] == 1.0

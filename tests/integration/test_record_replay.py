@@ -188,3 +188,31 @@ def test_bundle_written_atomically(projects, tmp_path, monkeypatch):
         _, exc = record(mlp, {}, mlp.batches({}, 12, poison_step=9), tmp_path, snapshot_every=4)
     assert isinstance(exc, reprokit.TrainingFailure) and exc.bundle is None
     assert os.listdir(tmp_path) == [], "the half-written temp dir is removed, nothing else appears"
+
+
+def test_spill_to_disk_snapshots_replay_bit_exact(projects, tmp_path):
+    mlp = projects("rk_mlp")
+    cfg = {"optimizer": "adamw", "scheduler": "cosine", "steps": 30}
+    rec, exc = record(mlp, cfg, mlp.batches(cfg, 30, poison_step=23), tmp_path / "out", snapshot_every=10,
+                      spill_dir=tmp_path / "spill")
+    assert isinstance(exc.bundle, os.PathLike) and rec.snapshot_stats["spill_seconds"] > 0
+    assert list((tmp_path / "spill").glob("*.safetensors")), "the snapshot lives on disk, not in RAM"
+    report = reprokit.replay(exc.bundle, times=2)
+    assert report.fidelity["bit_exact"] and report.fidelity["runs_bit_identical"] and report.reproduced
+
+
+def test_large_cpu_batches_are_referenced_and_in_place_edits_detected(projects, tmp_path):
+    mlp = projects("rk_mlp")
+    cfg = {"optimizer": "sgd"}
+    # batch_copy_bytes=0: every CPU tensor counts as large, so it is referenced, not copied.
+    rec, exc = record(mlp, cfg, mlp.batches(cfg, 9, poison_step=7), tmp_path / "a", snapshot_every=4,
+                      batch_copy_bytes=0)
+    assert rec._ring[0].tensors["batch/x"].data_ptr() != 0
+    assert reprokit.replay(exc.bundle).fidelity["bit_exact"], "referenced batches are recorded correctly"
+    with pytest.warns(reprokit.RecorderWarning) as caught:
+        rec, exc = record(mlp, cfg, mlp.batches(cfg, 9, poison_step=5), tmp_path / "b", snapshot_every=100,
+                          batch_copy_bytes=0, step=mlp.scribbling_step)
+    messages = [str(w.message) for w in caught]
+    assert "modified its batch in place" in messages[0] and "window is incomplete; no bundle" in messages[-1]
+    assert isinstance(exc, reprokit.TrainingFailure) and exc.bundle is None, "a lost window is never written"
+    assert rec.batch_copy_bytes > 1 << 60, "later batches are copied"
