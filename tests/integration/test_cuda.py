@@ -110,3 +110,20 @@ def test_async_snapshot_matches_a_synchronous_copy(projects, tmp_path):
     for i, s in exp_opt.items():
         for k, v in s.items():
             assert torch.equal(tensors[f"optimizer/state/{i}/{k}"], v), (i, k)
+
+
+def test_precision_matrix_on_the_gpu(projects, tmp_path):
+    from reprokit.bisect import bisect_precision
+
+    attn = projects("rk_gpu_attn")
+    _, exc = record(attn, {}, attn.batches(12, 7), tmp_path, snapshot_every=5)
+    assert isinstance(exc, reprokit.TrainingFailure) and exc.failure.step == 7
+    d = bisect_precision(open_bundle(exc.bundle))
+    v = d["variants"]
+    print("precision matrix on", torch.cuda.get_device_name(0), v, d["details"])
+    assert v["recorded"] == "fail" and v["fp16"] == "fail"
+    assert v["fp32"] == "pass" and v["bf16"] == "pass"
+    for name in ("tf32_on", "tf32_off", "sdpa_math", "sdpa_flash", "sdpa_efficient"):
+        assert v[name] != "n/a", name  # all of these run on an H100/H200
+        assert v[name] == "fail", (name, d["details"][name])  # a kernel switch does not fix an fp16 overflow
+    assert d["smallest_fix"] == "bf16"
