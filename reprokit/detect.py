@@ -103,10 +103,7 @@ class Monitor:
         try:
             grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             if grads:
-                with torch.no_grad():
-                    norms = torch._foreach_norm(grads)
-                    dev = norms[0].device
-                    self._norms.append(torch.linalg.vector_norm(torch.stack([n.to(dev, torch.float32) for n in norms])))
+                self._norms.append(global_norm(grads))
         except Exception as e:  # never break the user's optimizer step
             if not self._hook_warned:
                 self._hook_warned = True
@@ -139,8 +136,7 @@ class Monitor:
             params = [p.detach() for p in self.state.model.parameters()]
             if params:
                 dev = dev or params[0].device
-                norms = torch._foreach_norm(params)
-                vals.append(torch.linalg.vector_norm(torch.stack([n.to(dev, torch.float32) for n in norms])))
+                vals.append(global_norm(params))
             else:
                 has_param = False
         # The GradScaler's scale rides along in the same read (get_scale() would sync a second time).
@@ -191,6 +187,17 @@ class Monitor:
                 return Failure("predicate", step, frame=name,
                                message=verdict if isinstance(verdict, str) else f"{name} returned {verdict!r}")
         return None
+
+
+def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over many tensors in a handful of kernels (one foreach norm per device and dtype)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    with torch.no_grad():
+        parts = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts)).float()) for ts in groups.values()]
+        dev = parts[0].device
+        return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack([p.to(dev) for p in parts]))
 
 
 def _finite(x: float) -> bool:

@@ -105,20 +105,37 @@ class SnapshotEngine:
             ready.record(torch.cuda.current_stream())
             self._stream.wait_event(ready)
 
+        copied: dict[tuple, torch.Tensor] = {}
+
         def copy(t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
             if not t.is_cuda:
                 return t.clone(memory_format=torch.contiguous_format)
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if key in copied:  # tied weights: one copy (the bundle writer un-shares them)
+                return copied[key]
             i = counter[0]
             counter[0] += 1
             buf = self._buffer(i, t)
-            src = t if t.data_ptr() in protected else t.clone()  # may change before the optimizer step
-            with torch.cuda.stream(self._stream):
+            if t.data_ptr() in protected:
+                buf.copy_(t, non_blocking=True)
+            else:  # may change in the next forward (module buffers): clone on the training stream first
+                with torch.cuda.stream(main):
+                    src = t.clone()
+                    cloned = torch.cuda.Event()
+                    cloned.record(main)
+                self._stream.wait_event(cloned)
                 buf.copy_(src, non_blocking=True)
-            src.record_stream(self._stream)
+                src.record_stream(self._stream)
+            copied[key] = buf
             return buf
 
-        tree, tensors = capture_state(self.state, copy=copy)
+        if cuda:
+            main = torch.cuda.current_stream()
+            with torch.cuda.stream(self._stream):
+                tree, tensors = capture_state(self.state, copy=copy)
+        else:
+            tree, tensors = capture_state(self.state, copy=copy)
         if cuda:
             self._done = torch.cuda.Event()
             self._done.record(self._stream)

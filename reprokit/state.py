@@ -64,10 +64,15 @@ class TrainState:
 
 # --- RNG -------------------------------------------------------------------
 
+_LAST_PY: list[Any] = [None, None]  # (internal state tuple, its tensor): most steps draw no python randomness
+_LAST_NP: list[Any] = [None, None]
+
+
 def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """RNG state of python, numpy, torch CPU and every initialised CUDA device.
 
-    The big state vectors go to tensors (binary), the small scalars to JSON.
+    The big state vectors go to tensors (binary), the small scalars to JSON. A
+    state equal to the previous call's reuses its tensor (they are never mutated).
     """
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
@@ -76,10 +81,14 @@ def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         "python": [version, gauss],
         "numpy": [name, int(pos), int(has_gauss), float(cached)],
     }
+    if _LAST_PY[0] != internal:
+        _LAST_PY[:] = [internal, torch.tensor(internal, dtype=torch.int64)]
+    if _LAST_NP[0] is None or not np.array_equal(_LAST_NP[0], keys):
+        _LAST_NP[:] = [keys, torch.from_numpy(keys.astype(np.int64))]
     tensors = {
         "rng/torch": torch.get_rng_state(),
-        "rng/python": torch.tensor(internal, dtype=torch.int64),
-        "rng/numpy": torch.from_numpy(keys.astype(np.int64)),
+        "rng/python": _LAST_PY[1],
+        "rng/numpy": _LAST_NP[1],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         # get_rng_state reads the generator's seed/offset on the host: no sync.

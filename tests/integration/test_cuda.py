@@ -59,16 +59,17 @@ def test_gpu_bundle_replays_on_cpu(projects, tmp_path):
 
 
 def _syncs(fn) -> int:
+    """How many synchronizing CUDA calls ``fn`` makes (torch's sync debug mode, counted)."""
     import warnings
 
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in caught)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("amp", [False, True])
