@@ -78,6 +78,7 @@ class Monitor:
         self.last_scale: float | None = None
         self._norms: list[torch.Tensor] = []
         self._scale: float | None = None
+        self._groups: tuple[int, list[list[torch.Tensor]]] | None = None
         self._hook = state.optimizer.register_step_pre_hook(self._on_optimizer_step) if settings.check_grads else None
         self._hook_warned = False
 
@@ -99,11 +100,19 @@ class Monitor:
         self.skip_streak = int(d.get("skip_streak", 0))
         self.last_scale = d.get("last_scale")
 
+    def _grad_groups(self, optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+        """The optimizer's parameters grouped by (device, dtype), computed once: the hot path only gathers."""
+        n = sum(len(g["params"]) for g in optimizer.param_groups)
+        if self._groups is None or self._groups[0] != n:
+            self._groups = (n, group_by_device_dtype([p for g in optimizer.param_groups for p in g["params"]]))
+        return self._groups[1]
+
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
-                self._norms.append(global_norm(grads))
+            groups = self._grad_groups(optimizer)
+            grads = [[p.grad for p in ps if p.grad is not None] for ps in groups]
+            if any(grads):
+                self._norms.append(_norm_of_groups([g for g in grads if g]))
         except Exception as e:  # never break the user's optimizer step
             if not self._hook_warned:
                 self._hook_warned = True
@@ -145,7 +154,7 @@ class Monitor:
         if has_scale:
             vals.append(scale_t.reshape(()).float())  # type: ignore[union-attr]
             dev = dev or scale_t.device  # type: ignore[union-attr]
-        got = torch.stack([v.to(dev) for v in vals]).tolist() if vals else []
+        got = torch.stack([v.to(dev, torch.float64) for v in vals]).tolist() if vals else []
         loss_f = got.pop(0) if vals and isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
         if loss_f is None and isinstance(loss, (int, float)):
             loss_f = float(loss)
@@ -189,13 +198,27 @@ class Monitor:
         return None
 
 
-def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over many tensors in a handful of kernels (one foreach norm per device and dtype)."""
+def group_by_device_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t.detach())
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over many tensors, accumulated in float64 (huge but finite values must not read as inf)."""
+    return _norm_of_groups(group_by_device_dtype([t.detach() for t in tensors]))
+
+
+def _norm_of_groups(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     with torch.no_grad():
-        parts = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts)).float()) for ts in groups.values()]
+        parts = []
+        for ts in groups:
+            try:
+                norms = list(torch._foreach_norm(ts, 2, dtype=torch.float64))
+            except TypeError:  # torch < 2.3: no dtype argument
+                norms = [n.double() for n in torch._foreach_norm(ts)]
+            parts.append(torch.linalg.vector_norm(torch.stack(norms)))
         dev = parts[0].device
         return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack([p.to(dev) for p in parts]))
 
