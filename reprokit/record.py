@@ -220,7 +220,7 @@ class Recorder:
 
     def _dump(self, failure: Failure) -> Path | None:
         """Write the window as a bundle; on any fault of ours warn and return None."""
-        if not self._window_ok or self._snapshot is None:
+        if not self._window_ok or self._snapshot is None or self._engine.broken:
             self._warn("", f"reprokit: {failure.describe()}, but the recorded window is incomplete; no bundle")
             return None
         writer = None

@@ -21,12 +21,15 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from reprokit.errors import RecorderWarning
 from reprokit.state import TrainState, capture_rng, capture_state
 
 _ST_DTYPES = {
@@ -51,18 +54,39 @@ class SnapshotEngine:
         self._stream: Any = None
         self._done: Any = None
         self._staging: torch.Tensor | None = None
+        self._thread: threading.Thread | None = None
+        self._thread_error: BaseException | None = None
+        self.broken = False
+        """The last snapshot's copies failed: it must not be written."""
         self._hook: Any = state.optimizer.register_step_pre_hook(self._before_optimizer_step)
         self.stats: dict[str, Any] = {"snapshots": 0, "bytes": 0, "pinned_bytes": 0, "host_seconds": 0.0,
                                       "spill_seconds": 0.0}
 
     # --- ordering ----------------------------------------------------------------
 
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._thread_error is not None:
+            err, self._thread_error = self._thread_error, None
+            raise RuntimeError(f"snapshot copy failed: {err!r}") from err
+
     def _before_optimizer_step(self, *_: Any) -> None:
-        if self._done is not None and not self._done.query():
-            torch.cuda.current_stream().wait_event(self._done)  # GPU-side wait; the host goes on
+        if self._thread is None and self._done is None:
+            return
+        try:
+            self._join()  # all copies issued (normally long done: the forward and backward took longer)
+            if self._done is not None and not self._done.query():
+                torch.cuda.current_stream().wait_event(self._done)  # GPU-side wait; the host goes on
+        except Exception as e:  # never break the user's optimizer step
+            self.broken = True
+            warnings.warn(f"reprokit: snapshot failed ({e}); no bundle until the next snapshot", RecorderWarning,
+                          stacklevel=2)
 
     def wait(self) -> None:
         """Block until the last snapshot's copies have landed in host memory."""
+        self._join()
         if self._done is not None:
             self._done.synchronize()
             self._done = None
@@ -94,54 +118,60 @@ class SnapshotEngine:
         return out
 
     def _in_memory(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Walk the state now (the JSON part must be exact as of this step); issue the copies from a thread.
+
+        The walk and the device clones of unprotected tensors happen here; launching hundreds of
+        device-to-host copies is left to a helper thread so the training thread goes on launching
+        the next forward. The optimizer pre-hook joins that thread before making the training
+        stream wait for the copies.
+        """
         self.wait()  # the buffers are about to be reused
-        protected = self._protected()
-        counter = [0]
-        cuda = any(p.is_cuda for p in self.state.model.parameters())
+        self.broken = False
+        tree, refs = capture_state(self.state, copy=lambda t: t.detach())  # references, no copies yet
+        rng_tree, rng_tensors = capture_rng()
+        cuda = any(t.is_cuda for t in refs.values())
+        tensors: dict[str, torch.Tensor] = {}
+        plan: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        if cuda and self._stream is None:
+            self._stream = torch.cuda.Stream()
+        protected = self._protected() if cuda else set()
+        seen: dict[tuple, torch.Tensor] = {}
+        for i, (key, t) in enumerate(refs.items()):
+            if not t.is_cuda:
+                tensors[key] = t.clone(memory_format=torch.contiguous_format)
+                continue
+            ident = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if ident in seen:  # tied weights: one copy (the bundle writer un-shares them)
+                tensors[key] = seen[ident]
+                continue
+            buf = self._buffer(i, t)
+            owned = t.data_ptr() not in protected
+            # Module buffers and extra state may change in the next forward: clone them on the device now.
+            plan.append((buf, t.clone() if owned else t, owned))
+            tensors[key] = seen[ident] = buf
         if cuda:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())
-            self._stream.wait_event(ready)
-
-        copied: dict[tuple, torch.Tensor] = {}
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            t = t.detach()
-            if not t.is_cuda:
-                return t.clone(memory_format=torch.contiguous_format)
-            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-            if key in copied:  # tied weights: one copy (the bundle writer un-shares them)
-                return copied[key]
-            i = counter[0]
-            counter[0] += 1
-            buf = self._buffer(i, t)
-            if t.data_ptr() in protected:
-                buf.copy_(t, non_blocking=True)
-            else:  # may change in the next forward (module buffers): clone on the training stream first
-                with torch.cuda.stream(main):
-                    src = t.clone()
-                    cloned = torch.cuda.Event()
-                    cloned.record(main)
-                self._stream.wait_event(cloned)
-                buf.copy_(src, non_blocking=True)
-                src.record_stream(self._stream)
-            copied[key] = buf
-            return buf
-
-        if cuda:
-            main = torch.cuda.current_stream()
-            with torch.cuda.stream(self._stream):
-                tree, tensors = capture_state(self.state, copy=copy)
-        else:
-            tree, tensors = capture_state(self.state, copy=copy)
-        if cuda:
             self._done = torch.cuda.Event()
-            self._done.record(self._stream)
-        rng_tree, rng_tensors = capture_rng()
+            device = torch.cuda.current_device()
+            self._thread = threading.Thread(target=self._issue, args=(plan, ready, self._done, device),
+                                            name="reprokit-snapshot", daemon=True)
+            self._thread.start()
         self.stats["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
         return {"state": tree, "rng": rng_tree, **extra_tree}, {**tensors, **rng_tensors}
+
+    def _issue(self, plan: list[tuple[torch.Tensor, torch.Tensor, bool]], ready: Any, done: Any, device: int) -> None:
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                for buf, src, owned in plan:
+                    buf.copy_(src, non_blocking=True)
+                    if owned:
+                        src.record_stream(self._stream)
+                done.record(self._stream)
+        except Exception as e:  # surfaced by wait()/the hook, never lost
+            self._thread_error = e
+            done.record(torch.cuda.current_stream(device))
 
     def _protected(self) -> set[int]:
         """Data pointers that only ``optimizer.step()`` writes to: parameters and optimizer state."""
