@@ -132,7 +132,8 @@ def main() -> None:
     def recorder(**kw):
         return reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out_dir, **kw)
 
-    recs = {"recorder": recorder(), "recorder+checks": recorder(check_params=True)}
+    recs = {"recorder": recorder(), "recorder+checks": recorder(check_params=True),
+            "recorder-no-grad-check": recorder(check_grads=False)}
     for r in recs.values():
         r.detach()
 
@@ -184,7 +185,7 @@ def main() -> None:
     for name in recs:
         run_block(name, 2)
     spent.clear()  # the first snapshot allocates the pinned buffers: not steady state
-    variants = ["bare", "recorder", "recorder+checks"]
+    variants = ["bare", "recorder", "recorder+checks", "recorder-no-grad-check"]
     results: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(rounds):
         for v in variants:
