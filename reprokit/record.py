@@ -131,6 +131,8 @@ class Recorder:
         self._engine = SnapshotEngine(state, spill_dir)
         self.batch_copy_bytes = batch_copy_bytes
         self._referenced: list[tuple[torch.Tensor, int]] = []
+        self._slots: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._slot = self._leaf = 0
         self.step_index = 0
         self.bundles: list[Path] = []
         self._snapshot: _Snapshot | None = None
@@ -174,6 +176,7 @@ class Recorder:
             if not self._window_ok:
                 return None
             self._referenced.clear()
+            self._slot, self._leaf = k - self._snapshot.step if self._snapshot else 0, 0
             tree, tensors = pytree.encode(batch, "batch", copy=self._batch_copy)
             rng_tree, rng_tensors = capture_rng()
             rec = B.StepRecord(k, tree, {**tensors, **rng_tensors}, rng_tree)
@@ -188,7 +191,15 @@ class Recorder:
 
     def _batch_copy(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
-        if t.is_cuda or t.numel() * t.element_size() < self.batch_copy_bytes:
+        if t.is_cuda:
+            # Pinned buffers per (slot in the window, leaf), reused window after window: no allocator calls.
+            slot = self._slots.setdefault((self._slot, self._leaf), None)
+            self._leaf += 1
+            if slot is None or slot.shape != t.shape or slot.dtype != t.dtype:
+                slot = self._slots[(self._slot, self._leaf - 1)] = torch.empty(t.shape, dtype=t.dtype,
+                                                                               pin_memory=True)
+            return slot.copy_(t, non_blocking=True)
+        if t.numel() * t.element_size() < self.batch_copy_bytes:
             return host_copy(t)
         self._referenced.append((t, t._version))  # large CPU tensor: keep a reference, check it after the step
         return t
