@@ -50,7 +50,7 @@ class SnapshotEngine:
         self.state = state
         self.spill_dir = Path(spill_dir) if spill_dir else None
         self.staging_bytes = staging_bytes
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
         self._stream: Any = None
         self._done: Any = None
         self._staging: torch.Tensor | None = None
@@ -136,7 +136,7 @@ class SnapshotEngine:
             self._stream = torch.cuda.Stream()
         protected = self._protected() if cuda else set()
         seen: dict[tuple, torch.Tensor] = {}
-        for i, (key, t) in enumerate(refs.items()):
+        for key, t in refs.items():
             if not t.is_cuda:
                 tensors[key] = t.clone(memory_format=torch.contiguous_format)
                 continue
@@ -144,7 +144,7 @@ class SnapshotEngine:
             if ident in seen:  # tied weights: one copy (the bundle writer un-shares them)
                 tensors[key] = seen[ident]
                 continue
-            buf = self._buffer(i, t)
+            buf = self._buffer(key, t)
             owned = t.data_ptr() not in protected
             # Module buffers and extra state may change in the next forward: clone them on the device now.
             plan.append((buf, t.clone() if owned else t, owned))
@@ -180,13 +180,14 @@ class SnapshotEngine:
             ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
         return ptrs
 
-    def _buffer(self, i: int, t: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(i)
+    def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        # Keyed by name: optimizer state created after the first snapshot does not shift the others.
+        buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             if buf is not None:
                 self.stats["pinned_bytes"] -= buf.numel() * buf.element_size()
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self._buffers[i] = buf
+            self._buffers[key] = buf
             self.stats["pinned_bytes"] += buf.numel() * buf.element_size()
         return buf
 
