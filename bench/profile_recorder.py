@@ -24,4 +24,7 @@ for _ in range(100):
 prof.disable()
 print(f"{(time.perf_counter() - t0) * 10:.2f} ms/step under the profiler")
 st = pstats.Stats(prof)
-st.sort_stats("tottime").print_stats(25)
+st.sort_stats("tottime").print_stats(12)
+st.sort_stats("cumulative").print_stats("reprokit", 15)
+st.print_callees("capture_rng")
+st.print_callees("_record_step_start")
