@@ -13,6 +13,7 @@ modes normalised, gzip header without name or time.
 
 from __future__ import annotations
 
+import ast
 import gzip
 import io
 import os
@@ -24,9 +25,32 @@ from typing import Any
 from reprokit.bundle import MANIFEST, open_bundle, sha256_file
 
 _PACKAGE = Path(__file__).resolve().parent
-# What replay imports (reprokit/__init__ pulls these in), plus the demo's build/step.
-RUNTIME = ("__init__.py", "_version.py", "bundle.py", "code.py", "detect.py", "env.py", "errors.py", "pytree.py",
-           "record.py", "replay.py", "signature.py", "state.py", "demo.py")
+# Replay needs what ``import reprokit`` pulls in, plus the demo's build/step: found by following
+# module-level ``reprokit.*`` imports from these, so a new module can never be forgotten.
+RUNTIME_ROOTS = ("__init__.py", "demo.py")
+
+
+def runtime_files() -> list[str]:
+    """Files of the reprokit package that ``import reprokit`` (and the demo) need, relative to it."""
+    todo, found = list(RUNTIME_ROOTS), set()
+    while todo:
+        rel = todo.pop()
+        if rel in found:
+            continue
+        found.add(rel)
+        tree = ast.parse((_PACKAGE / rel).read_text())
+        for node in tree.body:  # module level only: lazy imports inside functions are optional extras
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "reprokit":
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "reprokit"]
+            for name in names:
+                parts = name.split(".")[1:]
+                for cand in ("/".join(parts) + ".py", "/".join(parts) + "/__init__.py"):
+                    if parts and (_PACKAGE / cand).is_file():
+                        todo.append(cand)
+    return sorted(found)
 
 REPRO_PY = '''\
 #!/usr/bin/env python3
@@ -117,7 +141,7 @@ def _readme(bundle_path: Path) -> str:
 def _members(bundle_path: Path) -> list[tuple[str, bytes]]:
     files = [(f"bundle/{p.relative_to(bundle_path).as_posix()}", p.read_bytes())
              for p in sorted(bundle_path.rglob("*")) if p.is_file()]
-    files += [(f"reprokit/{name}", (_PACKAGE / name).read_bytes()) for name in RUNTIME]
+    files += [(f"reprokit/{name}", (_PACKAGE / name).read_bytes()) for name in runtime_files()]
     files += [("repro.py", REPRO_PY.encode()), ("README.md", _readme(bundle_path).encode())]
     return files
 

@@ -121,7 +121,8 @@ def test_hand_off_runs_with_only_torch_numpy_safetensors(nan_bundle, tmp_path):
     assert probe.returncode != 0
     proc = subprocess.run([sys.executable, "-S", str(top / "repro.py"), "--json", "--times", "2"], env=env,
                           cwd=elsewhere, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    # Exit 1 means "reproduced", but an uncaught exception also exits 1: require the JSON and no traceback.
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     d = json.loads(proc.stdout)
     assert d["verdict"] == "deterministic" and d["failure"]["kind"] == "nonfinite_loss" and d["failure"]["step"] == 7
     assert d["fidelity"]["bit_exact"] and str(top) in d["code"]
