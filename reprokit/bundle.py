@@ -59,11 +59,6 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-def number(x: Any) -> float | None:
-    """Inverse of :func:`jsonable` for one number."""
-    return None if x is None else float(x)
-
-
 def dumps(obj: Any) -> bytes:
     return json.dumps(jsonable(obj), indent=1, sort_keys=True, allow_nan=False).encode()
 

@@ -127,25 +127,6 @@ def _hashable(key: Any) -> Any:
     return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
 
 
-def tensor_keys(tree: Any) -> list[str]:
-    """Keys of every tensor/array leaf referenced by an encoded tree, in order."""
-    found: list[str] = []
-
-    def walk(t: Any) -> None:
-        if isinstance(t, list):
-            for v in t:
-                walk(v)
-        elif isinstance(t, dict):
-            if len(t) == 1 and next(iter(t)) in (TENSOR, NDARRAY):
-                found.append(next(iter(t.values())))
-            else:
-                for v in t.values():
-                    walk(v)
-
-    walk(tree)
-    return found
-
-
 def leaves(obj: Any, path: str = "") -> list[tuple[str, Any]]:
     """``(path, leaf)`` for every leaf of a decoded tree (containers walked)."""
     if isinstance(obj, Mapping):

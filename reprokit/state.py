@@ -179,12 +179,3 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def component_sizes(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Bytes of tensor data per top-level component (model, optimizer, ...)."""
-    sizes: dict[str, int] = {}
-    for key, t in tensors.items():
-        top = key.split("/", 1)[0]
-        sizes[top] = sizes.get(top, 0) + t.numel() * t.element_size()
-    return sizes
