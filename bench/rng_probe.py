@@ -16,7 +16,11 @@ calls = {
     "torch.get_rng_state()": torch.get_rng_state,
     "random.getstate()": random.getstate,
     "np.random.get_state()": lambda: np.random.get_state(legacy=True),
+    "np.random.get_state() again": lambda: np.random.get_state(legacy=True),
+    "_rand._bit_generator.state": lambda: np.random.mtrand._rand._bit_generator.state,
+    "RandomState.get_state (direct)": lambda: np.random.mtrand._rand.get_state(legacy=True),
 }
+print("numpy", np.__version__)
 for name, fn in calls.items():
     for busy in (False, True):
         torch.cuda.synchronize()
