@@ -7,7 +7,6 @@ recorder keeps the latest one in memory; a bundle stores it in ``state/``.
 
 from __future__ import annotations
 
-import ctypes
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,29 +66,6 @@ class TrainState:
 
 _LAST_PY: list[Any] = [None, None]  # (internal state tuple, its tensor): most steps draw no python randomness
 _LAST_NP: list[Any] = [None, None]
-_NP_RAW: list[Any] = [None, None]  # (raw MT19937 bytes, full numpy state) of the last full read
-
-
-def _numpy_state() -> tuple:
-    """``np.random.get_state()``, skipped when provably unchanged (it costs 40-600 us a call).
-
-    The raw MT19937 words and position are read through the bit generator's ctypes
-    address (~1 us). They are unchanged and the legacy Gaussian cache was empty, then
-    no draw happened (a normal draw with an empty cache consumes words), so the last
-    full state is still exact.
-    """
-    raw = None
-    try:
-        addr = np.random.mtrand._rand._bit_generator.ctypes.state_address
-        raw = ctypes.string_at(addr, 624 * 4 + 4)
-    except Exception:  # another numpy layout: always read the full state
-        pass
-    last_raw, last = _NP_RAW
-    if raw is not None and raw == last_raw and last is not None and not last[3]:
-        return last
-    state = tuple(np.random.get_state(legacy=True))
-    _NP_RAW[:] = [raw, state]
-    return state
 
 
 def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -99,7 +75,9 @@ def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     state equal to the previous call's reuses its tensor (they are never mutated).
     """
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = _numpy_state()
+    # np.random.get_state costs 40-600 us (measured on the GPU host); a ctypes shortcut that skipped
+    # it when unchanged read a different layout on numpy 2.5 and returned stale states: not worth it.
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
     assert isinstance(keys, np.ndarray)
     tree: dict[str, Any] = {
         "python": [version, gauss],
