@@ -313,9 +313,7 @@ class Bundle:
 
     def step(self, step: int) -> tuple[Any, dict[str, Any], dict[str, torch.Tensor]]:
         """``(batch, rng_tree, rng_tensors)`` recorded for one step of the window."""
-        name = f"{STEPS}/{step_name(step)}"
-        doc = self._json(name + ".json")
-        tensors = self._tensors(name + ".safetensors")
+        doc, tensors = self.step_doc(step)
         rng_tensors = {k: v for k, v in tensors.items() if k.startswith("rng/")}
         return pytree.decode(doc["batch"], tensors), doc["rng"], rng_tensors
 

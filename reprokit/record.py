@@ -33,20 +33,6 @@ from reprokit.state import TrainState, capture_rng, capture_state
 StepFn = Callable[[TrainState, Any], Any]
 
 
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """Copy a tensor to host memory without stalling the training stream.
-
-    CUDA tensors go to pinned memory with a non-blocking copy ordered on the
-    current stream; readers must synchronise first (the dump does).
-    """
-    t = t.detach()
-    if t.is_cuda:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        return out
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 @dataclass
 class _Snapshot:
     step: int
@@ -200,7 +186,7 @@ class Recorder:
                                                                                pin_memory=True)
             return slot.copy_(t, non_blocking=True)
         if t.numel() * t.element_size() < self.batch_copy_bytes:
-            return host_copy(t)
+            return t.clone(memory_format=torch.contiguous_format)  # small: a copy is cheaper than the risk
         self._referenced.append((t, t._version))  # large CPU tensor: keep a reference, check it after the step
         return t
 
