@@ -57,9 +57,13 @@ def _state_sizes(bundle: Bundle) -> dict[str, int]:
     return sizes
 
 
+# Bytes per element of each safetensors dtype code (parsing digits out of "F8_E4M3" gave 105).
+_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 def _itemsize(dtype: str) -> int:
-    digits = "".join(c for c in dtype if c.isdigit())
-    return max(1, int(digits) // 8) if digits else 1
+    return _ITEMSIZE[dtype]
 
 
 def _git_summary(git: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -94,3 +94,17 @@ def test_manifest_written_now_carries_its_own_digest(tmp_path):
     m = json.loads((write_tiny(tmp_path) / B.MANIFEST).read_text())
     assert list(m) == ["created", "files", "format", "reprokit_version", "self_sha256", "version"]
     assert m["self_sha256"] == B._self_digest(m)
+
+
+def test_inspect_state_sizes_count_bytes_per_dtype(tmp_path):
+    from reprokit.report import _state_sizes
+
+    w = B.BundleWriter(tmp_path, "b")
+    tensors = {"model/a": torch.zeros(10, dtype=torch.float32), "model/b": torch.zeros(10, dtype=torch.bfloat16),
+               "optimizer/c": torch.zeros(10, dtype=torch.bool)}
+    if hasattr(torch, "float8_e4m3fn"):
+        tensors["optimizer/d"] = torch.zeros(10, dtype=torch.float8_e4m3fn)
+    w.write_tensors(B.STATE_TENSORS, tensors)
+    path = w.commit()
+    sizes = _state_sizes(B.Bundle(path=path, manifest={}))
+    assert sizes == {"model": 60, "optimizer": 10 + (10 if "optimizer/d" in tensors else 0)}
