@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reprokit.bundle import MANIFEST, open_bundle, sha256_file
+from reprokit.bundle import MANIFEST, Bundle, open_bundle, sha256_file
 
 _PACKAGE = Path(__file__).resolve().parent
 # Replay needs what ``import reprokit`` pulls in, plus the demo's build/step: found by following
@@ -107,8 +107,7 @@ class PackResult:
                 "sha256_file": str(self.output) + ".sha256", "breakdown": self.breakdown}
 
 
-def _readme(bundle_path: Path) -> str:
-    b = open_bundle(bundle_path)
+def _readme(b: Bundle) -> str:
     f, env, run = b.failure, b.env, b.run
     git = env.get("git") or {}
     return "\n".join([
@@ -138,48 +137,51 @@ def _readme(bundle_path: Path) -> str:
     ])
 
 
-def _members(bundle_path: Path) -> list[tuple[str, bytes]]:
-    files = [(f"bundle/{p.relative_to(bundle_path).as_posix()}", p.read_bytes())
-             for p in sorted(bundle_path.rglob("*")) if p.is_file()]
-    files += [(f"reprokit/{name}", (_PACKAGE / name).read_bytes()) for name in runtime_files()]
-    files += [("repro.py", REPRO_PY.encode()), ("README.md", _readme(bundle_path).encode())]
-    return files
-
-
 def pack(bundle: str | Path, output: str | Path) -> PackResult:
     """Write ``output`` (.tar.gz) and ``output.sha256`` for a verified bundle folder.
+
+    Files are streamed from disk into a temporary archive beside ``output`` and renamed into
+    place, so model state larger than memory packs too.
 
     Example:
         >>> r = pack("repros/bundle-...", "repro.tar.gz")             # doctest: +SKIP
         >>> r.sha256                                                   # doctest: +SKIP
     """
-    bundle = Path(bundle)
-    open_bundle(bundle)  # verify before shipping: never pack a tampered bundle
-    top = "repro-" + sha256_file(bundle / MANIFEST)[:12]
-    members = _members(bundle)
-    dirs = sorted({str(Path(name).parent) for name, _ in members} - {"."})
-    dirs = sorted({"/".join(d.split("/")[: i + 1]) for d in dirs for i in range(d.count("/") + 1)})
-    buf = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as gz:
-        with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tf:
-            tf.addfile(_info(top, 0, directory=True))
-            entries = [(d, None) for d in dirs] + [(n, data) for n, data in members]
-            for name, data in sorted(entries, key=lambda e: e[0]):
-                if data is None:
-                    tf.addfile(_info(f"{top}/{name}", 0, directory=True))
-                else:
-                    tf.addfile(_info(f"{top}/{name}", len(data), executable=name == "repro.py"), io.BytesIO(data))
+    b = open_bundle(Path(bundle))  # verify before shipping (once): never pack a tampered bundle
+    top = "repro-" + sha256_file(b.path / MANIFEST)[:12]
+    files: dict[str, Path | bytes] = {f"bundle/{p.relative_to(b.path).as_posix()}": p
+                                      for p in sorted(b.path.rglob("*")) if p.is_file()}
+    runtime: dict[str, Path | bytes] = {f"reprokit/{name}": _PACKAGE / name for name in runtime_files()}
+    runtime |= {"repro.py": REPRO_PY.encode(), "README.md": _readme(b).encode()}
+    files |= runtime
+    dirs = {"/".join(name.split("/")[:i]) for name in files for i in range(1, name.count("/") + 1)}
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(output, buf.getvalue())
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as raw:
+            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz, \
+                    tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tf:
+                tf.addfile(_info(top, 0, directory=True))
+                for name in sorted(dirs | files.keys()):
+                    src = files.get(name)
+                    if src is None:
+                        tf.addfile(_info(f"{top}/{name}", 0, directory=True))
+                    elif isinstance(src, bytes):
+                        tf.addfile(_info(f"{top}/{name}", len(src), executable=name == "repro.py"), io.BytesIO(src))
+                    else:
+                        with open(src, "rb") as fh:
+                            tf.addfile(_info(f"{top}/{name}", src.stat().st_size), fh)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
     digest = sha256_file(output)
     _atomic_write(output.with_name(output.name + ".sha256"), f"{digest}  {output.name}\n".encode())
-    breakdown = {"state": 0, "batches": 0, "code": 0, "metadata": 0, "runtime": 0}
-    for name, data in members:
-        part = name.split("/")[1] if name.startswith("bundle/") and "/" in name[7:] else None
-        key = {"state": "state", "steps": "batches", "code": "code"}.get(part or "", "metadata" if
-                                                                          name.startswith("bundle/") else "runtime")
-        breakdown[key] += len(data)
+    breakdown = b.sizes()
+    breakdown["metadata"] += (b.path / MANIFEST).stat().st_size
+    breakdown["runtime"] = sum(len(v) if isinstance(v, bytes) else v.stat().st_size for v in runtime.values())
     return PackResult(output, digest, output.stat().st_size, breakdown)
 
 
