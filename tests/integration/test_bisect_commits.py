@@ -175,3 +175,19 @@ def test_plain_git_bisect_run_gives_the_same_answer(recorded, tmp_path):
         repo.git.bisect("reset")
     assert f"{shas[4]} is the first bad commit" in out
     assert bisect_commits(bundle, good=shas[0], bad=shas[-1]).first_bad == shas[4]
+
+
+def test_ctrl_c_leaves_no_worktree_behind(recorded, monkeypatch):
+    from reprokit.bisect import commits
+
+    repo, shas, bundle = recorded(n=4, bug_at=3)
+
+    def interrupted(self, code):
+        assert code.is_dir(), "the worktree exists while the probe runs"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commits._Prober, "_replay", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bisect_commits(bundle, good=shas[0], bad=shas[-1])
+    assert len(repo.git.worktree("list").splitlines()) == 1
+    assert repo.head.commit.hexsha == shas[-1] and not repo.is_dirty(untracked_files=True)
