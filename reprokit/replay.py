@@ -206,7 +206,8 @@ class Session:
         t0 = time.perf_counter()
         for inp in steps:
             restore_rng(inp.rng, inp.rng_tensors)
-            batch = pytree.map_tensors(inp.batch, lambda t: t.to(self.device))
+            # A fresh copy every run: a step that edits its batch in place must not change the next replay.
+            batch = pytree.map_tensors(inp.batch, lambda t: t.to(self.device, copy=True))
             result = self.monitor.run(self.step_fn, batch, inp.step)
             losses[inp.step] = result.loss
             if result.failure is not None:
