@@ -111,7 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, few steps (smoke run)")
     ap.add_argument("--steps", type=int, default=None, help="steps per block (default 100, quick 4)")
-    ap.add_argument("--rounds", type=int, default=None, help="ABAB rounds (default 3, quick 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="ABAB rounds (default 8, quick 2)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
@@ -122,7 +122,7 @@ def main() -> None:
         cfg = {"layers": 12, "d": 768, "heads": 12, "vocab": 50304, "ctx": 1024, "batch": 8}
     cfg["device"] = device
     steps = args.steps or (4 if args.quick else 100)
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (2 if args.quick else 8)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     state = build(cfg)
@@ -133,7 +133,8 @@ def main() -> None:
         return reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out_dir, **kw)
 
     recs = {"recorder": recorder(), "recorder+checks": recorder(check_params=True),
-            "recorder-no-grad-check": recorder(check_grads=False)}
+            "recorder-no-grad-check": recorder(check_grads=False),
+            "recorder-no-snapshot": recorder(snapshot_every=10**9), "instrumented": recorder()}
     for r in recs.values():
         r.detach()
 
@@ -160,7 +161,8 @@ def main() -> None:
                 rec.detach()
         return times
 
-    # Where the recorder's time goes (host seconds inside its own methods), for the default recorder.
+    # Where the recorder's time goes (host seconds inside its own methods), measured on a separate,
+    # instrumented recorder so the wrappers do not weigh on the ratios above.
     spent: dict[str, float] = {}
 
     def timed(obj, name):
@@ -174,11 +176,10 @@ def main() -> None:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
         setattr(obj, name, wrapper)
 
-    for obj, name in ((recs["recorder"], "_record_step_start"), (recs["recorder"], "_take_snapshot"),
-                      (recs["recorder"].monitor, "_read"), (recs["recorder"].monitor, "_check")):
+    inst = recs["instrumented"]
+    for obj, name in ((inst, "_record_step_start"), (inst, "_take_snapshot"), (inst, "_after_step"),
+                      (inst.monitor, "_read"), (inst.monitor, "_check"), (inst.monitor, "_on_optimizer_step")):
         timed(obj, name)
-    recs["recorder"].detach()  # re-register the grad hook so it goes through the timed wrapper
-    timed(recs["recorder"].monitor, "_on_optimizer_step")
 
     # Warm up: kernels, the caching allocators, and each recorder's pinned snapshot buffers.
     # Steady state is what a long run sees: every recorder fills one whole window (pinned batch
@@ -187,14 +188,19 @@ def main() -> None:
     warm_start = time.perf_counter()
     for name in recs:
         run_block(name, 102)
-    warmup_s = time.perf_counter() - warm_start - 3 * 102 * statistics.median(run_block("bare", 5))
-    spent.clear()  # the first snapshot allocates the pinned buffers: not steady state
-    variants = ["bare", "recorder", "recorder+checks", "recorder-no-grad-check"]
+    warmup_s = time.perf_counter() - warm_start - len(recs) * 102 * statistics.median(run_block("bare", 5))
+    variants = ["bare", "recorder", "recorder+checks", "recorder-no-grad-check", "recorder-no-snapshot", "bare (A/A)"]
     results: dict[str, list[float]] = {v: [] for v in variants}
+    blocks: dict[str, list[float]] = {v: [] for v in variants}  # per-round block means
     for _ in range(rounds):
         for v in variants:
-            results[v] += run_block(v, steps)
-    spent_in_blocks = dict(spent)  # before the snapshot measurements below add their own
+            t = run_block("bare" if v == "bare (A/A)" else v, steps)
+            results[v] += t
+            blocks[v].append(statistics.mean(t))
+    spent.clear()
+    run_block("instrumented", steps)
+    spent_in_blocks = dict(spent)
+    n_inst = steps
     slow_steps = max(2, steps // 10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
@@ -253,8 +259,13 @@ def main() -> None:
     bare = statistics.mean(results["bare"])
     table = {name: {"mean_ms": statistics.mean(t) * 1e3, "median_ms": statistics.median(t) * 1e3,
                     "ratio": statistics.mean(t) / bare, "steps": len(t)} for name, t in results.items()}
-    n_rec = len(results["recorder"])
-    breakdown = {name: sec / n_rec * 1e3 for name, sec in spent_in_blocks.items()}
+    for name, per_round in blocks.items():
+        # The ratio of each round's block to that round's bare block: drift between rounds cancels.
+        r = [m / b for m, b in zip(per_round, blocks["bare"])]
+        if len(r) > 1:
+            half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
+            table[name]["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
+    breakdown = {name: sec / n_inst * 1e3 for name, sec in spent_in_blocks.items()}
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
               "config": cfg, "variants": table, "snapshot": snap, "recorder_host_ms_per_step": breakdown,
               "one_time_warmup_s_all_recorders": warmup_s}
@@ -263,9 +274,10 @@ def main() -> None:
         return
     print(f"device {report['device']}, torch {report['torch']}, batch {cfg['batch']}x{cfg['ctx']}, "
           f"{cfg['layers']} layers d={cfg['d']}")
-    print(f"{'variant':<26}{'mean ms':>10}{'median ms':>11}{'x bare':>8}{'steps':>7}")
+    print(f"{'variant':<26}{'mean ms':>10}{'median ms':>11}{'x bare':>8}{'95% CI (paired rounds)':>24}{'steps':>7}")
     for name, r in table.items():
-        print(f"{name:<26}{r['mean_ms']:>10.2f}{r['median_ms']:>11.2f}{r['ratio']:>8.3f}{r['steps']:>7}")
+        ci = "[{:.3f}, {:.3f}]".format(*r["ratio_ci95"]) if "ratio_ci95" in r else ""
+        print(f"{name:<26}{r['mean_ms']:>10.2f}{r['median_ms']:>11.2f}{r['ratio']:>8.3f}{ci:>24}{r['steps']:>7}")
     if snap:
         print(f"snapshot: {snap['state_bytes'] / 1e9:.2f} GB, wall {snap['wall_ms']:.1f} ms = "
               f"{snap['wall_over_limit']:.2f}x the copy limit ({snap['copy_limit_ms']:.1f} ms at "

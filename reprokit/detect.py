@@ -118,44 +118,61 @@ class Monitor:
                 self._hook_warned = True
                 warnings.warn(f"reprokit: gradient-norm check disabled: {e!r}", RecorderWarning, stacklevel=2)
 
-    def run(self, step_fn: Callable[[TrainState, Any], Any], batch: Any, step: int) -> StepResult:
-        """Run ``step_fn(state, batch)`` and the detectors. Never raises the step's exception: returns it."""
+    def run(self, step_fn: Callable[[TrainState, Any], Any], batch: Any, step: int,
+            after: Callable[[], None] | None = None) -> StepResult:
+        """Run ``step_fn(state, batch)`` and the detectors. Never raises the step's exception: returns it.
+
+        ``after()`` runs as soon as the step function returns or raises, before the loss
+        is read: work queued there overlaps with the device finishing the step.
+        """
         self._norms.clear()
         try:
             loss = step_fn(self.state, batch)
         except Exception as e:
+            if after is not None:
+                after()
             return StepResult(None, None, from_exception(e, step), e)
+        if after is not None:
+            after()
         loss_f, grad_norm, param_norm = self._read(loss)
         return StepResult(loss_f, grad_norm, self._check(step, loss_f, grad_norm, param_norm), value=loss)
 
     def _read(self, loss: Any) -> tuple[float | None, float | None, float | None]:
-        """Loss, grad norm and param norm, fetched from the device in one sync."""
-        vals: list[torch.Tensor] = []
-        dev = None
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            vals.append(loss.detach().reshape(()).float())
-            dev = loss.device
+        """Loss, grad norm, param norm and the GradScaler's scale, fetched from the device in one sync.
+
+        One ``torch.cat`` (it promotes every part to float64) and one transfer: on a GPU the
+        bare loop's ``loss.item()`` becomes a single small kernel plus the same one copy.
+        """
+        parts: list[torch.Tensor] = []
+        has_loss = isinstance(loss, torch.Tensor) and loss.numel() == 1
+        if has_loss:
+            parts.append(loss.detach().reshape(1))
         has_grad = bool(self._norms)
         if has_grad:
-            dev = dev or self._norms[-1].device
             # With accumulation the optimizer may step several times: keep the worst.
-            vals.append(torch.stack([n.to(dev) for n in self._norms]).max())
-        has_param = self.settings.check_params
-        if has_param:
+            norms = self._norms
+            parts.append(norms[0].reshape(1) if len(norms) == 1 else torch.stack([n.to(norms[0].device)
+                                                                                  for n in norms]).max().reshape(1))
+        has_param = False
+        if self.settings.check_params:
             params = [p.detach() for p in self.state.model.parameters()]
             if params:
-                dev = dev or params[0].device
-                vals.append(global_norm(params))
-            else:
-                has_param = False
+                parts.append(global_norm(params).reshape(1))
+                has_param = True
         # The GradScaler's scale rides along in the same read (get_scale() would sync a second time).
         scale_t = getattr(self.state.scaler, "_scale", None) if self.state.scaler_enabled() else None
+        dev = parts[0].device if parts else None
         has_scale = isinstance(scale_t, torch.Tensor) and (dev is None or scale_t.device == dev)
         if has_scale:
-            vals.append(scale_t.reshape(()).float())  # type: ignore[union-attr]
+            parts.append(scale_t.detach().reshape(1))  # type: ignore[union-attr]
             dev = dev or scale_t.device  # type: ignore[union-attr]
-        got = torch.stack([v.to(dev, torch.float64) for v in vals]).tolist() if vals else []
-        loss_f = got.pop(0) if vals and isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+        if parts:
+            if any(p.device != dev for p in parts):
+                parts = [p.to(dev) for p in parts]
+            got = torch.cat([p.to(torch.float64) if not p.is_floating_point() else p for p in parts]).tolist()
+        else:
+            got = []
+        loss_f = got.pop(0) if has_loss else None
         if loss_f is None and isinstance(loss, (int, float)):
             loss_f = float(loss)
         grad_norm = got.pop(0) if has_grad else None

@@ -1,11 +1,18 @@
 """The Recorder: watch every training step, keep a replayable window, dump it on failure.
 
-Cost model: every step records the batch (a copy, so in-place edits by the step
-cannot change what was recorded) and the RNG state; every ``snapshot_every``
+Cost model: every step records the batch and the RNG state; every ``snapshot_every``
 steps the full state is copied to host memory and the window restarts. On a
 failure the window is written as a bundle. Faults of the recorder itself only
 warn: it never changes training results and never raises its own errors into
 the loop.
+
+Batches: small CPU tensors are cloned at step start. Large CPU tensors are
+referenced, and CUDA tensors are copied into reused pinned buffers only after the
+step function has returned (the copy is queued behind the step's kernels, so the
+host never spends time before the forward launch and the GPU never idles for
+it); in both cases the tensor's version counter proves that the step did not
+modify it in place, and if it did, that window is dropped and later batches are
+copied up front.
 """
 
 from __future__ import annotations
@@ -116,7 +123,9 @@ class Recorder:
         self.monitor = Monitor(state, self.settings, detect)
         self._engine = SnapshotEngine(state, spill_dir)
         self.batch_copy_bytes = batch_copy_bytes
-        self._referenced: list[tuple[torch.Tensor, int]] = []
+        self._referenced: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
+        """(batch tensor, its version at step start, pinned slot to copy it into after the step)."""
+        self._copy_cuda_now = False
         self._slots: dict[tuple[int, int], torch.Tensor | None] = {}
         self._slot = self._leaf = 0
         self.step_index = 0
@@ -138,7 +147,7 @@ class Recorder:
         """
         k = self.step_index
         record = self._record_step_start(k, batch)
-        result = self.monitor.run(self.train_step, batch, k)
+        result = self.monitor.run(self.train_step, batch, k, after=self._after_step if self._referenced else None)
         self.step_index += 1
         if self._referenced:
             self._check_referenced(k)
@@ -184,19 +193,36 @@ class Recorder:
             if slot is None or slot.shape != t.shape or slot.dtype != t.dtype:
                 slot = self._slots[(self._slot, self._leaf - 1)] = torch.empty(t.shape, dtype=t.dtype,
                                                                                pin_memory=True)
-            return slot.copy_(t, non_blocking=True)
+            if self._copy_cuda_now:
+                return slot.copy_(t, non_blocking=True)
+            self._referenced.append((t, t._version, slot))  # copied in _after_step, behind the step's kernels
+            return slot
         if t.numel() * t.element_size() < self.batch_copy_bytes:
             return t.clone(memory_format=torch.contiguous_format)  # small: a copy is cheaper than the risk
-        self._referenced.append((t, t._version))  # large CPU tensor: keep a reference, check it after the step
+        self._referenced.append((t, t._version, None))  # large CPU tensor: keep a reference, check it after the step
         return t
 
+    def _after_step(self) -> None:
+        """Queue the deferred device-to-host batch copies (the step function has just returned)."""
+        try:
+            for t, _, slot in self._referenced:
+                if slot is not None:
+                    slot.copy_(t, non_blocking=True)
+        except Exception as e:
+            self._referenced.clear()
+            self._window_ok = False
+            self._ring.clear()
+            self._warn("capture", f"reprokit: cannot copy step {self.step_index}'s batch ({e}); no bundle can be "
+                                  "written until the next snapshot. Training continues.")
+
     def _check_referenced(self, k: int) -> None:
-        changed = any(t._version != v for t, v in self._referenced)
+        changed = any(t._version != v for t, v, _ in self._referenced)
         self._referenced.clear()
         if changed:
             self._window_ok = False
             self._ring.clear()
-            self.batch_copy_bytes = 1 << 62  # copy everything from now on
+            self.batch_copy_bytes = 1 << 62  # copy everything up front from now on
+            self._copy_cuda_now = True
             self._warn("inplace", f"reprokit: step {k} modified its batch in place; the recorded copy is lost, so "
                                   f"no bundle until the next snapshot (step {self._next_snapshot(k)}). Batches are "
                                   "copied from now on.")

@@ -128,7 +128,7 @@ class SnapshotEngine:
         self.wait()  # the buffers are about to be reused
         self.broken = False
         tree, refs = capture_state(self.state, copy=lambda t: t.detach())  # references, no copies yet
-        rng_tree, rng_tensors = capture_rng()
+        rng_tree, rng_tensors = capture_rng(full=True)
         cuda = any(t.is_cuda for t in refs.values())
         tensors: dict[str, torch.Tensor] = {}
         plan: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
@@ -199,7 +199,7 @@ class SnapshotEngine:
         t0 = time.perf_counter()
         self.spill_dir.mkdir(parents=True, exist_ok=True)
         tree, tensors = capture_state(self.state, copy=lambda t: t.detach())  # references, no copies
-        rng_tree, rng_tensors = capture_rng()
+        rng_tree, rng_tensors = capture_rng(full=True)
         tensors = {**tensors, **rng_tensors}
         path = self.spill_dir / f"snapshot-{os.getpid()}-{id(self)}.safetensors"
         tmp = path.with_suffix(".tmp")

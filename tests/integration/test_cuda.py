@@ -41,11 +41,31 @@ def test_cuda_batches_are_copied_to_pinned_memory(projects, tmp_path):
     cfg = {"device": "cuda"}
     state = gpu.build(cfg)
     rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path)
-    for b in gpu.batches(3, None, "cuda"):
+    batches = list(gpu.batches(3, None, "cuda"))
+    for b in batches:
         rec.step(b)
     ring = rec._ring
     assert len(ring) == 3 and all(r.tensors["batch/x"].is_pinned() for r in ring)
+    torch.cuda.synchronize()
+    for r, b in zip(ring, batches):  # copied after the step function returned, behind its kernels
+        assert torch.equal(r.tensors["batch/x"], b["x"].cpu()) and torch.equal(r.tensors["batch/y"], b["y"].cpu())
     assert rec._snapshot is not None and rec._snapshot.tensors["model/0.weight"].is_pinned()
+
+
+def test_gpu_batch_edited_in_place_drops_the_window_then_copies_up_front(projects, tmp_path):
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    batches = list(gpu.batches(9, 7, "cuda"))
+    originals = [b["x"].cpu() for b in batches]
+    with pytest.warns(reprokit.RecorderWarning, match="modified its batch in place"):
+        rec, exc = record(gpu, cfg, batches, tmp_path, snapshot_every=4, step=gpu.scribbling_step)
+    assert rec._copy_cuda_now, "after an in-place edit, GPU batches are copied before the step"
+    assert isinstance(exc, reprokit.TrainingFailure) and exc.failure.step == 7 and exc.bundle is not None
+    b = open_bundle(exc.bundle)
+    assert b.steps == [4, 5, 6, 7], "the window with the edited batch was dropped; the next one is whole"
+    for k in b.steps:
+        torch.testing.assert_close(b.step(k)[0]["x"], originals[k], rtol=0, atol=0, equal_nan=True)
+    assert reprokit.replay(b).reproduced
 
 
 def test_gpu_bundle_replays_on_cpu(projects, tmp_path):
