@@ -4,9 +4,13 @@
     python bench/recorder_overhead.py --quick    # CPU smoke run: a tiny GPT, a few steps (timings meaningless)
     python bench/recorder_overhead.py --json
 
-Variants run on the same model in alternating blocks (ABAB...) so drift hits all
-alike: bare loop; Recorder defaults (loss/grad checks every step, snapshot every
-100 steps, window kept); Recorder with param checks too; detect_anomaly;
+Variants run on the same model in short interleaved blocks (10 steps; the order
+rotates every round) so drift in GPU clocks and host load hits all alike, and the
+ratio comes with a 95% interval from the per-round pairs; "bare (A/A)" is the bare
+loop measured as if it were a variant, i.e. the noise floor. Variants: bare
+loop; Recorder defaults (loss/grad checks every step, snapshot every 100 steps,
+window kept); with param checks too; without the grad check; without snapshots;
+detect_anomaly;
 transformers' DebugUnderflowOverflow (when importable). Every step reads the
 loss with .item(), as real loops do. Snapshot cost is compared with the copy
 limit measured in the same run: state bytes / pinned device-to-host bandwidth.
@@ -110,8 +114,9 @@ def d2h_bandwidth(nbytes: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, few steps (smoke run)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per block (default 100, quick 4)")
-    ap.add_argument("--rounds", type=int, default=None, help="ABAB rounds (default 8, quick 2)")
+    ap.add_argument("--block", type=int, default=None, help="steps per block (default 10, quick 2)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds of one block per variant, order rotated each round (default 80, quick 2)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
@@ -121,8 +126,8 @@ def main() -> None:
     else:
         cfg = {"layers": 12, "d": 768, "heads": 12, "vocab": 50304, "ctx": 1024, "batch": 8}
     cfg["device"] = device
-    steps = args.steps or (4 if args.quick else 100)
-    rounds = args.rounds or (2 if args.quick else 8)
+    steps = args.block or (2 if args.quick else 10)
+    rounds = args.rounds or (2 if args.quick else 80)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     state = build(cfg)
@@ -192,16 +197,23 @@ def main() -> None:
     variants = ["bare", "recorder", "recorder+checks", "recorder-no-grad-check", "recorder-no-snapshot", "bare (A/A)"]
     results: dict[str, list[float]] = {v: [] for v in variants}
     blocks: dict[str, list[float]] = {v: [] for v in variants}  # per-round block means
-    for _ in range(rounds):
-        for v in variants:
+    for i in range(rounds):
+        for v in variants[i % len(variants):] + variants[:i % len(variants)]:  # rotate: no variant always follows another
             t = run_block("bare" if v == "bare (A/A)" else v, steps)
             results[v] += t
             blocks[v].append(statistics.mean(t))
     spent.clear()
-    run_block("instrumented", steps)
+    n_inst = 4 if args.quick else 100
+    first = inst.step_index
+    snap_steps: list[int] = []
+    take = inst._take_snapshot
+    inst._take_snapshot = lambda k: (snap_steps.append(k), take(k))[1]  # type: ignore[method-assign]
+    inst_times = run_block("instrumented", n_inst)
     spent_in_blocks = dict(spent)
-    n_inst = steps
-    slow_steps = max(2, steps // 10)
+    # What a snapshot costs the step that takes it (host blocking + the optimizer waiting for the copy).
+    plain = statistics.median(inst_times)
+    snapshot_step_extra_ms = [(inst_times[k - first] - plain) * 1e3 for k in snap_steps if 0 <= k - first < n_inst]
+    slow_steps = 2 if args.quick else 10
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
         results["detect_anomaly"] = run_block("detect_anomaly", slow_steps)
@@ -230,15 +242,20 @@ def main() -> None:
                 "pinned_host_bytes": rec.snapshot_stats["pinned_bytes"]}
         # Extra GPU memory held by the recorder while training: measure around a recorded block.
         torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
+        before, reserved_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         torch.cuda.reset_peak_memory_stats()
         run_block("bare", 3)
         peak_bare = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+        rec.snapshot_every = 1  # every step of this block takes a snapshot: the peak includes staging clones
         run_block("recorder", 3)
+        rec.snapshot_every = 100
         peak_rec = torch.cuda.max_memory_allocated()
         snap["extra_gpu_bytes_steady"] = torch.cuda.memory_allocated() - before
         snap["extra_gpu_bytes_peak"] = peak_rec - peak_bare
+        snap["extra_gpu_bytes_reserved"] = torch.cuda.memory_reserved() - reserved_before
+        snap["staged_bytes_in_training"] = inst.snapshot_stats["staged_bytes"]
+        snap["waited_for_copy_in_training"] = inst.snapshot_stats["waited_for_copy"]
         # Spill-to-disk snapshots: the synchronous cost, for states too big for host RAM.
         spill = reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out_dir,
                                   spill_dir=out_dir / "spill")
@@ -268,7 +285,7 @@ def main() -> None:
     breakdown = {name: sec / n_inst * 1e3 for name, sec in spent_in_blocks.items()}
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
               "config": cfg, "variants": table, "snapshot": snap, "recorder_host_ms_per_step": breakdown,
-              "one_time_warmup_s_all_recorders": warmup_s}
+              "one_time_warmup_s_all_recorders": warmup_s, "snapshot_step_extra_ms": snapshot_step_extra_ms}
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -283,9 +300,13 @@ def main() -> None:
               f"{snap['wall_over_limit']:.2f}x the copy limit ({snap['copy_limit_ms']:.1f} ms at "
               f"{snap['d2h_GBps']:.1f} GB/s); host blocking {snap['host_blocking_ms']:.2f} ms; pinned host "
               f"{snap['pinned_host_bytes'] / 1e9:.2f} GB; extra GPU steady {snap['extra_gpu_bytes_steady'] / 1e6:.1f} MB,"
-              f" peak {snap['extra_gpu_bytes_peak'] / 1e6:.1f} MB")
+              f" peak {snap['extra_gpu_bytes_peak'] / 1e6:.1f} MB, reserved {snap['extra_gpu_bytes_reserved'] / 1e6:.1f} MB")
+        print(f"in training, the snapshot's last {snap['staged_bytes_in_training'] / 1e6:.0f} MB were staged on the "
+              f"device (waited for the copy instead: {snap['waited_for_copy_in_training']})")
         print(f"spill-to-disk snapshot: {snap['spill_ms']:.0f} ms ({snap['spill_GBps']:.2f} GB/s)")
     print(f"one-time warm-up (pinned allocations) for the {len(recs)} recorders: {warmup_s:.2f} s")
+    print("extra time of the step that takes a snapshot (vs the median step): "
+          + ", ".join(f"{x:.1f} ms" for x in snapshot_step_extra_ms))
     print("recorder host ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items()))
 
 

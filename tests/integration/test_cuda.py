@@ -133,6 +133,42 @@ def test_async_snapshot_matches_a_synchronous_copy(projects, tmp_path):
             assert torch.equal(tensors[f"optimizer/state/{i}/{k}"], v), (i, k)
 
 
+@pytest.mark.parametrize("stage", [True, False])
+def test_snapshot_longer_than_the_step_is_exact(projects, tmp_path, stage):
+    """A ~0.8 GB state whose copy (~15 ms) outlasts a sub-millisecond forward and backward: the optimizer
+    step comes while most copies are not issued. Staged: the rest is cloned on the device first. Not staged:
+    the optimizer waits for the copy. Either way the snapshot is the state before that optimizer step."""
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda", "hidden": 1 << 21}
+    state = gpu.build(cfg)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path, snapshot_every=3)
+    rec._engine.stage_on_device = stage
+    rec._engine.chunk_bytes, rec._engine.chunks_in_flight = 8 << 20, 1
+    torch.empty(4 << 30, dtype=torch.uint8, device="cuda")  # freed at once: the cache holds it, as activations do
+    batches = list(gpu.batches(6, None, "cuda"))
+    for b in batches[:3]:
+        rec.step(b)
+    rec._engine.wait()
+    expected = {k: v.detach().cpu().clone() for k, v in state.model.state_dict().items()}
+    exp_opt = {i: {k: v.detach().cpu().clone() for k, v in s.items()} for i, s in
+               enumerate(state.optimizer.state_dict()["state"].values())}
+    for b in batches[3:6]:  # step 3 snapshots; its own optimizer step overwrites the params right after
+        rec.step(b)
+    rec._engine.wait()
+    stats = rec.snapshot_stats
+    if stage:
+        assert stats["staged_bytes"] > 0 and not stats["waited_for_copy"], stats
+    else:
+        assert stats["staged_bytes"] == 0 and stats["waited_for_copy"], stats
+    tensors = rec._snapshot.tensors
+    assert rec._snapshot.step == 3 and not rec._engine.broken
+    for k, v in expected.items():
+        assert torch.equal(tensors[f"model/{k}"], v), k
+    for i, s in exp_opt.items():
+        for k, v in s.items():
+            assert torch.equal(tensors[f"optimizer/state/{i}/{k}"], v), (i, k)
+
+
 def test_precision_matrix_on_the_gpu(projects, tmp_path):
     from reprokit.bisect import bisect_precision
 

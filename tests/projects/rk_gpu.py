@@ -10,7 +10,8 @@ import reprokit
 
 def build(config):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.2), nn.GELU(), nn.Linear(64, 1)).to(config["device"])
+    hidden = config.get("hidden", 64)
+    model = nn.Sequential(nn.Linear(32, hidden), nn.Dropout(0.2), nn.GELU(), nn.Linear(hidden, 1)).to(config["device"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cuda", init_scale=1024.0) if config.get("amp") else None
     return reprokit.TrainState(model=model, optimizer=opt, scaler=scaler)
