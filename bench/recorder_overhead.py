@@ -139,9 +139,12 @@ def main() -> None:
 
     recs = {"recorder": recorder(), "recorder+checks": recorder(check_params=True),
             "recorder-no-grad-check": recorder(check_grads=False),
-            "recorder-no-snapshot": recorder(snapshot_every=10**9), "instrumented": recorder()}
+            "recorder-no-snapshot": recorder(snapshot_every=10**9), "detection-only": recorder(snapshot_every=10**9),
+            "instrumented": recorder()}
     for r in recs.values():
         r.detach()
+    # Ablation: the detectors alone (no batch, RNG or snapshot recording), to split the cost.
+    recs["detection-only"]._record_step_start = lambda k, batch: None  # type: ignore[method-assign]
 
     def run_block(name: str, n: int) -> list[float]:
         times = []
@@ -194,7 +197,8 @@ def main() -> None:
     for name in recs:
         run_block(name, 102)
     warmup_s = time.perf_counter() - warm_start - len(recs) * 102 * statistics.median(run_block("bare", 5))
-    variants = ["bare", "recorder", "recorder+checks", "recorder-no-grad-check", "recorder-no-snapshot", "bare (A/A)"]
+    variants = ["bare", "recorder", "recorder+checks", "recorder-no-grad-check", "recorder-no-snapshot", "detection-only",
+                "bare (A/A)"]
     results: dict[str, list[float]] = {v: [] for v in variants}
     blocks: dict[str, list[float]] = {v: [] for v in variants}  # per-round block means
     for i in range(rounds):

@@ -147,7 +147,7 @@ class Recorder:
         """
         k = self.step_index
         record = self._record_step_start(k, batch)
-        result = self.monitor.run(self.train_step, batch, k, after=self._after_step if self._referenced else None)
+        result = self.monitor.run(self.train_step, batch, k, after=self._after_step)
         self.step_index += 1
         if self._referenced:
             self._check_referenced(k)
@@ -203,7 +203,14 @@ class Recorder:
         return t
 
     def _after_step(self) -> None:
-        """Queue the deferred device-to-host batch copies (the step function has just returned)."""
+        """The step function has just returned (or raised); the device is still working through it.
+
+        Queue the deferred device-to-host batch copies, and when the next step takes a snapshot,
+        walk the state for it now (see :meth:`SnapshotEngine.prepare`).
+        """
+        snap = self._snapshot
+        if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every:
+            self._engine.prepare()
         try:
             for t, _, slot in self._referenced:
                 if slot is not None:

@@ -66,10 +66,6 @@ class TrainState:
 
 # --- RNG -------------------------------------------------------------------
 
-_LAST_PY: list[Any] = [None, None]  # (internal state tuple, its tensor): most steps draw no python randomness
-_LAST_NP: list[Any] = [None, None]
-
-
 class _NumpyGlobalRNG:
     """``np.random.get_state()``, skipped when provably unchanged.
 
@@ -143,7 +139,77 @@ class _NumpyGlobalRNG:
         return self._addr is not None
 
 
+class _PythonGlobalRNG:
+    """``random.getstate()`` for the module-level generator, plus its state as a tensor, cached.
+
+    ``getstate()`` builds a 625-tuple (~10 us, several times that right after a training
+    step); the object's own words (``int index; uint32_t state[624]`` after the object
+    header in CPython's ``_random`` module) read in ~1 us. The layout is checked against
+    ``getstate()`` once, and a draw must move it (then the state is put back); on any
+    mismatch (another interpreter build) every call does the full read.
+    ``gauss_next`` is a plain attribute and is read every time.
+    """
+
+    _SIZE = 4 + 624 * 4
+
+    def __init__(self) -> None:
+        self._inst: Any = None
+        self._addr: int | None = None
+        self._raw: bytes | None = None
+        self._internal: tuple | None = None
+        self._tensor: torch.Tensor | None = None
+
+    @classmethod
+    def _validate(cls, inst: Any) -> int | None:
+        try:
+            addr = id(inst) + 16  # PyObject_HEAD on 64-bit builds; checked below
+
+            def agrees(internal: tuple) -> bool:
+                want = struct.pack("=i624I", internal[-1], *internal[:-1])
+                return ctypes.string_at(addr, cls._SIZE) == want
+
+            saved = inst.getstate()
+            if len(saved[1]) != 625:
+                return None
+            before = ctypes.string_at(addr, cls._SIZE)
+            try:
+                ok = agrees(saved[1])
+                inst.random()
+                ok = ok and ctypes.string_at(addr, cls._SIZE) != before and agrees(inst.getstate()[1])
+            finally:
+                inst.setstate(saved)
+            return addr if ok else None
+        except Exception:
+            return None
+
+    def get_state(self) -> tuple[int, torch.Tensor, Any]:
+        """``(version, internal state as an int64 tensor, gauss_next)``; the tensor is reused while unchanged."""
+        inst = getattr(random.getstate, "__self__", None)
+        if inst is not self._inst:
+            self._inst, self._addr, self._raw = inst, None if inst is None else self._validate(inst), None
+        if self._addr is not None:
+            raw = ctypes.string_at(self._addr, self._SIZE)
+            if raw != self._raw or self._tensor is None:
+                version, internal, gauss = random.getstate()
+                self._raw = raw
+                if internal != self._internal:
+                    self._internal, self._tensor = internal, torch.tensor(internal, dtype=torch.int64)
+                return version, self._tensor, gauss  # type: ignore[return-value]
+            return random.Random.VERSION, self._tensor, inst.gauss_next  # type: ignore[union-attr]
+        version, internal, gauss = random.getstate()
+        if internal != self._internal or self._tensor is None:
+            self._internal, self._tensor = internal, torch.tensor(internal, dtype=torch.int64)
+        return version, self._tensor, gauss
+
+    @property
+    def fast(self) -> bool:
+        self.get_state()
+        return self._addr is not None
+
+
 NUMPY_RNG = _NumpyGlobalRNG()
+PYTHON_RNG = _PythonGlobalRNG()
+_LAST_NP: list[Any] = [None, None]  # (key array, its int64 tensor): most steps draw no numpy randomness
 
 
 def capture_rng(full: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -153,20 +219,18 @@ def capture_rng(full: bool = False) -> tuple[dict[str, Any], dict[str, torch.Ten
     state equal to the previous call's reuses its tensor (they are never mutated).
     ``full`` forces numpy's full read (see :class:`_NumpyGlobalRNG`).
     """
-    version, internal, gauss = random.getstate()
+    version, py_tensor, gauss = PYTHON_RNG.get_state()
     name, keys, pos, has_gauss, cached = NUMPY_RNG.get_state(full)
     assert isinstance(keys, np.ndarray)
     tree: dict[str, Any] = {
         "python": [version, gauss],
         "numpy": [name, int(pos), int(has_gauss), float(cached)],
     }
-    if _LAST_PY[0] != internal:
-        _LAST_PY[:] = [internal, torch.tensor(internal, dtype=torch.int64)]
     if _LAST_NP[0] is not keys and (_LAST_NP[0] is None or not np.array_equal(_LAST_NP[0], keys)):
         _LAST_NP[:] = [keys, torch.from_numpy(keys.astype(np.int64))]
     tensors = {
         "rng/torch": torch.get_rng_state(),
-        "rng/python": _LAST_PY[1],
+        "rng/python": py_tensor,
         "rng/numpy": _LAST_NP[1],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -169,6 +169,23 @@ def test_snapshot_longer_than_the_step_is_exact(projects, tmp_path, stage):
             assert torch.equal(tensors[f"optimizer/state/{i}/{k}"], v), (i, k)
 
 
+def test_snapshot_walk_is_prepared_during_the_previous_step(projects, tmp_path):
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    state = gpu.build(cfg)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path, snapshot_every=3)
+    batches = list(gpu.batches(7, None, "cuda"))
+    for b in batches[:4]:  # step 3 snapshots; its walk ran at the end of step 2
+        rec.step(b)
+    assert rec._snapshot.step == 3 and rec.snapshot_stats["prepared"]
+    for b in batches[4:6]:
+        rec.step(b)
+    state.optimizer.param_groups[0]["lr"] = 0.5  # a loop that edits the state between steps
+    rec.step(batches[6])
+    assert rec._snapshot.step == 6 and not rec.snapshot_stats["prepared"], "the stale walk is redone"
+    assert rec._snapshot.tree["state"]["optimizer"]["param_groups"][0]["lr"] == 0.5
+
+
 def test_precision_matrix_on_the_gpu(projects, tmp_path):
     from reprokit.bisect import bisect_precision
 

@@ -68,3 +68,22 @@ def test_numpy_fast_path_sees_every_kind_of_change():
         got = reader.get_state()
         want = np.random.get_state(legacy=True)
         assert got[0] == want[0] and (got[1] == want[1]).all() and tuple(got[2:]) == tuple(want[2:])
+
+
+def test_python_fast_path_is_in_use_and_sees_every_change():
+    from reprokit.state import _PythonGlobalRNG
+
+    random.seed(11)
+    random.gauss(0, 1)  # leaves gauss_next set
+    before = random.getstate()
+    reader = _PythonGlobalRNG()
+    assert reader.fast, "the CPython layout check failed: every step pays random.getstate()"
+    assert random.getstate() == before, "the layout check puts the state back"
+    first = reader.get_state()
+    assert reader.get_state()[1] is first[1]  # unchanged: the cached tensor
+    for change in (random.random, lambda: random.gauss(0, 1), lambda: random.seed(12), lambda: random.randint(0, 9),
+                   lambda: random.setstate(before)):
+        change()
+        version, tensor, gauss = reader.get_state()
+        want = random.getstate()
+        assert (version, tuple(tensor.tolist()), gauss) == want
