@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=None, help="steps per block (default 10, quick 2)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds of one block per variant, order rotated each round (default 80, quick 2)")
+    ap.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
@@ -140,17 +141,26 @@ def main() -> None:
     recs = {"recorder": recorder(), "recorder+checks": recorder(check_params=True),
             "recorder-no-grad-check": recorder(check_grads=False),
             "recorder-no-snapshot": recorder(snapshot_every=10**9), "detection-only": recorder(snapshot_every=10**9),
-            "instrumented": recorder()}
+            "experiment:fused-finite-check": recorder(check_grads=False), "instrumented": recorder()}
     for r in recs.values():
         r.detach()
     # Ablation: the detectors alone (no batch, RNG or snapshot recording), to split the cost.
     recs["detection-only"]._record_step_start = lambda k, batch: None  # type: ignore[method-assign]
+
+    # Experiment (not a recorder option): the recorder without its grad norm, plus the fused non-finite check
+    # GradScaler uses (one output; it multiplies the grads by 1.0 in place). Prices the host cost of the norm.
+    found, one = torch.zeros(1, device=device), torch.ones(1, device=device)
+
+    def fused_finite_check(opt, *_):
+        grads = [p.grad for grp in opt.param_groups for p in grp["params"] if p.grad is not None]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
 
     def run_block(name: str, n: int) -> list[float]:
         times = []
         rec = recs.get(name)
         if rec:
             rec.attach()
+        hook = state.optimizer.register_step_pre_hook(fused_finite_check) if name.startswith("experiment:") else None
         ctx = torch.autograd.detect_anomaly(check_nan=True) if name == "detect_anomaly" else None
         try:
             if ctx:
@@ -167,6 +177,8 @@ def main() -> None:
                 ctx.__exit__(None, None, None)
             if rec:
                 rec.detach()
+            if hook:
+                hook.remove()
         return times
 
     # Where the recorder's time goes (host seconds inside its own methods), measured on a separate,
@@ -193,12 +205,15 @@ def main() -> None:
     # Steady state is what a long run sees: every recorder fills one whole window (pinned batch
     # slots) and takes a snapshot with optimizer state; that one-time allocation is reported apart.
     run_block("bare", 3)
-    warm_start = time.perf_counter()
-    for name in recs:
-        run_block(name, 102)
-    warmup_s = time.perf_counter() - warm_start - len(recs) * 102 * statistics.median(run_block("bare", 5))
     variants = ["bare", "recorder", "recorder+checks", "recorder-no-grad-check", "recorder-no-snapshot", "detection-only",
-                "bare (A/A)"]
+                "experiment:fused-finite-check", "bare (A/A)"]
+    if args.only:
+        variants = ["bare"] + [v for v in args.only.split(",") if v in variants and v != "bare"]
+    warm = [name for name in recs if name in variants or name in ("recorder", "instrumented")]
+    warm_start = time.perf_counter()
+    for name in warm:
+        run_block(name, 102)
+    warmup_s = time.perf_counter() - warm_start - len(warm) * 102 * statistics.median(run_block("bare", 5))
     results: dict[str, list[float]] = {v: [] for v in variants}
     blocks: dict[str, list[float]] = {v: [] for v in variants}  # per-round block means
     for i in range(rounds):
