@@ -162,6 +162,8 @@ class _PythonGlobalRNG:
     @classmethod
     def _validate(cls, inst: Any) -> int | None:
         try:
+            if type(inst).__basicsize__ < 16 + cls._SIZE:
+                return None  # not CPython's layout: reading that far could leave the object
             addr = id(inst) + 16  # PyObject_HEAD on 64-bit builds; checked below
 
             def agrees(internal: tuple) -> bool:
