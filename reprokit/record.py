@@ -178,10 +178,8 @@ class Recorder:
             self._ring.append(rec)
             return rec
         except Exception as e:
-            self._window_ok = False
-            self._ring.clear()
-            self._warn("capture", f"reprokit: cannot record step {k} ({e}); no bundle can be written until the "
-                                  f"next snapshot (step {self._next_snapshot(k)}). Training continues.")
+            self._drop_window("capture", f"reprokit: cannot record step {k} ({e}); no bundle can be written until "
+                                         f"the next snapshot (step {self._next_snapshot(k)}). Training continues.")
             return None
 
     def _batch_copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -217,22 +215,24 @@ class Recorder:
                     slot.copy_(t, non_blocking=True)
         except Exception as e:
             self._referenced.clear()
-            self._window_ok = False
-            self._ring.clear()
-            self._warn("capture", f"reprokit: cannot copy step {self.step_index}'s batch ({e}); no bundle can be "
-                                  "written until the next snapshot. Training continues.")
+            self._drop_window("capture", f"reprokit: cannot copy step {self.step_index}'s batch ({e}); no bundle "
+                                         "can be written until the next snapshot. Training continues.")
 
     def _check_referenced(self, k: int) -> None:
         changed = any(t._version != v for t, v, _ in self._referenced)
         self._referenced.clear()
         if changed:
-            self._window_ok = False
-            self._ring.clear()
             self.batch_copy_bytes = 1 << 62  # copy everything up front from now on
             self._copy_cuda_now = True
-            self._warn("inplace", f"reprokit: step {k} modified its batch in place; the recorded copy is lost, so "
-                                  f"no bundle until the next snapshot (step {self._next_snapshot(k)}). Batches are "
-                                  "copied from now on.")
+            self._drop_window("inplace", f"reprokit: step {k} modified its batch in place; the recorded copy is "
+                                         f"lost, so no bundle until the next snapshot (step {self._next_snapshot(k)}). "
+                                         "Batches are copied from now on.")
+
+    def _drop_window(self, key: str, message: str) -> None:
+        """The window cannot be replayed any more: forget it until the next snapshot, and say so (once per key)."""
+        self._window_ok = False
+        self._ring.clear()
+        self._warn(key, message)
 
     def _take_snapshot(self, k: int) -> None:
         self._ring.clear()
