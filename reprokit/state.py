@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import random
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,30 @@ class TrainState:
 
 # --- RNG -------------------------------------------------------------------
 
+def _words_address(owner: Any, addr: int, size: int, expected: Callable[[Any], bytes], *,
+                   getstate: Callable[[], Any], setstate: Callable[[Any], Any], draw: Callable[[], Any]) -> int | None:
+    """``addr`` if the ``size`` bytes there are a generator's words, else None.
+
+    They must lie inside ``owner``, equal ``expected(getstate())`` before and after a
+    draw, and move with the draw; the state is put back afterwards.
+    """
+    try:
+        if addr < id(owner) or addr + size > id(owner) + type(owner).__basicsize__:
+            return None  # not the layout we know: reading there could leave the object
+        saved = getstate()
+        before = ctypes.string_at(addr, size)
+        try:
+            ok = before == expected(saved)
+            draw()
+            after = ctypes.string_at(addr, size)
+            ok = ok and after != before and after == expected(getstate())
+        finally:
+            setstate(saved)
+        return addr if ok else None
+    except Exception:
+        return None
+
+
 class _NumpyGlobalRNG:
     """``np.random.get_state()``, skipped when provably unchanged.
 
@@ -101,27 +126,16 @@ class _NumpyGlobalRNG:
 
     @classmethod
     def _validate(cls, bg: Any) -> int | None:
+        if type(bg).__name__ != "MT19937":
+            return None
         try:
-            if type(bg).__name__ != "MT19937":
-                return None
             addr = int(bg.ctypes.state_address)
-            saved = np.random.get_state(legacy=True)
-
-            def agrees(state: Any) -> bool:
-                _, keys, pos, _, _ = state
-                want = np.asarray(keys, dtype=np.uint32).tobytes() + struct.pack("=i", int(pos))
-                return ctypes.string_at(addr, cls._SIZE) == want
-
-            before = ctypes.string_at(addr, cls._SIZE)
-            try:
-                ok = agrees(saved)
-                np.random.random()
-                ok = ok and ctypes.string_at(addr, cls._SIZE) != before and agrees(np.random.get_state(legacy=True))
-            finally:
-                np.random.set_state(saved)
-            return addr if ok else None
         except Exception:
             return None
+        return _words_address(
+            bg, addr, cls._SIZE,
+            lambda st: np.asarray(st[1], dtype=np.uint32).tobytes() + struct.pack("=i", int(st[2])),
+            getstate=lambda: np.random.get_state(legacy=True), setstate=np.random.set_state, draw=np.random.random)
 
     def get_state(self, full: bool = False) -> tuple:
         raw = self._raw_now()
@@ -161,28 +175,9 @@ class _PythonGlobalRNG:
 
     @classmethod
     def _validate(cls, inst: Any) -> int | None:
-        try:
-            if type(inst).__basicsize__ < 16 + cls._SIZE:
-                return None  # not CPython's layout: reading that far could leave the object
-            addr = id(inst) + 16  # PyObject_HEAD on 64-bit builds; checked below
-
-            def agrees(internal: tuple) -> bool:
-                want = struct.pack("=i624I", internal[-1], *internal[:-1])
-                return ctypes.string_at(addr, cls._SIZE) == want
-
-            saved = inst.getstate()
-            if len(saved[1]) != 625:
-                return None
-            before = ctypes.string_at(addr, cls._SIZE)
-            try:
-                ok = agrees(saved[1])
-                inst.random()
-                ok = ok and ctypes.string_at(addr, cls._SIZE) != before and agrees(inst.getstate()[1])
-            finally:
-                inst.setstate(saved)
-            return addr if ok else None
-        except Exception:
-            return None
+        return _words_address(  # PyObject_HEAD is 16 bytes on 64-bit builds; checked against getstate()
+            inst, id(inst) + 16, cls._SIZE, lambda st: struct.pack("=i624I", st[1][-1], *st[1][:-1]),
+            getstate=inst.getstate, setstate=inst.setstate, draw=inst.random)
 
     def get_state(self) -> tuple[int, torch.Tensor, Any]:
         """``(version, internal state as an int64 tensor, gauss_next)``; the tensor is reused while unchanged."""

@@ -87,3 +87,27 @@ def test_python_fast_path_is_in_use_and_sees_every_change():
         version, tensor, gauss = reader.get_state()
         want = random.getstate()
         assert (version, tuple(tensor.tolist()), gauss) == want
+
+
+def test_words_address_refuses_what_it_cannot_prove():
+    from reprokit.state import _PythonGlobalRNG, _words_address
+
+    inst = random.Random(5)
+    good = _PythonGlobalRNG._validate(inst)
+    assert good == id(inst) + 16
+    kw = {"getstate": inst.getstate, "setstate": inst.setstate, "draw": inst.random}
+    state = inst.getstate()
+    # Past the end of the object: refused before anything is read.
+    assert _words_address(inst, id(inst) + 64, 4 + 624 * 4, lambda st: b"", **kw) is None
+    # Bytes that do not match the full read: refused, and the state is put back.
+    assert _words_address(inst, good, 4 + 624 * 4, lambda st: b"\0" * 2500, **kw) is None
+    assert inst.getstate() == state
+    # A "draw" that does not move the words: refused.
+    assert _words_address(inst, good, 4 + 624 * 4, lambda st: _pack(st), getstate=inst.getstate,
+                          setstate=inst.setstate, draw=lambda: None) is None
+
+
+def _pack(st):
+    import struct
+
+    return struct.pack("=i624I", st[1][-1], *st[1][:-1])
