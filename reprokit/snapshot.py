@@ -236,7 +236,7 @@ class SnapshotEngine:
         walked = prepared[1] if prepared is not None and prepared[0] == self._fingerprint() else self._walk()
         self.stats["prepared"] = walked is not None and prepared is not None and walked is prepared[1]
         tree, layout = walked
-        rng_tree, rng_tensors = capture_rng(full=True)
+        rng_tree, rng_tensors = capture_rng()
         tensors: dict[str, torch.Tensor] = {}
         plan: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         cuda = False
@@ -322,7 +322,7 @@ class SnapshotEngine:
         t0 = time.perf_counter()
         self.spill_dir.mkdir(parents=True, exist_ok=True)
         tree, tensors = capture_state(self.state, copy=lambda t: t.detach())  # references, no copies
-        rng_tree, rng_tensors = capture_rng(full=True)
+        rng_tree, rng_tensors = capture_rng()
         tensors = {**tensors, **rng_tensors}
         path = self.spill_dir / f"snapshot-{os.getpid()}-{id(self)}.safetensors"
         tmp = path.with_suffix(".tmp")

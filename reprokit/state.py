@@ -91,68 +91,6 @@ def _words_address(owner: Any, addr: int, size: int, expected: Callable[[Any], b
         return None
 
 
-class _NumpyGlobalRNG:
-    """``np.random.get_state()``, skipped when provably unchanged.
-
-    The full read costs 30 us here and 80-600 us on a busy GPU host (it copies the
-    624 key words one by one in Python), every step. The Mersenne Twister words and
-    position are readable in ~1 us through the bit generator's documented ctypes
-    ``state_address``; when they equal the last full read's and that read had no
-    cached Gaussian (a Gaussian draw with an empty cache consumes words), no draw
-    happened and the last full state is still exact.
-
-    The layout is checked against the full read once, and a draw through
-    ``np.random`` must move it (the check restores the state after); on any
-    mismatch (another numpy, another bit generator) every call does the full read.
-    Not detected: ``np.random.set_state`` with identical words but a different
-    Gaussian cache. Each snapshot does a full read.
-    """
-
-    _SIZE = 624 * 4 + 4  # uint32 key[624]; int pos
-
-    def __init__(self) -> None:
-        self._bg: Any = None
-        self._addr: int | None = None
-        self._raw: bytes | None = None
-        self._state: tuple | None = None
-
-    def _raw_now(self) -> bytes | None:
-        bg = getattr(getattr(np.random.get_state, "__self__", None), "_bit_generator", None)
-        if bg is None:
-            return None
-        if bg is not self._bg:
-            self._bg, self._addr = bg, self._validate(bg)
-        return None if self._addr is None else ctypes.string_at(self._addr, self._SIZE)
-
-    @classmethod
-    def _validate(cls, bg: Any) -> int | None:
-        if type(bg).__name__ != "MT19937":
-            return None
-        try:
-            addr = int(bg.ctypes.state_address)
-        except Exception:
-            return None
-        return _words_address(
-            bg, addr, cls._SIZE,
-            lambda st: np.asarray(st[1], dtype=np.uint32).tobytes() + struct.pack("=i", int(st[2])),
-            getstate=lambda: np.random.get_state(legacy=True), setstate=np.random.set_state, draw=np.random.random)
-
-    def get_state(self, full: bool = False) -> tuple:
-        raw = self._raw_now()
-        last = self._state
-        if not full and raw is not None and raw == self._raw and last is not None and not last[3]:
-            return last
-        state = tuple(np.random.get_state(legacy=True))  # type: ignore[arg-type]
-        self._raw, self._state = raw, state
-        return state
-
-    @property
-    def fast(self) -> bool:
-        """Whether the cheap unchanged-check is in use (False: every call reads the full state)."""
-        self._raw_now()
-        return self._addr is not None
-
-
 class _PythonGlobalRNG:
     """``random.getstate()`` for the module-level generator, plus its state as a tensor, cached.
 
@@ -161,7 +99,8 @@ class _PythonGlobalRNG:
     header in CPython's ``_random`` module) read in ~1 us. The layout is checked against
     ``getstate()`` once, and a draw must move it (then the state is put back); on any
     mismatch (another interpreter build) every call does the full read.
-    ``gauss_next`` is a plain attribute and is read every time.
+    ``gauss_next`` is a plain attribute and is read every time, so equal bytes mean an
+    equal state whatever happened in between (unlike numpy, see :func:`capture_rng`).
     """
 
     _SIZE = 4 + 624 * 4
@@ -204,20 +143,23 @@ class _PythonGlobalRNG:
         return self._addr is not None
 
 
-NUMPY_RNG = _NumpyGlobalRNG()
 PYTHON_RNG = _PythonGlobalRNG()
 _LAST_NP: list[Any] = [None, None]  # (key array, its int64 tensor): most steps draw no numpy randomness
 
 
-def capture_rng(full: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """RNG state of python, numpy, torch CPU and every initialised CUDA device.
 
     The big state vectors go to tensors (binary), the small scalars to JSON. A
     state equal to the previous call's reuses its tensor (they are never mutated).
-    ``full`` forces numpy's full read (see :class:`_NumpyGlobalRNG`).
+    numpy's ``get_state()`` is read in full every time (30 us here, up to 600 us on a
+    busy GPU host). A shortcut that skipped it when the Mersenne Twister words were
+    unchanged was tried twice and removed: numpy's Gaussian cache lives outside those
+    words, so a reseed followed by the same draws ends on the same words with a
+    different cache, and the shortcut returned a stale state (tests/unit/test_rng.py).
     """
     version, py_tensor, gauss = PYTHON_RNG.get_state()
-    name, keys, pos, has_gauss, cached = NUMPY_RNG.get_state(full)
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
     assert isinstance(keys, np.ndarray)
     tree: dict[str, Any] = {
         "python": [version, gauss],
