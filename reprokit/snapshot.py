@@ -234,7 +234,7 @@ class SnapshotEngine:
         self.broken = False
         prepared, self._prepared = self._prepared, None
         walked = prepared[1] if prepared is not None and prepared[0] == self._fingerprint() else self._walk()
-        self.stats["prepared"] = walked is not None and prepared is not None and walked is prepared[1]
+        self.stats["prepared"] = prepared is not None and walked is prepared[1]
         tree, layout = walked
         rng_tree, rng_tensors = capture_rng()
         tensors: dict[str, torch.Tensor] = {}
