@@ -91,87 +91,203 @@ def _words_address(owner: Any, addr: int, size: int, expected: Callable[[Any], b
         return None
 
 
-class _PythonGlobalRNG:
-    """``random.getstate()`` for the module-level generator, plus its state as a tensor, cached.
+class _GlobalRNG:
+    """A module-level generator's state, re-read in full only when its raw bytes have moved.
 
-    ``getstate()`` builds a 625-tuple (~10 us, several times that right after a training
-    step); the object's own words (``int index; uint32_t state[624]`` after the object
-    header in CPython's ``_random`` module) read in ~1 us. The layout is checked against
-    ``getstate()`` once, and a draw must move it (then the state is put back); on any
-    mismatch (another interpreter build) every call does the full read.
-    ``gauss_next`` is a plain attribute and is read every time, so equal bytes mean an
-    equal state whatever happened in between (unlike numpy, see :func:`capture_rng`).
+    Subclasses say where the generator's bytes live (located once per generator object
+    and proven against the full read, see :func:`_words_address`), how to read them
+    (``_key``: a few microseconds) and how to read the state in full (``_full``: the
+    generator's own ``getstate``, tens to hundreds of microseconds on a busy host).
+    Bytes equal to the last call's mean an equal state, so the last result is returned;
+    a generator whose layout cannot be proven is read in full every time.
+    """
+
+    def __init__(self) -> None:
+        self._owner: tuple[int, ...] = ()
+        self._located = False
+        self._key_seen: Any = None
+        self._value: Any = None
+
+    def _owners(self) -> tuple[Any, ...]:
+        """The objects whose identity the located addresses depend on."""
+        raise NotImplementedError
+
+    def _locate(self, owners: tuple[Any, ...]) -> bool:
+        raise NotImplementedError
+
+    def _key(self) -> Any:
+        raise NotImplementedError
+
+    def _full(self) -> Any:
+        raise NotImplementedError
+
+    def get_state(self) -> Any:
+        owners = self._owners()
+        ids = tuple(map(id, owners))
+        if ids != self._owner:
+            self._owner, self._key_seen, self._value = ids, None, None
+            self._located = None not in owners and self._locate(owners)
+        if not self._located:
+            return self._full()
+        key = self._key()
+        if key == self._key_seen and self._value is not None:
+            return self._value
+        value = self._full()
+        # Cache only when nothing moved during the full read (another thread drawing, say).
+        self._key_seen, self._value = (key, value) if self._key() == key else (None, None)
+        return value
+
+    @property
+    def fast(self) -> bool:
+        self.get_state()
+        return self._located
+
+
+class _PythonGlobalRNG(_GlobalRNG):
+    """``random.getstate()`` for the module-level generator, as ``(version, int64 tensor, gauss_next)``.
+
+    The words are CPython's ``_random.Random`` object's own (``int index; uint32_t
+    state[624]`` right after the 16-byte object header), checked against ``getstate()``
+    with a draw (then put back); ``gauss_next`` is a plain attribute, read every time.
     """
 
     _SIZE = 4 + 624 * 4
 
     def __init__(self) -> None:
-        self._inst: Any = None
-        self._addr: int | None = None
-        self._raw: bytes | None = None
+        super().__init__()
+        self._addr = 0
         self._internal: tuple | None = None
         self._tensor: torch.Tensor | None = None
 
+    def _owners(self) -> tuple[Any, ...]:
+        return (getattr(random.getstate, "__self__", None),)
+
     @classmethod
     def _validate(cls, inst: Any) -> int | None:
-        return _words_address(  # PyObject_HEAD is 16 bytes on 64-bit builds; checked against getstate()
+        return _words_address(
             inst, id(inst) + 16, cls._SIZE, lambda st: struct.pack("=i624I", st[1][-1], *st[1][:-1]),
             getstate=inst.getstate, setstate=inst.setstate, draw=inst.random)
 
-    def get_state(self) -> tuple[int, torch.Tensor, Any]:
-        """``(version, internal state as an int64 tensor, gauss_next)``; the tensor is reused while unchanged."""
-        inst = getattr(random.getstate, "__self__", None)
-        if inst is not self._inst:
-            self._inst, self._addr, self._raw = inst, None if inst is None else self._validate(inst), None
-        if self._addr is not None:
-            raw = ctypes.string_at(self._addr, self._SIZE)
-            if raw != self._raw or self._tensor is None:
-                version, internal, gauss = random.getstate()
-                self._raw = raw
-                if internal != self._internal:
-                    self._internal, self._tensor = internal, torch.tensor(internal, dtype=torch.int64)
-                return version, self._tensor, gauss  # type: ignore[return-value]
-            return random.Random.VERSION, self._tensor, inst.gauss_next  # type: ignore[union-attr]
+    def _locate(self, owners: tuple[Any, ...]) -> bool:
+        addr = self._validate(owners[0])
+        self._addr = addr or 0
+        return addr is not None
+
+    def _key(self) -> Any:
+        return ctypes.string_at(self._addr, self._SIZE), random.getstate.__self__.gauss_next  # type: ignore[attr-defined]
+
+    def _full(self) -> tuple[int, torch.Tensor, Any]:
         version, internal, gauss = random.getstate()
         if internal != self._internal or self._tensor is None:
             self._internal, self._tensor = internal, torch.tensor(internal, dtype=torch.int64)
         return version, self._tensor, gauss
 
-    @property
-    def fast(self) -> bool:
-        self.get_state()
-        return self._addr is not None
+
+class _NumpyGlobalRNG(_GlobalRNG):
+    """numpy's legacy global generator (``np.random.rand`` and friends), as ``(json part, int64 tensor)``.
+
+    Its whole state is the Mersenne Twister's ``uint32 key[624]; int pos`` (inside the
+    MT19937 object, at ``bit_generator.ctypes.state_address``) plus the RandomState's
+    Gaussian cache ``int has_gauss; double gauss`` (inside the RandomState object, just
+    after the pointer it keeps to its own copy of the bit generator's struct). Both
+    places are found and proven on a private RandomState (states set with known caches,
+    a draw must move the words) and then checked on the global one against
+    ``get_state()``, without drawing from it.
+    """
+
+    _SIZE = 624 * 4 + 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._words = self._cache = 0
+        self._keys: np.ndarray | None = None
+        self._tensor: torch.Tensor | None = None
+
+    def _owners(self) -> tuple[Any, ...]:
+        inst = getattr(np.random.get_state, "__self__", None)
+        return inst, getattr(inst, "_bit_generator", None)
+
+    @classmethod
+    def _expected_words(cls, st: Any) -> bytes:
+        return np.asarray(st[1], dtype="=u4").tobytes() + struct.pack("=i", st[2])
+
+    @classmethod
+    def _cache_offset(cls, inst: Any) -> int | None:
+        """Offset of ``has_gauss`` in a RandomState: 8 bytes after a word pointing inside the object at the
+        bit generator's state pointer."""
+        size = type(inst).__basicsize__
+        words = struct.unpack(f"={size // 8}Q", ctypes.string_at(id(inst), size // 8 * 8))
+        state_at = [i for i, w in enumerate(words) if w == inst._bit_generator.ctypes.state_address]
+        back = [i for i, w in enumerate(words) for j in state_at if w == id(inst) + 8 * j]
+        if len(back) != 1 or 8 * back[0] + 24 > size:
+            return None
+        return 8 * back[0] + 8
+
+    @classmethod
+    def _prove_on_probe(cls) -> int | None:
+        """The Gaussian cache's offset, proven on a private RandomState (the global one is not touched)."""
+        try:
+            probe = np.random.RandomState(0)
+            off = cls._cache_offset(probe)
+            if off is None:
+                return None
+            bg = probe._bit_generator
+            if _words_address(bg, bg.ctypes.state_address, cls._SIZE, cls._expected_words,
+                              getstate=lambda: probe.get_state(legacy=True), setstate=probe.set_state,
+                              draw=probe.random_sample) is None:
+                return None
+            name, keys, pos = probe.get_state(legacy=True)[:3]  # type: ignore[misc,index]
+            for has, value in ((1, 1.25), (0, 0.0), (1, -3.5e-300)):
+                probe.set_state((name, keys, pos, has, value))
+                if ctypes.string_at(id(probe) + off, 16)[:4] != struct.pack("=i", has) or \
+                        ctypes.string_at(id(probe) + off + 8, 8) != struct.pack("=d", value):
+                    return None
+            return off
+        except Exception:
+            return None
+
+    def _locate(self, owners: tuple[Any, ...]) -> bool:
+        inst, bg = owners
+        off = self._prove_on_probe() if type(inst) is np.random.RandomState else None
+        try:
+            if off is None or self._cache_offset(inst) != off:
+                return False
+            words = bg.ctypes.state_address
+            if not id(bg) <= words <= id(bg) + type(bg).__basicsize__ - self._SIZE:
+                return False
+            st = inst.get_state(legacy=True)
+            self._words, self._cache = words, id(inst) + off
+            return self._key() == (self._expected_words(st), struct.pack("=i", st[3]), struct.pack("=d", st[4]))
+        except Exception:
+            return False
+
+    def _key(self) -> Any:
+        cache = ctypes.string_at(self._cache, 16)
+        return ctypes.string_at(self._words, self._SIZE), cache[:4], cache[8:]
+
+    def _full(self) -> tuple[list[Any], torch.Tensor]:
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+        assert isinstance(keys, np.ndarray)
+        if self._keys is None or self._tensor is None or not np.array_equal(self._keys, keys):
+            self._keys, self._tensor = keys, torch.from_numpy(keys.astype(np.int64))
+        return [name, int(pos), int(has_gauss), float(cached)], self._tensor
 
 
 PYTHON_RNG = _PythonGlobalRNG()
-_LAST_NP: list[Any] = [None, None]  # (key array, its int64 tensor): most steps draw no numpy randomness
+NUMPY_RNG = _NumpyGlobalRNG()
 
 
 def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """RNG state of python, numpy, torch CPU and every initialised CUDA device.
 
-    The big state vectors go to tensors (binary), the small scalars to JSON. A
-    state equal to the previous call's reuses its tensor (they are never mutated).
-    numpy's ``get_state()`` is read in full every time (30 us here, up to 600 us on a
-    busy GPU host). A shortcut that skipped it when the Mersenne Twister words were
-    unchanged was tried twice and removed: numpy's Gaussian cache lives outside those
-    words, so a reseed followed by the same draws ends on the same words with a
-    different cache, and the shortcut returned a stale state (tests/unit/test_rng.py).
+    The big state vectors go to tensors (binary), the small scalars to JSON. python's
+    and numpy's global generators are re-read in full only when their bytes moved (see
+    :class:`_GlobalRNG`); an unchanged state reuses its tensor (they are never mutated).
     """
     version, py_tensor, gauss = PYTHON_RNG.get_state()
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    assert isinstance(keys, np.ndarray)
-    tree: dict[str, Any] = {
-        "python": [version, gauss],
-        "numpy": [name, int(pos), int(has_gauss), float(cached)],
-    }
-    if _LAST_NP[0] is not keys and (_LAST_NP[0] is None or not np.array_equal(_LAST_NP[0], keys)):
-        _LAST_NP[:] = [keys, torch.from_numpy(keys.astype(np.int64))]
-    tensors = {
-        "rng/torch": torch.get_rng_state(),
-        "rng/python": py_tensor,
-        "rng/numpy": _LAST_NP[1],
-    }
+    np_tree, np_tensor = NUMPY_RNG.get_state()
+    tree: dict[str, Any] = {"python": [version, gauss], "numpy": list(np_tree)}
+    tensors = {"rng/torch": torch.get_rng_state(), "rng/python": py_tensor, "rng/numpy": np_tensor}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         # get_rng_state reads the generator's seed/offset on the host: no sync.
         for i in range(torch.cuda.device_count()):

@@ -1,4 +1,4 @@
-"""RNG capture/restore is exact, including python's skipped-when-unchanged fast path."""
+"""RNG capture/restore is exact, including the skipped-when-unchanged fast paths of python and numpy."""
 
 from __future__ import annotations
 
@@ -76,6 +76,50 @@ def test_python_fast_path_is_in_use_and_sees_every_change():
         version, tensor, gauss = reader.get_state()
         want = random.getstate()
         assert (version, tuple(tensor.tolist()), gauss) == want
+
+
+def test_numpy_fast_path_is_in_use_and_sees_every_change():
+    from reprokit.state import _NumpyGlobalRNG
+
+    np.random.seed(7)
+    np.random.randn()  # leaves a Gaussian cached
+    before = np.random.get_state(legacy=True)
+    reader = _NumpyGlobalRNG()
+    assert reader.fast, "the numpy layout check failed: every step pays np.random.get_state()"
+    after = np.random.get_state(legacy=True)
+    assert np.array_equal(after[1], before[1]) and after[2:] == before[2:], "locating must not touch the generator"
+    first = reader.get_state()
+    assert reader.get_state()[1] is first[1]  # unchanged: the cached tensor
+    name, keys, pos = before[:3]
+    changes = (np.random.rand, np.random.randn, np.random.randn, lambda: np.random.seed(8),
+               lambda: np.random.randint(0, 9), lambda: np.random.set_state(before),
+               # the same words with a different Gaussian cache, each way round
+               lambda: np.random.set_state((name, keys, pos, 0, 0.0)),
+               lambda: np.random.set_state((name, keys, pos, 1, 0.5)),
+               lambda: np.random.set_state((name, keys, pos, 1, -0.5)))
+    for change in changes:
+        change()
+        part, tensor = reader.get_state()
+        want = np.random.get_state(legacy=True)
+        assert part == [want[0], want[2], want[3], want[4]]
+        assert np.array_equal(tensor.numpy(), want[1].astype(np.int64))
+
+
+def test_numpy_fast_path_follows_a_replaced_bit_generator():
+    from reprokit.state import _NumpyGlobalRNG
+
+    reader = _NumpyGlobalRNG()
+    rs = np.random.mtrand._rand
+    old = rs._bit_generator
+    assert reader.fast
+    try:
+        rs._bit_generator = np.random.MT19937(3)  # a new object: the located addresses are stale
+        part, tensor = reader.get_state()
+        want = np.random.get_state(legacy=True)
+        assert part[1:] == [want[2], want[3], want[4]] and np.array_equal(tensor.numpy(), want[1])
+    finally:
+        rs._bit_generator = old
+    assert reader.fast  # back on the original: located again
 
 
 def test_words_address_refuses_what_it_cannot_prove():
