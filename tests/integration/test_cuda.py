@@ -201,3 +201,14 @@ def test_precision_matrix_on_the_gpu(projects, tmp_path):
         assert v[name] != "n/a", name  # all of these run on an H100/H200
         assert v[name] == "fail", (name, d["details"][name])  # a kernel switch does not fix an fp16 overflow
     assert d["smallest_fix"] == "bf16"
+
+
+def test_grad_norm_reads_foreach_norm_buffer_without_a_stack():
+    from reprokit.detect import _foreach_norm64, _stacked, global_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ts = [torch.randn(n, device="cuda", generator=g) for n in (3, 1000, 7, 65536)] * 40  # 160 tensors
+    norms = _foreach_norm64(ts)
+    assert _stacked(norms) is norms[0]._base, "CUDA _foreach_norm no longer returns views of one buffer"
+    want = torch.cat([t.double().flatten() for t in ts]).norm().item()
+    assert abs(global_norm(ts).item() - want) <= 1e-12 * want

@@ -1,0 +1,48 @@
+"""The global-norm helpers behind the grad and param checks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reprokit.detect import _stacked, global_norm
+
+
+def test_stacked_returns_the_buffer_when_the_norms_are_its_elements_in_order():
+    base = torch.arange(5, dtype=torch.float64)
+    views = [base[i] for i in range(5)]
+    assert _stacked(views) is base
+
+
+def test_stacked_copies_anything_else():
+    big = torch.arange(8, dtype=torch.float64)
+    cases = {
+        "separate tensors": [torch.tensor(float(i)) for i in range(3)],
+        "part of a bigger buffer": [big[i] for i in range(3)],
+        "reversed": [big[:3][i] for i in (2, 1, 0)],
+        "offset buffer": [big[2:5][i] for i in range(3)],
+    }
+    for name, norms in cases.items():
+        got = _stacked(norms)
+        assert got._base is None or got.numel() == len(norms), name
+        assert torch.equal(got, torch.stack(norms)), name
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.floats(-(2.0**100), 2.0**100, allow_nan=False, width=32), min_size=1, max_size=6),
+                min_size=1, max_size=6))
+def test_global_norm_is_the_norm_of_everything_and_never_overflows(rows):
+    ts = [torch.tensor(r, dtype=torch.float32) for r in rows]
+    want = math.sqrt(sum(float(x) ** 2 for r in rows for x in torch.tensor(r, dtype=torch.float32).tolist()))
+    got = global_norm(ts).item()
+    assert math.isfinite(got)  # squares of 2**100 overflow float32; the float64 accumulation must not
+    assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-300)
+
+
+def test_global_norm_sees_a_nonfinite_value():
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        ts = [torch.ones(3), torch.tensor([1.0, bad]), torch.ones(2, dtype=torch.float64)]
+        assert not math.isfinite(global_norm(ts).item())
