@@ -232,7 +232,7 @@ def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _norm_of_groups(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     with torch.no_grad():
-        parts = [torch.linalg.vector_norm(_stacked(_foreach_norm64(ts))) for ts in groups]
+        parts = [torch.linalg.vector_norm(torch.stack(_foreach_norm64(ts))) for ts in groups]
         dev = parts[0].device
         return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack([p.to(dev) for p in parts]))
 
@@ -242,23 +242,6 @@ def _foreach_norm64(ts: list[torch.Tensor]) -> list[torch.Tensor]:
         return list(torch._foreach_norm(ts, 2, dtype=torch.float64))
     except TypeError:  # torch < 2.3: no dtype argument
         return [n.double() for n in torch._foreach_norm(ts)]
-
-
-def _stacked(norms: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(norms)``, without the copy when they are the elements of one buffer, in order.
-
-    On CUDA ``_foreach_norm`` returns its outputs as views of a single vector; the
-    stack of 148 views was a tenth of the hook's host time. Only first and last are
-    checked: with as many elements as outputs, the first at 0 and the last at n-1,
-    the buffer holds the n norms (and the global norm does not depend on their order).
-    """
-    base = norms[0]._base
-    n = len(norms)
-    if (base is not None and base.dim() == 1 and base.numel() == n and base.dtype == norms[0].dtype
-            and norms[-1]._base is base and base.is_contiguous() and norms[0].storage_offset() == base.storage_offset()
-            and norms[-1].storage_offset() == base.storage_offset() + n - 1):
-        return base
-    return torch.stack(norms)
 
 
 def _finite(x: float) -> bool:

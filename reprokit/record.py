@@ -126,6 +126,8 @@ class Recorder:
         self._referenced: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
         """(batch tensor, its version at step start, pinned slot to copy it into after the step)."""
         self._copy_cuda_now = False
+        self._flat_batch: tuple[list[str], dict[str, Any], list[str]] | None = None
+        """(keys, encoded tree, tensor keys) of the last batch when it was a flat dict of tensors."""
         self._slots: dict[tuple[int, int], torch.Tensor | None] = {}
         self._slot = self._leaf = 0
         self.step_index = 0
@@ -172,7 +174,7 @@ class Recorder:
                 return None
             self._referenced.clear()
             self._slot, self._leaf = k - self._snapshot.step if self._snapshot else 0, 0
-            tree, tensors = pytree.encode(batch, "batch", copy=self._batch_copy)
+            tree, tensors = self._encode_batch(batch)
             rng_tree, rng_tensors = capture_rng()
             rec = B.StepRecord(k, tree, {**tensors, **rng_tensors}, rng_tree)
             self._ring.append(rec)
@@ -182,8 +184,26 @@ class Recorder:
                                          f"the next snapshot (step {self._next_snapshot(k)}). Training continues.")
             return None
 
+    def _encode_batch(self, batch: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+        """``pytree.encode(batch, "batch", copy=self._batch_copy)``; a dict of dense tensors with last step's keys
+        reuses last step's tree (most loops feed the same dict every step)."""
+        flat = self._flat_batch
+        if flat is not None and type(batch) is dict and len(batch) == len(flat[0]) and all(
+                k is f or k == f for k, f in zip(batch, flat[0])):
+            values = batch.values()
+            if all(type(v) is torch.Tensor and v.layout is torch.strided for v in values):
+                return flat[1], {key: self._batch_copy(v) for key, v in zip(flat[2], values)}
+        tree, tensors = pytree.encode(batch, "batch", copy=self._batch_copy)
+        flat_keys = [f"batch/{k}" for k in batch] if type(batch) is dict else []
+        self._flat_batch = None
+        if flat_keys and all(type(k) is str for k in batch) and tree == {
+                k: {pytree.TENSOR: key} for k, key in zip(batch, flat_keys)} and list(tensors) == flat_keys:
+            self._flat_batch = (list(batch), tree, flat_keys)
+        return tree, tensors
+
     def _batch_copy(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
+        if t.requires_grad:
+            t = t.detach()
         if t.is_cuda:
             # Pinned buffers per (slot in the window, leaf), reused window after window: no allocator calls.
             slot = self._slots.setdefault((self._slot, self._leaf), None)

@@ -92,55 +92,65 @@ def _words_address(owner: Any, addr: int, size: int, expected: Callable[[Any], b
 
 
 class _GlobalRNG:
-    """A module-level generator's state, re-read in full only when its raw bytes have moved.
+    """A module-level generator's state, re-read in full only when its bytes have moved.
 
     Subclasses say where the generator's bytes live (located once per generator object
-    and proven against the full read, see :func:`_words_address`), how to read them
-    (``_key``: a few microseconds) and how to read the state in full (``_full``: the
-    generator's own ``getstate``, tens to hundreds of microseconds on a busy host).
-    Bytes equal to the last call's mean an equal state, so the last result is returned;
-    a generator whose layout cannot be proven is read in full every time.
+    and proven against the full read, see :func:`_words_address`) and how to read the
+    state in full (``_full``: the generator's own ``getstate``, tens to hundreds of
+    microseconds on a busy host). Each call compares those bytes, in place, with a copy
+    taken at the last full read; equal bytes mean an equal state, so the last result is
+    returned. The comparison allocates nothing: right after a training step the first
+    allocation of a kilobyte or more can cost ~50 us (the C allocator tidies the many
+    small blocks the step freed). A generator whose layout cannot be proven is read in
+    full every time.
     """
 
     def __init__(self) -> None:
-        self._owner: tuple[int, ...] = ()
-        self._located = False
-        self._key_seen: Any = None
+        self._owners_seen: tuple[Any, ...] = ()
+        self._spans: list[tuple[memoryview, memoryview]] = []
+        """(a view of the generator's own bytes, our copy of them at the last full read)."""
+        self._extra_seen: Any = None
         self._value: Any = None
 
     def _owners(self) -> tuple[Any, ...]:
-        """The objects whose identity the located addresses depend on."""
+        """The objects the located addresses belong to (held, so their addresses cannot be reused)."""
         raise NotImplementedError
 
-    def _locate(self, owners: tuple[Any, ...]) -> bool:
+    def _locate(self, owners: tuple[Any, ...]) -> list[tuple[int, int]] | None:
+        """``(address, size)`` of every byte of the state, or None when that cannot be proven."""
         raise NotImplementedError
 
-    def _key(self) -> Any:
-        raise NotImplementedError
+    def _extra(self) -> Any:
+        """State held outside those bytes, compared by identity (python's ``gauss_next`` float)."""
+        return None
 
     def _full(self) -> Any:
         raise NotImplementedError
 
     def get_state(self) -> Any:
         owners = self._owners()
-        ids = tuple(map(id, owners))
-        if ids != self._owner:
-            self._owner, self._key_seen, self._value = ids, None, None
-            self._located = None not in owners and self._locate(owners)
-        if not self._located:
+        if len(owners) != len(self._owners_seen) or any(a is not b for a, b in zip(owners, self._owners_seen)):
+            self._owners_seen, self._value, self._spans = owners, None, []
+            spans = None if None in owners else self._locate(owners)
+            self._spans = [(memoryview((ctypes.c_char * n).from_address(a)).cast("B"), memoryview(bytearray(n)))
+                           for a, n in spans or ()]
+        if not self._spans:
             return self._full()
-        key = self._key()
-        if key == self._key_seen and self._value is not None:
+        if self._value is not None and self._extra() is self._extra_seen and all(a == b for a, b in self._spans):
             return self._value
+        for live, seen in self._spans:
+            seen[:] = live
+        extra = self._extra()
         value = self._full()
         # Cache only when nothing moved during the full read (another thread drawing, say).
-        self._key_seen, self._value = (key, value) if self._key() == key else (None, None)
+        same = extra is self._extra() and all(a == b for a, b in self._spans)
+        self._value, self._extra_seen = (value, extra) if same else (None, None)
         return value
 
     @property
     def fast(self) -> bool:
         self.get_state()
-        return self._located
+        return bool(self._spans)
 
 
 class _PythonGlobalRNG(_GlobalRNG):
@@ -148,14 +158,13 @@ class _PythonGlobalRNG(_GlobalRNG):
 
     The words are CPython's ``_random.Random`` object's own (``int index; uint32_t
     state[624]`` right after the 16-byte object header), checked against ``getstate()``
-    with a draw (then put back); ``gauss_next`` is a plain attribute, read every time.
+    with a draw (then put back); ``gauss_next`` is a plain attribute, compared by identity.
     """
 
     _SIZE = 4 + 624 * 4
 
     def __init__(self) -> None:
         super().__init__()
-        self._addr = 0
         self._internal: tuple | None = None
         self._tensor: torch.Tensor | None = None
 
@@ -168,13 +177,12 @@ class _PythonGlobalRNG(_GlobalRNG):
             inst, id(inst) + 16, cls._SIZE, lambda st: struct.pack("=i624I", st[1][-1], *st[1][:-1]),
             getstate=inst.getstate, setstate=inst.setstate, draw=inst.random)
 
-    def _locate(self, owners: tuple[Any, ...]) -> bool:
+    def _locate(self, owners: tuple[Any, ...]) -> list[tuple[int, int]] | None:
         addr = self._validate(owners[0])
-        self._addr = addr or 0
-        return addr is not None
+        return None if addr is None else [(addr, self._SIZE)]
 
-    def _key(self) -> Any:
-        return ctypes.string_at(self._addr, self._SIZE), random.getstate.__self__.gauss_next  # type: ignore[attr-defined]
+    def _extra(self) -> Any:
+        return self._owners_seen[0].gauss_next
 
     def _full(self) -> tuple[int, torch.Tensor, Any]:
         version, internal, gauss = random.getstate()
@@ -199,7 +207,6 @@ class _NumpyGlobalRNG(_GlobalRNG):
 
     def __init__(self) -> None:
         super().__init__()
-        self._words = self._cache = 0
         self._keys: np.ndarray | None = None
         self._tensor: torch.Tensor | None = None
 
@@ -239,31 +246,30 @@ class _NumpyGlobalRNG(_GlobalRNG):
             name, keys, pos = probe.get_state(legacy=True)[:3]  # type: ignore[misc,index]
             for has, value in ((1, 1.25), (0, 0.0), (1, -3.5e-300)):
                 probe.set_state((name, keys, pos, has, value))
-                if ctypes.string_at(id(probe) + off, 16)[:4] != struct.pack("=i", has) or \
+                if ctypes.string_at(id(probe) + off, 4) != struct.pack("=i", has) or \
                         ctypes.string_at(id(probe) + off + 8, 8) != struct.pack("=d", value):
                     return None
             return off
         except Exception:
             return None
 
-    def _locate(self, owners: tuple[Any, ...]) -> bool:
+    def _locate(self, owners: tuple[Any, ...]) -> list[tuple[int, int]] | None:
         inst, bg = owners
         off = self._prove_on_probe() if type(inst) is np.random.RandomState else None
         try:
             if off is None or self._cache_offset(inst) != off:
-                return False
+                return None
             words = bg.ctypes.state_address
             if not id(bg) <= words <= id(bg) + type(bg).__basicsize__ - self._SIZE:
-                return False
+                return None
             st = inst.get_state(legacy=True)
-            self._words, self._cache = words, id(inst) + off
-            return self._key() == (self._expected_words(st), struct.pack("=i", st[3]), struct.pack("=d", st[4]))
+            cache = id(inst) + off
+            if (ctypes.string_at(words, self._SIZE), ctypes.string_at(cache, 4), ctypes.string_at(cache + 8, 8)) != (
+                    self._expected_words(st), struct.pack("=i", st[3]), struct.pack("=d", st[4])):
+                return None
+            return [(words, self._SIZE), (cache, 4), (cache + 8, 8)]  # the padding between the two is skipped
         except Exception:
-            return False
-
-    def _key(self) -> Any:
-        cache = ctypes.string_at(self._cache, 16)
-        return ctypes.string_at(self._words, self._SIZE), cache[:4], cache[8:]
+            return None
 
     def _full(self) -> tuple[list[Any], torch.Tensor]:
         name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
@@ -289,9 +295,9 @@ def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     tree: dict[str, Any] = {"python": [version, gauss], "numpy": list(np_tree)}
     tensors = {"rng/torch": torch.get_rng_state(), "rng/python": py_tensor, "rng/numpy": np_tensor}
     if torch.cuda.is_initialized():  # implies available; is_available() alone costs ~10 us
-        # get_rng_state reads the generator's seed/offset on the host: no sync.
-        for i in range(torch.cuda.device_count()):
-            tensors[f"rng/cuda/{i}"] = torch.cuda.get_rng_state(i)
+        # The generators' seed/offset, read on the host (no sync); what torch.cuda.get_rng_state(i) returns.
+        for i, gen in enumerate(torch.cuda.default_generators):
+            tensors[f"rng/cuda/{i}"] = gen.get_state()
     return tree, tensors
 
 

@@ -217,3 +217,34 @@ def test_large_cpu_batches_are_referenced_and_in_place_edits_detected(projects, 
     assert "modified its batch in place" in messages[0] and "window is incomplete; no bundle" in messages[-1]
     assert isinstance(exc, reprokit.TrainingFailure) and exc.bundle is None, "a lost window is never written"
     assert rec.batch_copy_bytes > 1 << 60, "later batches are copied"
+
+
+def test_batches_whose_structure_changes_are_recorded_as_given(projects, tmp_path):
+    """Same-keys dicts of tensors reuse the last step's tree; anything else must be encoded afresh."""
+    mlp = projects("rk_mlp")
+    cfg = {"optimizer": "sgd"}
+    base = list(mlp.batches(cfg, 9, poison_step=8))
+    given = [
+        base[0], base[1],
+        {"y": base[2]["y"], "x": base[2]["x"]},  # same keys, other order
+        {**base[3], "grad_mult": 1.0},  # a float joins
+        {**base[4], "w": torch.ones(3)},  # a third tensor
+        {**base[5], "w": [1, 2]},  # a list where a tensor was
+        {"x": base[6]["x"], "y": torch.nn.Parameter(base[6]["y"], requires_grad=False)},  # a tensor subclass
+        base[7], base[8],
+    ]
+    given[6]["y"].requires_grad_(False)
+    rec, exc = record(mlp, cfg, given, tmp_path, snapshot_every=100)
+    ring = rec._ring
+    assert ring[1].batch is ring[0].batch and ring[8].batch is ring[7].batch, "the reused-tree path ran"
+    b = open_bundle(exc.bundle)
+    assert b.steps == list(range(9))
+    for k in b.steps:
+        got = b.step(k)[0]
+        want = given[k]
+        assert sorted(got) == sorted(want), k  # (bundles store dict keys sorted)
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(got[key], value.detach(), rtol=0, atol=0, equal_nan=True)
+            else:
+                assert got[key] == value, (k, key)

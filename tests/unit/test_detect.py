@@ -8,27 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reprokit.detect import _stacked, global_norm
-
-
-def test_stacked_returns_the_buffer_when_the_norms_are_its_elements_in_order():
-    base = torch.arange(5, dtype=torch.float64)
-    views = [base[i] for i in range(5)]
-    assert _stacked(views) is base
-
-
-def test_stacked_copies_anything_else():
-    big = torch.arange(8, dtype=torch.float64)
-    cases = {
-        "separate tensors": [torch.tensor(float(i)) for i in range(3)],
-        "part of a bigger buffer": [big[i] for i in range(3)],
-        "reversed": [big[:3][i] for i in (2, 1, 0)],
-        "offset buffer": [big[2:5][i] for i in range(3)],
-    }
-    for name, norms in cases.items():
-        got = _stacked(norms)
-        assert got._base is None or got.numel() == len(norms), name
-        assert torch.equal(got, torch.stack(norms)), name
+from reprokit.detect import global_norm
 
 
 @settings(max_examples=40, deadline=None)
