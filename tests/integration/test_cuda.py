@@ -213,3 +213,16 @@ def test_global_norm_on_the_gpu_matches_a_float64_reference():
     assert abs(global_norm(ts).item() - want) <= 1e-12 * want
     ts[5][3] = float("nan")
     assert global_norm(ts).isnan().item()
+
+
+def test_cuda_rng_state_is_reused_only_while_seed_and_offset_stand_still():
+    from reprokit.state import capture_rng
+
+    torch.cuda.manual_seed(3)
+    torch.rand(4, device="cuda")
+    first = capture_rng()[1]["rng/cuda/0"]
+    assert capture_rng()[1]["rng/cuda/0"] is first
+    for change in (lambda: torch.rand(4, device="cuda"), lambda: torch.cuda.manual_seed(4),
+                   lambda: torch.randn(3, device="cuda"), lambda: torch.cuda.set_rng_state(first)):
+        change()
+        assert torch.equal(capture_rng()[1]["rng/cuda/0"], torch.cuda.get_rng_state())

@@ -1,4 +1,4 @@
-"""RNG capture/restore is exact, including the skipped-when-unchanged fast paths of python and numpy."""
+"""RNG capture/restore is exact, including the skipped-when-unchanged fast paths of python, numpy and torch."""
 
 from __future__ import annotations
 
@@ -120,6 +120,33 @@ def test_numpy_fast_path_follows_a_replaced_bit_generator():
     finally:
         rs._bit_generator = old
     assert reader.fast  # back on the original: located again
+
+
+def test_torch_cpu_fast_path_is_in_use_and_sees_every_change():
+    import struct
+
+    from reprokit.state import _TorchCPURNG
+
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    reader = _TorchCPURNG()
+    assert reader.fast, "the torch generator layout check failed: every step allocates torch.get_rng_state()"
+    assert torch.equal(torch.get_rng_state(), before), "locating must not touch the default generator"
+    first = reader.get_state()
+    assert reader.get_state() is first  # unchanged: the cached tensor
+    cached = bytearray(before.numpy().tobytes())
+    struct.pack_into("=dddi", cached, 5016, 0.125, 0.75, 0.75, 1)  # a cached double normal sample
+    with_float = bytearray(before.numpy().tobytes())
+    struct.pack_into("=f?", with_float, 5048, 0.5, True)  # a cached float normal sample
+    changes = (lambda: torch.rand(1), lambda: torch.randn(1, dtype=torch.float64), lambda: torch.randn(1),
+               lambda: torch.randn(100), lambda: torch.randint(0, 9, (3,)), lambda: torch.manual_seed(6),
+               lambda: torch.bernoulli(torch.full((4,), 0.5)), lambda: torch.set_rng_state(before),
+               lambda: torch.set_rng_state(torch.frombuffer(cached, dtype=torch.uint8).clone()),
+               lambda: torch.set_rng_state(before),
+               lambda: torch.set_rng_state(torch.frombuffer(with_float, dtype=torch.uint8).clone()))
+    for change in changes:
+        change()
+        assert torch.equal(reader.get_state(), torch.get_rng_state())
 
 
 def test_words_address_refuses_what_it_cannot_prove():
