@@ -62,7 +62,8 @@ def main() -> None:
     wrap(R, "capture_rng", "  capture_rng")
     wrap(S.PYTHON_RNG, "get_state", "    python")
     wrap(S.NUMPY_RNG, "get_state", "    numpy")
-    wrap(S.torch, "get_rng_state", "    torch cpu")
+    wrap(S.TORCH_RNG, "get_state", "    torch cpu")
+    wrap(S, "_cuda_state", "    torch cuda")
     wrap(rec.monitor, "_read", "_read (waits for the GPU)")
     for _ in range(105):  # every pinned slot and the snapshot buffers exist
         rec.step(make_batch(cfg, g)).item()
