@@ -329,8 +329,12 @@ class _TorchCPURNG(_GlobalRNG):
     @classmethod
     def _find(cls, gen: Any) -> tuple[int, int] | None:
         """(object address, offset of the words) when the object holds ``gen``'s serialized state, else None."""
-        impl = struct.unpack("=Q", ctypes.string_at(id(gen) + 16, 8))[0]
-        if not impl:
+        # The Python object is PyObject_HEAD then the C++ generator's pointer. Refuse before following it unless the
+        # header is the 16-byte one (type pointer where expected) and the field looks like a heap pointer. The words
+        # are then searched for within 256 bytes of the object's start (it is ~2.6 KB, so the read may pass its end
+        # by ~100 bytes of the same heap).
+        _, typ, impl = struct.unpack("=qQQ", ctypes.string_at(id(gen), 24))
+        if typ != id(type(gen)) or type(gen).__basicsize__ < 24 or not impl or impl % 16:
             return None
         lead, words = cls._fields(gen.get_state().numpy().tobytes())
         at = ctypes.string_at(impl, cls._WINDOW + len(words)).find(words)
