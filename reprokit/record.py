@@ -11,8 +11,9 @@ referenced, and CUDA tensors are copied into reused pinned buffers only after th
 step function has returned (the copy is queued behind the step's kernels, so the
 host never spends time before the forward launch and the GPU never idles for
 it); in both cases the tensor's version counter proves that the step did not
-modify it in place, and if it did, that window is dropped and later batches are
-copied up front.
+modify it in place (and, for referenced CPU tensors, that nothing refilled them
+while they are in the window); if one did, that window is dropped and later
+batches are copied up front.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ class Recorder:
         spill_dir: stream snapshots to a file in this local directory instead of keeping them
             in host memory (for states that do not fit in RAM; costs a synchronous copy).
         batch_copy_bytes: CPU batch tensors smaller than this are copied; larger ones are
-            referenced, and if the step modifies one in place (its version counter moves) the
-            window is dropped until the next snapshot and later batches are copied.
+            referenced, and if one is modified in place while it is in the window (by its step,
+            or by a loader refilling its buffers: its version counter moves) the window is
+            dropped until the next snapshot and later batches are copied.
 
     Raises:
         CaptureError: at attach time, naming what cannot be recorded (a lambda as
@@ -125,6 +127,9 @@ class Recorder:
         self.batch_copy_bytes = batch_copy_bytes
         self._referenced: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
         """(batch tensor, its version at step start, pinned slot to copy it into after the step)."""
+        self._window_refs: list[tuple[torch.Tensor, int]] = []
+        """Large CPU batch tensors of the window, referenced, with their version when their step ended: a loader
+        that refills its buffers in place would otherwise change the recorded batches after the fact."""
         self._copy_cuda_now = False
         self._flat_batch: tuple[list[str], dict[str, Any], list[str]] | None = None
         """(keys, encoded tree, tensor keys) of the last batch when it was a flat dict of tensors."""
@@ -151,7 +156,7 @@ class Recorder:
         record = self._record_step_start(k, batch)
         result = self.monitor.run(self.train_step, batch, k, after=self._after_step)
         self.step_index += 1
-        if self._referenced:
+        if self._referenced or self._window_refs:
             self._check_referenced(k)
         if record is not None:
             record.loss, record.grad_norm = result.loss, result.grad_norm
@@ -240,22 +245,29 @@ class Recorder:
 
     def _check_referenced(self, k: int) -> None:
         changed = any(t._version != v for t, v, _ in self._referenced)
+        refilled = any(t._version != v for t, v in self._window_refs)
+        if not changed:
+            self._window_refs += [(t, v) for t, v, slot in self._referenced if slot is None]
         self._referenced.clear()
-        if changed:
+        if changed or refilled:
             self.batch_copy_bytes = 1 << 62  # copy everything up front from now on
             self._copy_cuda_now = True
-            self._drop_window("inplace", f"reprokit: step {k} modified its batch in place; the recorded copy is "
-                                         f"lost, so no bundle until the next snapshot (step {self._next_snapshot(k)}). "
-                                         "Batches are copied from now on.")
+            what = (f"step {k} modified its batch in place" if changed else
+                    f"a batch recorded earlier in the window was modified in place by step {k} (a loader that "
+                    "refills its buffers?)")
+            self._drop_window("inplace", f"reprokit: {what}; the recorded copy is lost, so no bundle until the next "
+                                         f"snapshot (step {self._next_snapshot(k)}). Batches are copied from now on.")
 
     def _drop_window(self, key: str, message: str) -> None:
         """The window cannot be replayed any more: forget it until the next snapshot, and say so (once per key)."""
         self._window_ok = False
         self._ring.clear()
+        self._window_refs.clear()
         self._warn(key, message)
 
     def _take_snapshot(self, k: int) -> None:
         self._ring.clear()
+        self._window_refs.clear()
         self._snapshot = None  # free the old one before copying the new one
         self._window_ok = False
         tree, tensors = self._engine.take({"monitor": self.monitor.state_dict(), "step": k})

@@ -248,3 +248,29 @@ def test_batches_whose_structure_changes_are_recorded_as_given(projects, tmp_pat
                 torch.testing.assert_close(got[key], value.detach(), rtol=0, atol=0, equal_nan=True)
             else:
                 assert got[key] == value, (k, key)
+
+
+def test_a_loader_that_refills_its_buffer_in_place_loses_one_window_not_the_truth(projects, tmp_path):
+    """Large CPU batches are referenced, not copied: a loader that refills the same tensors every step would
+    rewrite the recorded window after the fact. The refill must be seen, that window dropped, later ones copied."""
+    mlp = projects("rk_mlp")
+    cfg = {"optimizer": "sgd"}
+    source = list(mlp.batches(cfg, 14, poison_step=12))
+    buf = {k: v.clone() for k, v in source[0].items()}
+
+    def refilled():
+        for b in source:
+            for k, v in b.items():
+                buf[k].copy_(v)  # the same tensors every step, new contents
+            yield buf
+
+    with pytest.warns(reprokit.RecorderWarning, match="modified in place by step 1") as caught:
+        rec, exc = record(mlp, cfg, refilled(), tmp_path, snapshot_every=5, batch_copy_bytes=0)
+    assert len(caught) == 1
+    assert rec.batch_copy_bytes > 1 << 60, "batches are copied from the refill on"
+    b = open_bundle(exc.bundle)
+    assert b.steps == [10, 11, 12], "the window after the refill is complete"
+    for k in b.steps:
+        torch.testing.assert_close(b.step(k)[0]["x"], source[k]["x"], rtol=0, atol=0, equal_nan=True)
+    report = reprokit.replay(b)
+    assert report.reproduced and report.fidelity["bit_exact"], report.fidelity
