@@ -66,7 +66,7 @@ class StepResult:
     failure: Failure | None
     exc: BaseException | None = None
     value: Any = None
-    """What the step function returned, untouched."""
+    """What the step function returned; a tensor that requires grad comes back detached (see :meth:`Monitor.run`)."""
 
 
 class Monitor:
@@ -127,6 +127,11 @@ class Monitor:
 
         ``after()`` runs as soon as the step function returns or raises, before the loss
         is read: work queued there overlaps with the device finishing the step.
+
+        A returned tensor that requires grad (the loss, after its backward) is replaced by
+        ``loss.detach()`` here, so that its autograd graph is freed now, while the device is
+        still busy, and not when the caller drops it after the loss read: freeing a GPT-2
+        graph (~650 nodes) takes ~0.2 ms of host time, all of it on the critical path there.
         """
         self._norms.clear()
         try:
@@ -135,6 +140,8 @@ class Monitor:
             if after is not None:
                 after()
             return StepResult(None, None, from_exception(e, step), e)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss = loss.detach()
         if after is not None:
             after()
         loss_f, grad_norm, param_norm = self._read(loss)

@@ -148,6 +148,9 @@ class Recorder:
     def step(self, batch: Any) -> Any:
         """Run ``train_step(state, batch)`` under watch and return its loss.
 
+        A loss tensor comes back detached from its autograd graph (backward has run; the
+        graph is freed while the device finishes the step rather than after the loss read).
+
         Raises:
             The step's own exception, unchanged (a note names the bundle).
             TrainingFailure: when a detector fires; ``.bundle`` is the bundle path.

@@ -274,3 +274,19 @@ def test_a_loader_that_refills_its_buffer_in_place_loses_one_window_not_the_trut
         torch.testing.assert_close(b.step(k)[0]["x"], source[k]["x"], rtol=0, atol=0, equal_nan=True)
     report = reprokit.replay(b)
     assert report.reproduced and report.fidelity["bit_exact"], report.fidelity
+
+
+def test_step_returns_the_loss_detached_with_the_same_value(projects, tmp_path):
+    mlp = projects("rk_mlp")
+    cfg = {"optimizer": "adamw"}
+    batches = list(mlp.batches(cfg, 4))
+    bare = mlp.build(cfg)
+    want = [mlp.train_step(bare, b) for b in batches]
+    assert all(w.requires_grad for w in want), "the step function returns a loss with its graph"
+    state = mlp.build(cfg)
+    rec = reprokit.Recorder(state, mlp.train_step, build=mlp.build, config=cfg, out_dir=tmp_path)
+    got = [rec.step(b) for b in batches]
+    assert all(isinstance(g, torch.Tensor) and not g.requires_grad and g.grad_fn is None for g in got)
+    assert [g.item() for g in got] == [w.item() for w in want]
+    for p, q in zip(state.model.parameters(), bare.model.parameters()):
+        assert torch.equal(p, q), "training is bit-identical with the recorder"
