@@ -226,3 +226,34 @@ def test_cuda_rng_state_is_reused_only_while_seed_and_offset_stand_still():
                    lambda: torch.randn(3, device="cuda"), lambda: torch.cuda.set_rng_state(first)):
         change()
         assert torch.equal(capture_rng()[1]["rng/cuda/0"], torch.cuda.get_rng_state())
+
+
+def test_graphed_grad_norm_equals_the_eager_one_bit_for_bit():
+    from reprokit.detect import _GraphedNorm, _norm_of_groups
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    grads = [torch.randn(n, device="cuda", generator=g) for n in (5, 4096, 33, 70000)] * 20
+    norm = _GraphedNorm()
+    for _ in range(2):  # the first call sees the addresses, the second captures (and replays)
+        got = norm(grads)
+    assert norm._graph is not None, "same addresses twice: captured"
+    for fill in (0.5, float("inf"), float("nan"), -3.0):
+        for t in grads[::7]:
+            t.fill_(fill)  # new contents, same addresses: replayed
+        want = _norm_of_groups([grads])
+        got = norm(grads)
+        assert torch.equal(got, want) or (got.isnan().item() and want.isnan().item()), (fill, got, want)
+    assert norm.replays == 5
+    moved = [t.clone() for t in grads]  # other addresses: the eager norm, still exact
+    assert torch.equal(norm(moved), _norm_of_groups([moved])) and norm.replays == 5
+
+
+def test_grad_check_from_a_cuda_graph_catches_infinite_gradients(projects, tmp_path):
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    rec, exc = record(gpu, cfg, gpu.batches(20, None, "cuda", inf_grad_step=15), tmp_path, snapshot_every=10)
+    assert isinstance(exc, reprokit.TrainingFailure), exc
+    assert exc.failure.kind == "nonfinite_grad" and exc.failure.step == 15, exc.failure
+    assert rec.monitor._graphed[0].replays >= 10, "the norm ran from the captured graph"
+    report = reprokit.replay(exc.bundle)
+    assert report.reproduced and report.verdict == "deterministic"

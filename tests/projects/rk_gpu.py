@@ -27,20 +27,24 @@ def train_step(state, batch):
         state.scaler.update()
     else:
         loss = nn.functional.mse_loss(state.model(x).squeeze(-1), y)
-        loss.backward()
+        # grad_mult = 1e39 overflows float32 in backward: infinite gradients under a finite loss.
+        (loss * batch.get("grad_mult", 1.0)).backward()
         state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
     return loss
 
 
-def batches(steps, poison_step, device):
+def batches(steps, poison_step, device, inf_grad_step=None):
     g = torch.Generator(device=device).manual_seed(5)
     w = torch.randn(32, generator=g, device=device)
     for s in range(steps):
         x = torch.randn(64, 32, generator=g, device=device)
         if s == poison_step:
             x[7, 3] = float("nan")
-        yield {"x": x, "y": x @ w}
+        batch = {"x": x, "y": x @ w}
+        if inf_grad_step is not None:
+            batch["grad_mult"] = 1e39 if s == inf_grad_step else 1.0
+        yield batch
 
 
 def scribbling_step(state, batch):
