@@ -260,61 +260,60 @@ class _GraphedNorm:
 
     ``_foreach_norm`` makes one output tensor per gradient (148 for GPT-2), about 0.5 ms of
     host time a step; a graph replay is a few microseconds. Gradients set to None each step
-    are reallocated by autograd, and the caching allocator usually hands out the same
-    addresses step after step: once two consecutive steps show the same addresses, the
-    eager norm is captured into a graph (on a side stream, thread-local capture, its own
-    memory pool of a few KB), and it is replayed on every step whose gradients are at
-    exactly those addresses (same parameters, so same shapes and dtypes). Any other step
-    or a CPU group takes the eager path. When the addresses settle somewhere else (the
-    allocator's state moved, say after a snapshot staged memory), the graph is captured
-    again, at most once per ``_RECAPTURE_AFTER`` calls; after a failed capture, never.
+    are reallocated by autograd, and the caching allocator tends to hand out the same
+    addresses again (every step, or every other step when something else alternates). A
+    layout of addresses seen in one of the last two calls is captured into a graph (on a
+    side stream, thread-local capture, its own memory pool of a few KB), and any later step
+    whose gradients are at exactly those addresses (same parameters, so same shapes and
+    dtypes) replays it. The last ``_KEEP`` layouts keep their graphs; captures are at most
+    one per ``_CAPTURE_EVERY`` calls; after a failed capture the eager norm is used for good.
+    Any other step, and CPU gradients, take the eager path.
     """
 
-    _RECAPTURE_AFTER = 50
+    _KEEP = 2
+    _CAPTURE_EVERY = 10
 
     def __init__(self) -> None:
-        self._last: list[int] | None = None
-        self._graph: Any = None
-        self._graph_ptrs: list[int] | None = None
-        self._out: torch.Tensor | None = None
+        self._graphs: dict[tuple[int, ...], tuple[Any, torch.Tensor]] = {}
+        self._recent: deque[tuple[int, ...]] = deque(maxlen=2)
         self._calls = 0
         self._captured_at: int | None = None
         self._failed = False
         self.replays = 0
-        """Norms that came from the graph (for tests and benchmarks)."""
+        """Norms that came from a graph (for tests and benchmarks)."""
 
     def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads[0].is_cuda:
             return _norm_of_groups([grads])
         self._calls += 1
-        ptrs = [g.data_ptr() for g in grads]
-        if self._graph is not None and ptrs == self._graph_ptrs:
-            return self._replay()
-        stable, self._last = ptrs == self._last, ptrs
-        due = self._captured_at is None or self._calls - self._captured_at >= self._RECAPTURE_AFTER
-        if stable and due and not self._failed and not torch.cuda.is_current_stream_capturing():
+        ptrs = tuple([g.data_ptr() for g in grads])
+        hit = self._graphs.get(ptrs)
+        if hit is None and ptrs in self._recent and not self._failed and (
+                self._captured_at is None or self._calls - self._captured_at >= self._CAPTURE_EVERY) and \
+                not torch.cuda.is_current_stream_capturing():
             self._captured_at = self._calls
             try:
-                self._capture(grads)
-                self._graph_ptrs = ptrs
-                return self._replay()
+                hit = self._graphs[ptrs] = self._capture(grads)
+                while len(self._graphs) > self._KEEP:
+                    del self._graphs[next(iter(self._graphs))]
             except Exception:
-                self._graph = self._out = self._graph_ptrs = None
+                self._graphs.clear()
                 self._failed = True
-        return _norm_of_groups([grads])
-
-    def _replay(self) -> torch.Tensor:
-        self._graph.replay()
+        self._recent.append(ptrs)
+        if hit is None:
+            return _norm_of_groups([grads])
+        graph, out = hit
+        graph.replay()
         self.replays += 1
-        return self._out.clone()  # type: ignore[union-attr]  # the next replay overwrites it
+        return out.clone()  # the next replay overwrites it
 
-    def _capture(self, grads: list[torch.Tensor]) -> None:
+    @staticmethod
+    def _capture(grads: list[torch.Tensor]) -> tuple[Any, torch.Tensor]:
         device = grads[0].device
         main = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device=device)
         side.wait_stream(main)
         graph = torch.cuda.CUDAGraph()
-        self._graph = self._out = None
         with torch.cuda.stream(side):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
@@ -322,7 +321,7 @@ class _GraphedNorm:
             finally:
                 graph.capture_end()
         main.wait_stream(side)
-        self._graph, self._out = graph, out
+        return graph, out
 
 
 def _foreach_norm64(ts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -236,7 +236,7 @@ def test_graphed_grad_norm_equals_the_eager_one_bit_for_bit():
     norm = _GraphedNorm()
     for _ in range(2):  # the first call sees the addresses, the second captures (and replays)
         got = norm(grads)
-    assert norm._graph is not None, "same addresses twice: captured"
+    assert len(norm._graphs) == 1 and norm.replays == 1, "same addresses twice: captured and replayed"
     for fill in (0.5, float("inf"), float("nan"), -3.0):
         for t in grads[::7]:
             t.fill_(fill)  # new contents, same addresses: replayed
@@ -248,12 +248,34 @@ def test_graphed_grad_norm_equals_the_eager_one_bit_for_bit():
     assert torch.equal(norm(moved), _norm_of_groups([moved])) and norm.replays == 5
 
 
-def test_grad_check_from_a_cuda_graph_catches_infinite_gradients(projects, tmp_path):
+def test_grad_check_catches_infinite_gradients_under_a_finite_loss_on_the_gpu(projects, tmp_path):
     gpu = projects("rk_gpu")
     cfg = {"device": "cuda"}
     rec, exc = record(gpu, cfg, gpu.batches(20, None, "cuda", inf_grad_step=15), tmp_path, snapshot_every=10)
     assert isinstance(exc, reprokit.TrainingFailure), exc
     assert exc.failure.kind == "nonfinite_grad" and exc.failure.step == 15, exc.failure
-    assert rec.monitor._graphed[0].replays >= 10, "the norm ran from the captured graph"
     report = reprokit.replay(exc.bundle)
     assert report.reproduced and report.verdict == "deterministic"
+
+
+def test_grad_check_from_the_graph_sees_the_step_that_goes_infinite():
+    from reprokit.detect import DetectSettings, Monitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).cuda()
+    state = reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3))
+    monitor = Monitor(state, DetectSettings())
+
+    def step(st, mult):
+        x = torch.ones(8, 16, device="cuda")
+        loss = st.model(x).square().mean()
+        (loss * mult).backward()
+        st.optimizer.step()
+        st.optimizer.zero_grad(set_to_none=False)  # gradients stay where they are: the graph is replayed
+        return loss
+
+    results = [monitor.run(step, 1e39 if k == 14 else 1.0, k) for k in range(16)]
+    assert [r.failure.kind if r.failure else None for r in results].index("nonfinite_grad") == 14
+    assert all(r.failure is None for r in results[:14]) and results[13].grad_norm > 0
+    assert monitor._graphed[0].replays >= 12, "the norm came from the captured graph"
+    monitor.close()
