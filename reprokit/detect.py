@@ -80,8 +80,6 @@ class Monitor:
         self.skip_streak = 0
         self.last_scale: float | None = None
         self._norms: list[torch.Tensor] = []
-        self._graphed: list[_GraphedNorm] = []
-        """One per (device, dtype) group of gradients, in the order of :meth:`_grad_groups`."""
         self._scale: float | None = None
         self._groups: tuple[int, list[list[torch.Tensor]]] | None = None
         self._hook = state.optimizer.register_step_pre_hook(self._on_optimizer_step) if settings.check_grads else None
@@ -117,10 +115,7 @@ class Monitor:
             grads = [gs for gs in ([g for g in map(_GRAD, ps) if g is not None] for ps in self._grad_groups(optimizer))
                      if gs]
             if grads:
-                graphed = self._graphed
-                while len(graphed) < len(grads):
-                    graphed.append(_GraphedNorm())
-                self._norms.append(_combine([graphed[i](gs) for i, gs in enumerate(grads)]))
+                self._norms.append(_norm_of_groups(grads))
         except Exception as e:  # never break the user's optimizer step
             if not self._hook_warned:
                 self._hook_warned = True
@@ -244,84 +239,9 @@ def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _norm_of_groups(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     with torch.no_grad():
-        return _combine([torch.linalg.vector_norm(torch.stack(_foreach_norm64(ts))) for ts in groups])
-
-
-def _combine(norms: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of several groups' norms (on the first one's device)."""
-    if len(norms) == 1:
-        return norms[0]
-    with torch.no_grad():
-        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-
-
-class _GraphedNorm:
-    """The L2 norm of one group of CUDA gradients, replayed from a CUDA graph while they sit where it was captured.
-
-    ``_foreach_norm`` makes one output tensor per gradient (148 for GPT-2), about 0.5 ms of
-    host time a step; a graph replay is a few microseconds. Gradients set to None each step
-    are reallocated by autograd, and the caching allocator tends to hand out the same
-    addresses again (every step, or every other step when something else alternates). A
-    layout of addresses seen in one of the last two calls is captured into a graph (on a
-    side stream, thread-local capture, its own memory pool of a few KB), and any later step
-    whose gradients are at exactly those addresses (same parameters, so same shapes and
-    dtypes) replays it. The last ``_KEEP`` layouts keep their graphs; captures are at most
-    one per ``_CAPTURE_EVERY`` calls; after a failed capture the eager norm is used for good.
-    Any other step, and CPU gradients, take the eager path.
-    """
-
-    _KEEP = 2
-    _CAPTURE_EVERY = 10
-
-    def __init__(self) -> None:
-        self._graphs: dict[tuple[int, ...], tuple[Any, torch.Tensor]] = {}
-        self._recent: deque[tuple[int, ...]] = deque(maxlen=2)
-        self._calls = 0
-        self._captured_at: int | None = None
-        self._failed = False
-        self.replays = 0
-        """Norms that came from a graph (for tests and benchmarks)."""
-
-    def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        if not grads[0].is_cuda:
-            return _norm_of_groups([grads])
-        self._calls += 1
-        ptrs = tuple([g.data_ptr() for g in grads])
-        hit = self._graphs.get(ptrs)
-        if hit is None and ptrs in self._recent and not self._failed and (
-                self._captured_at is None or self._calls - self._captured_at >= self._CAPTURE_EVERY) and \
-                not torch.cuda.is_current_stream_capturing():
-            self._captured_at = self._calls
-            try:
-                hit = self._graphs[ptrs] = self._capture(grads)
-                while len(self._graphs) > self._KEEP:
-                    del self._graphs[next(iter(self._graphs))]
-            except Exception:
-                self._graphs.clear()
-                self._failed = True
-        self._recent.append(ptrs)
-        if hit is None:
-            return _norm_of_groups([grads])
-        graph, out = hit
-        graph.replay()
-        self.replays += 1
-        return out.clone()  # the next replay overwrites it
-
-    @staticmethod
-    def _capture(grads: list[torch.Tensor]) -> tuple[Any, torch.Tensor]:
-        device = grads[0].device
-        main = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(main)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                out = _norm_of_groups([grads])
-            finally:
-                graph.capture_end()
-        main.wait_stream(side)
-        return graph, out
+        parts = [torch.linalg.vector_norm(torch.stack(_foreach_norm64(ts))) for ts in groups]
+        dev = parts[0].device
+        return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack([p.to(dev) for p in parts]))
 
 
 def _foreach_norm64(ts: list[torch.Tensor]) -> list[torch.Tensor]:
