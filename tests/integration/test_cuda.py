@@ -226,3 +226,13 @@ def test_cuda_rng_state_is_reused_only_while_seed_and_offset_stand_still():
                    lambda: torch.randn(3, device="cuda"), lambda: torch.cuda.set_rng_state(first)):
         change()
         assert torch.equal(capture_rng()[1]["rng/cuda/0"], torch.cuda.get_rng_state())
+
+
+def test_grad_check_catches_infinite_gradients_under_a_finite_loss_on_the_gpu(projects, tmp_path):
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    rec, exc = record(gpu, cfg, gpu.batches(20, None, "cuda", inf_grad_step=15), tmp_path, snapshot_every=10)
+    assert isinstance(exc, reprokit.TrainingFailure), exc
+    assert exc.failure.kind == "nonfinite_grad" and exc.failure.step == 15, exc.failure
+    report = reprokit.replay(exc.bundle)
+    assert report.reproduced and report.verdict == "deterministic"
