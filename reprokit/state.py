@@ -187,7 +187,7 @@ class _PythonGlobalRNG(_GlobalRNG):
 
     @classmethod
     def _validate(cls, inst: Any) -> int | None:
-        return _words_address(
+        return _words_address(  # PyObject_HEAD is 16 bytes on 64-bit builds; checked against getstate()
             inst, id(inst) + 16, cls._SIZE, lambda st: struct.pack("=i624I", st[1][-1], *st[1][:-1]),
             getstate=inst.getstate, setstate=inst.setstate, draw=inst.random)
 
