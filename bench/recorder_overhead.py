@@ -93,8 +93,9 @@ def make_batch(cfg, g):
 
 
 def sync(device):
+    """Wait for the training stream only: side-stream work (snapshot copies) that spills into the next step counts."""
     if device == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 def d2h_bandwidth(nbytes: int) -> float:

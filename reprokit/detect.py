@@ -4,6 +4,12 @@ The :class:`Monitor` is shared by the recorder and the replayer so that a
 bundle is judged on replay by exactly the rules that recorded it. Per step it
 adds one host-device sync (reading the loss, grad norm and param norm
 together); everything else stays on the device.
+
+On a CUDA device the gradient norm is queued on a side stream when the optimizer
+is about to step, and the training stream waits for it only when the optimizer
+step has been queued: the norm (a memory-bound read of every gradient, ~0.2-0.3 ms
+for GPT-2-124M on an H200) runs beside the optimizer's kernels instead of before
+them. Measured: 1.010x -> 0.999x the bare step (bench/gradcheck_probe.py).
 """
 
 from __future__ import annotations
@@ -82,17 +88,25 @@ class Monitor:
         self._norms: list[torch.Tensor] = []
         self._scale: float | None = None
         self._groups: tuple[int, list[list[torch.Tensor]]] | None = None
-        self._hook = state.optimizer.register_step_pre_hook(self._on_optimizer_step) if settings.check_grads else None
+        self._side: dict[torch.device, torch.cuda.Stream] = {}
+        self._unjoined: list[torch.cuda.Stream] = []
+        """Side streams with a norm queued that the training stream has not waited for yet."""
+        self._hooks: tuple[Any, Any] | None = None
         self._hook_warned = False
+        self.attach()
 
     def close(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        if self._hooks is not None:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = None
+        self._join()
 
     def attach(self) -> None:
-        if self._hook is None and self.settings.check_grads:
-            self._hook = self.state.optimizer.register_step_pre_hook(self._on_optimizer_step)
+        if self._hooks is None and self.settings.check_grads:
+            opt = self.state.optimizer
+            self._hooks = (opt.register_step_pre_hook(self._on_optimizer_step),
+                           opt.register_step_post_hook(self._after_optimizer_step))
 
     # The monitor's own counters travel with snapshots so replay starts where recording was.
     def state_dict(self) -> dict[str, Any]:
@@ -115,11 +129,51 @@ class Monitor:
             grads = [gs for gs in ([g for g in map(_GRAD, ps) if g is not None] for ps in self._grad_groups(optimizer))
                      if gs]
             if grads:
-                self._norms.append(_norm_of_groups(grads))
+                self._norms.append(self._norm_aside(grads))
         except Exception as e:  # never break the user's optimizer step
             if not self._hook_warned:
                 self._hook_warned = True
                 warnings.warn(f"reprokit: gradient-norm check disabled: {e!r}", RecorderWarning, stacklevel=2)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        try:
+            self._join()
+        except Exception as e:  # never break the user's optimizer step
+            if not self._hook_warned:
+                self._hook_warned = True
+                warnings.warn(f"reprokit: gradient-norm check failed: {e!r}", RecorderWarning, stacklevel=2)
+
+    def _norm_aside(self, grads: list[list[torch.Tensor]]) -> torch.Tensor:
+        """The gradients' global norm; on one CUDA device, queued on a side stream.
+
+        The side stream starts after everything queued so far (backward, clipping,
+        unscaling); the training stream goes on to queue the optimizer step, which reads the
+        gradients too, and waits for the side stream in the optimizer's post-hook, before
+        anything after the step could write or free them. ``record_stream`` covers an
+        optimizer that frees gradients inside its own step. CPU gradients, gradients on
+        several devices and steps under CUDA-graph capture take the norm in line.
+        """
+        dev = grads[0][0].device
+        if dev.type != "cuda" or any(gs[0].device != dev for gs in grads) or \
+                torch.cuda.is_current_stream_capturing():
+            return _norm_of_groups(grads)
+        side = self._side.get(dev)
+        if side is None:
+            side = self._side[dev] = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            norm = _norm_of_groups(grads)
+        for gs in grads:
+            for g in gs:
+                g.record_stream(side)
+        self._unjoined.append(side)
+        return norm
+
+    def _join(self) -> None:
+        """Make the training stream wait for the norms queued aside (a device-side wait, not a sync)."""
+        for side in self._unjoined:
+            torch.cuda.current_stream(side.device).wait_stream(side)
+        self._unjoined.clear()
 
     def run(self, step_fn: Callable[[TrainState, Any], Any], batch: Any, step: int,
             after: Callable[[], None] | None = None) -> StepResult:
@@ -139,6 +193,7 @@ class Monitor:
         except Exception as e:
             if after is not None:
                 after()
+            self._join()  # an optimizer step that raised never reached the post-hook
             return StepResult(None, None, from_exception(e, step), e)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss = loss.detach()
@@ -153,6 +208,7 @@ class Monitor:
         One ``torch.cat`` (it promotes every part to float64) and one transfer: on a GPU the
         bare loop's ``loss.item()`` becomes a single small kernel plus the same one copy.
         """
+        self._join()  # normally done in the optimizer post-hook already
         parts: list[torch.Tensor] = []
         has_loss = isinstance(loss, torch.Tensor) and loss.numel() == 1
         if has_loss:

@@ -236,3 +236,64 @@ def test_grad_check_catches_infinite_gradients_under_a_finite_loss_on_the_gpu(pr
     assert exc.failure.kind == "nonfinite_grad" and exc.failure.step == 15, exc.failure
     report = reprokit.replay(exc.bundle)
     assert report.reproduced and report.verdict == "deterministic"
+
+
+def _linear_state(seed: int = 0) -> reprokit.TrainState:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)).cuda()
+    return reprokit.TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
+
+
+def _step_zeroing_in_place(state, batch):
+    loss = state.model(batch).square().mean()
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=False)  # writes the gradients right after the step
+    return loss
+
+
+def test_grad_norm_taken_aside_equals_the_inline_norm_and_the_step_waits_for_it():
+    """The norm runs on a side stream; the training stream waits for it before writing the gradients.
+
+    The side stream is held back by a 50 ms GPU sleep queued on it first: without the wait in
+    the optimizer post-hook, ``zero_grad(set_to_none=False)`` would zero the gradients before
+    the norm reads them, and the check would read 0.
+    """
+    from reprokit.detect import DetectSettings, Monitor, global_norm
+
+    batch = torch.randn(64, 256, device="cuda")
+    # The reference: the same step on an identical state, norm taken in line before the step.
+    ref_state = _linear_state()
+    ref_state.model(batch).square().mean().backward()
+    want = global_norm([p.grad for p in ref_state.model.parameters()]).item()
+
+    state = _linear_state()
+    monitor = Monitor(state, DetectSettings())
+    side = monitor._side[torch.device("cuda", torch.cuda.current_device())] = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+    result = monitor.run(_step_zeroing_in_place, batch, 0)
+    monitor.close()
+    assert result.failure is None
+    assert result.grad_norm == want, (result.grad_norm, want)  # same kernels, other stream: bit for bit
+    assert all(p.grad is not None and not p.grad.any() for p in state.model.parameters())
+
+
+def test_grad_check_aside_still_sees_a_nan_gradient():
+    from reprokit.detect import DetectSettings, Monitor
+
+    state = _linear_state()
+    monitor = Monitor(state, DetectSettings(check_loss=False))
+
+    def nan_grad_step(state, batch):
+        loss = state.model(batch).square().mean()
+        loss.backward()
+        state.model[0].weight.grad[3, 7] = float("nan")
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    result = monitor.run(nan_grad_step, torch.randn(8, 256, device="cuda"), 5)
+    monitor.close()
+    assert monitor._side, "the norm was taken on the side stream"
+    assert result.failure is not None and result.failure.kind == "nonfinite_grad" and result.failure.step == 5
