@@ -131,6 +131,10 @@ class Recorder:
         """Large CPU batch tensors of the window, referenced, with their version when their step ended: a loader
         that refills its buffers in place would otherwise change the recorded batches after the fact."""
         self._copy_cuda_now = False
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        """Side streams for GPU batch copies; one entry marked in ``_marked`` once it waited for this step's batch."""
+        self._marked: set[torch.device] = set()
+        self._copy_marks: dict[torch.device, torch.cuda.Event] = {}
         self._flat_batch: tuple[list[str], dict[str, Any], list[str]] | None = None
         """(keys, encoded tree, tensor keys) of the last batch when it was a flat dict of tensors."""
         self._slots: dict[tuple[int, int], torch.Tensor | None] = {}
@@ -181,6 +185,7 @@ class Recorder:
             if not self._window_ok:
                 return None
             self._referenced.clear()
+            self._marked.clear()
             self._slot, self._leaf = k - self._snapshot.step if self._snapshot else 0, 0
             tree, tensors = self._encode_batch(batch)
             rng_tree, rng_tensors = capture_rng()
@@ -221,7 +226,17 @@ class Recorder:
                                                                                pin_memory=True)
             if self._copy_cuda_now:
                 return slot.copy_(t, non_blocking=True)
-            self._referenced.append((t, t._version, slot))  # copied in _after_step, behind the step's kernels
+            if t.device not in self._marked:  # the copy stream starts where the batch is ready
+                self._marked.add(t.device)
+                stream = self._copy_streams.get(t.device)
+                if stream is None:
+                    stream = self._copy_streams[t.device] = torch.cuda.Stream(device=t.device)
+                mark = self._copy_marks.get(t.device)  # one event, reused: wait_stream() would create one a step
+                if mark is None:
+                    mark = self._copy_marks[t.device] = torch.cuda.Event()
+                mark.record(torch.cuda.current_stream(t.device))
+                stream.wait_event(mark)
+            self._referenced.append((t, t._version, slot))  # copy queued in _after_step, on the copy stream
             return slot
         if t.numel() * t.element_size() < self.batch_copy_bytes:
             return t.clone(memory_format=torch.contiguous_format)  # small: a copy is cheaper than the risk
@@ -233,6 +248,13 @@ class Recorder:
 
         Queue the deferred device-to-host batch copies, and when the next step takes a snapshot,
         walk the state for it now (see :meth:`SnapshotEngine.prepare`).
+
+        GPU batch copies go on a side stream that waited, at step start, for the batch to be
+        ready: they run beside the step's kernels, and the loss read does not wait behind
+        them. ``record_stream`` keeps a batch the step frees from being reused before its copy
+        lands; the training stream then waits for the copy stream (a device-side wait, the
+        copies being long done by the time the step's last kernel runs), so a loader that
+        refills its GPU buffer in place at the next step cannot overtake the copy.
         """
         snap = self._snapshot
         if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every:
@@ -240,8 +262,15 @@ class Recorder:
         try:
             for t, _, slot in self._referenced:
                 if slot is not None:
-                    slot.copy_(t, non_blocking=True)
+                    stream = self._copy_streams[t.device]
+                    with torch.cuda.stream(stream):
+                        slot.copy_(t, non_blocking=True)
+                    t.record_stream(stream)
+            for dev in self._marked:
+                torch.cuda.current_stream(dev).wait_stream(self._copy_streams[dev])
+            self._marked.clear()
         except Exception as e:
+            self._marked.clear()
             self._referenced.clear()
             self._drop_window("capture", f"reprokit: cannot copy step {self.step_index}'s batch ({e}); no bundle "
                                          "can be written until the next snapshot. Training continues.")

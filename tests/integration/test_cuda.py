@@ -297,3 +297,30 @@ def test_grad_check_aside_still_sees_a_nan_gradient():
     monitor.close()
     assert monitor._side, "the norm was taken on the side stream"
     assert result.failure is not None and result.failure.kind == "nonfinite_grad" and result.failure.step == 5
+
+
+def test_gpu_batch_copies_land_before_a_loader_refills_its_buffer(projects, tmp_path):
+    """Batch copies run on a side stream; a loader refilling its GPU buffer in place must not overtake them.
+
+    The copy stream is held back by a 50 ms GPU sleep: without the training stream waiting for
+    it, the refill queued before the next step would land first and the window would hold the
+    next step's batch.
+    """
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    state = gpu.build(cfg)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path, snapshot_every=100)
+    batches = list(gpu.batches(4, None, "cuda"))
+    buf = {"x": torch.empty_like(batches[0]["x"]), "y": torch.empty_like(batches[0]["y"])}
+    for b in batches:
+        buf["x"].copy_(b["x"])  # the loader's in-place refill, on the training stream
+        buf["y"].copy_(b["y"])
+        stream = rec._copy_streams.setdefault(buf["x"].device, torch.cuda.Stream())
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(100_000_000)
+        rec.step(buf)
+    assert rec._copy_streams, "GPU batches went through the copy stream"
+    torch.cuda.synchronize()
+    assert len(rec._ring) == 4
+    for r, b in zip(rec._ring, batches):
+        assert torch.equal(r.tensors["batch/x"], b["x"].cpu()) and torch.equal(r.tensors["batch/y"], b["y"].cpu())
