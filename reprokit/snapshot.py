@@ -15,12 +15,12 @@ outlast the forward and backward it overlaps. So the helper thread issues the
 copies in chunks and keeps only a few in flight; when the optimizer is about to
 step, the pre-hook stops it, issues the rest itself and makes the optimizer wait
 (on the GPU) for the copy to end. Measured on GPT-2-124M (H200,
-bench/snapshot_step_probe.py): the snapshot step takes ~4.6 ms longer than
+bench/snapshot_step_probe.py): the snapshot step takes ~4 ms longer than
 the others. ``stage_on_device=True`` instead clones what is left on the device
 (from memory the caching allocator already holds) so that the optimizer waits
 only for the chunks in flight; it is off by default because cloning several
 hundred tensors one by one costs ~5 ms of host time in the pre-hook, more than
-the wait it saves (+11 ms on the same step).
+the wait it saves (+7.5-11 ms on the same step).
 
 With ``spill_dir`` the state streams through a bounded pinned staging buffer
 into a safetensors file on local disk instead of staying in host memory, for
