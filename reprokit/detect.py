@@ -29,6 +29,8 @@ from reprokit.signature import Failure, from_exception
 from reprokit.state import TrainState
 
 _GRAD = attrgetter("grad")
+_SKIPPED = -1.0
+"""The grad norm of a step the GradScaler skipped on the device (norms are never negative)."""
 
 Predicate = Callable[[int, "float | None", TrainState], Any]
 
@@ -40,8 +42,9 @@ class DetectSettings:
     check_loss: bool = True
     """Fail on a NaN/inf loss."""
     check_grads: bool = True
-    """Fail on a non-finite global gradient norm, read in an optimizer step pre-hook
-    (with a GradScaler the hook only sees steps the scaler lets through)."""
+    """Fail on a non-finite global gradient norm, read in an optimizer step pre-hook.
+    Steps a GradScaler skips (overflow) do not count, and the norm is of the unscaled
+    gradients, also with fused optimizers that unscale inside their own step."""
     check_params: bool = False
     """Fail on a non-finite parameter (reads every parameter each step)."""
     scaler_patience: int = 25
@@ -128,8 +131,27 @@ class Monitor:
         try:
             grads = [gs for gs in ([g for g in map(_GRAD, ps) if g is not None] for ps in self._grad_groups(optimizer))
                      if gs]
-            if grads:
-                self._norms.append(self._norm_aside(grads))
+            if not grads:
+                return
+            # A GradScaler driving an optimizer with its own AMP handling (fused Adam/AdamW/SGD)
+            # calls step() on every step, overflowed ones too, and hands it the scale and an
+            # overflow flag: the gradients seen here may still be scaled (the fused kernel
+            # unscales them and writes them back), and an overflowed step is skipped on the device.
+            scale = getattr(optimizer, "grad_scale", None)
+            found_inf = getattr(optimizer, "found_inf", None)
+            # The hook's args start with the optimizer itself; anything after it is the caller's.
+            extra = args[1:] if args and args[0] is optimizer else args
+            calls_back = any(a is not None for a in (*extra, *kwargs.values()))
+            if isinstance(scale, torch.Tensor) or calls_back:
+                # The step writes the gradients (or may: a closure, a grad_scaler argument): in line.
+                norm = _norm_of_groups(grads)
+            else:
+                norm = self._norm_aside(grads)
+            if isinstance(scale, torch.Tensor):
+                norm = norm / scale.to(norm.device, torch.float64)
+            if isinstance(found_inf, torch.Tensor):
+                norm = torch.where(found_inf.to(norm.device) > 0, _SKIPPED, norm)
+            self._norms.append(norm)
         except Exception as e:  # never break the user's optimizer step
             if not self._hook_warned:
                 self._hook_warned = True
@@ -242,6 +264,8 @@ class Monitor:
         if loss_f is None and isinstance(loss, (int, float)):
             loss_f = float(loss)
         grad_norm = got.pop(0) if has_grad else None
+        if grad_norm is not None and grad_norm == _SKIPPED:
+            grad_norm = None  # the GradScaler skipped the step: its gradients do not count
         param_norm = got.pop(0) if has_param else None
         self._scale = got.pop(0) if has_scale else None
         return loss_f, grad_norm, param_norm

@@ -324,3 +324,41 @@ def test_gpu_batch_copies_land_before_a_loader_refills_its_buffer(projects, tmp_
     assert len(rec._ring) == 4
     for r, b in zip(rec._ring, batches):
         assert torch.equal(r.tensors["batch/x"], b["x"].cpu()) and torch.equal(r.tensors["batch/y"], b["y"].cpu())
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_grad_check_with_grad_scaler_and_fused_adamw_on_the_gpu(unscale_first):
+    """Fused AdamW unscales the gradients inside its step (in line here); after ``unscale_`` they
+    are not written (side stream). Either way a skipped overflow is no failure, norms are unscaled."""
+    from reprokit.detect import DetectSettings, Monitor, global_norm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8)).cuda()
+    state = reprokit.TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+                                scaler=torch.amp.GradScaler("cuda", init_scale=2.0**16))
+    unscaled: list[float] = []
+    state.optimizer.register_step_post_hook(
+        lambda *_: unscaled.append(global_norm([p.grad for p in model.parameters()]).item()))
+
+    def step(state, batch):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = state.model(batch["x"]).float().square().mean()
+        state.scaler.scale(loss * batch["mult"]).backward()
+        if unscale_first:
+            state.scaler.unscale_(state.optimizer)
+        state.scaler.step(state.optimizer)
+        state.scaler.update()
+        state.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [{"x": torch.randn(32, 64, device="cuda", generator=g), "mult": 1e36 if k == 2 else 1.0}
+               for k in range(5)]
+    monitor = Monitor(state, DetectSettings())
+    results = [monitor.run(step, b, k) for k, b in enumerate(batches)]
+    monitor.close()
+    assert [r.failure for r in results] == [None] * 5
+    assert results[2].grad_norm is None
+    assert bool(monitor._side) == unscale_first, "side stream only when the step does not write the gradients"
+    for k in (0, 1, 3, 4):
+        assert results[k].grad_norm == unscaled[k], (k, results[k].grad_norm, unscaled[k])
