@@ -33,7 +33,7 @@ import statistics
 import time
 
 import torch
-from recorder_overhead import build, make_batch, train_step
+from recorder_overhead import build, cuda_bench_config, make_batch, train_step
 
 from reprokit.detect import _norm_of_groups, group_by_device_dtype
 
@@ -134,10 +134,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated variants (default: all)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs CUDA")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = {"layers": 12, "d": 768, "heads": 12, "vocab": 50304, "ctx": 1024, "batch": 8, "device": "cuda"}
+    cfg = cuda_bench_config()
     state = build(cfg)
     opt = state.optimizer
     params = [p for grp in opt.param_groups for p in grp["params"]]

@@ -23,7 +23,7 @@ import tempfile
 import time
 
 import torch
-from recorder_overhead import build, make_batch, train_step
+from recorder_overhead import build, cuda_bench_config, make_batch, train_step
 
 import reprokit
 
@@ -41,10 +41,7 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=1.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs CUDA")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = {"layers": 12, "d": 768, "heads": 12, "vocab": 50304, "ctx": 1024, "batch": 8, "device": "cuda"}
+    cfg = cuda_bench_config()
     state = build(cfg)
     g = torch.Generator(device="cuda").manual_seed(1)
     delay = args.delay_ms / 1e3

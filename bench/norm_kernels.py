@@ -16,7 +16,7 @@ import statistics
 import time
 
 import torch
-from recorder_overhead import build, make_batch
+from recorder_overhead import build, cuda_bench_config, make_batch
 
 from reprokit.detect import _norm_of_groups
 
@@ -25,8 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = {"layers": 12, "d": 768, "heads": 12, "vocab": 50304, "ctx": 1024, "batch": 8, "device": "cuda"}
+    cfg = cuda_bench_config()
     state = build(cfg)
     g = torch.Generator(device="cuda").manual_seed(1)
     batch = make_batch(cfg, g)

@@ -68,6 +68,31 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+GPT2 = {"layers": 12, "d": 768, "heads": 12, "vocab": 50304, "ctx": 1024, "batch": 8}
+"""GPT-2-124M's shape and the bench batch (8 x 1024)."""
+
+
+def cuda_bench_config() -> dict:
+    """The bench config on CUDA, TF32 matmuls on (as in every GPU table); exits when there is no GPU."""
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return {**GPT2, "device": "cuda"}
+
+
+def timed(spent: dict, obj, name: str) -> None:
+    """Replace ``obj.name`` by a wrapper adding its host seconds to ``spent[name]``."""
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+    setattr(obj, name, wrapper)
+
+
 def build(config):
     torch.manual_seed(0)
     model = GPT(config["layers"], config["d"], config["heads"], config["vocab"], config["ctx"]).to(config["device"])
@@ -126,7 +151,7 @@ def main() -> None:
     if args.quick:
         cfg = {"layers": 2, "d": 64, "heads": 4, "vocab": 256, "ctx": 32, "batch": 2}
     else:
-        cfg = {"layers": 12, "d": 768, "heads": 12, "vocab": 50304, "ctx": 1024, "batch": 8}
+        cfg = dict(GPT2)
     cfg["device"] = device
     steps = args.block or (2 if args.quick else 10)
     rounds = args.rounds or (2 if args.quick else 80)
@@ -185,22 +210,10 @@ def main() -> None:
     # Where the recorder's time goes (host seconds inside its own methods), measured on a separate,
     # instrumented recorder so the wrappers do not weigh on the ratios above.
     spent: dict[str, float] = {}
-
-    def timed(obj, name):
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-        setattr(obj, name, wrapper)
-
     inst = recs["instrumented"]
     for obj, name in ((inst, "_record_step_start"), (inst, "_take_snapshot"), (inst, "_after_step"),
                       (inst.monitor, "_read"), (inst.monitor, "_check"), (inst.monitor, "_on_optimizer_step")):
-        timed(obj, name)
+        timed(spent, obj, name)
 
     # Warm up: kernels, the caching allocators, and each recorder's pinned snapshot buffers.
     # Steady state is what a long run sees: every recorder fills one whole window (pinned batch

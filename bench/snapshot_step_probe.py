@@ -22,7 +22,7 @@ import tempfile
 import time
 
 import torch
-from recorder_overhead import build, make_batch, train_step
+from recorder_overhead import build, cuda_bench_config, make_batch, timed, train_step
 
 import reprokit
 
@@ -33,30 +33,15 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs CUDA")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = {"layers": 12, "d": 768, "heads": 12, "vocab": 50304, "ctx": 1024, "batch": 8, "device": "cuda"}
+    cfg = cuda_bench_config()
     state = build(cfg)
     g = torch.Generator(device="cuda").manual_seed(1)
     rec = reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=tempfile.mkdtemp(),
                             snapshot_every=args.every)
     eng = rec._engine
     spent: dict[str, float] = {}
-
-    def timed(obj, name):
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-        setattr(obj, name, wrapper)
-
-    timed(rec, "_take_snapshot")
-    timed(eng, "_before_optimizer_step")
+    timed(spent, rec, "_take_snapshot")
+    timed(spent, eng, "_before_optimizer_step")
     # The hook was registered with the bound method: re-register it so the timed wrapper runs.
     eng.detach()
     eng.attach()
