@@ -142,16 +142,13 @@ class Monitor:
             # The hook's args start with the optimizer itself; anything after it is the caller's.
             extra = args[1:] if args and args[0] is optimizer else args
             calls_back = any(a is not None for a in (*extra, *kwargs.values()))
-            if isinstance(scale, torch.Tensor) or calls_back:
+            scale = scale if isinstance(scale, torch.Tensor) else None
+            found_inf = found_inf if isinstance(found_inf, torch.Tensor) else None
+            if scale is not None or calls_back:
                 # The step writes the gradients (or may: a closure, a grad_scaler argument): in line.
-                norm = _norm_of_groups(grads)
+                self._norms.append(_amp_adjusted(_norm_of_groups(grads), scale, found_inf))
             else:
-                norm = self._norm_aside(grads)
-            if isinstance(scale, torch.Tensor):
-                norm = norm / scale.to(norm.device, torch.float64)
-            if isinstance(found_inf, torch.Tensor):
-                norm = torch.where(found_inf.to(norm.device) > 0, _SKIPPED, norm)
-            self._norms.append(norm)
+                self._norms.append(self._norm_aside(grads, found_inf))
         except Exception as e:  # never break the user's optimizer step
             if not self._hook_warned:
                 self._hook_warned = True
@@ -165,7 +162,7 @@ class Monitor:
                 self._hook_warned = True
                 warnings.warn(f"reprokit: gradient-norm check failed: {e!r}", RecorderWarning, stacklevel=2)
 
-    def _norm_aside(self, grads: list[list[torch.Tensor]]) -> torch.Tensor:
+    def _norm_aside(self, grads: list[list[torch.Tensor]], found_inf: torch.Tensor | None = None) -> torch.Tensor:
         """The gradients' global norm; on one CUDA device, queued on a side stream.
 
         The side stream starts after everything queued so far (backward, clipping,
@@ -173,21 +170,25 @@ class Monitor:
         gradients too, and waits for the side stream in the optimizer's post-hook, before
         anything after the step could write or free them. ``record_stream`` covers an
         optimizer that frees gradients inside its own step. CPU gradients, gradients on
-        several devices and steps under CUDA-graph capture take the norm in line.
+        several devices and steps under CUDA-graph capture take the norm in line. A
+        GradScaler's overflow flag is applied on the side stream too (the training stream
+        must not read the norm before the post-hook's wait).
         """
         dev = grads[0][0].device
         if dev.type != "cuda" or any(gs[0].device != dev for gs in grads) or \
                 torch.cuda.is_current_stream_capturing():
-            return _norm_of_groups(grads)
+            return _amp_adjusted(_norm_of_groups(grads), None, found_inf)
         side = self._side.get(dev)
         if side is None:
             side = self._side[dev] = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            norm = _norm_of_groups(grads)
+            norm = _amp_adjusted(_norm_of_groups(grads), None, found_inf)
         for gs in grads:
             for g in gs:
                 g.record_stream(side)
+        if found_inf is not None and found_inf.is_cuda:
+            found_inf.record_stream(side)
         self._unjoined.append(side)
         return norm
 
@@ -303,6 +304,15 @@ class Monitor:
                 return Failure("predicate", step, frame=name,
                                message=verdict if isinstance(verdict, str) else f"{name} returned {verdict!r}")
         return None
+
+
+def _amp_adjusted(norm: torch.Tensor, scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> torch.Tensor:
+    """The norm of the unscaled gradients, or ``_SKIPPED`` where the GradScaler found an overflow (on the device)."""
+    if scale is not None:
+        norm = norm / scale.to(norm.device, torch.float64)
+    if found_inf is not None:
+        norm = torch.where(found_inf.to(norm.device) > 0, _SKIPPED, norm)
+    return norm
 
 
 def group_by_device_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -329,7 +329,10 @@ def test_gpu_batch_copies_land_before_a_loader_refills_its_buffer(projects, tmp_
 @pytest.mark.parametrize("unscale_first", [False, True])
 def test_grad_check_with_grad_scaler_and_fused_adamw_on_the_gpu(unscale_first):
     """Fused AdamW unscales the gradients inside its step (in line here); after ``unscale_`` they
-    are not written (side stream). Either way a skipped overflow is no failure, norms are unscaled."""
+    are not written (side stream). Either way a skipped overflow is no failure, norms are unscaled.
+
+    The side stream is held back by a GPU sleep before every step: the overflow mask must be
+    applied there, not on the training stream before it waits for the norm."""
     from reprokit.detect import DetectSettings, Monitor, global_norm
 
     torch.manual_seed(0)
@@ -346,6 +349,8 @@ def test_grad_check_with_grad_scaler_and_fused_adamw_on_the_gpu(unscale_first):
         state.scaler.scale(loss * batch["mult"]).backward()
         if unscale_first:
             state.scaler.unscale_(state.optimizer)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
         state.scaler.step(state.optimizer)
         state.scaler.update()
         state.optimizer.zero_grad(set_to_none=True)
@@ -355,10 +360,14 @@ def test_grad_check_with_grad_scaler_and_fused_adamw_on_the_gpu(unscale_first):
     batches = [{"x": torch.randn(32, 64, device="cuda", generator=g), "mult": 1e36 if k == 2 else 1.0}
                for k in range(5)]
     monitor = Monitor(state, DetectSettings())
+    side = monitor._side[torch.device("cuda", torch.cuda.current_device())] = torch.cuda.Stream()
+    aside: list[int] = []
+    norm_aside = monitor._norm_aside
+    monitor._norm_aside = lambda *a: (aside.append(1), norm_aside(*a))[1]  # type: ignore[method-assign]
     results = [monitor.run(step, b, k) for k, b in enumerate(batches)]
     monitor.close()
     assert [r.failure for r in results] == [None] * 5
     assert results[2].grad_norm is None
-    assert bool(monitor._side) == unscale_first, "side stream only when the step does not write the gradients"
+    assert len(aside) == (5 if unscale_first else 0), "side stream only when the step does not write the gradients"
     for k in (0, 1, 3, 4):
         assert results[k].grad_norm == unscaled[k], (k, results[k].grad_norm, unscaled[k])
