@@ -137,13 +137,11 @@ class Monitor:
             # calls step() on every step, overflowed ones too, and hands it the scale and an
             # overflow flag: the gradients seen here may still be scaled (the fused kernel
             # unscales them and writes them back), and an overflowed step is skipped on the device.
-            scale = getattr(optimizer, "grad_scale", None)
-            found_inf = getattr(optimizer, "found_inf", None)
+            scale, found_inf = (t if isinstance(t := getattr(optimizer, name, None), torch.Tensor) else None
+                                for name in ("grad_scale", "found_inf"))
             # The hook's args start with the optimizer itself; anything after it is the caller's.
             extra = args[1:] if args and args[0] is optimizer else args
             calls_back = any(a is not None for a in (*extra, *kwargs.values()))
-            scale = scale if isinstance(scale, torch.Tensor) else None
-            found_inf = found_inf if isinstance(found_inf, torch.Tensor) else None
             if scale is not None or calls_back:
                 # The step writes the gradients (or may: a closure, a grad_scaler argument): in line.
                 self._norms.append(_amp_adjusted(_norm_of_groups(grads), scale, found_inf))
