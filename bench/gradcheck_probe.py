@@ -33,15 +33,10 @@ import statistics
 import time
 
 import torch
+from host_sensitivity import busy
 from recorder_overhead import build, cuda_bench_config, make_batch, train_step
 
 from reprokit.detect import _norm_of_groups, group_by_device_dtype
-
-
-def busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 class GraphNorm:

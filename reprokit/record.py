@@ -7,10 +7,10 @@ warn: it never changes training results and never raises its own errors into
 the loop.
 
 Batches: small CPU tensors are cloned at step start. Large CPU tensors are
-referenced, and CUDA tensors are copied into reused pinned buffers only after the
-step function has returned (the copy is queued behind the step's kernels, so the
-host never spends time before the forward launch and the GPU never idles for
-it); in both cases the tensor's version counter proves that the step did not
+referenced, and CUDA tensors are copied into reused pinned buffers on a side
+stream, queued after the step function has returned (the host spends no time on
+it before the forward launch, and neither the forward nor the loss read waits for
+it; see :meth:`Recorder._after_step`); in both cases the tensor's version counter proves that the step did not
 modify it in place (and, for referenced CPU tensors, that nothing refilled them
 while they are in the window); if one did, that window is dropped and later
 batches are copied up front.
