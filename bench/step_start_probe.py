@@ -23,7 +23,6 @@ from recorder_overhead import build, make_batch, train_step
 
 import reprokit
 import reprokit.record as R
-from reprokit import state as S
 
 
 def main() -> None:
@@ -59,11 +58,7 @@ def main() -> None:
         rec._after_step = lambda: (after(), bytearray(8192))[0]  # type: ignore[method-assign]
     wrap(rec, "_record_step_start", "record_step_start (all)")
     wrap(rec, "_encode_batch", "  batch (encode + slots)")
-    wrap(R, "capture_rng", "  capture_rng")
-    wrap(S.PYTHON_RNG, "get_state", "    python")
-    wrap(S.NUMPY_RNG, "get_state", "    numpy")
-    wrap(S.TORCH_RNG, "get_state", "    torch cpu")
-    wrap(S, "_cuda_state", "    torch cuda")
+    wrap(R, "capture_rng", "  capture_rng (public reads)")
     wrap(rec.monitor, "_read", "_read (waits for the GPU)")
     for _ in range(105):  # every pinned slot and the snapshot buffers exist
         rec.step(make_batch(cfg, g)).item()

@@ -6,14 +6,15 @@ failure the window is written as a bundle. Faults of the recorder itself only
 warn: it never changes training results and never raises its own errors into
 the loop.
 
-Batches: small CPU tensors are cloned at step start. Large CPU tensors are
-referenced, and CUDA tensors are copied into reused pinned buffers on a side
-stream, queued after the step function has returned (the host spends no time on
-it before the forward launch, and neither the forward nor the loss read waits for
-it; see :meth:`Recorder._after_step`); in both cases the tensor's version counter proves that the step did not
-modify it in place (and, for referenced CPU tensors, that nothing refilled them
-while they are in the window); if one did, that window is dropped and later
-batches are copied up front.
+Batches: every tensor of a batch is copied at step start, before the step can run, into a
+host buffer reused window after window (pinned for CUDA tensors, copied on the training
+stream so that the step's own kernels, and anything that writes the batch later, are
+ordered after the copy). A recording therefore holds exactly the bytes each step
+consumed, whatever the loader does with its buffers afterwards (refilling them through a
+numpy view or ``.data``, reusing pinned memory): nothing relies on version counters.
+Copying costs a host ``memcpy`` per step (~0.1 ms per MB on a CPU host, measured by
+``bench/batch_copy.py``); for CUDA batches it is one device-to-host copy queued on the
+stream.
 """
 
 from __future__ import annotations
@@ -34,11 +35,31 @@ from reprokit.code import ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate
 from reprokit.env import capture_env, determinism_flags
 from reprokit.errors import CaptureError, RecorderWarning, TrainingFailure
+from reprokit.rng import RNGState, check_generators
+from reprokit.rng import capture as capture_rng
+from reprokit.rng import encode as encode_rng
 from reprokit.signature import Failure
 from reprokit.snapshot import SnapshotEngine
-from reprokit.state import TrainState, capture_rng, capture_state
+from reprokit.state import TrainState, capture_state
 
 StepFn = Callable[[TrainState, Any], Any]
+
+
+@dataclass(slots=True)
+class _Step:
+    """One recorded step, as kept in the window: its batch copied, its RNG as read (encoded at dump)."""
+
+    step: int
+    batch: Any
+    tensors: dict[str, torch.Tensor]
+    rng: RNGState
+    loss: float | None = None
+    grad_norm: float | None = None
+
+    def record(self) -> B.StepRecord:
+        rng_tree, rng_tensors = encode_rng(self.rng)
+        return B.StepRecord(self.step, self.batch, {**self.tensors, **rng_tensors}, rng_tree, self.loss,
+                            self.grad_norm)
 
 
 @dataclass
@@ -66,10 +87,13 @@ class Recorder:
         loss_history: how many recent (step, loss) pairs to keep for ``inspect``.
         spill_dir: stream snapshots to a file in this local directory instead of keeping them
             in host memory (for states that do not fit in RAM; costs a synchronous copy).
-        batch_copy_bytes: CPU batch tensors smaller than this are copied; larger ones are
-            referenced, and if one is modified in place while it is in the window (by its step,
-            or by a loader refilling its buffers: its version counter moves) the window is
-            dropped until the next snapshot and later batches are copied.
+        snapshot_sync: copy CUDA state on the training stream (a stall of the state's size over
+            the PCIe bandwidth at every snapshot: ~30 ms for GPT-2-124M with AdamW). By default the
+            copy overlaps the forward and backward; a parameter written in place outside
+            ``optimizer.step()`` during that time is seen through its version counter and the
+            snapshot is retaken one step later (see :meth:`SnapshotEngine.check`). Turn this on
+            when the loop writes parameters in ways version counters do not see
+            (``p.data.copy_(...)``, custom kernels).
 
     Raises:
         CaptureError: at attach time, naming what cannot be recorded (a lambda as
@@ -99,7 +123,7 @@ class Recorder:
         spike_window: int = 50,
         loss_history: int = 1000,
         spill_dir: str | Path | None = None,
-        batch_copy_bytes: int = 1 << 20,
+        snapshot_sync: bool = False,
     ):
         if snapshot_every < 1:
             raise CaptureError(f"snapshot_every must be >= 1, got {snapshot_every}")
@@ -122,27 +146,19 @@ class Recorder:
                                "turns into tensors")
         self._config = config_tree
         capture_state(state, copy=lambda t: t)  # fail now, at attach time, if anything cannot be recorded
+        check_generators(state.extra)
         self.monitor = Monitor(state, self.settings, detect)
-        self._engine = SnapshotEngine(state, spill_dir)
-        self.batch_copy_bytes = batch_copy_bytes
-        self._referenced: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
-        """(batch tensor, its version at step start, pinned slot to copy it into after the step)."""
-        self._window_refs: list[tuple[torch.Tensor, int]] = []
-        """Large CPU batch tensors of the window, referenced, with their version when their step ended: a loader
-        that refills its buffers in place would otherwise change the recorded batches after the fact."""
-        self._copy_cuda_now = False
-        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
-        """Side streams for GPU batch copies; one entry marked in ``_marked`` once it waited for this step's batch."""
-        self._marked: set[torch.device] = set()
-        self._copy_marks: dict[torch.device, torch.cuda.Event] = {}
+        self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync)
         self._flat_batch: tuple[list[str], dict[str, Any], list[str]] | None = None
         """(keys, encoded tree, tensor keys) of the last batch when it was a flat dict of tensors."""
-        self._slots: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}
+        """Host buffers the batches are copied into, per (position in the window, leaf): reused window after window,
+        so that steady state allocates nothing (a fresh large buffer costs its page faults every step)."""
         self._slot = self._leaf = 0
         self.step_index = 0
         self.bundles: list[Path] = []
         self._snapshot: _Snapshot | None = None
-        self._ring: list[B.StepRecord] = []
+        self._ring: list[_Step] = []
         self._window_ok = False
         self._history: deque[tuple[int, float | None, float | None]] = deque(maxlen=loss_history)
         self._warned: set[str] = set()
@@ -163,8 +179,7 @@ class Recorder:
         record = self._record_step_start(k, batch)
         result = self.monitor.run(self.train_step, batch, k, after=self._after_step)
         self.step_index += 1
-        if self._referenced or self._window_refs:
-            self._check_referenced(k)
+        self._engine.check()
         if record is not None:
             record.loss, record.grad_norm = result.loss, result.grad_norm
         self._history.append((k, result.loss, result.grad_norm))
@@ -178,18 +193,20 @@ class Recorder:
             raise result.exc
         raise TrainingFailure(result.failure, path)
 
-    def _record_step_start(self, k: int, batch: Any) -> B.StepRecord | None:
+    def _record_step_start(self, k: int, batch: Any) -> _Step | None:
         try:
-            if self._snapshot is None or k - self._snapshot.step >= self.snapshot_every:
+            torn = self._engine.torn
+            if torn:
+                self._drop_window("torn", f"reprokit: the snapshot at step {self._snapshot.step if self._snapshot else k}"
+                                          f" is not the state that step started from ({torn}); a new one is taken at "
+                                          f"step {k}, with those tensors copied in stream order from now on.")
+            if torn or self._snapshot is None or k - self._snapshot.step >= self.snapshot_every:
                 self._take_snapshot(k)
             if not self._window_ok:
                 return None
-            self._referenced.clear()
-            self._marked.clear()
             self._slot, self._leaf = k - self._snapshot.step if self._snapshot else 0, 0
             tree, tensors = self._encode_batch(batch)
-            rng_tree, rng_tensors = capture_rng()
-            rec = B.StepRecord(k, tree, {**tensors, **rng_tensors}, rng_tree)
+            rec = _Step(k, tree, tensors, capture_rng(self.state.extra))
             self._ring.append(rec)
             return rec
         except Exception as e:
@@ -215,91 +232,33 @@ class Recorder:
         return tree, tensors
 
     def _batch_copy(self, t: torch.Tensor) -> torch.Tensor:
-        if t.requires_grad:
-            t = t.detach()
-        if t.is_cuda:
-            # Pinned buffers per (slot in the window, leaf), reused window after window: no allocator calls.
-            slot = self._slots.setdefault((self._slot, self._leaf), None)
-            self._leaf += 1
-            if slot is None or slot.shape != t.shape or slot.dtype != t.dtype:
-                slot = self._slots[(self._slot, self._leaf - 1)] = torch.empty(t.shape, dtype=t.dtype,
-                                                                               pin_memory=True)
-            if self._copy_cuda_now:
-                return slot.copy_(t, non_blocking=True)
-            if t.device not in self._marked:  # the copy stream starts where the batch is ready
-                self._marked.add(t.device)
-                stream = self._copy_streams.get(t.device)
-                if stream is None:
-                    stream = self._copy_streams[t.device] = torch.cuda.Stream(device=t.device)
-                mark = self._copy_marks.get(t.device)  # one event, reused: wait_stream() would create one a step
-                if mark is None:
-                    mark = self._copy_marks[t.device] = torch.cuda.Event()
-                mark.record(torch.cuda.current_stream(t.device))
-                stream.wait_event(mark)
-            self._referenced.append((t, t._version, slot))  # copy queued in _after_step, on the copy stream
-            return slot
-        if t.numel() * t.element_size() < self.batch_copy_bytes:
-            return t.clone(memory_format=torch.contiguous_format)  # small: a copy is cheaper than the risk
-        self._referenced.append((t, t._version, None))  # large CPU tensor: keep a reference, check it after the step
-        return t
+        """A copy of ``t`` as it is now, in a host buffer reused window after window."""
+        key = (self._slot, self._leaf)
+        self._leaf += 1
+        slot = self._slots.get(key)
+        if slot is None or slot.shape != t.shape or slot.dtype != t.dtype:
+            slot = self._slots[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        # CUDA: queued on the current stream, so the step's kernels (and any later refill of the batch) run after it;
+        # the host reads it only at dump time, after a synchronize.
+        return slot.copy_(t.detach(), non_blocking=t.is_cuda)
 
     def _after_step(self) -> None:
         """The step function has just returned (or raised); the device is still working through it.
 
-        Queue the deferred device-to-host batch copies, and when the next step takes a snapshot,
-        walk the state for it now (see :meth:`SnapshotEngine.prepare`).
-
-        GPU batch copies go on a side stream that waited, at step start, for the batch to be
-        ready: they run beside the step's kernels, and the loss read does not wait behind
-        them. ``record_stream`` keeps a batch the step frees from being reused before its copy
-        lands; the training stream then waits for the copy stream (a device-side wait, the
-        copies being long done by the time the step's last kernel runs), so a loader that
-        refills its GPU buffer in place at the next step cannot overtake the copy.
+        When the next step takes a snapshot, walk the state for it now (see :meth:`SnapshotEngine.prepare`).
         """
         snap = self._snapshot
         if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every:
             self._engine.prepare()
-        try:
-            for t, _, slot in self._referenced:
-                if slot is not None:
-                    stream = self._copy_streams[t.device]
-                    with torch.cuda.stream(stream):
-                        slot.copy_(t, non_blocking=True)
-                    t.record_stream(stream)
-            for dev in self._marked:
-                torch.cuda.current_stream(dev).wait_stream(self._copy_streams[dev])
-            self._marked.clear()
-        except Exception as e:
-            self._marked.clear()
-            self._referenced.clear()
-            self._drop_window("capture", f"reprokit: cannot copy step {self.step_index}'s batch ({e}); no bundle "
-                                         "can be written until the next snapshot. Training continues.")
-
-    def _check_referenced(self, k: int) -> None:
-        changed = any(t._version != v for t, v, _ in self._referenced)
-        refilled = any(t._version != v for t, v in self._window_refs)
-        if not changed:
-            self._window_refs += [(t, v) for t, v, slot in self._referenced if slot is None]
-        self._referenced.clear()
-        if changed or refilled:
-            self.batch_copy_bytes = 1 << 62  # copy everything up front from now on
-            self._copy_cuda_now = True
-            what = (f"step {k} modified its batch in place" if changed else
-                    f"a batch recorded earlier in the window was modified in place by step {k} (a loader that "
-                    "refills its buffers?)")
-            self._drop_window("inplace", f"reprokit: {what}; the recorded copy is lost, so no bundle until the next "
-                                         f"snapshot (step {self._next_snapshot(k)}). Batches are copied from now on.")
 
     def _drop_window(self, key: str, message: str) -> None:
         """The window cannot be replayed any more: forget it until the next snapshot, and say so (once per key)."""
         self._window_ok = False
         self._ring.clear()
-        self._window_refs.clear()
         self._warn(key, message)
 
     def _take_snapshot(self, k: int) -> None:
         self._ring.clear()
-        self._window_refs.clear()
         self._snapshot = None  # free the old one before copying the new one
         self._window_ok = False
         tree, tensors = self._engine.take({"monitor": self.monitor.state_dict(), "step": k})
@@ -314,19 +273,26 @@ class Recorder:
 
     def _dump(self, failure: Failure) -> Path | None:
         """Write the window as a bundle; on any fault of ours warn and return None."""
-        if not self._window_ok or self._snapshot is None or self._engine.broken:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            try:
+                torch.cuda.synchronize()  # pinned copies in flight must land before we read them
+                self._engine.check(ordered=True)
+            except Exception as e:
+                self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
+                return None
+        if not self._window_ok or self._snapshot is None or self._engine.broken or self._engine.torn:
             self._warn("", f"reprokit: {failure.describe()}, but the recorded window is incomplete; no bundle")
             return None
         writer = None
         try:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()  # pinned copies in flight must land before we read them
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
             writer = B.BundleWriter(self.out_dir, f"bundle-{stamp}-step{failure.step:08d}-{failure.kind}")
             path = self._write(writer, failure)
-        except Exception as e:
+        except BaseException as e:  # Ctrl-C while writing must not leave a half-written folder behind either
             if writer is not None:
                 writer.abort()
+            if not isinstance(e, Exception):
+                raise
             self._warn("", f"reprokit: could not write a bundle to {self.out_dir}: {e!r}. "
                                "Training's own error is raised as usual.")
             return None
@@ -339,7 +305,8 @@ class Recorder:
         code = [] if self._root is None else [(relative(p, self._root), p)
                                               for p in snapshot_files(self._root, self._scripts)]
         return B.write_bundle(w, failure=failure.to_json(), run=self._run_doc(snap, failure),
-                              env=capture_env(self._root), state=(snap.tree, snap.tensors), steps=self._ring,
+                              env=capture_env(self._root), state=(snap.tree, snap.tensors),
+                              steps=(r.record() for r in self._ring),
                               code=code)
 
     def _run_doc(self, snap: _Snapshot, failure: Failure) -> dict[str, Any]:

@@ -192,7 +192,7 @@ class Session:
         assert self.state is not None, "use Session as a context manager"
         tree, tensors = snapshot or self.snapshot
         restore_state(self.state, tree["state"], tensors)
-        restore_rng(tree["rng"], tensors)
+        restore_rng(tree["rng"], tensors, self.state.extra)
         self.monitor.load_state_dict(tree.get("monitor", {}))
 
     def run(self, steps: Sequence[StepInput], snapshot: tuple[dict, dict] | None = None,
@@ -205,7 +205,7 @@ class Session:
         failure = None
         t0 = time.perf_counter()
         for inp in steps:
-            restore_rng(inp.rng, inp.rng_tensors)
+            restore_rng(inp.rng, inp.rng_tensors, self.state.extra if self.state else None)
             # A fresh copy every run: a step that edits its batch in place must not change the next replay.
             batch = pytree.map_tensors(inp.batch, lambda t: t.to(self.device, copy=True))
             result = self.monitor.run(self.step_fn, batch, inp.step)
@@ -220,7 +220,7 @@ class Session:
         """The live state as a snapshot in the bundle's ``state/`` format."""
         assert self.state is not None, "use Session as a context manager"
         tree, tensors = capture_state(self.state)
-        rng_tree, rng_tensors = capture_rng()
+        rng_tree, rng_tensors = capture_rng(self.state.extra)
         return {"state": tree, "rng": rng_tree, "monitor": self.monitor.state_dict()}, {**tensors, **rng_tensors}
 
     def advance(self, steps: Sequence[StepInput],

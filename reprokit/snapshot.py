@@ -59,8 +59,11 @@ class SnapshotEngine:
     """Takes snapshots for one Recorder. ``take()`` returns ``(tree, tensors_or_spill_path)``."""
 
     def __init__(self, state: TrainState, spill_dir: str | Path | None = None, staging_bytes: int = 256 << 20,
-                 chunk_bytes: int = 32 << 20, chunks_in_flight: int = 4, stage_on_device: bool = False):
+                 chunk_bytes: int = 32 << 20, chunks_in_flight: int = 4, stage_on_device: bool = False,
+                 sync: bool = False):
         self.state = state
+        self.sync = sync
+        """Copy CUDA state on the training stream: nothing can race the copy, at the cost of a stall."""
         self.spill_dir = Path(spill_dir) if spill_dir else None
         self.staging_bytes = staging_bytes
         self.chunk_bytes = chunk_bytes
@@ -81,6 +84,13 @@ class SnapshotEngine:
         """Recorded on the side stream after the last issued copy."""
         self.broken = False
         """The last snapshot's copies failed: it must not be written."""
+        self._watched: list[tuple[str, torch.Tensor, int]] = []
+        """(key, tensor, version at take) of tensors copied from the live tensor, asynchronously: until the copy is
+        known to be ordered before any later write, an in-place write to one of them would tear the snapshot."""
+        self._volatile: set[str] = set()
+        """Keys of parameters / optimizer state seen written outside ``optimizer.step()``: cloned on the device."""
+        self.torn: str | None = None
+        """Why the last snapshot cannot be trusted (a watched tensor was written while its copy was in flight)."""
         self._hook: Any = state.optimizer.register_step_pre_hook(self._before_optimizer_step)
         self.stats: dict[str, Any] = {"snapshots": 0, "bytes": 0, "pinned_bytes": 0, "host_seconds": 0.0,
                                       "spill_seconds": 0.0, "staged_bytes": 0, "waited_for_copy": False,
@@ -109,6 +119,7 @@ class SnapshotEngine:
                 # A GPU-side wait for the copies in flight; the host goes on.
                 torch.cuda.current_stream().wait_event(self._issued_event)
             self._plan = []
+            self.check(ordered=True)  # every later write on this stream now runs after the copies
         except Exception as e:  # never break the user's optimizer step
             self.broken = True
             self._plan = []
@@ -147,6 +158,37 @@ class SnapshotEngine:
         if self._done is not None:
             self._done.synchronize()
             self._done = None
+        self.check(ordered=True)
+
+    def check(self, ordered: bool = False) -> None:
+        """Was a tensor copied asynchronously written in place since the snapshot was taken?
+
+        The copies read parameters and optimizer state straight from the live tensors, which is
+        sound only while nothing writes them before the copy is done: ``optimizer.step()`` is
+        held back by the pre-hook, but a forward that renormalises a weight in place
+        (``nn.Embedding(max_norm=...)``), a weight clamp or an EMA written into the model would
+        race the copy. Every in-place torch op bumps the tensor's version counter, so a moved
+        counter marks the snapshot torn (the recorder then takes a new one at the next step,
+        cloning those tensors on the device first, in stream order). A write that bypasses the
+        counter (``p.data.copy_(...)``, a custom kernel) cannot be seen: such loops should run
+        with ``snapshot_sync=True``.
+
+        Args:
+            ordered: the copies are done, or every later write is ordered after them on the
+                device: once counters are unchanged here, the snapshot is safe and the
+                watch ends. Otherwise the watch goes on until the copy event has completed.
+        """
+        if not self._watched:
+            return
+        moved = [key for key, t, v in self._watched if t._version != v]
+        if moved:
+            self._watched = []
+            self._volatile.update(moved)
+            self.torn = (f"{len(moved)} tensor(s) ({', '.join(moved[:3])}{', ...' if len(moved) > 3 else ''}) were "
+                         "written outside optimizer.step() while the snapshot copied them")
+            return
+        if ordered or self._done is None or self._done.query():
+            self._watched = []
 
     def detach(self) -> None:
         """Remove the optimizer hook; a snapshot in flight is finished first (the hook guards it)."""
@@ -204,7 +246,7 @@ class SnapshotEngine:
                 tuple(tuple(sorted((k, v) for k, v in g.items() if isinstance(v, (int, float, bool))))
                       for g in opt.param_groups),
                 None if self.state.scheduler is None else getattr(self.state.scheduler, "last_epoch", None),
-                len(self.state.extra))
+                len(self.state.extra), tuple(id(p.grad) for p in self.state.model.parameters()))
 
     def _walk(self) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor, Any]]]:
         """The state's tree (references, no copies) and what to do with each tensor: a CPU clone, the
@@ -222,7 +264,7 @@ class SnapshotEngine:
                 layout.append((key, seen[ident], "same"))
                 continue
             buf = seen[ident] = self._buffer(key, t)
-            layout.append((key, t, (buf, t.data_ptr() not in protected)))
+            layout.append((key, t, (buf, t.data_ptr() not in protected or key in self._volatile)))
         return tree, layout
 
     def _in_memory(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -234,11 +276,12 @@ class SnapshotEngine:
         """
         self.wait()  # the buffers are about to be reused
         self.broken = False
+        self.torn = None
         prepared, self._prepared = self._prepared, None
         walked = prepared[1] if prepared is not None and prepared[0] == self._fingerprint() else self._walk()
         self.stats["prepared"] = prepared is not None and walked is prepared[1]
         tree, layout = walked
-        rng_tree, rng_tensors = capture_rng()
+        rng_tree, rng_tensors = capture_rng(self.state.extra)
         tensors: dict[str, torch.Tensor] = {}
         plan: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         cuda = False
@@ -249,13 +292,22 @@ class SnapshotEngine:
                 tensors[key] = t
             else:
                 buf, owned = how
+                owned = owned and not self.sync  # synchronous copies need no device clone
                 # Module buffers and extra state may change in the next forward: clone them on the device now.
                 plan.append((buf, t.clone() if owned else t, owned))
+                if not owned and not self.sync:
+                    self._watched.append((key, t, t._version))
                 tensors[key] = buf
                 cuda = True
-        if cuda and self._stream is None:
+        if cuda and self.sync:
+            for buf, src, _ in plan:
+                buf.copy_(src, non_blocking=True)  # on the training stream: ordered before every later write
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream())
+            self._watched = []
+        elif cuda and self._stream is None:
             self._stream = torch.cuda.Stream()
-        if cuda:
+        if cuda and not self.sync:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())
             self._done = torch.cuda.Event()
@@ -324,7 +376,7 @@ class SnapshotEngine:
         t0 = time.perf_counter()
         self.spill_dir.mkdir(parents=True, exist_ok=True)
         tree, tensors = capture_state(self.state, copy=lambda t: t.detach())  # references, no copies
-        rng_tree, rng_tensors = capture_rng()
+        rng_tree, rng_tensors = capture_rng(self.state.extra)
         tensors = {**tensors, **rng_tensors}
         path = self.spill_dir / f"snapshot-{os.getpid()}-{id(self)}.safetensors"
         tmp = path.with_suffix(".tmp")

@@ -52,17 +52,15 @@ def test_cuda_batches_are_copied_to_pinned_memory(projects, tmp_path):
     assert rec._snapshot is not None and rec._snapshot.tensors["model/0.weight"].is_pinned()
 
 
-def test_gpu_batch_edited_in_place_drops_the_window_then_copies_up_front(projects, tmp_path):
+def test_gpu_batch_edited_in_place_by_its_step_is_recorded_as_received(projects, tmp_path):
     gpu = projects("rk_gpu")
     cfg = {"device": "cuda"}
     batches = list(gpu.batches(9, 7, "cuda"))
     originals = [b["x"].cpu() for b in batches]
-    with pytest.warns(reprokit.RecorderWarning, match="modified its batch in place"):
-        rec, exc = record(gpu, cfg, batches, tmp_path, snapshot_every=4, step=gpu.scribbling_step)
-    assert rec._copy_cuda_now, "after an in-place edit, GPU batches are copied before the step"
+    rec, exc = record(gpu, cfg, batches, tmp_path, snapshot_every=4, step=gpu.scribbling_step)
     assert isinstance(exc, reprokit.TrainingFailure) and exc.failure.step == 7 and exc.bundle is not None
     b = open_bundle(exc.bundle)
-    assert b.steps == [4, 5, 6, 7], "the window with the edited batch was dropped; the next one is whole"
+    assert b.steps == [4, 5, 6, 7]
     for k in b.steps:
         torch.testing.assert_close(b.step(k)[0]["x"], originals[k], rtol=0, atol=0, equal_nan=True)
     assert reprokit.replay(b).reproduced
@@ -215,17 +213,25 @@ def test_global_norm_on_the_gpu_matches_a_float64_reference():
     assert global_norm(ts).isnan().item()
 
 
-def test_cuda_rng_state_is_reused_only_while_seed_and_offset_stand_still():
-    from reprokit.state import capture_rng
+def test_cuda_rng_state_read_as_seed_and_offset_matches_get_rng_state():
+    from reprokit.state import capture_rng, restore_rng
 
     torch.cuda.manual_seed(3)
     torch.rand(4, device="cuda")
-    first = capture_rng()[1]["rng/cuda/0"]
-    assert capture_rng()[1]["rng/cuda/0"] is first
     for change in (lambda: torch.rand(4, device="cuda"), lambda: torch.cuda.manual_seed(4),
-                   lambda: torch.randn(3, device="cuda"), lambda: torch.cuda.set_rng_state(first)):
+                   lambda: torch.randn(3, device="cuda"), lambda: torch.nn.functional.dropout(
+                       torch.ones(1000, device="cuda"), 0.5)):
         change()
-        assert torch.equal(capture_rng()[1]["rng/cuda/0"], torch.cuda.get_rng_state())
+        tree, tensors = capture_rng()
+        assert torch.equal(tensors["rng/cuda/0"], torch.cuda.get_rng_state())
+        want = torch.rand(5, device="cuda")
+        restore_rng(tree, tensors)
+        assert torch.equal(torch.rand(5, device="cuda"), want)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    tree, tensors = capture_rng({"g": g})
+    want = torch.rand(5, device="cuda", generator=g)
+    restore_rng(tree, tensors, {"g": g})
+    assert torch.equal(torch.rand(5, device="cuda", generator=g), want)
 
 
 def test_grad_check_catches_infinite_gradients_under_a_finite_loss_on_the_gpu(projects, tmp_path):
@@ -300,12 +306,8 @@ def test_grad_check_aside_still_sees_a_nan_gradient():
 
 
 def test_gpu_batch_copies_land_before_a_loader_refills_its_buffer(projects, tmp_path):
-    """Batch copies run on a side stream; a loader refilling its GPU buffer in place must not overtake them.
-
-    The copy stream is held back by a 50 ms GPU sleep: without the training stream waiting for
-    it, the refill queued before the next step would land first and the window would hold the
-    next step's batch.
-    """
+    """Batch copies are queued on the training stream at step start: a refill queued before the next step
+    (held back behind a 100 ms GPU sleep) runs after them."""
     gpu = projects("rk_gpu")
     cfg = {"device": "cuda"}
     state = gpu.build(cfg)
@@ -313,17 +315,50 @@ def test_gpu_batch_copies_land_before_a_loader_refills_its_buffer(projects, tmp_
     batches = list(gpu.batches(4, None, "cuda"))
     buf = {"x": torch.empty_like(batches[0]["x"]), "y": torch.empty_like(batches[0]["y"])}
     for b in batches:
+        torch.cuda._sleep(100_000_000)
         buf["x"].copy_(b["x"])  # the loader's in-place refill, on the training stream
         buf["y"].copy_(b["y"])
-        stream = rec._copy_streams.setdefault(buf["x"].device, torch.cuda.Stream())
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(100_000_000)
         rec.step(buf)
-    assert rec._copy_streams, "GPU batches went through the copy stream"
     torch.cuda.synchronize()
     assert len(rec._ring) == 4
     for r, b in zip(rec._ring, batches):
         assert torch.equal(r.tensors["batch/x"], b["x"].cpu()) and torch.equal(r.tensors["batch/y"], b["y"].cpu())
+
+
+def test_a_weight_renormalised_in_forward_during_the_snapshot_copy_is_never_torn(projects, tmp_path):
+    """nn.Embedding(max_norm=...) writes its weight in forward while the asynchronous snapshot copy may still be
+    reading it. The copy stream is held back (a GPU sleep queued on it before the copies), so without the
+    version check the snapshot would hold the renormalised weight; with it, the snapshot is retaken one step later
+    with the embedding cloned in stream order, and the bundle replays exactly."""
+    trust = projects("rk_trust")
+    cfg = {"max_norm": 0.5, "device": "cuda", "dim": 256}
+    state = trust.build(cfg)
+    rec = reprokit.Recorder(state, trust.train_step, build=trust.build, config=cfg, out_dir=tmp_path,
+                            snapshot_every=6)
+    engine = rec._engine
+    engine._stream = torch.cuda.Stream()
+    real_issue = engine._issue
+
+    def held_back(plan, ready, done, device):
+        with torch.cuda.stream(engine._stream):
+            torch.cuda._sleep(200_000_000)
+        return real_issue(plan, ready, done, device)
+
+    engine._issue = held_back
+    exc = None
+    with pytest.warns(reprokit.RecorderWarning, match="written outside optimizer.step"):
+        for b in trust.batches(20, blow_up_step=15, device="cuda", d=256):
+            try:
+                rec.step(b)
+            except reprokit.TrainingFailure as e:
+                exc = e
+                break
+    assert exc is not None and exc.bundle is not None and exc.failure.step == 15
+    assert "model/emb.weight" in engine._volatile
+    b = open_bundle(exc.bundle)
+    assert b.steps == [13, 14, 15], b.steps  # step 0's snapshot was torn, retaken at 1, then 7 and 13
+    report = reprokit.replay(b, times=2)
+    assert report.reproduced and report.fidelity["bit_exact"], report.fidelity
 
 
 @pytest.mark.parametrize("unscale_first", [False, True])

@@ -1,10 +1,12 @@
-"""RNG capture/restore is exact, including the skipped-when-unchanged fast paths of python, numpy and torch."""
+"""RNG capture/restore is exact: the global generators and the generators a run keeps in ``TrainState.extra``."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,7 +36,7 @@ def test_capture_then_restore_gives_the_same_draws(seed, draws):
     torch.manual_seed(seed)
     for name in draws:
         DRAWS[name]()
-        capture_rng()  # interleaved captures exercise the cache
+        capture_rng()  # interleaved captures must not disturb anything
     tree, tensors = capture_rng()
     expected = _sample()
     DRAWS["np_randn"]()  # move every generator on
@@ -59,115 +61,66 @@ def test_reseeding_to_the_same_words_with_a_cached_gaussian_is_seen():
     assert tree["numpy"][1:] == [want[2], want[3], want[4]]
 
 
-def test_python_fast_path_is_in_use_and_sees_every_change():
-    from reprokit.state import _PythonGlobalRNG
+def test_the_recorder_reads_generators_only_through_their_public_apis():
+    """No ctypes, no addresses: the readers that guessed object layouts are gone."""
+    import reprokit.rng
+    import reprokit.state
 
-    random.seed(11)
-    random.gauss(0, 1)  # leaves gauss_next set
-    before = random.getstate()
-    reader = _PythonGlobalRNG()
-    assert reader.fast, "the CPython layout check failed: every step pays random.getstate()"
-    assert random.getstate() == before, "the layout check puts the state back"
-    first = reader.get_state()
-    assert reader.get_state()[1] is first[1]  # unchanged: the cached tensor
-    for change in (random.random, lambda: random.gauss(0, 1), lambda: random.seed(12), lambda: random.randint(0, 9),
-                   lambda: random.setstate(before)):
-        change()
-        version, tensor, gauss = reader.get_state()
-        want = random.getstate()
-        assert (version, tuple(tensor.tolist()), gauss) == want
+    for mod in (reprokit.rng, reprokit.state):
+        with open(mod.__file__) as f:
+            src = f.read()
+        assert "ctypes" not in src and "string_at" not in src and "from_address" not in src, mod.__name__
 
 
-def test_numpy_fast_path_is_in_use_and_sees_every_change():
-    from reprokit.state import _NumpyGlobalRNG
-
-    np.random.seed(7)
-    np.random.randn()  # leaves a Gaussian cached
-    before = np.random.get_state(legacy=True)
-    reader = _NumpyGlobalRNG()
-    assert reader.fast, "the numpy layout check failed: every step pays np.random.get_state()"
-    after = np.random.get_state(legacy=True)
-    assert np.array_equal(after[1], before[1]) and after[2:] == before[2:], "locating must not touch the generator"
-    first = reader.get_state()
-    assert reader.get_state()[1] is first[1]  # unchanged: the cached tensor
-    name, keys, pos = before[:3]
-    changes = (np.random.rand, np.random.randn, np.random.randn, lambda: np.random.seed(8),
-               lambda: np.random.randint(0, 9), lambda: np.random.set_state(before),
-               # the same words with a different Gaussian cache, each way round
-               lambda: np.random.set_state((name, keys, pos, 0, 0.0)),
-               lambda: np.random.set_state((name, keys, pos, 1, 0.5)),
-               lambda: np.random.set_state((name, keys, pos, 1, -0.5)))
-    for change in changes:
-        change()
-        part, tensor = reader.get_state()
-        want = np.random.get_state(legacy=True)
-        assert part == [want[0], want[2], want[3], want[4]]
-        assert np.array_equal(tensor.numpy(), want[1].astype(np.int64))
+def _owned_extra():
+    return {
+        "torch": torch.Generator().manual_seed(1),
+        "nested": {"numpy": np.random.default_rng(2), "legacy": [np.random.RandomState(3)]},
+        "python": (random.Random(4), 5),
+        "mt": np.random.Generator(np.random.MT19937(6)),
+        "counter": 7,
+    }
 
 
-def test_numpy_fast_path_follows_a_replaced_bit_generator():
-    from reprokit.state import _NumpyGlobalRNG
-
-    reader = _NumpyGlobalRNG()
-    rs = np.random.mtrand._rand
-    old = rs._bit_generator
-    assert reader.fast
-    try:
-        rs._bit_generator = np.random.MT19937(3)  # a new object: the located addresses are stale
-        part, tensor = reader.get_state()
-        want = np.random.get_state(legacy=True)
-        assert part[1:] == [want[2], want[3], want[4]] and np.array_equal(tensor.numpy(), want[1])
-    finally:
-        rs._bit_generator = old
-    assert reader.fast  # back on the original: located again
+def _draw_owned(extra):
+    return (torch.rand(3, generator=extra["torch"]).tolist(), extra["nested"]["numpy"].normal(size=2).tolist(),
+            extra["nested"]["legacy"][0].randn(3).tolist(), extra["python"][0].gauss(0, 1),
+            extra["mt"].random(2).tolist())
 
 
-def test_torch_cpu_fast_path_is_in_use_and_sees_every_change():
-    import struct
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=6))
+def test_generators_in_extra_round_trip_through_the_bundle_form(draws):
+    from reprokit import rng
 
-    from reprokit.state import _TorchCPURNG
-
-    torch.manual_seed(5)
-    before = torch.get_rng_state()
-    reader = _TorchCPURNG()
-    assert reader.fast, "the torch generator layout check failed: every step allocates torch.get_rng_state()"
-    assert torch.equal(torch.get_rng_state(), before), "locating must not touch the default generator"
-    first = reader.get_state()
-    assert reader.get_state() is first  # unchanged: the cached tensor
-    cached = bytearray(before.numpy().tobytes())
-    struct.pack_into("=dddi", cached, 5016, 0.125, 0.75, 0.75, 1)  # a cached double normal sample
-    with_float = bytearray(before.numpy().tobytes())
-    struct.pack_into("=f?", with_float, 5048, 0.5, True)  # a cached float normal sample
-    changes = (lambda: torch.rand(1), lambda: torch.randn(1, dtype=torch.float64), lambda: torch.randn(1),
-               lambda: torch.randn(100), lambda: torch.randint(0, 9, (3,)), lambda: torch.manual_seed(6),
-               lambda: torch.bernoulli(torch.full((4,), 0.5)), lambda: torch.set_rng_state(before),
-               lambda: torch.set_rng_state(torch.frombuffer(cached, dtype=torch.uint8).clone()),
-               lambda: torch.set_rng_state(before),
-               lambda: torch.set_rng_state(torch.frombuffer(with_float, dtype=torch.uint8).clone()))
-    for change in changes:
-        change()
-        assert torch.equal(reader.get_state(), torch.get_rng_state())
+    extra = _owned_extra()
+    for i in draws:  # move some of them on, leaving Gaussian caches in some
+        _draw_owned(extra)[i] if i % 2 else extra["nested"]["legacy"][0].randn()
+    tree, tensors = rng.encode(rng.capture(extra))
+    json.dumps(tree, allow_nan=False)  # strict JSON: the bundle stores it as such
+    want = _draw_owned(extra)
+    _draw_owned(extra)  # move every one on
+    rng.restore(tree, tensors, extra)
+    assert _draw_owned(extra) == want
+    fresh = _owned_extra()  # what build() would make: other objects at the same places
+    rng.restore(tree, tensors, fresh)
+    assert _draw_owned(fresh) == want
 
 
-def test_words_address_refuses_what_it_cannot_prove():
-    from reprokit.state import _PythonGlobalRNG, _words_address
+def test_a_generator_missing_at_replay_is_a_clear_mismatch():
+    from reprokit import rng
+    from reprokit.errors import StateMismatchError
 
-    inst = random.Random(5)
-    good = _PythonGlobalRNG._validate(inst)
-    assert good == id(inst) + 16
-    kw = {"getstate": inst.getstate, "setstate": inst.setstate, "draw": inst.random}
-    state = inst.getstate()
-    # Past the end of the object: refused before anything is read.
-    assert _words_address(inst, id(inst) + 64, 4 + 624 * 4, lambda st: b"", **kw) is None
-    # Bytes that do not match the full read: refused, and the state is put back.
-    assert _words_address(inst, good, 4 + 624 * 4, lambda st: b"\0" * 2500, **kw) is None
-    assert inst.getstate() == state
-    # A "draw" that does not move the words: refused.
-    assert _words_address(inst, good, 4 + 624 * 4, lambda st: _pack(st), getstate=inst.getstate,
-                          setstate=inst.setstate, draw=lambda: None) is None
+    tree, tensors = rng.encode(rng.capture({"g": torch.Generator().manual_seed(0)}))
+    with pytest.raises(StateMismatchError, match=r"torch generator at state.extra\['g'\]"):
+        rng.restore(tree, tensors, {"g": None})
 
 
-def _pack(st):
-    import struct
+def test_unrecordable_generators_are_refused_at_attach():
+    from reprokit import rng
+    from reprokit.errors import CaptureError
 
-    return struct.pack("=i624I", st[1][-1], *st[1][:-1])
+    with pytest.raises(CaptureError, match="SystemRandom"):
+        rng.check_generators({"a": [random.SystemRandom()]})
+    with pytest.raises(CaptureError, match="not a string"):
+        rng.check_generators({"a": {3.5: random.Random()}})
