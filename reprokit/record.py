@@ -20,6 +20,7 @@ stream.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from reprokit import bundle as B
@@ -39,10 +41,54 @@ from reprokit.rng import RNGState, check_generators
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
 from reprokit.signature import Failure
-from reprokit.snapshot import SnapshotEngine
+from reprokit.snapshot import SnapshotEngine, mib
 from reprokit.state import TrainState, capture_state
 
 StepFn = Callable[[TrainState, Any], Any]
+
+SPILL_DIR = ".reprokit-spill"
+RNG_STEP_BYTES = 40 << 10
+"""Host memory of one step's RNG reads (python's 625-int tuple is most of it), counted against the budget."""
+
+
+def default_host_budget() -> int:
+    """A quarter of the machine's RAM or half of what is available now, whichever is less, per local rank."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 << 30
+    available = total
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return int(min(total // 4, available // 2) // local)
+
+
+def _batch_bytes(batch: Any) -> tuple[int, int]:
+    """(bytes of the batch's tensors, bytes of its numpy arrays): what recording the batch will hold."""
+    tensors = arrays = 0
+    todo = [batch]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            tensors += obj.numel() * obj.element_size()
+        elif isinstance(obj, np.ndarray):
+            arrays += obj.nbytes
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return tensors, arrays
+
+
 
 
 @dataclass(slots=True)
@@ -53,6 +99,8 @@ class _Step:
     batch: Any
     tensors: dict[str, torch.Tensor]
     rng: RNGState
+    other_bytes: int = 0
+    """Host bytes held outside the batch-buffer pool (RNG states, numpy leaves)."""
     loss: float | None = None
     grad_norm: float | None = None
 
@@ -87,6 +135,13 @@ class Recorder:
         loss_history: how many recent (step, loss) pairs to keep for ``inspect``.
         spill_dir: stream snapshots to a file in this local directory instead of keeping them
             in host memory (for states that do not fit in RAM; costs a synchronous copy).
+        host_memory_budget: bytes of host memory the recorder may hold: the snapshot plus the
+            window's batch copies and RNG states. Default: a quarter of the machine's RAM or half
+            of what is available at attach time, whichever is less, divided by the local ranks
+            (``LOCAL_WORLD_SIZE``). When the window would pass it, the next snapshot is taken early
+            (the window restarts; said once). A state bigger than three quarters of the budget is
+            snapshotted to disk under ``out_dir/.reprokit-spill`` instead (said once, with numbers).
+            Batch buffers are a pool reused window after window.
         snapshot_sync: copy CUDA state on the training stream (a stall of the state's size over
             the PCIe bandwidth at every snapshot: ~30 ms for GPT-2-124M with AdamW). By default the
             copy overlaps the forward and backward; a parameter written in place outside
@@ -123,10 +178,14 @@ class Recorder:
         spike_window: int = 50,
         loss_history: int = 1000,
         spill_dir: str | Path | None = None,
+        host_memory_budget: int | None = None,
         snapshot_sync: bool = False,
     ):
         if snapshot_every < 1:
             raise CaptureError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        self.budget = default_host_budget() if host_memory_budget is None else int(host_memory_budget)
+        if self.budget <= 0:
+            raise CaptureError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget}")
         self.state = state
         self.train_step = train_step
         self.out_dir = Path(out_dir)
@@ -148,13 +207,19 @@ class Recorder:
         capture_state(state, copy=lambda t: t)  # fail now, at attach time, if anything cannot be recorded
         check_generators(state.extra)
         self.monitor = Monitor(state, self.settings, detect)
-        self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync)
+        self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync, limit=self.budget * 3 // 4,
+                                      fallback_spill_dir=self.out_dir / SPILL_DIR)
         self._flat_batch: tuple[list[str], dict[str, Any], list[str]] | None = None
         """(keys, encoded tree, tensor keys) of the last batch when it was a flat dict of tensors."""
         self._slots: dict[tuple[int, int], torch.Tensor] = {}
         """Host buffers the batches are copied into, per (position in the window, leaf): reused window after window,
         so that steady state allocates nothing (a fresh large buffer costs its page faults every step)."""
         self._slot = self._leaf = 0
+        self._pool = {"pinned": 0, "pageable": 0}
+        """Bytes of the batch buffers in ``_slots``."""
+        self._ring_other = 0
+        """Bytes the window holds outside the pool: RNG states, numpy leaves of batches."""
+        self._mem = {"peak_pinned_bytes": 0, "peak_pageable_bytes": 0, "early_snapshots": 0, "unrecorded_steps": 0}
         self.step_index = 0
         self.bundles: list[Path] = []
         self._snapshot: _Snapshot | None = None
@@ -204,10 +269,15 @@ class Recorder:
                 self._take_snapshot(k)
             if not self._window_ok:
                 return None
+            batch_bytes, other = _batch_bytes(batch)
+            if not self._fits(k, batch_bytes + other + RNG_STEP_BYTES):
+                return None
             self._slot, self._leaf = k - self._snapshot.step if self._snapshot else 0, 0
             tree, tensors = self._encode_batch(batch)
-            rec = _Step(k, tree, tensors, capture_rng(self.state.extra))
+            rec = _Step(k, tree, tensors, capture_rng(self.state.extra), other + RNG_STEP_BYTES)
             self._ring.append(rec)
+            self._ring_other += rec.other_bytes
+            self._note_peak()
             return rec
         except Exception as e:
             self._drop_window("capture", f"reprokit: cannot record step {k} ({e}); no bundle can be written until "
@@ -237,7 +307,10 @@ class Recorder:
         self._leaf += 1
         slot = self._slots.get(key)
         if slot is None or slot.shape != t.shape or slot.dtype != t.dtype:
+            if slot is not None:
+                self._free_slot(key)
             slot = self._slots[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self._pool["pinned" if t.is_cuda else "pageable"] += slot.numel() * slot.element_size()
         # CUDA: queued on the current stream, so the step's kernels (and any later refill of the batch) run after it;
         # the host reads it only at dump time, after a synchronize.
         return slot.copy_(t.detach(), non_blocking=t.is_cuda)
@@ -251,19 +324,93 @@ class Recorder:
         if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every:
             self._engine.prepare()
 
+    # --- the host-memory budget ------------------------------------------------------
+
+    def held_bytes(self) -> int:
+        """Host memory the recorder holds now: snapshot, batch-buffer pool, the window's RNG states."""
+        return self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"] + self._ring_other
+
+    def _fits(self, k: int, need: int) -> bool:
+        """Make room for step ``k``'s ``need`` bytes within the budget: free buffers the window no longer uses, else
+        restart the window with an early snapshot. False (and a warning, once) when even that cannot fit it."""
+        position = k - self._snapshot.step if self._snapshot else 0
+        if self._projected(position, need) <= self.budget:
+            return True
+        for key in [key for key in self._slots if key[0] > position]:
+            self._free_slot(key)
+        if self._projected(position, need) <= self.budget:
+            return True
+        if position > 0:
+            held = self.held_bytes()
+            self._take_snapshot(k)
+            self._mem["early_snapshots"] += 1
+            self._warn("early", f"reprokit: the window reached the host-memory budget ({mib(self.budget)}: snapshot "
+                                f"{mib(self._engine.held_bytes)}, window {mib(held - self._engine.held_bytes)}) after "
+                                f"{position} steps, fewer than snapshot_every={self.snapshot_every}; snapshots are "
+                                "taken early from now on, so bundles hold fewer steps (host_memory_budget= raises it).")
+            if self._projected(0, need) <= self.budget:
+                return True
+        self._mem["unrecorded_steps"] += 1
+        self._drop_window("budget", f"reprokit: step {k}'s batch ({mib(need)}) and the snapshot "
+                                    f"({mib(self._engine.held_bytes)}) do not fit the host-memory budget "
+                                    f"({mib(self.budget)}); steps that do not fit are not recorded, so no bundle "
+                                    "until the next snapshot. Raise host_memory_budget= to record them.")
+        return False
+
+    def _projected(self, position: int, need: int) -> int:
+        """Held bytes once step ``need`` sits at ``position`` (its old buffers there reused or replaced)."""
+        there = sum(t.numel() * t.element_size() for key, t in self._slots.items() if key[0] == position)
+        window_other = self._ring_other if position > 0 else 0
+        return (self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"] - there + window_other
+                + need)
+
+    def _free_slot(self, key: tuple[int, int]) -> None:
+        slot = self._slots.pop(key)
+        self._pool["pinned" if slot.is_pinned() else "pageable"] -= slot.numel() * slot.element_size()
+
+    def _note_peak(self) -> None:
+        e = self._engine.stats
+        self._mem["peak_pinned_bytes"] = max(self._mem["peak_pinned_bytes"], e["pinned_bytes"] + self._pool["pinned"])
+        self._mem["peak_pageable_bytes"] = max(self._mem["peak_pageable_bytes"],
+                                               e["pageable_bytes"] + self._pool["pageable"] + self._ring_other)
+
+    def stats(self) -> dict[str, Any]:
+        """Host memory of the recorder and what the budget did.
+
+        Returns:
+            ``budget_bytes``; ``held_bytes`` now; ``peak_pinned_bytes`` and ``peak_pageable_bytes``
+            (the snapshot, the batch-buffer pool and the window's RNG states); ``snapshot_bytes``;
+            ``window_steps`` and ``window_bytes`` (batches and RNG of the current window);
+            ``early_snapshots`` (taken before ``snapshot_every`` to stay in the budget);
+            ``unrecorded_steps``; ``snapshots_spilled`` (why snapshots go to disk, or None).
+
+        Example:
+            >>> rec.stats()["peak_pinned_bytes"]                             # doctest: +SKIP
+            1598029824
+        """
+        window = sum(t.numel() * t.element_size() for key, t in self._slots.items() if key[0] < len(self._ring))
+        return {"budget_bytes": self.budget, "held_bytes": self.held_bytes(), **self._mem,
+                "snapshot_bytes": self._engine.held_bytes, "window_steps": len(self._ring),
+                "window_bytes": window + self._ring_other, "snapshots_spilled": self._engine.spilled_for_memory}
+
     def _drop_window(self, key: str, message: str) -> None:
         """The window cannot be replayed any more: forget it until the next snapshot, and say so (once per key)."""
         self._window_ok = False
         self._ring.clear()
+        self._ring_other = 0
         self._warn(key, message)
 
     def _take_snapshot(self, k: int) -> None:
         self._ring.clear()
+        self._ring_other = 0
         self._snapshot = None  # free the old one before copying the new one
         self._window_ok = False
         tree, tensors = self._engine.take({"monitor": self.monitor.state_dict(), "step": k})
         self._snapshot = _Snapshot(k, tree, tensors)
         self._window_ok = True
+        if self._engine.spilled_for_memory:
+            self._warn("spill", f"reprokit: {self._engine.spilled_for_memory}.")
+        self._note_peak()
 
     def _next_snapshot(self, k: int) -> int:
         start = self._snapshot.step if self._snapshot else k
@@ -314,7 +461,8 @@ class Recorder:
         return {
             "refs": self._refs,
             "config": self._config,
-            "recorder": {"snapshot_every": self.snapshot_every, "detect": self.settings.to_json()},
+            "recorder": {"snapshot_every": self.snapshot_every, "detect": self.settings.to_json(),
+                         "memory": self.stats()},
             "determinism": determinism_flags(),
             "device": device,
             "window": {"start": snap.step, "end": failure.step, "steps": [r.step for r in self._ring]},
@@ -352,6 +500,9 @@ class Recorder:
         self.monitor.close()
         self._engine.close()
         self._ring.clear()
+        self._slots.clear()
+        self._pool = {"pinned": 0, "pageable": 0}
+        self._ring_other = 0
         self._snapshot = None
 
     @property

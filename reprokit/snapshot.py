@@ -60,8 +60,13 @@ class SnapshotEngine:
 
     def __init__(self, state: TrainState, spill_dir: str | Path | None = None, staging_bytes: int = 256 << 20,
                  chunk_bytes: int = 32 << 20, chunks_in_flight: int = 4, stage_on_device: bool = False,
-                 sync: bool = False):
+                 sync: bool = False, limit: int | None = None, fallback_spill_dir: str | Path | None = None):
         self.state = state
+        self.limit = limit
+        """Host bytes an in-memory snapshot may hold; a bigger state spills to ``fallback_spill_dir``."""
+        self.fallback_spill_dir = Path(fallback_spill_dir) if fallback_spill_dir else None
+        self.spilled_for_memory: str | None = None
+        """Why snapshots went to disk instead of host memory (set once, when it happens)."""
         self.sync = sync
         """Copy CUDA state on the training stream: nothing can race the copy, at the cost of a stall."""
         self.spill_dir = Path(spill_dir) if spill_dir else None
@@ -92,7 +97,8 @@ class SnapshotEngine:
         self.torn: str | None = None
         """Why the last snapshot cannot be trusted (a watched tensor was written while its copy was in flight)."""
         self._hook: Any = state.optimizer.register_step_pre_hook(self._before_optimizer_step)
-        self.stats: dict[str, Any] = {"snapshots": 0, "bytes": 0, "pinned_bytes": 0, "host_seconds": 0.0,
+        self.stats: dict[str, Any] = {"snapshots": 0, "bytes": 0, "pinned_bytes": 0, "pageable_bytes": 0,
+                                      "host_seconds": 0.0,
                                       "spill_seconds": 0.0, "staged_bytes": 0, "waited_for_copy": False,
                                       "prepared": False}
 
@@ -209,6 +215,10 @@ class SnapshotEngine:
         self.detach()
         self.wait()
         self._buffers.clear()
+        self._staging = None
+        self.stats["pinned_bytes"] = self.stats["pageable_bytes"] = 0
+        if self.spill_dir is not None:
+            self._spill_path().unlink(missing_ok=True)
 
     # --- taking ------------------------------------------------------------------------
 
@@ -267,7 +277,7 @@ class SnapshotEngine:
             layout.append((key, t, (buf, t.data_ptr() not in protected or key in self._volatile)))
         return tree, layout
 
-    def _in_memory(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def _in_memory(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | Path]:
         """Take the walk (prepared during the last step, or now); issue the copies from a thread.
 
         Device clones of unprotected tensors happen here; launching hundreds of device-to-host
@@ -285,9 +295,13 @@ class SnapshotEngine:
         tensors: dict[str, torch.Tensor] = {}
         plan: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         cuda = False
+        need = sum(t.numel() * t.element_size() for _, t, how in layout if how != "same")
+        if self.limit is not None and need > self.limit and self.fallback_spill_dir is not None:
+            self._spill_from_now_on(need)
+            return self._spill(extra_tree)
         for key, t, how in layout:
             if how == "cpu":
-                tensors[key] = t.clone(memory_format=torch.contiguous_format)
+                tensors[key] = self._buffer(key, t).copy_(t)
             elif how == "same":
                 tensors[key] = t
             else:
@@ -358,15 +372,37 @@ class SnapshotEngine:
         return ptrs
 
     def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        # Keyed by name: optimizer state created after the first snapshot does not shift the others.
+        """The host buffer snapshot after snapshot copies ``t`` into: pinned for a CUDA tensor, pageable for a CPU one.
+
+        Keyed by name: optimizer state created after the first snapshot does not shift the others.
+        """
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             if buf is not None:
-                self.stats["pinned_bytes"] -= buf.numel() * buf.element_size()
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                self._account(buf, -1)
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
             self._buffers[key] = buf
-            self.stats["pinned_bytes"] += buf.numel() * buf.element_size()
+            self._account(buf, 1)
         return buf
+
+    def _account(self, buf: torch.Tensor, sign: int) -> None:
+        self.stats["pinned_bytes" if buf.is_pinned() else "pageable_bytes"] += sign * buf.numel() * buf.element_size()
+
+    @property
+    def held_bytes(self) -> int:
+        """Host memory the engine holds now: snapshot buffers and the spill staging buffer."""
+        return int(self.stats["pinned_bytes"] + self.stats["pageable_bytes"])
+
+    def _spill_from_now_on(self, need: int) -> None:
+        """The state does not fit the host-memory budget: free the buffers and stream snapshots to disk instead."""
+        assert self.fallback_spill_dir is not None
+        self.spill_dir = self.fallback_spill_dir
+        self.spilled_for_memory = (f"the state ({mib(need)}) does not fit the recorder's host-memory budget "
+                                   f"for snapshots ({mib(self.limit or 0)}); snapshots are written to "
+                                   f"{self.spill_dir} instead (a synchronous copy at every snapshot)")
+        self._buffers.clear()
+        self.stats["pinned_bytes"] = self.stats["pageable_bytes"] = 0
+        self.staging_bytes = max(64 << 10, min(self.staging_bytes, (self.limit or self.staging_bytes) // 4))
 
     # --- spilling to disk ----------------------------------------------------------------
 
@@ -378,20 +414,28 @@ class SnapshotEngine:
         tree, tensors = capture_state(self.state, copy=lambda t: t.detach())  # references, no copies
         rng_tree, rng_tensors = capture_rng(self.state.extra)
         tensors = {**tensors, **rng_tensors}
-        path = self.spill_dir / f"snapshot-{os.getpid()}-{id(self)}.safetensors"
+        path = self._spill_path()
         tmp = path.with_suffix(".tmp")
-        write_safetensors_streaming(tmp, tensors, self._staging_for)
+        write_safetensors_streaming(tmp, tensors, self._staging_for, chunk=self.staging_bytes)
         os.replace(tmp, path)
         self.stats["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
         self.stats["spill_seconds"] = time.perf_counter() - t0
         return {"state": tree, "rng": rng_tree, **extra_tree}, path
 
+    def _spill_path(self) -> Path:
+        assert self.spill_dir is not None
+        return self.spill_dir / f"snapshot-{os.getpid()}-{id(self)}.safetensors"
+
     def _staging_for(self, n: int) -> torch.Tensor:
         if self._staging is None:
-            self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8,
-                                        pin_memory=torch.cuda.is_available())
-            self.stats["pinned_bytes"] += self.staging_bytes
+            self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._account(self._staging, 1)
         return self._staging[:n]
+
+
+def mib(n: int) -> str:
+    """Bytes for people: whole MiB when large, two decimals below 10 MiB."""
+    return f"{n / 2**20:.0f} MiB" if n >= 10 << 20 else f"{n / 2**20:.2f} MiB"
 
 
 def _free_cached_bytes() -> int:
