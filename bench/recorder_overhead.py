@@ -318,7 +318,8 @@ def main() -> None:
     breakdown = {name: sec / n_inst * 1e3 for name, sec in spent_in_blocks.items()}
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
               "config": cfg, "variants": table, "snapshot": snap, "recorder_host_ms_per_step": breakdown,
-              "one_time_warmup_s_all_recorders": warmup_s, "snapshot_step_extra_ms": snapshot_step_extra_ms}
+              "one_time_warmup_s_all_recorders": warmup_s, "snapshot_step_extra_ms": snapshot_step_extra_ms,
+              "recorder_memory": recs["recorder"].stats()}
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -341,6 +342,10 @@ def main() -> None:
     print("extra time of the step that takes a snapshot (vs the median step): "
           + ", ".join(f"{x:.1f} ms" for x in snapshot_step_extra_ms))
     print("recorder host ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items()))
+    mem = report["recorder_memory"]
+    print(f"recorder host memory (defaults): peak pinned {mem['peak_pinned_bytes'] / 1e9:.2f} GB, peak pageable "
+          f"{mem['peak_pageable_bytes'] / 1e6:.1f} MB, budget {mem['budget_bytes'] / 1e9:.1f} GB, window "
+          f"{mem['window_steps']} steps / {mem['window_bytes'] / 1e6:.1f} MB, early snapshots {mem['early_snapshots']}")
 
 
 if __name__ == "__main__":

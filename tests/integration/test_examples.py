@@ -52,3 +52,15 @@ def test_recorder_overhead_bench_quick_runs():
     report = json.loads(proc.stdout)
     assert {"bare", "recorder", "recorder+checks", "detect_anomaly"} <= report["variants"].keys()
     assert report["variants"]["bare"]["ratio"] == 1.0
+
+
+def test_memory_budget_bench_quick_runs_and_stays_under_its_budget():
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_budget.py"), "--quick", "--json"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    small = report["variants"]["recorder (budget 2 MiB)"]
+    assert small["early_snapshots"] >= 1 and small["peak_buffers_bytes"] <= small["budget_bytes"], small
