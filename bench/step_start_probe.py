@@ -14,10 +14,12 @@ the C allocator tidying what the step freed), so micro-benchmarks mislead here.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import tempfile
 import time
 
+import numpy as np
 import torch
 from recorder_overhead import build, make_batch, train_step
 
@@ -58,7 +60,12 @@ def main() -> None:
         rec._after_step = lambda: (after(), bytearray(8192))[0]  # type: ignore[method-assign]
     wrap(rec, "_record_step_start", "record_step_start (all)")
     wrap(rec, "_encode_batch", "  batch (encode + slots)")
+    wrap(R, "_batch_bytes", "  batch bytes (budget)")
+    wrap(rec, "_fits", "  budget check")
     wrap(R, "capture_rng", "  capture_rng (public reads)")
+    wrap(random, "getstate", "    random.getstate")
+    wrap(np.random, "get_state", "    np.random.get_state")
+    wrap(torch, "get_rng_state", "    torch.get_rng_state")
     wrap(rec.monitor, "_read", "_read (waits for the GPU)")
     for _ in range(105):  # every pinned slot and the snapshot buffers exist
         rec.step(make_batch(cfg, g)).item()

@@ -217,6 +217,8 @@ class Recorder:
         self._slot = self._leaf = 0
         self._pool = {"pinned": 0, "pageable": 0}
         """Bytes of the batch buffers in ``_slots``."""
+        self._bytes_at: dict[int, int] = {}
+        """Bytes of the batch buffers per position in the window."""
         self._ring_other = 0
         """Bytes the window holds outside the pool: RNG states, numpy leaves of batches."""
         self._mem = {"peak_pinned_bytes": 0, "peak_pageable_bytes": 0, "early_snapshots": 0, "unrecorded_steps": 0}
@@ -259,22 +261,31 @@ class Recorder:
         raise TrainingFailure(result.failure, path)
 
     def _record_step_start(self, k: int, batch: Any) -> _Step | None:
+        """Copy the batch and read the RNG; take the snapshot when one is due (after the batch copy is queued, so on
+        a GPU the batch's small copy does not wait behind the state's)."""
         try:
             torn = self._engine.torn
             if torn:
                 self._drop_window("torn", f"reprokit: the snapshot at step {self._snapshot.step if self._snapshot else k}"
                                           f" is not the state that step started from ({torn}); a new one is taken at "
                                           f"step {k}, with those tensors copied in stream order from now on.")
-            if torn or self._snapshot is None or k - self._snapshot.step >= self.snapshot_every:
-                self._take_snapshot(k)
-            if not self._window_ok:
+            due = bool(torn) or self._snapshot is None or k - self._snapshot.step >= self.snapshot_every
+            if not due and not self._window_ok:
                 return None
             batch_bytes, other = _batch_bytes(batch)
-            if not self._fits(k, batch_bytes + other + RNG_STEP_BYTES):
-                return None
-            self._slot, self._leaf = k - self._snapshot.step if self._snapshot else 0, 0
+            need = batch_bytes + other + RNG_STEP_BYTES
+            position = 0 if due else k - self._snapshot.step  # type: ignore[union-attr]
+            if not self._fits(k, position, need):
+                if due or position == 0 or not self._fits(k, 0, need, early=True):
+                    self._skip(k, need, due)
+                    return None
+                due, position = True, 0
+            self._slot, self._leaf = position, 0
             tree, tensors = self._encode_batch(batch)
-            rec = _Step(k, tree, tensors, capture_rng(self.state.extra), other + RNG_STEP_BYTES)
+            rng = capture_rng(self.state.extra)
+            if due:
+                self._take_snapshot(k)
+            rec = _Step(k, tree, tensors, rng, other + RNG_STEP_BYTES)
             self._ring.append(rec)
             self._ring_other += rec.other_bytes
             self._note_peak()
@@ -310,7 +321,9 @@ class Recorder:
             if slot is not None:
                 self._free_slot(key)
             slot = self._slots[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            self._pool["pinned" if t.is_cuda else "pageable"] += slot.numel() * slot.element_size()
+            n = slot.numel() * slot.element_size()
+            self._pool["pinned" if t.is_cuda else "pageable"] += n
+            self._bytes_at[key[0]] = self._bytes_at.get(key[0], 0) + n
         # CUDA: queued on the current stream, so the step's kernels (and any later refill of the batch) run after it;
         # the host reads it only at dump time, after a synchronize.
         return slot.copy_(t.detach(), non_blocking=t.is_cuda)
@@ -330,43 +343,47 @@ class Recorder:
         """Host memory the recorder holds now: snapshot, batch-buffer pool, the window's RNG states."""
         return self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"] + self._ring_other
 
-    def _fits(self, k: int, need: int) -> bool:
-        """Make room for step ``k``'s ``need`` bytes within the budget: free buffers the window no longer uses, else
-        restart the window with an early snapshot. False (and a warning, once) when even that cannot fit it."""
-        position = k - self._snapshot.step if self._snapshot else 0
+    def _fits(self, k: int, position: int, need: int, early: bool = False) -> bool:
+        """Whether step ``k``'s ``need`` bytes fit the budget at ``position`` of the window, after freeing buffers the
+        window does not use. ``early``: the window would restart here (an early snapshot; said once)."""
         if self._projected(position, need) <= self.budget:
-            return True
-        for key in [key for key in self._slots if key[0] > position]:
-            self._free_slot(key)
-        if self._projected(position, need) <= self.budget:
-            return True
-        if position > 0:
-            held = self.held_bytes()
-            self._take_snapshot(k)
+            fits = True
+        else:
+            for key in [key for key in self._slots if key[0] > position]:
+                self._free_slot(key)
+            fits = self._projected(position, need) <= self.budget
+        if fits and early:
             self._mem["early_snapshots"] += 1
+            window = self.held_bytes() - self._engine.held_bytes
+            steps = k - self._snapshot.step if self._snapshot else 0
             self._warn("early", f"reprokit: the window reached the host-memory budget ({mib(self.budget)}: snapshot "
-                                f"{mib(self._engine.held_bytes)}, window {mib(held - self._engine.held_bytes)}) after "
-                                f"{position} steps, fewer than snapshot_every={self.snapshot_every}; snapshots are "
-                                "taken early from now on, so bundles hold fewer steps (host_memory_budget= raises it).")
-            if self._projected(0, need) <= self.budget:
-                return True
+                                f"{mib(self._engine.held_bytes)}, window {mib(window)}) after {steps}"
+                                f" steps, fewer than snapshot_every={self.snapshot_every}; snapshots are taken early "
+                                "from now on, so bundles hold fewer steps (host_memory_budget= raises it).")
+        return fits
+
+    def _skip(self, k: int, need: int, due: bool) -> None:
+        """Step ``k`` cannot be recorded within the budget: no window until the next snapshot (said once)."""
         self._mem["unrecorded_steps"] += 1
+        if due:
+            self._snapshot = None  # retried at the next step
         self._drop_window("budget", f"reprokit: step {k}'s batch ({mib(need)}) and the snapshot "
                                     f"({mib(self._engine.held_bytes)}) do not fit the host-memory budget "
                                     f"({mib(self.budget)}); steps that do not fit are not recorded, so no bundle "
                                     "until the next snapshot. Raise host_memory_budget= to record them.")
-        return False
 
     def _projected(self, position: int, need: int) -> int:
-        """Held bytes once step ``need`` sits at ``position`` (its old buffers there reused or replaced)."""
-        there = sum(t.numel() * t.element_size() for key, t in self._slots.items() if key[0] == position)
+        """Held bytes once a step of ``need`` bytes sits at ``position`` (the buffers there reused or replaced);
+        at position 0 the window restarts, so its RNG states are dropped."""
         window_other = self._ring_other if position > 0 else 0
-        return (self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"] - there + window_other
-                + need)
+        return (self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"]
+                - self._bytes_at.get(position, 0) + window_other + need)
 
     def _free_slot(self, key: tuple[int, int]) -> None:
         slot = self._slots.pop(key)
-        self._pool["pinned" if slot.is_pinned() else "pageable"] -= slot.numel() * slot.element_size()
+        n = slot.numel() * slot.element_size()
+        self._pool["pinned" if slot.is_pinned() else "pageable"] -= n
+        self._bytes_at[key[0]] -= n
 
     def _note_peak(self) -> None:
         e = self._engine.stats
@@ -501,6 +518,7 @@ class Recorder:
         self._engine.close()
         self._ring.clear()
         self._slots.clear()
+        self._bytes_at.clear()
         self._pool = {"pinned": 0, "pageable": 0}
         self._ring_other = 0
         self._snapshot = None
