@@ -7,9 +7,10 @@ warn: it never changes training results and never raises its own errors into
 the loop.
 
 Batches: every tensor of a batch is copied at step start, before the step can run, into a
-host buffer reused window after window (pinned for CUDA tensors, copied on the training
-stream so that the step's own kernels, and anything that writes the batch later, are
-ordered after the copy). A recording therefore holds exactly the bytes each step
+host buffer reused window after window (for a CUDA tensor: first into a reused device
+buffer on the training stream, so that the step's own kernels and anything that writes
+the batch later are ordered after the copy, then to pinned host memory on a side stream
+once the step function has returned). A recording therefore holds exactly the bytes each step
 consumed, whatever the loader does with its buffers afterwards (refilling them through a
 numpy view or ``.data``, reusing pinned memory): nothing relies on version counters.
 Copying costs a host ``memcpy`` per step (~0.1 ms per MB on a CPU host, measured by
@@ -215,6 +216,14 @@ class Recorder:
         """Host buffers the batches are copied into, per (position in the window, leaf): reused window after window,
         so that steady state allocates nothing (a fresh large buffer costs its page faults every step)."""
         self._slot = self._leaf = 0
+        self._staged: dict[int, torch.Tensor] = {}
+        """Device buffers (per leaf) that GPU batch tensors are copied into at step start."""
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(staged device buffer, pinned host buffer) pairs to copy once the step function returns."""
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._landed: dict[torch.device, torch.cuda.Event] = {}
+        """Recorded on the copy stream after the last step's device-to-host batch copies."""
+        self._waited: set[torch.device] = set()
         self._pool = {"pinned": 0, "pageable": 0}
         """Bytes of the batch buffers in ``_slots``."""
         self._bytes_at: dict[int, int] = {}
@@ -313,7 +322,14 @@ class Recorder:
         return tree, tensors
 
     def _batch_copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of ``t`` as it is now, in a host buffer reused window after window."""
+        """A copy of ``t`` as it is now, in a host buffer reused window after window.
+
+        A CPU tensor is copied here. A CUDA tensor is copied here too, device to device on the
+        training stream into a reused device buffer (a plain memcpy launch; the step's kernels and
+        any later refill of the batch are ordered after it), and from there to its pinned host
+        buffer on a side stream queued right after the step function returns (see
+        :meth:`_after_step`), off the host's critical path.
+        """
         key = (self._slot, self._leaf)
         self._leaf += 1
         slot = self._slots.get(key)
@@ -324,15 +340,50 @@ class Recorder:
             n = slot.numel() * slot.element_size()
             self._pool["pinned" if t.is_cuda else "pageable"] += n
             self._bytes_at[key[0]] = self._bytes_at.get(key[0], 0) + n
-        # CUDA: queued on the current stream, so the step's kernels (and any later refill of the batch) run after it;
-        # the host reads it only at dump time, after a synchronize.
-        return slot.copy_(t.detach(), non_blocking=t.is_cuda)
+        t = t.detach()
+        if not t.is_cuda:
+            return slot.copy_(t)
+        stage = self._staged.get(key[1])
+        if stage is None or stage.shape != t.shape or stage.dtype != t.dtype or stage.device != t.device:
+            stage = self._staged[key[1]] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        done = self._landed.get(t.device)
+        if done is not None and t.device not in self._waited:
+            torch.cuda.current_stream(t.device).wait_event(done)  # last step's copy out of ``stage`` has run
+            self._waited.add(t.device)
+        stage.copy_(t)
+        self._pending.append((stage, slot))
+        return slot
 
     def _after_step(self) -> None:
         """The step function has just returned (or raised); the device is still working through it.
 
-        When the next step takes a snapshot, walk the state for it now (see :meth:`SnapshotEngine.prepare`).
+        Queue the device-to-host copies of this step's staged GPU batch on a side stream that
+        starts where the staging copies ended, and when the next step takes a snapshot, walk
+        the state for it now (see :meth:`SnapshotEngine.prepare`).
         """
+        self._waited.clear()
+        if self._pending:
+            try:
+                by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+                for stage, slot in self._pending:
+                    by_device.setdefault(stage.device, []).append((stage, slot))
+                for device, copies in by_device.items():
+                    stream = self._copy_streams.get(device)
+                    if stream is None:
+                        stream = self._copy_streams[device] = torch.cuda.Stream(device=device)
+                        self._landed[device] = torch.cuda.Event()
+                    # Staged at step start on the training stream: the side stream waits for all of it (the wait
+                    # covers the step too, which is harmless: the copy is needed only at dump time).
+                    stream.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(stream):
+                        for stage, slot in copies:
+                            slot.copy_(stage, non_blocking=True)
+                    self._landed[device].record(stream)
+            except Exception as e:
+                self._drop_window("capture", f"reprokit: cannot copy step {self.step_index}'s batch ({e}); no bundle "
+                                             "can be written until the next snapshot. Training continues.")
+            finally:
+                self._pending.clear()
         snap = self._snapshot
         if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every:
             self._engine.prepare()
@@ -518,6 +569,7 @@ class Recorder:
         self._engine.close()
         self._ring.clear()
         self._slots.clear()
+        self._staged.clear()
         self._bytes_at.clear()
         self._pool = {"pinned": 0, "pageable": 0}
         self._ring_other = 0
