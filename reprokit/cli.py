@@ -1,17 +1,39 @@
 """The ``reprokit`` command line. Thin: parse, call the library, print, exit.
 
-Exit codes: 0 ok / not reproduced, 1 reproduced (replay) or problems found
-(verify), 2 usage error, 3 invalid or tampered bundle, 125 the code cannot be
-imported or the state does not fit (``git bisect run`` skips such commits).
+Exit codes, the same for every command (the README's table says which apply to each):
+
+====  ==============================================================================
+0     ok; ``replay``: the failure did not reproduce (fixed)
+1     ``replay``: reproduced (same signature at the same step, in at least one run);
+      ``verify``: problems found; ``shrink``: the bundle does not reproduce
+2     usage error (unknown option, missing path, bad value; ``bisect commits``: a wrong end)
+3     invalid or tampered bundle (not a bundle, an empty folder, a checksum mismatch)
+70    internal error: an unexpected exception (a bug); the traceback is saved to a file
+125   the code cannot be imported or the state does not fit; ``replay``: a different
+      failure (another signature, or the same one at another step)
+130   interrupted (Ctrl-C)
+====  ==============================================================================
+
+1, 0 and 125 are what ``git bisect run`` reads as bad, good and skip, so
+``git bisect run reprokit replay BUNDLE --code .`` works; an internal error (70)
+or an interruption (130) is none of them. With ``--json`` every command prints
+exactly one JSON object on stdout, also on failure:
+``{"error": {"type": ..., "message": ..., "exit_code": ...}}``; anything the
+user's code prints goes to stderr meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import tempfile
+import time
+import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import click
 
@@ -20,20 +42,91 @@ from reprokit.errors import ReprokitError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "REPROKIT"}
 
+EXIT_USAGE = 2
+EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h): not 0 / 1 / 125, which git bisect run reads as good / bad / skip
+EXIT_INTERRUPTED = 130
+
+# Where --json output goes: the real stdout, saved while the command's own stdout is sent to stderr.
+_json_out: list[TextIO] = []
+
 
 def _emit(obj: dict[str, Any]) -> None:
-    click.echo(json.dumps(B.jsonable(obj), indent=2, sort_keys=False))
+    out = _json_out[-1] if _json_out else None
+    click.echo(json.dumps(B.jsonable(obj), indent=2, sort_keys=False), file=out)
+
+
+def _wants_json(args: Sequence[str]) -> bool:
+    """Did this invocation ask for --json (on the command line or via REPROKIT_<COMMAND>_JSON)?
+
+    Read from the raw arguments so that it is known also when parsing them failed.
+    """
+    words: list[str] = []
+    for a in args:
+        if a == "--":
+            break
+        if a == "--json":
+            return True
+        if not a.startswith("-") and len(words) < 2 and (not words or words[0] == "bisect"):
+            words.append(a)
+    env = "REPROKIT_" + "_".join(w.upper().replace("-", "_") for w in words) + "_JSON"
+    return bool(words) and os.environ.get(env, "").strip().lower() in ("1", "true", "yes", "on", "t", "y")
+
+
+def _save_traceback(exc: BaseException) -> Path | None:
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"reprokit-traceback-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"reprokit {' '.join(sys.argv[1:])}\n\n")
+            f.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        return Path(name)
+    except OSError:
+        return None
 
 
 class _Group(click.Group):
-    """Turns every ReprokitError into a clean message and its exit code."""
+    """Turns every error into one clean message (one JSON object with --json) and its exit code."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        as_json = _wants_json(argv)
+        _json_out.append(sys.stdout)
         try:
-            return super().invoke(ctx)
+            # With --json, stdout carries exactly one JSON object: whatever else prints goes to stderr.
+            with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+                rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:  # `reprokit` alone: its help, then exit 2
+            e.show()
+            sys.exit(EXIT_USAGE)
+        except click.ClickException as e:
+            self._fail(as_json, type(e).__name__, e.format_message(), EXIT_USAGE, show=e.show)
+        except (click.Abort, KeyboardInterrupt):
+            self._fail(as_json, "Interrupted", "interrupted", EXIT_INTERRUPTED)
         except ReprokitError as e:
-            click.echo(f"Error: {e}", err=True)
-            sys.exit(e.exit_code)
+            problems = getattr(e, "problems", None)
+            extra_info = {"problems": problems} if problems else {}
+            self._fail(as_json, type(e).__name__, str(e), e.exit_code, **extra_info)
+        except Exception as e:
+            saved = _save_traceback(e)
+            cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            where = f"the traceback is in {saved}" if saved else "the traceback could not be saved"
+            self._fail(as_json, type(e).__name__,
+                       f"internal error: {cause}. This is a bug in reprokit (or an unexpected error from your code); "
+                       f"{where}; please include it in a bug report.",
+                       EXIT_INTERNAL, internal=True, traceback=str(saved) if saved else None)
+        finally:
+            _json_out.pop()
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+    @staticmethod
+    def _fail(as_json: bool, kind: str, message: str, code: int, show: Any = None, **fields: Any) -> None:
+        if show is not None:
+            show()  # click's own "Usage: ... Error: ..." on stderr
+        else:
+            click.echo(f"Error: {message}", err=True)
+        if as_json:
+            _emit({"error": {"type": kind, "message": message, "exit_code": code, **fields}})
+        sys.exit(code)
 
 
 @click.group(cls=_Group, context_settings=CONTEXT)
@@ -41,8 +134,11 @@ class _Group(click.Group):
 def main() -> None:
     """reprokit: turn a failing training run into a small, portable repro.
 
-    A bundle is a test case: `replay` exits 1 while the failure reproduces and
-    0 once it is fixed, so `git bisect run reprokit replay BUNDLE --code .` works.
+    A bundle is a test case: `replay` exits 1 while the failure reproduces, 0 once
+    it is fixed and 125 when it fails differently, so `git bisect run reprokit
+    replay BUNDLE --code .` works. Exit codes of every command: 0 ok, 1 see the
+    command, 2 usage, 3 invalid bundle, 70 internal error (traceback saved),
+    125 code does not import / state does not fit, 130 interrupted.
     """
 
 
@@ -92,10 +188,12 @@ def _open(bundle: Path, kw: dict[str, Any]) -> Any:
 @archive_opts
 @json_opt
 def replay(bundle: Path, times: int, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
-    """Re-run BUNDLE and report whether it fails the same way.
+    """Re-run BUNDLE and report whether it fails the same way at the same step.
 
-    Exit 1 if the failure reproduces in at least one run, 0 if not (fixed),
-    3 if the bundle is invalid or tampered with.
+    Verdicts: deterministic (every run reproduced), flaky (some did), different_failure
+    (none did, some failed with another signature or at another step), not_reproduced.
+    Exit 1 deterministic or flaky, 0 not reproduced (fixed), 125 different failure
+    (git bisect run skips it) or code that does not import, 3 invalid bundle.
     """
     from reprokit.replay import format_report
     from reprokit.replay import replay as do_replay
@@ -110,7 +208,7 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, as_j
         _emit(d)
     else:
         click.echo(format_report(d))
-    sys.exit(1 if report.reproduced else 0)
+    sys.exit(report.exit_code)
 
 
 @main.command()
@@ -241,7 +339,10 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
     from reprokit.pack import pack as do_pack
 
     if not bundle.is_dir():
-        raise click.UsageError(f"{bundle} is not a bundle folder (pack takes the folder the recorder wrote)")
+        from reprokit.errors import BundleError
+
+        raise BundleError(f"{bundle} is not a bundle folder; pack takes the folder the recorder wrote "
+                          "(a .tar.gz is already packed: send it with its .sha256)")
     r = do_pack(bundle, output).to_json()
     if as_json:
         _emit(r)

@@ -59,7 +59,8 @@ REPRO_PY = '''\
     python repro.py [--times N] [--device cpu|cuda] [--json]
 
 Needs only torch, numpy and safetensors. Exit codes: 1 the failure reproduces,
-0 it does not (fixed), 3 the bundle is invalid, 125 its code does not import here.
+0 it does not (fixed), 3 the bundle is invalid, 125 it fails differently (another
+failure, or at another step) or its code does not import here.
 """
 import argparse
 import json
@@ -87,7 +88,7 @@ def main():
         return e.exit_code
     d = report.to_json()
     print(json.dumps(jsonable(d), indent=2) if args.json else format_report(d))
-    return 1 if report.reproduced else 0
+    return report.exit_code
 
 
 if __name__ == "__main__":

@@ -56,23 +56,59 @@ class StepInput:
 
 @dataclass
 class RunOutcome:
-    """One replay of a window."""
+    """One replay of a window.
+
+    ``same`` is the verdict of this run: it failed with the recorded signature *at
+    the recorded step*. A failure that is not ``same`` is a different failure.
+    """
 
     failure: Failure | None
     same: bool
     losses: dict[int, float | None]
     seconds: float
+    fidelity: dict[str, Any] | None = None
+    """Set by :func:`replay`: this run's losses against the recorded ones (see ``Session.fidelity``)."""
+
+    @property
+    def verdict(self) -> str:
+        """``reproduced``, ``different_failure`` or ``passed``."""
+        return "reproduced" if self.same else "different_failure" if self.failure else "passed"
 
     def to_json(self) -> dict[str, Any]:
-        return {"reproduced": self.same, "failure": self.failure.to_json() if self.failure else None,
+        return {"verdict": self.verdict, "reproduced": self.same,
+                "failure": self.failure.to_json() if self.failure else None,
+                "failure_step": self.failure.step if self.failure else None,
                 "different_failure": bool(self.failure and not self.same), "seconds": round(self.seconds, 4),
                 "steps_run": len(self.losses),
+                "fidelity": {k: self.fidelity[k] for k in ("bit_exact", "max_abs_diff", "first_diverging_step")}
+                if self.fidelity else None,
                 "losses": [{"step": k, "loss": v} for k, v in self.losses.items()]}
+
+
+# What ``reprokit replay`` exits with for each verdict. 1 / 0 / 125 are what ``git bisect run``
+# reads as bad / good / skip: a different failure says nothing about the recorded bug.
+VERDICT_EXIT_CODES = {"deterministic": 1, "flaky": 1, "different_failure": 125, "not_reproduced": 0}
+
+VERDICT_HEADLINES = {"deterministic": "REPRODUCED", "flaky": "REPRODUCED (flaky)",
+                     "different_failure": "DIFFERENT FAILURE", "not_reproduced": "NOT REPRODUCED"}
+
+NOT_BIT_EXACT_HINT = (
+    "replayed on the device it was recorded on, losses should be bit-exact; common causes: a random generator "
+    "outside state.extra (a torch.Generator, random.Random or numpy Generator your step draws from), training "
+    "state changed outside train_step (LR, counters, weights edited in the loop), or a nondeterministic kernel "
+    "(check with `reprokit bisect precision BUNDLE --variants deterministic`)")
 
 
 @dataclass
 class ReplayReport:
-    """N replays of a bundle and what they add up to."""
+    """N replays of a bundle and what they add up to.
+
+    Verdicts: ``deterministic`` (every run failed with the recorded signature at the
+    recorded step), ``flaky`` (some did; the others passed or failed differently:
+    ``per_run`` says which), ``different_failure`` (none did, and at least one run
+    failed with another signature or at another step), ``not_reproduced`` (every
+    run passed). ``exit_code`` is what ``reprokit replay`` exits with.
+    """
 
     bundle: Path
     recorded: Failure
@@ -83,7 +119,13 @@ class ReplayReport:
 
     @property
     def failed_runs(self) -> int:
+        """Runs that failed the same way at the same step."""
         return sum(r.same for r in self.runs)
+
+    @property
+    def different_runs(self) -> int:
+        """Runs that failed, but with another signature or at another step."""
+        return sum(r.failure is not None and not r.same for r in self.runs)
 
     @property
     def reproduced(self) -> bool:
@@ -92,7 +134,13 @@ class ReplayReport:
     @property
     def verdict(self) -> str:
         n = self.failed_runs
-        return "deterministic" if n == len(self.runs) else "flaky" if n else "not_reproduced"
+        if n:
+            return "deterministic" if n == len(self.runs) else "flaky"
+        return "different_failure" if self.different_runs else "not_reproduced"
+
+    @property
+    def exit_code(self) -> int:
+        return VERDICT_EXIT_CODES[self.verdict]
 
     def to_json(self) -> dict[str, Any]:
         first = next((r.failure for r in self.runs if r.same), None) or next(
@@ -102,7 +150,9 @@ class ReplayReport:
             "reproduced": self.reproduced,
             "runs": len(self.runs),
             "failed_runs": self.failed_runs,
+            "different_runs": self.different_runs,
             "verdict": self.verdict,
+            "exit_code": self.exit_code,
             "failure": _failure_summary(first),
             "recorded_failure": _failure_summary(self.recorded),
             "fidelity": self.fidelity,
@@ -213,7 +263,9 @@ class Session:
             if result.failure is not None:
                 failure = result.failure
                 break
-        return RunOutcome(failure, failure is not None and failure.same_as(self.recorded), losses,
+        # Reproduced = the recorded signature at the recorded step; the same kind of failure
+        # three steps early is another failure (another bug, or the same one under other numerics).
+        return RunOutcome(failure, failure is not None and failure.same_as(self.recorded, step=True), losses,
                           time.perf_counter() - t0)
 
     def capture(self) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -234,13 +286,47 @@ class Session:
         return snap
 
     def fidelity(self, outcome: RunOutcome) -> dict[str, Any]:
-        """Replayed vs recorded per-step losses."""
+        """Replayed vs recorded per-step losses: bit-exact, or how far off and from which step.
+
+        ``max_abs_diff`` is over steps where both losses are finite; ``first_diverging``
+        names the first step whose losses differ at all (NaN vs a number included).
+        ``hint`` says what commonly breaks bit-exactness when the bundle's own code was
+        replayed on the device it was recorded on (elsewhere small differences are expected).
+        """
         recorded = {h["step"]: h["loss"] for h in self.bundle.run.get("history", [])}
-        pairs = [(recorded[k], v) for k, v in outcome.losses.items() if k in recorded
-                 and recorded[k] is not None and v is not None]
-        exact = all(_same_float(float(a), b) for a, b in pairs)
-        diffs = [abs(float(a) - b) for a, b in pairs if math.isfinite(float(a)) and math.isfinite(b)]
-        return {"steps_compared": len(pairs), "max_abs_diff": max(diffs, default=0.0), "bit_exact": exact and bool(pairs)}
+        compared, first, max_diff = 0, None, 0.0
+        for k, v in outcome.losses.items():
+            a = recorded.get(k)
+            if a is None or v is None:
+                continue
+            a = float(a)
+            compared += 1
+            if first is None and not _same_float(a, v):
+                first = {"step": k, "recorded": a, "replayed": v}
+            if math.isfinite(a) and math.isfinite(v):
+                max_diff = max(max_diff, abs(a - v))
+        exact = compared > 0 and first is None
+        same_device = self.same_device()
+        same_code = self.code_dir == self.bundle.code_dir
+        return {"steps_compared": compared, "max_abs_diff": max_diff, "bit_exact": exact,
+                "first_diverging_step": first["step"] if first else None, "first_diverging": first,
+                "recorded_device": str(self.bundle.run.get("device", "cpu")), "same_device": same_device,
+                "same_code": same_code,
+                "hint": NOT_BIT_EXACT_HINT if same_device and same_code and compared and not exact else None}
+
+    def same_device(self) -> bool:
+        """Is this replay on the kind of device (and, for CUDA, the GPU model) the bundle was recorded on?"""
+        try:
+            recorded = torch.device(str(self.bundle.run.get("device", "cpu")))
+        except RuntimeError:
+            return False
+        if recorded.type != self.device.type:
+            return False
+        if self.device.type != "cuda":
+            return True
+        names = self.bundle.env.get("devices") or []
+        index = recorded.index or 0
+        return index < len(names) and names[index] == torch.cuda.get_device_name(self.device)
 
 
 def _same_float(a: float, b: float) -> bool:
@@ -267,7 +353,9 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
         progress: optional callable ``progress(i, n)`` after each run.
 
     Returns:
-        A :class:`ReplayReport`; ``report.reproduced`` is the headline.
+        A :class:`ReplayReport`; ``report.verdict`` is the headline: ``deterministic``,
+        ``flaky``, ``different_failure`` (failed, but not with the recorded signature at
+        the recorded step) or ``not_reproduced``.
 
     Example:
         >>> report = replay("repros/bundle-...", times=3)                   # doctest: +SKIP
@@ -283,7 +371,9 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
             runs.append(s.run(inputs))
             if progress:
                 progress(i + 1, times)
-        fidelity = s.fidelity(runs[0])
+        for r in runs:
+            r.fidelity = s.fidelity(r)
+        fidelity = dict(runs[0].fidelity or {})  # the report's: the first run's, and whether the others match it
         fidelity["runs_bit_identical"] = all(
             r.losses.keys() == runs[0].losses.keys()
             and all(_same_float(a, b) for a, b in zip(r.losses.values(), runs[0].losses.values())
@@ -294,19 +384,73 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
 
 
 def format_report(d: dict[str, Any]) -> str:
-    """The human summary of ``ReplayReport.to_json()`` that ``reprokit replay`` prints."""
-    rec, got, fid = d["recorded_failure"], d["failure"], d["fidelity"]
-    head = {"deterministic": "REPRODUCED", "flaky": "REPRODUCED (flaky)", "not_reproduced": "NOT REPRODUCED"}
-    lines = [f"{head[d['verdict']]}: {d['failed_runs']}/{d['runs']} runs failed the same way ({d['verdict']})",
-             f"  recorded: {fail_line(rec)}"]
+    """The human summary of ``ReplayReport.to_json()`` that ``reprokit replay`` prints.
+
+    Every verdict comes with both failures (when they differ), the fidelity of the
+    losses (bit-exact, or the largest difference and the first step that diverged),
+    and, with ``--times N``, each run's outcome and failure step.
+    """
+    rec, got, verdict = d["recorded_failure"], d["failure"], d["verdict"]
+    counts = f"{d['failed_runs']}/{d['runs']} runs failed the same way at the same step"
+    if d.get("different_runs"):
+        counts += f", {d['different_runs']} failed differently"
+    lines = [f"{VERDICT_HEADLINES[verdict]}: {counts} ({verdict})", f"  recorded: {fail_line(rec)}"]
     if got and not d["reproduced"]:
         lines.append(f"  replay hit a DIFFERENT failure: {fail_line(got)}")
+        if got["step"] != rec["step"]:
+            lines.append(f"    (reproduced means the same failure at step {rec['step']}; "
+                         f"this one fired at step {got['step']})")
     elif got:
         lines.append(f"  replayed: {fail_line(got)}")
-    exact = "bit-exact" if fid["bit_exact"] else f"max abs diff {fid['max_abs_diff']:.3g}"
-    lines.append(f"  fidelity: {fid['steps_compared']} step losses compared, {exact}")
+    lines.append(f"  fidelity: {fidelity_line(d['fidelity'])}")
+    if d["fidelity"].get("hint"):
+        lines.append(f"  hint: {d['fidelity']['hint']}")
+    if d["runs"] > 1:
+        lines.append("  runs:")
+        lines += [f"    {i}: {_run_line(r)}" for i, r in enumerate(d["per_run"], 1)]
     lines.append(f"  device {d['device']}, code from {d['code']}")
     return "\n".join(lines)
+
+
+def fidelity_line(fid: dict[str, Any]) -> str:
+    """``bit-exact over N step losses``, or the largest difference and the first step that diverged."""
+    n = fid["steps_compared"]
+    if not n:
+        return "no step losses to compare (the replay recorded none that the bundle has)"
+    losses = f"{n} step loss{'es' if n != 1 else ''} compared"
+    if fid["bit_exact"]:
+        out = f"bit-exact ({losses})"
+    else:
+        first = fid.get("first_diverging") or {"step": fid["first_diverging_step"]}
+        values = f" (recorded {_num(first['recorded'])}, replayed {_num(first['replayed'])})" \
+            if "recorded" in first else ""
+        # Over finite losses only: a NaN against a number shows in the first diverging step instead.
+        diff = f"max abs loss diff {fid['max_abs_diff']:.3g}, " if fid["max_abs_diff"] else ""
+        out = f"NOT bit-exact: {diff}first diverged at step {first['step']}{values}; {losses}"
+    if fid.get("runs_bit_identical") is False:
+        out += "; runs differ from each other"
+    return out
+
+
+def _num(x: Any) -> str:
+    return f"{x:.7g}" if isinstance(x, float) else str(x)  # JSON carries NaN / inf as strings
+
+
+def _run_line(r: dict[str, Any]) -> str:
+    f = r["failure"]
+    if r["verdict"] == "reproduced":
+        out = f"reproduced at step {r['failure_step']}"
+    elif r["verdict"] == "different_failure":
+        what = f"{f['exc_type']}: {f['message']}" if f.get("exc_type") else f"{f['kind']} ({f['message']})"
+        out = f"different failure at step {r['failure_step']}: {what}"
+    else:
+        out = f"passed {r['steps_run']} steps"
+    fid = r.get("fidelity") or {}
+    if fid.get("first_diverging_step") is not None:
+        out += f"; losses diverged at step {fid['first_diverging_step']}"
+    elif fid.get("bit_exact"):
+        out += "; losses bit-exact"
+    return f"{out} ({r['seconds']:.2f}s)"
 
 
 def fail_line(f: dict[str, Any] | None) -> str:

@@ -3,7 +3,9 @@
 Decided in one place: two failures are the same when their ``kind``, exception
 type and raising frame in user code (``file:function``) agree. Digits are
 normalised out of messages so that shape numbers may change while shrinking;
-the message is kept for people but not compared.
+the message is kept for people but not compared. A replay *reproduces* a bundle
+only when it also fails at the same step (``Failure.same_as(other, step=True)``);
+the same signature at another step is a different failure.
 """
 
 from __future__ import annotations
@@ -45,8 +47,19 @@ class Failure:
         return {"kind": self.kind, "exc_type": self.exc_type, "frame": self.frame,
                 "message": normalise(self.message)}
 
-    def same_as(self, other: Failure | dict[str, Any] | None) -> bool:
-        return same_failure(self.signature(), other.signature() if isinstance(other, Failure) else other)
+    def same_as(self, other: Failure | dict[str, Any] | None, *, step: bool = False) -> bool:
+        """Same signature as ``other`` (a Failure or a ``failure.json`` dict); with ``step=True`` also the same step.
+
+        Example:
+            >>> a, b = Failure("nonfinite_loss", 34), Failure("nonfinite_loss", 37)
+            >>> a.same_as(b), a.same_as(b, step=True)
+            (True, False)
+        """
+        if other is None:
+            return False
+        other_sig = other.signature() if isinstance(other, Failure) else other.get("signature", other)
+        other_step = other.step if isinstance(other, Failure) else other.get("step")
+        return same_failure(self.signature(), other_sig) and (not step or self.step == other_step)
 
     def describe(self) -> str:
         what = {

@@ -127,14 +127,20 @@ class _Prober:
         # The CLI's own message ("Error: ...", possibly over several lines), else the last line printed.
         last = " ".join(err[err.index("Error: ") + 7:].split()) if "Error: " in err else \
             (err.strip().splitlines() or [""])[-1]
-        if proc.returncode in (0, 1) and proc.stdout.strip():
-            d = json.loads(proc.stdout)
+        try:
+            d = json.loads(proc.stdout) if proc.stdout.strip() else {}
+        except ValueError:
+            d = {}
+        # replay exits 1 reproduced, 0 passed, 125 different failure (or code that does not import).
+        if proc.returncode in (0, 1, 125) and "verdict" in d:
             if d["reproduced"]:
                 return "bad", "same failure: " + _describe(d["failure"])
-            run = d["per_run"][0]
-            if run["different_failure"]:
-                return "skip", "different failure: " + _describe(d["failure"])
-            return "good", f"passed {run['steps_run']} steps"
+            if d["verdict"] == "different_failure":
+                return "skip", (f"different failure: {_describe(d['failure'])} "
+                                f"(recorded: {_describe(d['recorded_failure'])})")
+            return "good", f"passed {d['per_run'][0]['steps_run']} steps"
+        if "error" in d:
+            last = " ".join(str(d["error"].get("message", "")).split()) or last
         if proc.returncode == 125:
             return "skip", last[:300]
         return "skip", f"replay exited {proc.returncode}: {last[:300]}"

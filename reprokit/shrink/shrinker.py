@@ -133,7 +133,7 @@ class Shrinker:
                 cmd += ["--code", str(self.session.code_dir)]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
-                d = json.loads(proc.stdout) if proc.returncode in (0, 1) and proc.stdout.strip() else {}
+                d = json.loads(proc.stdout) if proc.returncode in (0, 1, 125) and proc.stdout.strip() else {}
             except (subprocess.TimeoutExpired, ValueError):
                 d = {}
         self.steps_run += len(case.inputs)
