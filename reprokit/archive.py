@@ -426,7 +426,7 @@ def _coverage(root: Path, bundle: Path, files: dict[str, tuple[str, int]]) -> li
     """
     top = bundle.parent
     prefix = "" if top == root else top.relative_to(root).as_posix() + "/"
-    inside = bundle.relative_to(root).as_posix() + "/"
+    inside = "" if bundle == root else bundle.relative_to(root).as_posix() + "/"
     pm = top / PACK_MANIFEST
     problems: list[dict[str, Any]] = []
     listed: dict[str, Any] | None = None
