@@ -424,7 +424,7 @@ def _coverage(root: Path, bundle: Path, files: dict[str, tuple[str, int]]) -> li
     file of the archive but itself, with matching sha256 and size. Without one (a bundle folder tarred
     by hand), every file must lie inside the bundle folder, whose own manifest covers it.
     """
-    top = bundle.parent
+    top = root if bundle == root else bundle.parent
     prefix = "" if top == root else top.relative_to(root).as_posix() + "/"
     inside = "" if bundle == root else bundle.relative_to(root).as_posix() + "/"
     pm = top / PACK_MANIFEST

@@ -164,8 +164,10 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
         note = ("origin not checked: no --sha256 given and no .sha256 beside the archive; the manifests prove "
                 "it is consistent, not who made it. Compare with a sha256 you received separately.")
     if as_json:
-        _emit({"bundle": str(bundle), "ok": not problems, "problems": problems,
-               "origin_checked": origin is not None and not problems, "origin": origin, "note": note})
+        d: dict[str, Any] = {"bundle": str(bundle), "ok": not problems, "problems": problems}
+        if is_archive(bundle):
+            d |= {"origin_checked": origin is not None and not problems, "origin": origin, "note": note}
+        _emit(d)
     elif problems:
         click.echo(f"{bundle}: {len(problems)} problem(s)")
         for p in problems:
