@@ -12,7 +12,10 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
+import socket
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -39,6 +42,11 @@ STATE_JSON = "state/state.json"
 STATE_TENSORS = "state/state.safetensors"
 STEPS = "steps"
 CODE = "code"
+# Every key a manifest may hold. The first release wrote LEGACY_KEYS (no self digest); every manifest
+# since carries ``self_sha256``, and one without it (or with a key we do not know) is invalid.
+MANIFEST_KEYS = frozenset({"created", "files", "format", "reprokit_version", "self_sha256", "version"})
+LEGACY_KEYS = MANIFEST_KEYS - {"self_sha256"}
+TMP_PREFIX = ".tmp-"
 
 # Upgrades take a bundle's parsed JSON files ({"run.json": {...}, ...}) from
 # version v to v + 1. Version 1 is the first, so none exist yet; when the
@@ -81,25 +89,58 @@ class BundleWriter:
     """Builds a bundle in a hidden temp dir and renames it into place on :meth:`commit`.
 
     Every file is fsynced; the manifest is written last, so a crash at any point
-    leaves either nothing or a directory that ``verify`` rejects.
+    leaves either nothing or a directory that ``verify`` rejects. Used as a context
+    manager, any exception (Ctrl-C included) that leaves the block before
+    :meth:`commit` removes the temp dir. A writer killed outright (SIGKILL, power
+    loss) leaves it behind: its name carries the writer's pid and host, so
+    :func:`find_leftovers` / ``reprokit gc`` can tell abandoned ones from live ones.
 
     Example:
-        >>> w = BundleWriter(Path("repros"), "bundle-x")          # doctest: +SKIP
-        >>> w.write_json("run.json", {...}); w.commit()           # doctest: +SKIP
+        >>> with BundleWriter(Path("repros"), "bundle-x") as w:   # doctest: +SKIP
+        ...     w.write_json("run.json", {...}); w.commit()
     """
 
     def __init__(self, out_dir: Path, name: str):
         self.out_dir = Path(out_dir)
         self.final = self.out_dir / name
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.out_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+        self.tmp = self.out_dir / f"{TMP_PREFIX}{name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir()
         self.files: dict[str, dict[str, Any]] = {}
+        self.committed: Path | None = None
+
+    def __enter__(self) -> BundleWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.committed is None:
+            self.abort()
+
+    def _target(self, rel: str) -> Path:
+        """``tmp/rel`` with its parent folders made *inside* tmp only: a vanished tmp is never recreated."""
+        d = self.tmp
+        for part in Path(rel).parts[:-1]:
+            d = d / part
+            try:
+                d.mkdir()
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                raise self._vanished() from None
+        return self.tmp / rel
+
+    def _vanished(self) -> BundleError:
+        return BundleError(f"the temporary folder {self.tmp} vanished while the bundle was being written (was "
+                           f"{self.out_dir} removed or cleaned meanwhile?); nothing was committed. Keep cleanup jobs "
+                           "and quota scripts away from the recorder's out_dir.")
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        path = self.tmp / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
+        path = self._target(rel)
+        try:
+            f = open(path, "wb")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            raise self._vanished() from None
+        with f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -125,41 +166,81 @@ class BundleWriter:
 
     def copy_file(self, rel: str, src: Path) -> None:
         """Copy a file in, chunk by chunk (state files may be larger than memory)."""
-        path = self.tmp / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = self._target(rel)
         h, size = hashlib.sha256(), 0
-        with open(src, "rb") as fin, open(path, "wb") as fout:
-            for chunk in iter(lambda: fin.read(1 << 24), b""):
-                h.update(chunk)
-                fout.write(chunk)
-                size += len(chunk)
-            fout.flush()
-            os.fsync(fout.fileno())
+        with open(src, "rb") as fin:
+            try:
+                fout = open(path, "wb")  # noqa: SIM115 - closed below
+            except FileNotFoundError:
+                raise self._vanished() from None
+            with fout:
+                for chunk in iter(lambda: fin.read(1 << 24), b""):
+                    h.update(chunk)
+                    fout.write(chunk)
+                    size += len(chunk)
+                fout.flush()
+                os.fsync(fout.fileno())
         self.files[rel] = {"sha256": h.hexdigest(), "size": size}
 
     def commit(self) -> Path:
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "reprokit_version": __version__,
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "files": dict(sorted(self.files.items())),
-        }
-        manifest["self_sha256"] = _self_digest(manifest)
-        self.write_bytes(MANIFEST, dumps(manifest))
-        self.files.pop(MANIFEST)
-        _fsync_dir(self.tmp)
-        final = self.final
-        n = 1
-        while final.exists():
-            final = self.final.with_name(f"{self.final.name}-{n}")
-            n += 1
-        os.replace(self.tmp, final)
+        """Write the manifest, check every file it lists is in place, and rename the bundle into place.
+
+        Raises:
+            BundleError: when a file is missing or has the wrong size (the temp dir or ``out_dir``
+                was removed meanwhile); the temp dir is removed and nothing is committed.
+        """
+        try:
+            self._check_in_place(self.files)
+            manifest = {
+                "format": FORMAT,
+                "version": VERSION,
+                "reprokit_version": __version__,
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "files": dict(sorted(self.files.items())),
+            }
+            manifest["self_sha256"] = _self_digest(manifest)
+            self.write_bytes(MANIFEST, dumps(manifest))
+            listed = dict(self.files)
+            self.files.pop(MANIFEST)
+            _fsync_dir(self.tmp)
+            self._check_in_place(listed)  # a cleanup racing the manifest write shows here
+            final = self.final
+            n = 1
+            while final.exists():
+                final = self.final.with_name(f"{self.final.name}-{n}")
+                n += 1
+            try:
+                os.replace(self.tmp, final)
+            except FileNotFoundError:
+                raise self._vanished() from None
+        except BaseException:
+            self.abort()
+            raise
+        self.committed = final
         _fsync_dir(self.out_dir)
         return final
 
+    def _check_in_place(self, files: dict[str, dict[str, Any]]) -> None:
+        wrong = []
+        for rel, meta in files.items():
+            try:
+                size = os.stat(self.tmp / rel).st_size
+            except OSError:
+                wrong.append(f"{rel} (missing)")
+                continue
+            if size != meta["size"]:
+                wrong.append(f"{rel} ({size} bytes, wrote {meta['size']})")
+        if wrong:
+            err = self._vanished() if not self.tmp.is_dir() else BundleError(
+                f"{len(wrong)} of {len(files)} files of the bundle being written to {self.tmp} are not in place: "
+                f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}. Was {self.out_dir} cleaned meanwhile? "
+                "Nothing was committed.")
+            raise err
+
     def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        """Remove the temp dir (idempotent; a committed bundle is left alone)."""
+        if self.committed is None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @dataclass
@@ -177,7 +258,17 @@ class StepRecord:
 def write_bundle(w: BundleWriter, *, failure: dict[str, Any], run: dict[str, Any], env: dict[str, Any],
                  state: tuple[dict[str, Any], dict[str, torch.Tensor] | Path], steps: Iterable[StepRecord],
                  code: Iterable[tuple[str, Path]] = ()) -> Path:
-    """Write every part of a bundle through ``w`` and commit it (manifest last)."""
+    """Write every part of a bundle through ``w`` and commit it (manifest last).
+
+    Any exception on the way, ``KeyboardInterrupt`` included, removes the temp dir before it propagates.
+    """
+    with w:
+        return _write_parts(w, failure=failure, run=run, env=env, state=state, steps=steps, code=code)
+
+
+def _write_parts(w: BundleWriter, *, failure: dict[str, Any], run: dict[str, Any], env: dict[str, Any],
+                 state: tuple[dict[str, Any], dict[str, torch.Tensor] | Path], steps: Iterable[StepRecord],
+                 code: Iterable[tuple[str, Path]]) -> Path:
     w.write_json(FAILURE, failure)
     w.write_json(RUN, run)
     w.write_json(ENV, env)
@@ -210,6 +301,135 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# --- leftovers of killed writers ------------------------------------------------
+
+# A temp dir's name ends with "-pid<pid>.<start>-on-<host>-<8 hex>": the writing process, its start time
+# (clock ticks since boot, from /proc; 0 where unknown) so a recycled pid is not taken for the writer,
+# and the host, so a folder on a shared filesystem written from another machine is not judged by our pids.
+_TMP_RE = re.compile(r"^\.tmp-.+-pid(?P<pid>\d+)\.(?P<start>\d+)-on-(?P<host>[A-Za-z0-9]*)-[0-9a-f]{8}$")
+_OLD_TMP_RE = re.compile(r"^\.tmp-.+-[0-9a-f]{8}$")  # before the owner was recorded
+FOREIGN_AFTER_S = 24 * 3600.0
+"""A temp dir whose writer cannot be checked (another host, or no owner in its name) counts as
+abandoned once nothing in it changed for this long."""
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]
+
+
+def _start_ticks(pid: int) -> int:
+    """When ``pid`` started (clock ticks after boot), 0 where /proc does not say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _owner_tag() -> str:
+    pid = os.getpid()
+    return f"pid{pid}.{_start_ticks(pid)}-on-{_host()}"
+
+
+def _alive(pid: int, start: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process: alive
+    except OSError:
+        return False
+    return not start or _start_ticks(pid) in (0, start)
+
+
+@dataclass
+class Leftover:
+    """A temp dir a bundle writer left behind (or is still writing)."""
+
+    path: Path
+    bytes: int
+    age_s: float
+    """Seconds since anything in it last changed."""
+    owner: str
+    """``pid N on HOST``, or ``unknown`` for temp dirs named before owners were recorded."""
+    state: str
+    """``writing`` (its writer is alive on this host: never removed), ``abandoned`` (writer gone, or
+    unknown owner idle for ``foreign_after_s``), or ``recent`` (unknown owner, changed lately: kept)."""
+    removed: bool = False
+    error: str | None = None
+
+    @property
+    def removable(self) -> bool:
+        return self.state == "abandoned"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": str(self.path), "bytes": self.bytes, "age_s": round(self.age_s, 1), "owner": self.owner,
+                "state": self.state, "removed": self.removed, "error": self.error}
+
+
+def find_leftovers(out_dir: str | Path, *, foreign_after_s: float = FOREIGN_AFTER_S) -> list[Leftover]:
+    """Temp dirs of bundle writers in ``out_dir`` (``.tmp-*``, hidden by their dot), oldest first.
+
+    A temp dir is ``abandoned`` when its writer's pid is gone from this host (or now belongs to a
+    process started at another time), or, when the writer cannot be checked (another host, an old
+    name without owner), when nothing in it changed for ``foreign_after_s`` seconds.
+
+    Example:
+        >>> [(x.path.name, x.state, x.bytes) for x in find_leftovers("repros")]   # doctest: +SKIP
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    host, now, found = _host(), time.time(), []
+    for d in out_dir.iterdir():
+        if not d.name.startswith(TMP_PREFIX) or d.is_symlink() or not d.is_dir():
+            continue
+        m = _TMP_RE.match(d.name)
+        if m is None and not _OLD_TMP_RE.match(d.name):
+            continue
+        size, newest = _du(d)
+        age = max(0.0, now - newest)
+        if m is not None and m["host"] == host:
+            pid, start = int(m["pid"]), int(m["start"])
+            state = "writing" if _alive(pid, start) else "abandoned"
+        else:
+            state = "abandoned" if age >= foreign_after_s else "recent"
+        owner = f"pid {m['pid']} on {m['host'] or '?'}" if m else "unknown"
+        found.append(Leftover(path=d, bytes=size, age_s=age, owner=owner, state=state))
+    return sorted(found, key=lambda x: (-x.age_s, x.path.name))
+
+
+def remove_leftovers(out_dir: str | Path, *, dry_run: bool = False,
+                     foreign_after_s: float = FOREIGN_AFTER_S) -> list[Leftover]:
+    """Find leftovers (see :func:`find_leftovers`) and remove the abandoned ones; ``writing`` and
+    ``recent`` ones are listed but kept. Returns every leftover found, with ``removed`` and ``error``."""
+    found = find_leftovers(out_dir, foreign_after_s=foreign_after_s)
+    for x in found:
+        if x.removable and not dry_run:
+            try:
+                shutil.rmtree(x.path)
+                x.removed = True
+            except OSError as e:
+                x.error = f"{type(e).__name__}: {e}"
+    return found
+
+
+def _du(d: Path) -> tuple[int, float]:
+    """Total bytes under ``d`` and its newest mtime (symlinks not followed)."""
+    size, newest = 0, d.lstat().st_mtime
+    for root, dirs, files in os.walk(d):
+        for name in dirs + files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            newest = max(newest, st.st_mtime)
+            if name in files:
+                size += st.st_size
+    return size, newest
 
 
 # --- verifying ------------------------------------------------------------------
@@ -269,6 +489,14 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, An
             f"{path} uses bundle format version {version}, but this reprokit ({__version__}) reads versions "
             f"up to {VERSION}. Upgrade reprokit (pip install -U reprokit) to open it."
         )
+    unknown = sorted(set(manifest) - MANIFEST_KEYS)
+    if "self_sha256" not in manifest and not (set(manifest) == LEGACY_KEYS and version == 1):
+        # Only the first release's manifests lack the digest, and they hold exactly LEGACY_KEYS; one
+        # renamed key must not switch the check off.
+        extra = f" (and unknown field(s) {', '.join(map(repr, unknown))}: a damaged manifest?)" if unknown else ""
+        return None, [{"file": MANIFEST, "problem": f"no self_sha256 digest{extra}; every manifest carries one"}]
+    if unknown:
+        return None, [{"file": MANIFEST, "problem": f"unknown field(s) {', '.join(map(repr, unknown))}"}]
     if "self_sha256" in manifest and manifest["self_sha256"] != _self_digest(manifest):
         # An altered manifest cannot vouch for any other file: report it alone.
         return None, [{"file": MANIFEST, "problem": "checksum mismatch (the manifest itself was altered)",

@@ -242,10 +242,14 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     """Check every file of BUNDLE against its manifest; exit 1 if anything is wrong.
 
     For a .tar.gz: its sha256 (from --sha256 or BUNDLE.sha256 beside it), then
-    every member, then the manifest of what it holds. Every problem is listed.
+    every member and the whole stream, then the manifests of what it holds
+    (every file, repro.py and the runtime included). Every problem is listed.
+    Exit 3 if the format is newer than this reprokit reads.
     """
+    from reprokit.archive import digest_source, is_archive
     from reprokit.errors import BundleError
 
+    origin = digest_source(bundle, kw["sha256"]) if is_archive(bundle) else None
     try:
         with _open(bundle, kw) as path:
             problems = B.verify(path)
@@ -253,15 +257,25 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
         if not e.problems:
             raise
         problems = e.problems
+    note = None
+    if is_archive(bundle) and origin is None:
+        note = ("origin not checked: no --sha256 given and no .sha256 beside the archive; the manifests prove "
+                "it is consistent, not who made it. Compare with a sha256 you received separately.")
     if as_json:
-        _emit({"bundle": str(bundle), "ok": not problems, "problems": problems})
+        d: dict[str, Any] = {"bundle": str(bundle), "ok": not problems, "problems": problems}
+        if is_archive(bundle):
+            d |= {"origin_checked": origin is not None and not problems, "origin": origin, "note": note}
+        _emit(d)
     elif problems:
         click.echo(f"{bundle}: {len(problems)} problem(s)")
         for p in problems:
             extra = "".join(f", {k} {p[k]}" for k in ("expected", "found") if k in p)
             click.echo(f"  {p['file']}: {p['problem']}{extra}")
     else:
-        click.echo(f"{bundle}: ok, every file matches the manifest")
+        click.echo(f"{bundle}: ok, every file matches the manifest"
+                   + (f"; archive sha256 matches {origin}" if origin else ""))
+    if note and not as_json:
+        click.echo(f"note: {note}")
     sys.exit(1 if problems else 0)
 
 
@@ -454,6 +468,37 @@ def demo(out: Path | None, as_json: bool) -> None:
     result = run_demo(out, say=(lambda s: None) if as_json else click.echo)
     if as_json:
         _emit(result)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
+@json_opt
+def gc(directory: Path, dry_run: bool, as_json: bool) -> None:
+    """List and remove temp folders (.tmp-*) that killed bundle writers left in DIRECTORY.
+
+    A folder whose writer is still running on this host is never touched; one
+    written from another host (or by an older reprokit) is removed once idle
+    for 24 hours. Exit 1 if a removal failed.
+    """
+    from reprokit.bundle import remove_leftovers
+
+    found = remove_leftovers(directory, dry_run=dry_run)
+    failed = [x for x in found if x.error]
+    if as_json:
+        _emit({"directory": str(directory), "dry_run": dry_run, "leftovers": [x.to_json() for x in found],
+               "removed_bytes": sum(x.bytes for x in found if x.removed)})
+    else:
+        for x in found:
+            verb = ("would remove" if dry_run else "removed") if x.removable and not x.error else \
+                ("FAILED to remove" if x.error else "kept")
+            why = {"writing": "its writer is still running", "recent": "owner unknown, changed lately"}.get(x.state, "")
+            click.echo(f"{verb} {x.path.name} ({x.bytes / 1e6:.1f} MB, {x.owner}, idle {x.age_s / 3600:.1f} h"
+                       + (f"; {why}" if why and not x.removable else "") + (f"; {x.error}" if x.error else "") + ")")
+        n = sum(x.removable for x in found)
+        click.echo(f"{directory}: {len(found)} leftover temp folder(s), {n} abandoned"
+                   + (" (dry run: nothing removed)" if dry_run else ""))
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,6 +6,8 @@ Layout inside the archive (one top folder, ``repro-<manifest sha256 prefix>``)::
     reprokit/     the runtime replay needs (vendored; no click, no gitpython)
     repro.py      python repro.py [--times N] [--device cpu|cuda] [--json]
     README.md     what failed, where it was recorded, the commands to run
+    pack-manifest.json  sha256 and size of every other file in the archive (bundle, runtime,
+                  repro.py, README) and a digest of itself: ``reprokit verify`` covers what runs too
 
 Same bundle in, same bytes out: members sorted, mtime/uid/gid/owner fixed,
 modes normalised, gzip header without name or time.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import gzip
+import hashlib
 import io
 import os
 import tarfile
@@ -22,8 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reprokit.bundle import MANIFEST, Bundle, open_bundle, sha256_file
+from reprokit.bundle import MANIFEST, Bundle, _self_digest, dumps, open_bundle, sha256_file
 
+# The archive's own manifest; reprokit.archive checks it.
+PACK_MANIFEST = "pack-manifest.json"
+PACK_FORMAT = "reprokit-pack"
+PACK_VERSION = 1
 _PACKAGE = Path(__file__).resolve().parent
 # Replay needs what ``import reprokit`` pulls in, plus the demo's build/step: found by following
 # module-level ``reprokit.*`` imports from these, so a new module can never be forgotten.
@@ -155,6 +162,7 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
     runtime: dict[str, Path | bytes] = {f"reprokit/{name}": _PACKAGE / name for name in runtime_files()}
     runtime |= {"repro.py": REPRO_PY.encode(), "README.md": _readme(b).encode()}
     files |= runtime
+    pack_manifest = files[PACK_MANIFEST] = _pack_manifest(b, files)
     dirs = {"/".join(name.split("/")[:i]) for name in files for i in range(1, name.count("/") + 1)}
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -181,9 +189,26 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
     digest = sha256_file(output)
     _atomic_write(output.with_name(output.name + ".sha256"), f"{digest}  {output.name}\n".encode())
     breakdown = b.sizes()
-    breakdown["metadata"] += (b.path / MANIFEST).stat().st_size
+    breakdown["metadata"] += (b.path / MANIFEST).stat().st_size + len(pack_manifest)
     breakdown["runtime"] = sum(len(v) if isinstance(v, bytes) else v.stat().st_size for v in runtime.values())
     return PackResult(output, digest, output.stat().st_size, breakdown)
+
+
+def _pack_manifest(b: Bundle, files: dict[str, Path | bytes]) -> bytes:
+    """Every file of the archive with its sha256 and size. Bundle files reuse the digests of the bundle's
+    manifest (verified when it was opened); if one changed on disk since, the archive fails ``verify``."""
+    listed: dict[str, dict[str, Any]] = {}
+    for name, src in files.items():
+        rel = name.removeprefix("bundle/")
+        if name.startswith("bundle/") and rel in b.manifest["files"]:
+            meta = b.manifest["files"][rel]
+            listed[name] = {"sha256": meta["sha256"], "size": meta["size"]}
+        else:
+            data = src if isinstance(src, bytes) else src.read_bytes()
+            listed[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    m: dict[str, Any] = {"format": PACK_FORMAT, "version": PACK_VERSION, "files": dict(sorted(listed.items()))}
+    m["self_sha256"] = _self_digest(m)
+    return dumps(m)
 
 
 def _info(name: str, size: int, *, directory: bool = False, executable: bool = False) -> tarfile.TarInfo:

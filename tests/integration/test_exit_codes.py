@@ -17,7 +17,7 @@ from reprokit.cli import main
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 COMMANDS = ["replay", "inspect", "verify", "shrink", "bisect steps", "bisect layers", "bisect precision",
-            "bisect commits", "pack", "demo"]
+            "bisect commits", "pack", "gc", "demo"]
 
 
 def documented_codes() -> dict[str, set[int]]:
@@ -74,10 +74,10 @@ def targets(tmp_path_factory):
 # good end in this throwaway repository (the project folder is not there): a wrong end, 2.
 EXPECTED = {
     "valid": {"replay": 1, "inspect": 0, "verify": 0, "shrink": 0, "bisect steps": 0, "bisect layers": 0,
-              "bisect precision": 0, "bisect commits": 2, "pack": 0},
+              "bisect precision": 0, "bisect commits": 2, "pack": 0, "gc": 0},
     "missing": dict.fromkeys(COMMANDS[:-1], 2),
-    "file": dict.fromkeys(COMMANDS[:-1], 3),
-    "empty": {**dict.fromkeys(COMMANDS[:-1], 3), "verify": 1},
+    "file": {**dict.fromkeys(COMMANDS[:-1], 3), "gc": 2},
+    "empty": {**dict.fromkeys(COMMANDS[:-1], 3), "verify": 1, "gc": 0},
 }
 # Exits that are answers, not errors: no {"error": ...} object.
 ANSWERS = {("replay", 1), ("verify", 1)}

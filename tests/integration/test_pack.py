@@ -303,3 +303,231 @@ def test_planted_pickle_is_never_unpickled(nan_bundle, tmp_path):
     assert CliRunner().invoke(main, ["replay", str(out)]).exit_code == 1
     assert CliRunner().invoke(main, ["shrink", str(out), "-o", str(tmp_path / "s")]).exit_code == 0
     assert not marker.exists()
+
+
+# --- integrity: the whole stream, every file, bounded reads (issue 22) -------------------------------------
+
+def _packed(nan_bundle: Path, tmp_path: Path, *, sidecar: bool = False) -> Path:
+    out = tmp_path / "ship" / "repro.tar.gz"
+    pack(nan_bundle, out)
+    if not sidecar:
+        (out.parent / "repro.tar.gz.sha256").unlink()
+    return out
+
+
+def _verify(archive: Path, *args: str) -> tuple[int, dict]:
+    r = CliRunner().invoke(main, ["verify", str(archive), "--json", *args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception  # never a traceback
+    return r.exit_code, json.loads(r.output)
+
+
+def _raw_member(name: str, data: bytes, kind: bytes = tarfile.REGTYPE) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.type = len(data), kind
+    return info.tobuf(tarfile.GNU_FORMAT) + data + bytes(-len(data) % 512)
+
+
+def _raw_bundle_tar(bundle: Path, top: str = "mybundle") -> bytes:
+    """A bundle folder as tar members (no end marker), what ``tar cf`` of the folder holds."""
+    return b"".join(_raw_member(f"{top}/{p.relative_to(bundle).as_posix()}", p.read_bytes())
+                    for p in sorted(bundle.rglob("*")) if p.is_file())
+
+
+def test_packed_manifest_lists_every_file_of_the_archive(nan_bundle, tmp_path):
+    out = _packed(nan_bundle, tmp_path)
+    with tarfile.open(out) as tf:
+        names = {m.name.split("/", 1)[1]: m for m in tf.getmembers() if m.isfile()}
+        listed = json.loads(tf.extractfile(names["pack-manifest.json"]).read())["files"]
+    assert set(listed) == set(names) - {"pack-manifest.json"}
+    assert {"repro.py", "README.md", "reprokit/replay.py", "bundle/manifest.json", "bundle/run.json"} <= set(listed)
+    code, d = _verify(out)
+    assert code == 0 and d["ok"] and d["origin_checked"] is False and "origin not checked" in d["note"]
+
+
+@pytest.mark.parametrize("offset", [-8, -5, -4, -1], ids=["crc_low", "crc_high", "isize_low", "isize_high"])
+def test_flipped_gzip_trailer_byte_is_caught(nan_bundle, tmp_path, scratch, offset):
+    out = _packed(nan_bundle, tmp_path)
+    data = bytearray(out.read_bytes())
+    data[offset] ^= 0x01
+    out.write_bytes(bytes(data))
+    code, d = _verify(out)
+    assert code == 1 and any("not a readable .tar.gz" in p["problem"] for p in d["problems"]), d
+    assert list(scratch.iterdir()) == []
+
+
+def test_a_damaged_header_after_the_first_member_is_an_error_not_an_end(nan_bundle, tmp_path):
+    bad = bytearray(_raw_member("mybundle/late.py", b"print('hi')\n"))
+    bad[20] ^= 0x01  # a flipped bit in the name: its header checksum no longer matches
+    archive = tmp_path / "b.tar.gz"
+    archive.write_bytes(gzip.compress(_raw_bundle_tar(nan_bundle) + bytes(bad) + bytes(1024)))
+    code, d = _verify(archive)
+    assert code == 1 and any("header checksum mismatch" in p["problem"] for p in d["problems"]), d
+    good = tmp_path / "good.tar.gz"  # the same archive, undamaged, is a valid hand-made bundle archive
+    good.write_bytes(gzip.compress(_raw_bundle_tar(nan_bundle) + bytes(1024)))
+    assert _verify(good)[0] == 0
+
+
+def test_trailing_data_after_the_end_marker_is_refused(nan_bundle, tmp_path):
+    archive = tmp_path / "b.tar.gz"
+    archive.write_bytes(gzip.compress(_raw_bundle_tar(nan_bundle) + bytes(1024) + _raw_member("x/evil.py", b"1")))
+    code, d = _verify(archive)
+    assert code == 1 and any("after the tar end-of-archive marker" in p["problem"] for p in d["problems"]), d
+
+
+def _repack(src: Path, dest: Path, edit) -> Path:
+    """Extract ``src``, let ``edit(top)`` change files, tar it again (what someone re-packing by hand does)."""
+    work = dest.parent / (dest.name + ".d")
+    work.mkdir()
+    with tarfile.open(src) as tf:
+        tf.extractall(work, filter="data")
+    (top,) = list(work.iterdir())
+    edit(top)
+    with tarfile.open(dest, "w:gz") as tf:
+        tf.add(top, arcname=top.name)
+    return dest
+
+
+def _evil(top: Path) -> None:
+    (top / "repro.py").write_text((top / "repro.py").read_text().replace("def main():", "def main():\n    pass"))
+
+
+def _resign(top: Path) -> None:
+    from reprokit.bundle import _self_digest
+
+    pm = top / "pack-manifest.json"
+    m = json.loads(pm.read_text())
+    m["files"]["repro.py"] = {"sha256": B.sha256_file(top / "repro.py"), "size": (top / "repro.py").stat().st_size}
+    m["self_sha256"] = _self_digest(m)
+    pm.write_text(json.dumps(m))
+
+
+def test_an_edited_repro_py_in_a_repacked_archive_is_caught(nan_bundle, tmp_path):
+    out = _packed(nan_bundle, tmp_path, sidecar=True)
+    edited = _repack(out, tmp_path / "edited.tar.gz", _evil)
+    code, d = _verify(edited)
+    assert code == 1 and {"file": "repro.py", "problem": "checksum mismatch (pack-manifest.json)"} == \
+        {k: d["problems"][0][k] for k in ("file", "problem")}, d
+    assert CliRunner().invoke(main, ["replay", str(edited)]).exit_code == 3
+
+    dropped = _repack(out, tmp_path / "dropped.tar.gz", lambda top: (_evil(top), (top / "pack-manifest.json").unlink()))
+    code, d = _verify(dropped)
+    assert code == 1 and any(p["file"].endswith("/repro.py") and "not covered by any manifest" in p["problem"]
+                             for p in d["problems"]), d
+
+    # Re-signed consistently: nothing inside can tell, so verify says the origin was not checked...
+    resigned = _repack(out, tmp_path / "resigned.tar.gz", lambda top: (_evil(top), _resign(top)))
+    code, d = _verify(resigned)
+    assert code == 0 and not d["origin_checked"] and "origin not checked" in d["note"]
+    human = CliRunner().invoke(main, ["verify", str(resigned)])
+    assert "origin not checked" in human.output
+    # ... and the .sha256 the sender shipped catches it.
+    (tmp_path / "resigned.tar.gz.sha256").write_bytes((out.parent / "repro.tar.gz.sha256").read_bytes())
+    code, d = _verify(resigned)
+    assert code == 1 and d["problems"][0]["problem"] == "archive sha256 does not match resigned.tar.gz.sha256"
+    code, d = _verify(out)
+    assert code == 0 and d["origin_checked"] and d["note"] is None
+
+
+def test_corrupt_deflate_stream_is_a_clean_invalid_archive_error(tmp_path, scratch):
+    archive = tmp_path / "bad.tar.gz"
+    # A member whose data runs past the first gzip member into a second one that starts with a deflate
+    # block of the reserved type 3: zlib.error, met while skipping data (where tarfile did not wrap it).
+    info = tarfile.TarInfo("a/x.bin")
+    info.size = 2 << 20
+    corrupt = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + b"\x07" + bytes(64)
+    archive.write_bytes(gzip.compress(info.tobuf(tarfile.GNU_FORMAT) + bytes(1 << 20)) + corrupt)
+    with pytest.raises(zlib.error):  # the raw material
+        gzip.decompress(corrupt)
+    code, d = _verify(archive)
+    assert code == 1 and "not a readable .tar.gz" in d["problems"][0]["problem"], d
+    for cmd in ("replay", "inspect", "shrink"):
+        extra = ["-o", str(tmp_path / "s")] if cmd == "shrink" else []
+        r = CliRunner().invoke(main, [cmd, str(archive), *extra])
+        assert r.exit_code == 3 and "not a readable .tar.gz" in r.output and isinstance(r.exception, SystemExit), \
+            (cmd, r.output, r.exception)
+    assert list(scratch.iterdir()) == []
+
+
+def test_huge_sidecar_is_refused_unread(nan_bundle, tmp_path):
+    import tracemalloc
+
+    from reprokit.archive import check_digest
+
+    out = _packed(nan_bundle, tmp_path)
+    side = out.with_name(out.name + ".sha256")
+    with open(side, "wb") as f:
+        f.truncate(8 << 30)  # sparse: 8 GiB that take no disk
+    tracemalloc.start()
+    try:
+        problems = check_digest(out, None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"read {peak} bytes of a sidecar that should have been refused unread"
+    assert problems and "not a .sha256 file" in problems[0]["problem"], problems
+    code, d = _verify(out)
+    assert code == 1 and d["problems"][0]["file"] == "repro.tar.gz.sha256"
+    side.write_text("not-a-digest  repro.tar.gz\n")
+    assert "not a sha256" in _verify(out)[1]["problems"][0]["problem"]
+
+
+def test_gnu_long_name_claiming_a_gib_is_refused_without_reading_it(nan_bundle, tmp_path, scratch):
+    import time
+    import tracemalloc
+
+    from reprokit.archive import Limits, scan
+
+    zeros = gzip.compress(bytes(64 << 20), compresslevel=9)  # one gzip member: 64 MiB of zeros
+    name = b"mybundle-extra/" + b"a" * 100
+    n = len(name) + 16 * (64 << 20)  # a long name of ~1 GiB, almost all NUL padding
+    info = tarfile.TarInfo("././@LongLink")
+    info.type, info.size = tarfile.GNUTYPE_LONGNAME, n
+    head = _raw_bundle_tar(nan_bundle) + info.tobuf(tarfile.GNU_FORMAT) + name
+    tail = bytes(-n % 512) + _raw_member("placeholder", b"x") + bytes(1024)
+    archive = tmp_path / "longname.tar.gz"
+    with open(archive, "wb") as f:
+        f.write(gzip.compress(head))
+        for _ in range(16):
+            f.write(zeros)
+        f.write(gzip.compress(tail))
+    t0 = time.perf_counter()
+    tracemalloc.start()
+    try:
+        problems = scan(archive, Limits())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - t0 < 10
+    assert peak < 16 << 20, f"{peak} bytes allocated for a header that must not be read"
+    assert any("GNU long name of" in p["problem"] and "above max_header_bytes" in p["problem"] for p in problems), \
+        problems
+    code, d = _verify(archive)
+    assert code == 1 and any("max_header_bytes" in p["problem"] for p in d["problems"])
+    assert list(scratch.iterdir()) == []
+
+
+def test_verify_exit_codes_are_the_documented_ones(nan_bundle, tmp_path):
+    """0 ok, 1 problems (two bundles in one archive included), 3 a format newer than this reprokit."""
+    two = tmp_path / "two.tar.gz"
+    two.write_bytes(gzip.compress(_raw_bundle_tar(nan_bundle, "a") + _raw_bundle_tar(nan_bundle, "b") + bytes(1024)))
+    code, d = _verify(two)
+    assert code == 1 and "holds 2 bundles" in d["problems"][0]["problem"], d
+    assert CliRunner().invoke(main, ["replay", str(two)]).exit_code == 3
+    none = tmp_path / "none.tar.gz"
+    none.write_bytes(gzip.compress(_raw_member("x/readme.txt", b"hi") + bytes(1024)))
+    code, d = _verify(none)
+    assert code == 1 and "holds 0 bundles" in d["problems"][0]["problem"], d
+    m = json.loads((nan_bundle / "manifest.json").read_text())
+    m["version"] = B.VERSION + 1
+    (nan_bundle / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["verify", str(nan_bundle)])
+    assert r.exit_code == 3 and "Upgrade reprokit" in r.output
+
+
+def test_a_bundle_tarred_without_a_top_folder_opens(nan_bundle, tmp_path):
+    archive = tmp_path / "flat.tar.gz"
+    archive.write_bytes(gzip.compress(_raw_member("./", b"", tarfile.DIRTYPE)
+                                      + _raw_bundle_tar(nan_bundle, ".") + bytes(1024)))
+    code, d = _verify(archive)
+    assert code == 0 and d["ok"], d
+    assert CliRunner().invoke(main, ["replay", str(archive)]).exit_code == 1

@@ -108,3 +108,90 @@ def test_inspect_state_sizes_count_bytes_per_dtype(tmp_path):
     path = w.commit()
     sizes = _state_sizes(B.Bundle(path=path, manifest={}))
     assert sizes == {"model": 60, "optimizer": 10 + (10 if "optimizer/d" in tensors else 0)}
+
+
+def test_one_renamed_byte_does_not_switch_the_self_digest_off(tmp_path):
+    path = write_tiny(tmp_path)
+    raw = (path / B.MANIFEST).read_text()
+    assert raw.count('"self_sha256"') == 1
+    (path / B.MANIFEST).write_text(raw.replace('"self_sha256"', '"self_sha257"'))
+    problems = B.verify(path)
+    assert len(problems) == 1 and problems[0]["file"] == B.MANIFEST
+    assert "no self_sha256 digest" in problems[0]["problem"] and "'self_sha257'" in problems[0]["problem"]
+    # Removing the key outright: only the first release's exact layout may lack it; one extra field (or a
+    # renamed one) is refused.
+    m = json.loads(raw)
+    del m["self_sha256"]
+    m["note"] = "x"
+    (path / B.MANIFEST).write_text(json.dumps(m))
+    assert "no self_sha256 digest" in B.verify(path)[0]["problem"]
+
+
+def test_a_bundle_is_not_committed_when_out_dir_vanishes_while_writing(tmp_path):
+    out = tmp_path / "repros"
+    w = B.BundleWriter(out, "b")
+    w.write_json(B.RUN, {"x": 1})
+    w.write_tensors("state/t.safetensors", {"a": torch.arange(4)})
+    shutil.rmtree(out)  # a cleanup job or quota script, mid-write
+    with pytest.raises(reprokit.BundleError, match="vanished while the bundle was being written"):
+        w.write_json("steps/00000001.json", {})
+    with pytest.raises(reprokit.BundleError, match="nothing was committed"):
+        w.commit()
+    assert not out.exists(), "the folder is not recreated"
+
+
+def test_commit_checks_every_file_is_in_place(tmp_path):
+    w = B.BundleWriter(tmp_path, "b")
+    w.write_json(B.RUN, {})
+    w.write_json(B.ENV, {})
+    (w.tmp / B.ENV).unlink()  # a cleanup that took one file only
+    with pytest.raises(reprokit.BundleError, match=r"1 of 2 files .* env.json \(missing\)"):
+        w.commit()
+    assert list(tmp_path.iterdir()) == [], "nothing committed, temp dir removed"
+
+
+def _steps_then_ctrl_c():
+    yield B.StepRecord(1, {"x": 1}, {"x": torch.ones(3)}, {})
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_writing_leaves_no_temp_folder(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        B.write_bundle(B.BundleWriter(tmp_path, "b"), failure={}, run={}, env={}, state=({}, {"a": torch.zeros(2)}),
+                       steps=_steps_then_ctrl_c())
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyboardInterrupt), B.BundleWriter(tmp_path, "c") as w:
+        w.write_json(B.RUN, {})
+        raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with B.BundleWriter(tmp_path, "d") as w:
+        w.write_json(B.RUN, {})
+        done = w.commit()
+    assert [p.name for p in tmp_path.iterdir()] == ["d"] and B.verify(done) == []
+
+
+def test_leftovers_are_judged_by_owner_and_age(tmp_path):
+    import os
+    import time
+
+    live = B.BundleWriter(tmp_path, "live")  # this process: alive
+    live.write_json(B.RUN, {})
+    old = tmp_path / ".tmp-bundle-x-0123abcd"  # named before owners were recorded
+    old.mkdir()
+    (old / "run.json").write_bytes(b"{}")
+    recent = tmp_path / ".tmp-bundle-y-pid1.5-on-elsewhere-89abcdef"  # another host, just written
+    recent.mkdir()
+    (tmp_path / ".tmp-unrelated").mkdir()  # not a writer's name: never touched
+    week = time.time() - 7 * 86400
+    for p in (old, old / "run.json"):
+        os.utime(p, (week, week))
+    found = {x.path.name: x for x in B.find_leftovers(tmp_path)}
+    assert set(found) == {live.tmp.name, old.name, recent.name}
+    assert found[live.tmp.name].state == "writing" and found[live.tmp.name].owner.startswith(f"pid {os.getpid()} ")
+    assert found[old.name].state == "abandoned" and found[old.name].bytes == 2 and found[old.name].owner == "unknown"
+    assert found[recent.name].state == "recent"
+    assert [x.path.name for x in B.remove_leftovers(tmp_path, dry_run=True) if x.removed] == []
+    assert old.exists()
+    removed = [x.path.name for x in B.remove_leftovers(tmp_path) if x.removed]
+    assert removed == [old.name] and not old.exists() and live.tmp.exists() and recent.exists()
+    live.abort()

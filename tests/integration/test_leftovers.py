@@ -1,0 +1,59 @@
+"""Temp folders of killed bundle writers: found, judged by their writer, removed by `reprokit gc`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+from click.testing import CliRunner
+
+from reprokit import bundle as B
+from reprokit.cli import main
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import torch
+    from reprokit import bundle as B
+    w = B.BundleWriter(Path(sys.argv[1]), "bundle-20260101-000000-step00000007-nonfinite_loss")
+    w.write_tensors("state/state.safetensors", {"a": torch.zeros(4096)})
+    print(w.tmp, flush=True)
+    time.sleep(600)
+""")
+
+
+def _gc(*args: str) -> tuple[int, dict]:
+    r = CliRunner().invoke(main, ["gc", *args, "--json"])
+    return r.exit_code, json.loads(r.output)
+
+
+def test_sigkilled_writer_leaves_a_folder_that_gc_removes_and_a_live_one_it_keeps(tmp_path):
+    out = tmp_path / "repros"
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        tmp = child.stdout.readline().strip()
+        assert tmp and os.path.isdir(tmp), "the writer started"
+        code, d = _gc(str(out))
+        assert code == 0 and [(x["state"], x["removed"]) for x in d["leftovers"]] == [("writing", False)]
+        assert d["leftovers"][0]["owner"].startswith(f"pid {child.pid} ") and d["leftovers"][0]["bytes"] > 16384
+        os.kill(child.pid, signal.SIGKILL)  # no cleanup can run
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+    assert os.path.isdir(tmp), "SIGKILL leaves the temp folder behind"
+    (found,) = B.find_leftovers(out)
+    assert found.state == "abandoned" and str(found.path) == tmp
+    code, d = _gc(str(out), "--dry-run")
+    assert code == 0 and d["dry_run"] and not d["leftovers"][0]["removed"] and os.path.isdir(tmp)
+    human = CliRunner().invoke(main, ["gc", str(out)])
+    assert human.exit_code == 0 and "removed .tmp-bundle-" in human.output and "1 abandoned" in human.output
+    assert not os.path.exists(tmp) and list(out.iterdir()) == []
+    assert _gc(str(out))[1]["leftovers"] == []
+    assert CliRunner().invoke(main, ["gc", str(tmp_path / "nope")]).exit_code == 2
