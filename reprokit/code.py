@@ -116,15 +116,18 @@ def check_refs(refs: Any, *, snapshot: Path | None, code: Path | None, source: s
                                                    f"name {', '.join(sorted(OWN_MODULES))}")
             continue
         project.append(target)
-        if kind == "module" and (lib := _installed(target.split(".")[0])):
+        top = target.split(".")[0]
+        if kind == "module" and (lib := _installed(top, search=False)):
             raise _invalid(source, field, ref, f"names {target}, a module of {lib}, not of the project")
         if snapshot is not None and _find(snapshot, kind, target) is None:
             raise _invalid(source, field, ref, f"names {target}, which is not in the bundle's code snapshot "
                                                f"{snapshot}")
-        if snapshot is None and code is None:
-            raise _invalid(source, field, ref, f"names the project's {target}, but the bundle has no code "
-                                               "snapshot (code/); pass --code DIR, a checkout that holds it")
-        if code is not None and _find(code.resolve(), kind, target) is None:
+        if (code is not None and _find(code.resolve(), kind, target) is None) or (snapshot is None and code is None):
+            if kind == "module" and (lib := _installed(top, search=True)):
+                raise _invalid(source, field, ref, f"names {target}, a module of {lib}, not of the project")
+            if code is None:
+                raise _invalid(source, field, ref, f"names the project's {target}, but the bundle has no code "
+                                                   "snapshot (code/); pass --code DIR, a checkout that holds it")
             want = target if kind == "script" else " or ".join(_candidates(target))
             raise CodeLoadError(f"--code {code} does not hold the bundle's code: no {want} in it ({field} names "
                                 f"{ref_label(ref)}). Point --code at the project folder of a checkout (the one "
@@ -214,16 +217,22 @@ def _inside(path: Path, root: Path) -> Path | None:
     return real if real.is_file() and root.resolve() in real.parents else None
 
 
-def _installed(top: str) -> str | None:
-    """What outside the project a top-level module name belongs to (None: nothing known)."""
+def _installed(top: str, search: bool) -> str | None:
+    """What outside the project a top-level module name belongs to (None: nothing known).
+
+    Always: the standard library, reprokit, a package this process already imported from
+    site-packages (setting it aside would mix two copies). With ``search``, also a package
+    that ``sys.path``'s site-packages folders would supply (found without running anything).
+    """
     if top == "reprokit":
         return "reprokit itself"
     if top in sys.stdlib_module_names or top in sys.builtin_module_names:
         return "the standard library"
     mod = sys.modules.get(top)
+    locs: list[Any] = []
     if mod is not None:
         locs = [getattr(mod, "__file__", None), *(getattr(mod, "__path__", None) or [])]
-    else:
+    elif search:
         try:  # searches sys.path's folders only: runs nothing
             spec = importlib.machinery.PathFinder.find_spec(top)
         except (ImportError, ValueError):
@@ -242,7 +251,7 @@ def _top_names(code_dir: Path) -> dict[str, Path]:
 
 def _check_snapshot_names(snapshot: Path, source: str | Path) -> None:
     for top, p in _top_names(snapshot).items():
-        lib = _installed(top)
+        lib = _installed(top, search=False)
         if lib:
             raise BundleError(
                 f"{snapshot}: the code snapshot holds {p.name}, which would shadow {top} of {lib} while replay "

@@ -155,13 +155,15 @@ def test_malformed_or_foreign_refs_are_invalid_bundles(nan_bundle, ref, why):
     assert why in str(e.value) and e.value.exit_code == 3
 
 
-def test_snapshot_shadowing_an_installed_module_is_refused(nan_bundle, tmp_path):
+@pytest.mark.parametrize("planted,name,owner", [("code/json.py", "json", "the standard library"),
+                                                 ("code/torch/__init__.py", "torch", "an installed package")])
+def test_snapshot_shadowing_an_installed_module_is_refused(nan_bundle, tmp_path, planted, name, owner):
     marker = tmp_path / "MARKER"
-    reseal(nan_bundle, add={"code/json.py": f"import pathlib; pathlib.Path({str(marker)!r}).write_text('x')\n"})
+    reseal(nan_bundle, add={planted: f"import pathlib; pathlib.Path({str(marker)!r}).write_text('x')\n"})
     code, out = cli("replay", str(nan_bundle), "--json")
     assert not marker.exists()
     assert code == 3, out
-    assert "holds json.py, which would shadow json of the standard library" in out
+    assert f"which would shadow {name} of {owner}" in out
 
 
 def test_code_folder_without_the_project_exits_125(nan_bundle, tmp_path, projects):
