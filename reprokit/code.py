@@ -90,7 +90,7 @@ def check_refs(refs: Any, *, snapshot: Path | None, code: Path | None, source: s
     identifiers, in a module or script file that lies inside ``snapshot`` (the bundle's
     ``code/``) and, when the user passed ``--code``, inside ``code`` too; or in reprokit's own
     demo (:data:`OWN_MODULES`). The snapshot must not hold top-level names that shadow the
-    standard library, reprokit or an installed package.
+    standard library, reprokit or a package this process already imported.
 
     Raises:
         BundleError: (exit 3) a malformed ref, one that names a module of the standard library
@@ -127,7 +127,7 @@ def check_refs(refs: Any, *, snapshot: Path | None, code: Path | None, source: s
                 raise _invalid(source, field, ref, f"names {target}, a module of {lib}, not of the project")
             if code is None:
                 raise _invalid(source, field, ref, f"names the project's {target}, but the bundle has no code "
-                                                   "snapshot (code/); pass --code DIR, a checkout that holds it")
+                                                   "snapshot (code/)", fix="Pass --code DIR, a checkout that holds it.")
             want = target if kind == "script" else " or ".join(_candidates(target))
             raise CodeLoadError(f"--code {code} does not hold the bundle's code: no {want} in it ({field} names "
                                 f"{ref_label(ref)}). Point --code at the project folder of a checkout (the one "
@@ -167,11 +167,11 @@ def _dotted(name: Any) -> bool:
         for p in name.split("."))
 
 
-def _invalid(source: str | Path, field: str, ref: Any, why: str) -> BundleError:
+def _invalid(source: str | Path, field: str, ref: Any, why: str,
+             fix: str = "Re-record it, or get it again from whoever made it.") -> BundleError:
     return BundleError(
         f"{source}: {field} = {ref_label(ref)} {why}. Replay imports only the bundle's code snapshot, the --code "
-        "folder, or reprokit's demo, so this bundle is invalid and nothing was imported. Re-record it, or "
-        "get it again from whoever made it.",
+        f"folder, or reprokit's demo, so this bundle is invalid and nothing was imported. {fix}",
         [{"file": "run.json", "problem": f"{field} {why}"}])
 
 

@@ -166,6 +166,19 @@ def test_snapshot_shadowing_an_installed_module_is_refused(nan_bundle, tmp_path,
     assert f"which would shadow {name} of {owner}" in out
 
 
+def test_bundle_without_snapshot_needs_a_code_folder(nan_bundle, tmp_path):
+    """No code/ (the project was imported from site-packages when recorded): only --code can supply it."""
+    code = checkout_of(nan_bundle, tmp_path / "checkout")
+    shutil.rmtree(nan_bundle / "code")
+    m = json.loads((nan_bundle / B.MANIFEST).read_text())
+    m["files"] = {k: v for k, v in m["files"].items() if not k.startswith("code/")}
+    m["self_sha256"] = B._self_digest(m)
+    (nan_bundle / B.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(reprokit.BundleError, match="has no code snapshot.*Pass --code DIR"):
+        reprokit.replay(nan_bundle)
+    assert reprokit.replay(nan_bundle, code=code).reproduced
+
+
 def test_code_folder_without_the_project_exits_125(nan_bundle, tmp_path, projects):
     """Issue 14: an empty --code folder used to replay the installed module while saying "code from DIR"."""
     projects("rk_mlp")  # the live copy is importable: it must not stand in for the checkout
