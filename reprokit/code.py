@@ -129,7 +129,8 @@ def check_refs(refs: Any, *, snapshot: Path | None, code: Path | None, source: s
                 raise _invalid(source, field, ref, f"names the project's {target}, but the bundle has no code "
                                                    "snapshot (code/)", fix="Pass --code DIR, a checkout that holds it.")
             want = target if kind == "script" else " or ".join(_candidates(target))
-            raise CodeLoadError(f"--code {code} does not hold the bundle's code: no {want} in it ({field} names "
+            raise CodeLoadError(f"--code {code} does not hold the bundle's code: no {want} in it, links to files "
+                                f"outside it do not count ({field} names "
                                 f"{ref_label(ref)}). Point --code at the project folder of a checkout (the one "
                                 "that holds the recorded module), or drop --code to replay the bundle's snapshot.")
     if code is not None and not project:

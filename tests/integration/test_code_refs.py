@@ -179,6 +179,18 @@ def test_bundle_without_snapshot_needs_a_code_folder(nan_bundle, tmp_path):
     assert reprokit.replay(nan_bundle, code=code).reproduced
 
 
+def test_code_folder_module_linked_from_outside_is_not_imported(nan_bundle, tmp_path):
+    marker = tmp_path / "MARKER"
+    outside = tmp_path / "outside.py"
+    outside.write_text(f"import pathlib; pathlib.Path({str(marker)!r}).write_text('x')\n")
+    code = checkout_of(nan_bundle, tmp_path / "checkout")
+    (code / "rk_mlp.py").unlink()
+    (code / "rk_mlp.py").symlink_to(outside)
+    rc, out = cli("replay", str(nan_bundle), "--code", str(code))
+    assert not marker.exists()
+    assert rc == 125 and "does not hold the bundle's code" in out, out
+
+
 def test_code_folder_without_the_project_exits_125(nan_bundle, tmp_path, projects):
     """Issue 14: an empty --code folder used to replay the installed module while saying "code from DIR"."""
     projects("rk_mlp")  # the live copy is importable: it must not stand in for the checkout
