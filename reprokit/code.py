@@ -4,22 +4,31 @@ A *ref* names a module-level function: ``{"module": "train", "qualname": "build"
 or, for a script run as ``__main__``, ``{"script": "train.py", "qualname": "build"}``
 (path relative to the project root). The code snapshot copies the project's own
 imported source files (never site-packages) so replay works without the repo.
+
+``run.json`` comes from whoever sent the bundle, so :func:`check_refs` vets its refs
+before anything is imported: a ref may only name a file inside the code that replay
+runs (the bundle's snapshot, or the ``--code`` folder) or reprokit's own demo.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.machinery
 import importlib.util
+import keyword
 import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from reprokit.errors import CaptureError, CodeLoadError
+from reprokit.errors import BundleError, CaptureError, CodeLoadError
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
+# reprokit's own modules a ref may name: the demo's build/step. Nothing else of reprokit (its CLI
+# would turn ``config`` into a command line) and nothing of the standard library or site-packages.
+OWN_MODULES = frozenset({"reprokit.demo"})
 MAX_CODE_BYTES = 20 * 1024 * 1024
 
 
@@ -72,13 +81,206 @@ def snapshot_files(root: Path, extra: list[Path] = ()) -> list[Path]:  # type: i
     return sorted(found)
 
 
+# --- checking refs before anything is imported ---------------------------------------
+
+def check_refs(refs: Any, *, snapshot: Path | None, code: Path | None, source: str | Path = "run.json") -> None:
+    """Refuse refs that would import anything but the project's own code. Imports nothing.
+
+    Each ref in ``refs`` (build, step, predicates) must name a module-level object by dotted
+    identifiers, in a module or script file that lies inside ``snapshot`` (the bundle's
+    ``code/``) and, when the user passed ``--code``, inside ``code`` too; or in reprokit's own
+    demo (:data:`OWN_MODULES`). The snapshot must not hold top-level names that shadow the
+    standard library, reprokit or a package this process already imported.
+
+    Raises:
+        BundleError: (exit 3) a malformed ref, one that names a module of the standard library
+            or site-packages, a file outside the bundle's snapshot, a bundle without a snapshot
+            whose refs need one, or a snapshot that shadows installed modules.
+        CodeLoadError: (exit 125) the ``code`` folder does not hold the module or script a
+            valid ref names (a checkout without the project, like ``git bisect run``'s skip).
+    """
+    if snapshot is not None:
+        snapshot = snapshot.resolve()
+        _check_snapshot_names(snapshot, source)
+    if not isinstance(refs, dict) or "build" not in refs or "step" not in refs or \
+            not isinstance(refs.get("predicates", []), list):
+        raise _invalid(source, "refs", refs, "must be {\"build\": REF, \"step\": REF, \"predicates\": [REF|null, ...]}")
+    named = [("refs.build", refs["build"]), ("refs.step", refs["step"])] + [
+        (f"refs.predicates[{i}]", r) for i, r in enumerate(refs.get("predicates", [])) if r is not None]
+    project = []
+    for field, ref in named:
+        kind, target = _check_shape(source, field, ref)
+        if kind == "module" and target.split(".")[0] == "reprokit":
+            if target not in OWN_MODULES or _module_file(_PACKAGE_DIR.parent, target) is None:
+                raise _invalid(source, field, ref, f"names reprokit's module {target}; of reprokit, refs may only "
+                                                   f"name {', '.join(sorted(OWN_MODULES))}")
+            continue
+        project.append(target)
+        top = target.split(".")[0]
+        if kind == "module" and (lib := _installed(top, search=False)):
+            raise _invalid(source, field, ref, f"names {target}, a module of {lib}, not of the project")
+        if snapshot is not None and _find(snapshot, kind, target) is None:
+            raise _invalid(source, field, ref, f"names {target}, which is not in the bundle's code snapshot "
+                                               f"{snapshot}")
+        if (code is not None and _find(code.resolve(), kind, target) is None) or (snapshot is None and code is None):
+            if kind == "module" and (lib := _installed(top, search=True)):
+                raise _invalid(source, field, ref, f"names {target}, a module of {lib}, not of the project")
+            if code is None:
+                raise _invalid(source, field, ref, f"names the project's {target}, but the bundle has no code "
+                                                   "snapshot (code/)", fix="Pass --code DIR, a checkout that holds it.")
+            want = target if kind == "script" else " or ".join(_candidates(target))
+            raise CodeLoadError(f"--code {code} does not hold the bundle's code: no {want} in it, links to files "
+                                f"outside it do not count ({field} names "
+                                f"{ref_label(ref)}). Point --code at the project folder of a checkout (the one "
+                                "that holds the recorded module), or drop --code to replay the bundle's snapshot.")
+    if code is not None and not project:
+        raise CodeLoadError(f"--code {code}: this bundle's build and step are reprokit's own "
+                            f"({ref_label(refs['build'])}, {ref_label(refs['step'])}), so nothing would be imported from "
+                            f"{code}; drop --code to replay it.")
+
+
+_IDENT_ERR = "must be dotted Python identifiers (no dunder names)"
+
+
+def _check_shape(source: str | Path, field: str, ref: Any) -> tuple[str, str]:
+    """``("module" | "script", target)`` of a well-formed ref."""
+    if not isinstance(ref, dict) or set(ref) not in ({"module", "qualname"}, {"script", "qualname"}):
+        raise _invalid(source, field, ref, 'must be {"module": NAME, "qualname": NAME} or '
+                                           '{"script": PATH, "qualname": NAME}')
+    if not _dotted(ref["qualname"]):
+        raise _invalid(source, field, ref, f"qualname {_IDENT_ERR}")
+    if "module" in ref:
+        if not _dotted(ref["module"]):
+            raise _invalid(source, field, ref, f"module {_IDENT_ERR}")
+        return "module", ref["module"]
+    script = ref["script"]
+    parts = script.split("/") if isinstance(script, str) else []
+    if not parts or not script.endswith(".py") or "\\" in script or ":" in script or \
+            any(p in ("", ".", "..") for p in parts):
+        raise _invalid(source, field, ref, "script must be a relative path to a .py file inside the code "
+                                           "folder (no absolute path, no '..')")
+    return "script", script
+
+
+def _dotted(name: Any) -> bool:
+    return isinstance(name, str) and all(
+        p.isidentifier() and not keyword.iskeyword(p) and not (p.startswith("__") and p.endswith("__"))
+        for p in name.split("."))
+
+
+def _invalid(source: str | Path, field: str, ref: Any, why: str,
+             fix: str = "Re-record it, or get it again from whoever made it.") -> BundleError:
+    return BundleError(
+        f"{source}: {field} = {ref_label(ref)} {why}. Replay imports only the bundle's code snapshot, the --code "
+        f"folder, or reprokit's demo, so this bundle is invalid and nothing was imported. {fix}",
+        [{"file": "run.json", "problem": f"{field} {why}"}])
+
+
+def ref_label(ref: Any) -> str:
+    """``module:qualname`` or ``script.py:qualname`` (the raw value, cut short, if malformed)."""
+    if isinstance(ref, dict) and isinstance(ref.get("qualname"), str):
+        where = ref.get("module", ref.get("script"))
+        if isinstance(where, str):
+            return f"{where}:{ref['qualname']}"
+    return repr(ref)[:200]
+
+
+def _candidates(module: str) -> list[str]:
+    base = module.replace(".", "/")
+    return [base + "/__init__.py", base + ".py"]
+
+
+def _find(root: Path, kind: str, target: str) -> Path | None:
+    """The file inside ``root`` a module or script ref loads (also its packages' ``__init__``s inside)."""
+    if kind == "script":
+        return _inside(root / target, root)
+    return _module_file(root, target)
+
+
+def _module_file(root: Path, module: str) -> Path | None:
+    parts = module.split(".")
+    base = root
+    for part in parts[:-1]:
+        base = base / part
+        init = base / "__init__.py"
+        if not base.is_dir() or (init.exists() and _inside(init, root) is None):
+            return None
+    # A package wins over a module of the same name, as in the import system.
+    for rel in _candidates(parts[-1]):
+        if (base / rel).is_file():
+            return _inside(base / rel, root)
+    return None
+
+
+def _inside(path: Path, root: Path) -> Path | None:
+    """``path`` if it is a file that lies inside ``root`` once links are followed."""
+    real = path.resolve()
+    return real if real.is_file() and root.resolve() in real.parents else None
+
+
+def _installed(top: str, search: bool) -> str | None:
+    """What outside the project a top-level module name belongs to (None: nothing known).
+
+    Always: the standard library, reprokit, a package this process already imported from
+    site-packages (setting it aside would mix two copies). With ``search``, also a package
+    that ``sys.path``'s site-packages folders would supply (found without running anything).
+    """
+    if top == "reprokit":
+        return "reprokit itself"
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        return "the standard library"
+    mod = sys.modules.get(top)
+    locs: list[Any] = []
+    if mod is not None:
+        locs = [getattr(mod, "__file__", None), *(getattr(mod, "__path__", None) or [])]
+    elif search:
+        try:  # searches sys.path's folders only: runs nothing
+            spec = importlib.machinery.PathFinder.find_spec(top)
+        except (ImportError, ValueError):
+            spec = None
+        locs = [spec.origin, *(spec.submodule_search_locations or [])] if spec else []
+    for loc in locs:
+        if isinstance(loc, str) and os.path.isabs(loc) and _is_library(Path(loc)):
+            return f"an installed package ({loc})"
+    return None
+
+
+def _top_names(code_dir: Path) -> dict[str, Path]:
+    return {(p.stem if p.suffix == ".py" else p.name): p for p in sorted(code_dir.iterdir())
+            if (p.suffix == ".py" and p.is_file()) or (p.is_dir() and not p.name.startswith("."))}
+
+
+def _check_snapshot_names(snapshot: Path, source: str | Path) -> None:
+    for top, p in _top_names(snapshot).items():
+        lib = _installed(top, search=False)
+        if lib:
+            raise BundleError(
+                f"{snapshot}: the code snapshot holds {p.name}, which would shadow {top} of {lib} while replay "
+                "imports from the snapshot. Replay refuses it (nothing was imported). If the project really has "
+                f"a module named {top}, rename it and record again.",
+                [{"file": f"code/{p.name}", "problem": f"shadows {top} of {lib}"}])
+
+
+def _protected(name: str, mod: Any) -> bool:
+    """A module replay must never set aside: the standard library's, reprokit's, an installed package's."""
+    top = name.split(".")[0]
+    if top == "reprokit" or top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        return True
+    f = getattr(mod, "__file__", None)
+    return isinstance(f, str) and os.path.isabs(f) and _is_library(Path(f))
+
+
+# --- importing ----------------------------------------------------------------------
+
 @contextlib.contextmanager
 def imported(code_dir: Path | None) -> Iterator[None]:
     """Make ``code_dir`` the first place imports look, for the duration of a replay.
 
     Modules of the same top-level names already imported (say, the live copy of
     ``train``) are set aside and put back afterwards, so a bundle's snapshot and
-    the caller's own code never mix.
+    the caller's own code never mix. The standard library's, reprokit's and installed
+    packages' modules are never set aside (a ``--code`` checkout may hold a ``test/``
+    folder); :func:`resolve` checks where each function really came from.
     """
     saved_path = list(sys.path)
     saved_bytecode = sys.dont_write_bytecode
@@ -87,10 +289,9 @@ def imported(code_dir: Path | None) -> Iterator[None]:
     evicted: dict[str, Any] = {}
     if code_dir is not None:
         code_dir = code_dir.resolve()
-        tops = {p.stem if p.suffix == ".py" else p.name for p in code_dir.iterdir()
-                if p.suffix == ".py" or (p.is_dir() and not p.name.startswith("."))}
-        for name in list(sys.modules):
-            if name.split(".")[0] in tops:
+        tops = set(_top_names(code_dir))
+        for name, mod in list(sys.modules.items()):
+            if name.split(".")[0] in tops and not _protected(name, mod):
                 evicted[name] = sys.modules.pop(name)
         sys.path.insert(0, str(code_dir))
     importlib.invalidate_caches()
@@ -107,18 +308,22 @@ def imported(code_dir: Path | None) -> Iterator[None]:
             sys.modules.update(evicted)
 
 
-def resolve(ref: dict[str, Any], code_dir: Path | None) -> Callable:
-    """Import the function a ref names. Call inside :func:`imported`.
+def resolve(ref: dict[str, Any], code_dir: Path | None, field: str = "ref") -> Callable:
+    """Import the function a ref names. Call inside :func:`imported`, after :func:`check_refs`.
 
     Raises:
         CodeLoadError: saying what could not be imported and from where.
+        BundleError: the object the ref names is defined outside ``code_dir`` (say ``train:os.system``).
     """
     where = f" from {code_dir}" if code_dir else ""
+    own = ref.get("module") in OWN_MODULES
+    root = _PACKAGE_DIR if own else code_dir
+    if root is None:
+        raise CodeLoadError(f"{ref_label(ref)} is the project's own code; pass --code DIR")
+    root = root.resolve()
     try:
         if "script" in ref:
-            if code_dir is None:
-                raise CodeLoadError(f"{ref['qualname']} lives in the script {ref['script']}; pass --code DIR")
-            path = code_dir / ref["script"]
+            path = root / ref["script"]
             name = "_reprokit_script_" + path.stem
             spec = importlib.util.spec_from_file_location(name, path)
             if spec is None or spec.loader is None or not path.exists():
@@ -132,7 +337,6 @@ def resolve(ref: dict[str, Any], code_dir: Path | None) -> Callable:
         obj: Any = module
         for part in ref["qualname"].split("."):
             obj = getattr(obj, part)
-        return obj
     except CodeLoadError:
         raise
     except BaseException as e:  # a syntax error or a failing import in the user's code
@@ -143,6 +347,23 @@ def resolve(ref: dict[str, Any], code_dir: Path | None) -> Callable:
             f"cannot import {target}:{ref['qualname']}{where}: {type(e).__name__}: {e}. "
             "Check the module imports on its own, or point --code at a checkout that has it."
         ) from None
+    if _file_of(module, root) is None:
+        raise CodeLoadError(f"{ref_label(ref)} was imported from {getattr(module, '__file__', None)}, not from {root}: "
+                            "an installed module of that name was already loaded. Rename the project's module.")
+    home = getattr(obj, "__module__", None)
+    home_mod = sys.modules.get(home) if isinstance(home, str) else None
+    if home_mod is None or _file_of(home_mod, root) is None or (own and home not in OWN_MODULES):
+        raise BundleError(
+            f"run.json: {field} = {ref_label(ref)} names an object defined in {home!r} "
+            f"({getattr(home_mod, '__file__', None) or 'no source file'}), outside {root}. Replay runs only the "
+            "project's own functions; this bundle is invalid and the object was not called.",
+            [{"file": "run.json", "problem": f"{field} names an object defined outside the code"}])
+    return obj
+
+
+def _file_of(module: Any, root: Path) -> Path | None:
+    f = getattr(module, "__file__", None)
+    return _inside(Path(f), root) if isinstance(f, str) and os.path.isabs(f) else None
 
 
 def git_info(root: Path | None) -> dict[str, Any] | None:

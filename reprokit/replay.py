@@ -22,7 +22,7 @@ import torch
 
 from reprokit import pytree
 from reprokit.bundle import Bundle, jsonable, open_bundle
-from reprokit.code import imported, resolve
+from reprokit.code import check_refs, imported, resolve
 from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
 from reprokit.errors import CodeLoadError, ReprokitError
@@ -191,6 +191,9 @@ class Session:
         self.code_dir = Path(code).resolve() if code else bundle.code_dir
         if code and not (self.code_dir and self.code_dir.is_dir()):
             raise CodeLoadError(f"--code {code}: no such directory")
+        # run.json comes from whoever sent the bundle: its refs may only name the code replay runs.
+        check_refs(bundle.run.get("refs"), snapshot=bundle.code_dir, code=self.code_dir if code else None,
+                   source=bundle.path / "run.json")
         self.recorded = bundle.failure
         self._stack = ExitStack()
         self.state: TrainState | None = None
@@ -207,9 +210,10 @@ class Session:
         run = self.bundle.run
         self._stack.enter_context(imported(self.code_dir))
         refs = run["refs"]
-        build = resolve(refs["build"], self.code_dir)
-        self.step_fn = resolve(refs["step"], self.code_dir)
-        predicates = [resolve(r, self.code_dir) for r in refs.get("predicates", []) if r is not None]
+        build = resolve(refs["build"], self.code_dir, "refs.build")
+        self.step_fn = resolve(refs["step"], self.code_dir, "refs.step")
+        predicates = [resolve(r, self.code_dir, f"refs.predicates[{i}]")
+                      for i, r in enumerate(refs.get("predicates", [])) if r is not None]
         flags = apply_determinism_flags(run.get("determinism", {}))
         self._stack.callback(apply_determinism_flags, flags)
         config = pytree.decode(run["config"], {})

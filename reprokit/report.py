@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from reprokit import pytree
 from reprokit.bundle import STATE_TENSORS, Bundle, jsonable
+from reprokit.code import ref_label
 from reprokit.errors import ReprokitError
 
 
@@ -85,6 +86,7 @@ def format_describe(d: dict[str, Any]) -> str:
                  f"step {w['start']})")
     lines.append("batch    " + ("; ".join(f"{k}: {v.get('dtype', v.get('type'))}{v.get('shape', '')}"
                                            for k, v in d["batch"].items()) or "(empty)"))
+    lines.append("refs     " + _refs_line(d.get("refs")))
     lines.append("state    " + ", ".join(f"{k} {_mb(v)}" for k, v in d["state"].items()))
     lines.append("on disk  " + ", ".join(f"{k} {_mb(v)}" for k, v in d["sizes"].items()))
     e = d["env"]
@@ -98,6 +100,18 @@ def format_describe(d: dict[str, Any]) -> str:
         lines += [f"  step {h['step']:>8}  loss {h['loss'] if h['loss'] is not None else '-':<24}"
                   f"grad norm {h['grad_norm'] if h['grad_norm'] is not None else '-'}" for h in losses]
     return "\n".join(lines)
+
+
+def _refs_line(refs: Any) -> str:
+    """What replay would import, as ``build MODULE:QUALNAME, step ..., predicates ...`` (shown as recorded)."""
+    if not isinstance(refs, dict):
+        return repr(refs)[:300]
+    preds = refs.get("predicates") or []
+    parts = [f"build {ref_label(refs.get('build'))}", f"step {ref_label(refs.get('step'))}"]
+    if preds:
+        parts.append("predicates " + ", ".join(ref_label(p) if p is not None else "(not importable)"
+                                               for p in (preds if isinstance(preds, list) else [preds])))
+    return ", ".join(parts)
 
 
 def _mb(n: int) -> str:
