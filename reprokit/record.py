@@ -238,6 +238,19 @@ class Recorder:
         self._window_ok = False
         self._history: deque[tuple[int, float | None, float | None]] = deque(maxlen=loss_history)
         self._warned: set[str] = set()
+        self._mention_leftovers()
+
+    def _mention_leftovers(self) -> None:
+        """Say, once at attach, when ``out_dir`` holds temp folders that killed writers left behind."""
+        try:
+            left = [x for x in B.find_leftovers(self.out_dir) if x.removable]
+        except Exception:
+            return  # never let a look around the output folder stop the run
+        if left:
+            size = sum(x.bytes for x in left)
+            warnings.warn(f"reprokit: {self.out_dir} holds {len(left)} unfinished bundle folder(s) ({mib(size)}) "
+                          f"left by writers that were killed; `reprokit gc {self.out_dir}` removes them",
+                          RecorderWarning, stacklevel=3)
 
     # --- the hot path -----------------------------------------------------------
 

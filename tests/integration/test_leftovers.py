@@ -57,3 +57,38 @@ def test_sigkilled_writer_leaves_a_folder_that_gc_removes_and_a_live_one_it_keep
     assert not os.path.exists(tmp) and list(out.iterdir()) == []
     assert _gc(str(out))[1]["leftovers"] == []
     assert CliRunner().invoke(main, ["gc", str(tmp_path / "nope")]).exit_code == 2
+
+
+def test_the_recorder_mentions_leftovers_when_it_starts_and_ctrl_c_in_a_dump_leaves_none(projects, tmp_path):
+    import subprocess
+    import sys
+
+    import pytest
+
+    import reprokit
+
+    mlp = projects("rk_mlp")
+    # A writer killed outright: a temp folder whose pid is gone.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    from reprokit import bundle as B
+
+    w = B.BundleWriter(tmp_path, "bundle-x")
+    w.write_bytes("big.bin", b"\0" * 4096)
+    assert f"pid{os.getpid()}." in w.tmp.name
+    orphan = w.tmp.with_name(w.tmp.name.replace(f"pid{os.getpid()}.", f"pid{pid}."))
+    w.tmp.rename(orphan)
+    assert [x.path for x in B.find_leftovers(tmp_path) if x.removable] == [orphan]
+    state = mlp.build({})
+    with pytest.warns(reprokit.RecorderWarning, match="reprokit gc"):
+        rec = reprokit.Recorder(state, mlp.train_step, build=mlp.build, config={}, out_dir=tmp_path)
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    rec._write = interrupted
+    batches = list(mlp.batches({}, 8, poison_step=6))
+    with pytest.raises(KeyboardInterrupt):
+        for b in batches:
+            rec.step(b)
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == [orphan], "Ctrl-C left nothing new"
