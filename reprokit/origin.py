@@ -126,6 +126,19 @@ def _user_site() -> Any:
     return None
 
 
+def value_stats(obj: Any) -> dict[str, Any] | None:
+    """Finite |min|, |max| and the count of non-finite values over the floating tensors in ``obj``."""
+    ts = _floats(obj)
+    if not ts:
+        return None
+    with torch.no_grad():
+        flat = torch.cat([t.detach().float().reshape(-1) for t in ts])
+        finite = flat[torch.isfinite(flat)].abs()
+        return {"abs_min": float(finite.min()) if finite.numel() else None,
+                "abs_max": float(finite.max()) if finite.numel() else None,
+                "nonfinite": int((~torch.isfinite(flat)).sum()), "numel": int(flat.numel())}
+
+
 def _floats(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
 
@@ -193,7 +206,8 @@ class OriginWatcher(TorchDispatchMode):
         value = "nan" if nan and not ins.nan else "inf" if inf and not ins.inf else None
         if self.first_nonfinite is None:
             self.first_nonfinite = {"op": str(func.overloadpacket.__name__), "overload": str(func),
-                                    "created": value is not None}
+                                    "created": value is not None, "inputs": value_stats(list(args)),
+                                    "output": value_stats(bad)}
         if value is not None:
             self.created = self._origin(func, value, True, bad, where)
         elif nan and self.first_nan is None:
