@@ -23,7 +23,8 @@ and the batch rows whose values were non-finite there (when the op's output
 is laid out ``[rows, ...]``).
 
 Ops run by reprokit itself (the gradient-norm check in the optimizer pre-hook)
-are not watched.
+are not watched. Watching costs one ``isfinite`` reduction (a device sync on a
+GPU) per op, so it runs only in origin checks, never while recording.
 """
 
 from __future__ import annotations
@@ -140,7 +141,15 @@ def value_stats(obj: Any) -> dict[str, Any] | None:
 
 
 def _floats(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()
+            and t.layout == torch.strided and t.numel()]
+
+
+def _guarded(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - an unusual tensor (subclass, meta) is simply not watched
+        return None
 
 
 def _has(ts: list[torch.Tensor], scalars: list[float], test: Callable[[Any], Any],
@@ -156,7 +165,7 @@ class _Inputs:
 
 def _inputs(args: Any, kwargs: Any) -> _Inputs:
     leaves = tree_leaves((args, kwargs))
-    ts = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    ts = _floats(leaves)
     scalars = [float(v) for v in leaves if isinstance(v, float)]
     return _Inputs(_has(ts, scalars, torch.isnan, math.isnan), _has(ts, scalars, torch.isinf, math.isinf))
 
@@ -187,14 +196,17 @@ class OriginWatcher(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         watch = self.active and self.created is None and func.overloadpacket.__name__ not in _UNINITIALISED
-        # An op writing into its input hides what the input held: look before it runs.
-        before = _inputs(args, kwargs) if watch and func._schema.is_mutable else None
+        before = None
+        if watch and func._schema.is_mutable:
+            # An op writing into its input hides what the input held: look before it runs.
+            before = _guarded(lambda: _inputs(args, kwargs))
+            watch = before is not None
         out = func(*args, **kwargs)
-        if not watch:
-            return out
-        bad = [t for t in _floats(out) if not bool(torch.isfinite(t).all())]
-        if bad:
-            self._seen(func, args, kwargs, bad, before or _inputs(args, kwargs))
+        if watch:
+            # Watching must never change what the step does: a tensor it cannot check is skipped.
+            bad = _guarded(lambda: [t for t in _floats(out) if not bool(torch.isfinite(t).all())])
+            if bad:
+                _guarded(lambda: self._seen(func, args, kwargs, bad, before or _inputs(args, kwargs)))
         return out
 
     def _seen(self, func: Any, args: Any, kwargs: Any, bad: list[torch.Tensor], ins: _Inputs) -> None:
