@@ -300,12 +300,15 @@ def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: 
 def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300,
            passes: Sequence[str] = tuple(PASSES), pad_id: int = 0, isolate: bool = False, timeout: float = 60.0,
            device: str | None = None, code: str | Path | None = None, progress: Progress | None = None) -> ShrinkResult:
-    """Minimise a bundle: fewest steps, rows, sequence positions and meaningful tokens, same failure.
+    """Minimise a bundle: fewest steps, rows, sequence positions and meaningful tokens, same failure
+    (and for a non-finite one, the same origin: see :mod:`reprokit.origin`).
 
     Args:
         bundle: the failing bundle.
         output: directory to write the shrunk bundle to (must not exist yet).
-        budget: most candidate replays to spend.
+        budget: most candidate replays to spend. For a non-finite failure, each candidate that
+            fails with the same signature is also run once more (its failing step only) to
+            check the origin; those runs are ``origin_checks``, not replays.
         passes: which passes to run, from ``steps``, ``rows``, ``sequence``, ``tokens``.
         pad_id: the neutral value for integer tensors in the ``tokens`` pass.
         isolate: replay each candidate in a subprocess (segfaults, hangs), ``timeout`` seconds each.
