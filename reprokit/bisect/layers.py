@@ -8,6 +8,12 @@ step is then run once more from the same state with a ``TorchDispatchMode``
 that watches only while the culprit runs and names the first aten op whose
 output is non-finite. For exception failures, the module whose forward raised
 and the shapes/dtypes it received are reported instead.
+
+Module hooks only see module boundaries: a NaN the step function's own loss
+expression makes (a 0/0 outside every module) reaches the modules only through
+backward. So the step also runs once under :func:`reprokit.origin.watch_step`,
+and ``origin`` names the first op that made the non-finite value, wherever it
+ran (module, or the step function's file:line), as the shrinker checks it.
 """
 
 from __future__ import annotations
@@ -18,23 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from reprokit import pytree
 from reprokit.bundle import Bundle
+from reprokit.origin import OriginWatcher, watch_step
+from reprokit.origin import value_stats as _stats
 from reprokit.replay import Session
-
-
-def _stats(obj: Any) -> dict[str, Any] | None:
-    ts = [t for _, t in pytree.leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
-    if not ts:
-        return None
-    with torch.no_grad():
-        flat = torch.cat([t.detach().float().reshape(-1) for t in ts])
-        finite = flat[torch.isfinite(flat)].abs()
-        return {"abs_min": float(finite.min()) if finite.numel() else None,
-                "abs_max": float(finite.max()) if finite.numel() else None,
-                "nonfinite": int((~torch.isfinite(flat)).sum()), "numel": int(flat.numel())}
+from reprokit.shrink.case import batch_size
 
 
 def _shapes(obj: Any) -> list[str]:
@@ -91,24 +87,6 @@ class _Tracer:
             h.remove()
 
 
-class _FirstBadOp(TorchDispatchMode):
-    """Watches aten ops while ``active``; remembers the first with a non-finite floating output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.active = False
-        self.found: dict[str, Any] | None = None
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if self.active and self.found is None:
-            st = _stats(out)
-            if st and st["nonfinite"]:
-                self.found = {"op": str(func.overloadpacket.__name__), "overload": str(func),
-                              "inputs": _stats(list(args)), "output": st}
-        return out
-
-
 def bisect_layers(bundle: Bundle, *, device: str | None = None, code: Any = None, keep: int = 20) -> dict[str, Any]:
     """Localise the failing step's first non-finite module and op (or the module that raised)."""
     with Session(bundle, device=device, code=code) as s:
@@ -127,7 +105,7 @@ def bisect_layers(bundle: Bundle, *, device: str | None = None, code: Any = None
         finally:
             tracer.close()
         result: dict[str, Any] = {"failure": out.failure.describe() if out.failure else None,
-                                  "first_nonfinite": None, "frames": [], "raised_in": None}
+                                  "first_nonfinite": None, "frames": [], "raised_in": None, "origin": None}
         if out.failure is not None and out.failure.kind == "exception" and tracer.stack:
             name, shapes = tracer.stack[-1]
             result["raised_in"] = {"module": name, "class": type(s.state.model.get_submodule(
@@ -135,6 +113,9 @@ def bisect_layers(bundle: Bundle, *, device: str | None = None, code: Any = None
                 "exception": f"{out.failure.exc_type}: {out.failure.message}"}
             result["frames"] = list(tracer.frames)[-keep:]
             return result
+        if out.failure is not None and out.failure.kind != "exception":
+            origin = watch_step(s, inputs[-1], before, batch_size(inputs[-1].batch))[1]
+            result["origin"] = origin.to_json() if origin else None
         if tracer.first is None:
             result["frames"] = list(tracer.frames)[-keep:]
             return result
@@ -152,7 +133,7 @@ def _find_op(s: Session, steps: list, before: Any, module: str, phase: str) -> d
     """Run the step again from the same state, watching aten ops only inside ``module``'s forward."""
     assert s.state is not None
     mod = s.state.model if module == "<model>" else s.state.model.get_submodule(module)
-    mode = _FirstBadOp()
+    mode = OriginWatcher(active=False)
 
     def on(*_: Any) -> None:
         mode.active = True
@@ -169,11 +150,13 @@ def _find_op(s: Session, steps: list, before: Any, module: str, phase: str) -> d
     finally:
         for h in handles:
             h.remove()
-    return mode.found
+    return mode.first_nonfinite
 
 
 def format_layers(d: dict[str, Any]) -> str:
     lines = []
+    if d.get("origin"):
+        lines.append(f"origin: {d['origin']['summary']}")
     if d.get("raised_in"):
         r = d["raised_in"]
         lines.append(f"raised in module {r['module']} ({r['class']}): {r['exception']}")

@@ -67,9 +67,18 @@ def batch_size(batch: Any) -> int | None:
     return max(sizes, key=lambda k: (sizes[k], k)) if sizes else None
 
 
+TOKEN_DTYPES = frozenset({torch.int32, torch.int64})
+"""Integer dtypes that carry token ids (uint8 images and bool masks are not sequences)."""
+
+
 def seq_len(batch: Any, n: int | None) -> int | None:
-    """The most common second dimension among ``[n, S, ...]`` tensor leaves."""
-    sizes = Counter(t.shape[1] for t in _tensors(batch) if t.dim() >= 2 and (n is None or t.shape[0] == n))
+    """The sequence length: the most common dim 1 among ``[n, S, ...]`` integer token tensors.
+
+    Only token tensors define it: a dense float input ``[n, 64]`` has features along
+    dim 1, not positions, and a batch without token tensors has no sequence at all.
+    """
+    sizes = Counter(t.shape[1] for t in _tensors(batch) if t.dim() >= 2 and t.dtype in TOKEN_DTYPES
+                    and (n is None or t.shape[0] == n))
     return max(sizes, key=lambda k: (sizes[k], k)) if sizes else None
 
 
@@ -88,7 +97,8 @@ def select_rows(batch: Any, n: int, keep: list[int]) -> Any:
 
 
 def select_seq(batch: Any, n: int | None, s: int, lo: int, hi: int) -> Any:
-    """Slice ``[:, lo:hi]`` out of every ``[n, s, ...]`` tensor leaf."""
+    """Slice ``[:, lo:hi]`` out of every ``[n, s, ...]`` tensor leaf: the token tensors (``s`` is their
+    :func:`seq_len`) and the leaves sharing their length (masks, labels, per-position features)."""
     if isinstance(batch, torch.Tensor):
         ok = batch.dim() >= 2 and batch.shape[1] == s and (n is None or batch.shape[0] == n)
         return batch[:, lo:hi].contiguous() if ok else batch
@@ -97,6 +107,31 @@ def select_seq(batch: Any, n: int | None, s: int, lo: int, hi: int) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(select_seq(v, n, s, lo, hi) for v in batch)
     return batch
+
+
+def concat_rows(a: Any, n: int, b: Any) -> Any:
+    """``a`` (``n`` rows) with the rows of ``b`` (the same structure, one row) appended; None if they do not fit."""
+    if isinstance(a, torch.Tensor):
+        if a.dim() == 0 or a.shape[0] != n:
+            return a
+        if not isinstance(b, torch.Tensor) or b.dtype != a.dtype or b.shape[1:] != a.shape[1:]:
+            return None
+        return torch.cat([a, b.to(a.device)])
+    if isinstance(a, Mapping):
+        if not isinstance(b, Mapping) or set(a) != set(b):
+            return None
+        out = {k: concat_rows(v, n, b[k]) for k, v in a.items()}
+        return None if any(v is None and a[k] is not None for k, v in out.items()) else out
+    if isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)):
+            return None
+        if len(a) == n and all(isinstance(v, (str, int, float, bool)) or v is None for v in a):
+            return type(a)([*a, *b])
+        if len(a) != len(b):
+            return None
+        parts = [concat_rows(x, n, y) for x, y in zip(a, b)]
+        return None if any(p is None and x is not None for p, x in zip(parts, a)) else type(a)(parts)
+    return a
 
 
 def _eligible(path: str, leaf: Any) -> bool:

@@ -17,12 +17,25 @@ from reprokit import bundle as B
 from reprokit import pytree
 from reprokit.bundle import Bundle, StepRecord, open_bundle
 from reprokit.errors import DidNotReproduce, ReprokitError
-from reprokit.replay import RunOutcome, Session
-from reprokit.shrink.case import Case, Snapshot, batch_size, dataset_indices, seq_len, token_positions
+from reprokit.origin import Origin, same_origin, watch_step
+from reprokit.replay import RunOutcome, Session, StepInput
+from reprokit.shrink.case import (
+    Case,
+    Snapshot,
+    batch_size,
+    concat_rows,
+    dataset_indices,
+    select_rows,
+    select_seq,
+    seq_len,
+    token_positions,
+)
 from reprokit.shrink.passes import PASSES
 from reprokit.signature import Failure
 
 Progress = Callable[[str, int, str], None]
+NONFINITE = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
+"""Failure kinds whose candidates must also keep the origin (where the first NaN/inf appeared)."""
 
 
 class BudgetExhausted(Exception):
@@ -53,6 +66,9 @@ class ShrinkResult:
     budget_exhausted: bool
     failure: Failure
     different_failures: int = 0
+    origin: Origin | None = None
+    origin_checks: int = 0
+    origin_changed: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return B.jsonable({
@@ -65,6 +81,9 @@ class ShrinkResult:
             "seq_window": self.seq_window,
             "budget_exhausted": self.budget_exhausted,
             "different_failures": self.different_failures,
+            "origin": self.origin.to_json() if self.origin else None,
+            "origin_checks": self.origin_checks,
+            "origin_changed": self.origin_changed,
             "seconds": round(self.seconds, 3),
             "failure": {"kind": self.failure.kind, "step": self.failure.step, "exception_type": self.failure.exc_type,
                         "message": self.failure.message},
@@ -92,6 +111,14 @@ class Shrinker:
     steps_run: int = 0
     different_failures: int = 0
     """Candidates rejected because they failed, but not the same way."""
+    origin: Origin | None = None
+    """Where the original's first non-finite value appeared; candidates must keep it (see :meth:`keeps_origin`)."""
+    origin_checks: int = 0
+    """Origin runs: one per candidate that failed with the same signature (not counted in ``replays``)."""
+    origin_changed: int = 0
+    """Candidates with the same signature rejected because their first non-finite value moved."""
+    reference: tuple[Any, int] | None = None
+    """The original failing batch and its row count: control rows for origin checks come from it."""
     best: Case | None = None
     _cache: dict[str, tuple[bool, RunOutcome | dict]] = field(default_factory=dict)
     _snapshots: dict[tuple, tuple[Snapshot, int]] = field(default_factory=dict)
@@ -105,16 +132,73 @@ class Shrinker:
             if self.replays >= self.budget:
                 raise BudgetExhausted
             self.replays += 1
-            self._cache[key] = self._isolated(case) if self.isolate else self._in_process(case)
-            interesting, out = self._cache[key]
-            if not interesting and _failed(out):
+            interesting, out = self._isolated(case) if self.isolate else self._in_process(case)
+            if interesting and self.origin is not None:
+                interesting = self.keeps_origin(case)
+                self.origin_changed += not interesting
+            elif not interesting and _failed(out):
                 self.different_failures += 1
+            self._cache[key] = interesting, out
             if interesting and (self.best is None or case.sort_key(self.pad_id) < self.best.sort_key(self.pad_id)):
                 self.best = case
             if self.progress:
                 size = dims(self.best, self.pad_id) if self.best else {}
                 self.progress(self._current_pass, self.replays, ", ".join(f"{k} {v}" for k, v in size.items()))
         return self._cache[key][0]
+
+    def find_origin(self, case: Case) -> Origin | None:
+        """Run ``case``'s failing step once more, watched; the original's origin (rows = original positions)."""
+        snap = self.snapshot_at(case, len(case.inputs) - 1)
+        if snap is None:
+            return None
+        self.origin_checks += 1
+        _, origin = watch_step(self.session, case.last, snap[0], batch_size(case.last.batch))
+        self.steps_run += 1
+        return origin
+
+    def keeps_origin(self, case: Case) -> bool:
+        """Does ``case``, which fails with the same signature, still fail for the same reason?
+
+        Its failing step is run watched, with one *control* row appended when every row
+        it kept was non-finite at the origin: an original row that was finite there, cut
+        to the same sequence window. The first non-finite value must appear at the same
+        place (op, module or step-function line, phase) and only in rows that were
+        non-finite there originally. A cut that makes any row fail (a 1-position
+        sequence with no target: 0/0 for every document) also fails the control row,
+        so it is rejected even once the culprit is the only row left.
+        """
+        assert self.origin is not None
+        snap = self.snapshot_at(case, len(case.inputs) - 1)
+        if snap is None:
+            return False
+        batch, n = case.last.batch, batch_size(case.last.batch)
+        row_ids = list(case.rows) if case.rows is not None else None
+        control = self._control(case, row_ids)
+        if control is not None and n is not None and row_ids is not None:
+            merged = concat_rows(batch, n, control[1])
+            if merged is not None:
+                batch, n, row_ids = merged, n + 1, [*row_ids, control[0]]
+        self.origin_checks += 1
+        inp = StepInput(case.last.step, batch, case.last.rng, case.last.rng_tensors)
+        _, got = watch_step(self.session, inp, snap[0], n)
+        self.steps_run += 1
+        return same_origin(self.origin, got, row_ids)
+
+    def _control(self, case: Case, row_ids: list[int] | None) -> tuple[int, Any] | None:
+        """The first original row that was finite at the origin, cut like ``case``; None when not needed."""
+        assert self.origin is not None
+        bad = self.origin.rows
+        if bad is None or row_ids is None or self.reference is None or any(r not in bad for r in row_ids):
+            return None
+        original, n0 = self.reference
+        r = next((r for r in range(n0) if r not in bad), None)
+        if r is None:
+            return None
+        row = select_rows(original, n0, [r])
+        s0 = seq_len(original, n0)
+        if case.seq is not None and s0 is not None and case.seq != (0, s0):
+            row = select_seq(row, 1, s0, *case.seq)
+        return r, row
 
     def outcome(self, case: Case) -> RunOutcome | dict:
         return self._cache[case.key()][1]
@@ -216,12 +300,15 @@ def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: 
 def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300,
            passes: Sequence[str] = tuple(PASSES), pad_id: int = 0, isolate: bool = False, timeout: float = 60.0,
            device: str | None = None, code: str | Path | None = None, progress: Progress | None = None) -> ShrinkResult:
-    """Minimise a bundle: fewest steps, rows, sequence positions and meaningful tokens, same failure.
+    """Minimise a bundle: fewest steps, rows, sequence positions and meaningful tokens, same failure
+    (and for a non-finite one, the same origin: see :mod:`reprokit.origin`).
 
     Args:
         bundle: the failing bundle.
         output: directory to write the shrunk bundle to (must not exist yet).
-        budget: most candidate replays to spend.
+        budget: most candidate replays to spend. For a non-finite failure, each candidate that
+            fails with the same signature is also run once more (its failing step only) to
+            check the origin; those runs are ``origin_checks``, not replays.
         passes: which passes to run, from ``steps``, ``rows``, ``sequence``, ``tokens``.
         pad_id: the neutral value for integer tensors in the ``tokens`` pass.
         isolate: replay each candidate in a subprocess (segfaults, hangs), ``timeout`` seconds each.
@@ -259,6 +346,9 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                 f"{src.path} does not reproduce ({got} on replay; recorded: {src.failure.describe()}), so there is "
                 "nothing to shrink. Run `reprokit replay --times 5` to see whether it is flaky."
             )
+        if src.failure.kind in NONFINITE:
+            # Checked once here, then for every candidate that fails with the same signature.
+            sh.origin, sh.reference = sh.find_origin(original), (first, n or 0)
         before = dims(original, pad_id)
         best, stats, exhausted = sh.run(original, passes)
         out = sh.outcome(best)
@@ -276,6 +366,9 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             "passes": {k: vars(v) for k, v in stats.items()},
             "replays": sh.replays,
             "different_failures": sh.different_failures,
+            "origin": sh.origin.to_json() if sh.origin else None,
+            "origin_checks": sh.origin_checks,
+            "origin_changed": sh.origin_changed,
             "kept_rows": list(best.rows) if best.rows is not None else None,
             "dataset_indices": indices,
             "seq_window": window,
@@ -287,4 +380,5 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         written = write_case(session, best, output.parent, output.name, failure.to_json(),
                              out if isinstance(out, RunOutcome) else None, provenance)
         return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
-                            time.perf_counter() - t0, exhausted, failure, sh.different_failures)
+                            time.perf_counter() - t0, exhausted, failure, sh.different_failures, sh.origin,
+                            sh.origin_checks, sh.origin_changed)

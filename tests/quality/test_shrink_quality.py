@@ -75,6 +75,32 @@ def test_candidates_failing_differently_are_never_accepted(projects, tmp_path):
     assert report.reproduced and report.runs[0].failure.kind == "nonfinite_loss"
 
 
+@pytest.mark.parametrize("passes", [None, "sequence,rows,tokens"])
+def test_an_empty_document_shrinks_to_that_document_not_to_a_cut_that_empties_every_one(projects, tmp_path, passes):
+    """Loss = mean over documents of (ce * mask).sum / mask.sum; row 5 of step 3 has no target (0/0).
+
+    A 1-position window also fails with a NaN loss (no document has a target there), and
+    after it any row would do: the origin check (same op, same line, no healthy row NaN
+    there, tried with a control row once the culprit is alone) rejects it, in any pass order.
+    """
+    lm = projects("rk_lm_mask")
+    cfg = {"vocab": 30}
+    _, exc = record(lm, cfg, lm.batches(cfg, 4, empty=(3, 5)), tmp_path / "r")
+    r = shrink(exc.bundle, tmp_path / "small", **({"passes": passes.split(",")} if passes else {}))
+    assert r.kept_rows == [5] and r.dataset_indices == [3 * 8 + 5]
+    lo, hi = r.seq_window
+    assert r.after["rows"] == 1 and r.after["seq"] == hi - lo >= 2
+    small = open_bundle(r.output)
+    mask = small.step(3)[0]["loss_mask"]
+    assert mask.shape == (1, hi - lo) and not mask.any(), "still the empty document"
+    # ...and no longer a window where any document is empty: the first healthy row keeps a target in it.
+    assert open_bundle(exc.bundle).step(3)[0]["loss_mask"][0, lo + 1:hi].any()
+    assert r.replays <= 30, r.replays
+    assert r.origin is not None and r.origin.rows == (5,) and r.origin_changed > 0
+    assert small.run["provenance"]["origin"]["rows"] == [5] and small.run["provenance"]["origin_checks"] > 0
+    assert reprokit.replay(r.output).reproduced
+
+
 def test_bundle_that_does_not_reproduce_is_refused(projects, tmp_path):
     import shutil
 
