@@ -223,7 +223,8 @@ class Recorder:
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._landed: dict[torch.device, torch.cuda.Event] = {}
         """Recorded on the copy stream after the last step's device-to-host batch copies."""
-        self._waited: set[torch.device] = set()
+        self._to_stage: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(device buffer, batch tensor) pairs to copy at this step's start."""
         self._pool = {"pinned": 0, "pageable": 0}
         """Bytes of the batch buffers in ``_slots``."""
         self._bytes_at: dict[int, int] = {}
@@ -304,6 +305,8 @@ class Recorder:
                 due, position = True, 0
             self._slot, self._leaf = position, 0
             tree, tensors = self._encode_batch(batch)
+            if self._to_stage:
+                self._stage()
             rng = capture_rng(self.state.extra)
             if due:
                 self._take_snapshot(k)
@@ -313,6 +316,7 @@ class Recorder:
             self._note_peak()
             return rec
         except Exception as e:
+            self._to_stage.clear()
             self._drop_window("capture", f"reprokit: cannot record step {k} ({e}); no bundle can be written until "
                                          f"the next snapshot (step {self._next_snapshot(k)}). Training continues.")
             return None
@@ -353,19 +357,29 @@ class Recorder:
             n = slot.numel() * slot.element_size()
             self._pool["pinned" if t.is_cuda else "pageable"] += n
             self._bytes_at[key[0]] = self._bytes_at.get(key[0], 0) + n
-        t = t.detach()
+        if t.requires_grad:
+            t = t.detach()
         if not t.is_cuda:
             return slot.copy_(t)
         stage = self._staged.get(key[1])
         if stage is None or stage.shape != t.shape or stage.dtype != t.dtype or stage.device != t.device:
             stage = self._staged[key[1]] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        done = self._landed.get(t.device)
-        if done is not None and t.device not in self._waited:
-            torch.cuda.current_stream(t.device).wait_event(done)  # last step's copy out of ``stage`` has run
-            self._waited.add(t.device)
-        stage.copy_(t)
+        self._to_stage.append((stage, t))
         self._pending.append((stage, slot))
         return slot
+
+    def _stage(self) -> None:
+        """Queue this step's device-to-device batch copies, in one call, on the training stream."""
+        todo, self._to_stage = self._to_stage, []
+        for device in {t.device for _, t in todo}:
+            done = self._landed.get(device)
+            if done is not None:
+                torch.cuda.current_stream(device).wait_event(done)  # last step's copies out of the stages have run
+        if len({t.device for _, t in todo}) == 1 and hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_([s for s, _ in todo], [t for _, t in todo])  # one dispatch for every leaf
+        else:
+            for stage, t in todo:
+                stage.copy_(t)
 
     def _after_step(self) -> None:
         """The step function has just returned (or raised); the device is still working through it.
@@ -374,7 +388,6 @@ class Recorder:
         starts where the staging copies ended, and when the next step takes a snapshot, walk
         the state for it now (see :meth:`SnapshotEngine.prepare`).
         """
-        self._waited.clear()
         if self._pending:
             try:
                 by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
