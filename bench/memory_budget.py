@@ -11,7 +11,10 @@ Questions it answers:
   and what does the budget cost in step time (early snapshots)?
 
 Variants run in interleaved blocks (the order rotates each round): bare loop; recorder
-with the default budget; recorder with a budget of ``--budget-mb``. Reported per variant:
+with the defaults (snapshot every 100 steps, warmed for 101 steps so its buffers are
+reused, as in a long run); recorder with the default budget and no snapshots after the
+first (its window only grows: every step allocates a fresh buffer); recorder with a
+budget of ``--budget-mb`` and no scheduled snapshots (early snapshots keep it inside). Reported per variant:
 mean step time and its ratio to bare, the recorder's peak pinned + pageable bytes
 (``rec.stats()``), the peak of what its buffers really hold, early snapshots, and the
 process's peak RSS growth. Also: the time of one batch ``memcpy`` into a reused buffer
@@ -72,6 +75,8 @@ def main() -> None:
     ap.add_argument("--budget-mb", type=float, default=None, help="the small budget (default 256 MB, quick 4 MB)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    import subprocess
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cfg = {"d": 256 if args.quick else 4096, "hidden": 16 if args.quick else 256, "batch": 256 if args.quick else 1024}
     rounds = args.rounds or (3 if args.quick else 12)
     block = args.block or (5 if args.quick else 10)
@@ -79,18 +84,27 @@ def main() -> None:
     batch_bytes = cfg["batch"] * (cfg["d"] + 1) * 4
     state = build(cfg)
     out = tempfile.mkdtemp(prefix="reprokit-bench-")
-    recs = {"recorder (default budget)": reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out,
-                                                           snapshot_every=10**9),
+    recs = {"recorder (defaults: snapshot_every=100)": reprokit.Recorder(state, train_step, build=build, config=cfg,
+                                                                         out_dir=out),
+            "recorder (default budget, never snapshots)": reprokit.Recorder(state, train_step, build=build,
+                                                                            config=cfg, out_dir=out,
+                                                                            snapshot_every=10**9),
             f"recorder (budget {budget / 2**20:.0f} MiB)": reprokit.Recorder(
                 state, train_step, build=build, config=cfg, out_dir=out, snapshot_every=10**9,
                 host_memory_budget=budget)}
+    warm = 3 if args.quick else 101  # the defaults recorder reuses its buffers from its second window on
     for r in recs.values():
         r.detach()
+    batches = loader(cfg, 10**9)
+    first = recs["recorder (defaults: snapshot_every=100)"]
+    first.attach()
+    for _ in range(warm):
+        first.step(next(batches)).item()
+    first.detach()
     variants = ["bare", *recs]
     times: dict[str, list[float]] = {v: [] for v in variants}
     peaks = {v: 0 for v in recs}
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    batches = loader(cfg, 10**9)
     for i in range(rounds):
         for v in variants[i % len(variants):] + variants[:i % len(variants)]:
             rec = recs.get(v)
@@ -117,7 +131,8 @@ def main() -> None:
         copies["reused"].append(t1 - t0)
         copies["fresh"].append(time.perf_counter() - t1)
     bare = statistics.mean(times["bare"])
-    report = {"config": cfg, "batch_bytes": batch_bytes, "steps_per_variant": rounds * block,
+    report = {"commit": commit, "device": "cpu", "torch": torch.__version__, "config": cfg, "batch_bytes": batch_bytes,
+              "steps_per_variant": rounds * block,
               "bare_step_ms": bare * 1e3,
               "batch_copy_ms": {k: statistics.median(v) * 1e3 for k, v in copies.items()},
               "batch_copy_over_step": statistics.median(copies["reused"]) / bare,
@@ -135,10 +150,10 @@ def main() -> None:
           f"{rounds * block} steps per variant, snapshot_every=10**9")
     print(f"batch memcpy: {report['batch_copy_ms']['reused']:.2f} ms into a reused buffer "
           f"({report['batch_copy_over_step']:.3f} of a step), {report['batch_copy_ms']['fresh']:.2f} ms into a fresh one")
-    print(f"{'variant':<30}{'mean ms':>9}{'x bare':>8}{'budget MiB':>12}{'peak MiB (stats)':>18}"
+    print(f"{'variant':<44}{'mean ms':>9}{'x bare':>8}{'budget MiB':>12}{'peak MiB (stats)':>18}"
           f"{'peak MiB (buffers)':>20}{'early snaps':>12}{'window':>8}")
     for v, r in report["variants"].items():
-        print(f"{v:<30}{r['mean_ms']:>9.2f}{r['ratio']:>8.3f}{r['budget_bytes'] / 2**20:>12.0f}"
+        print(f"{v:<44}{r['mean_ms']:>9.2f}{r['ratio']:>8.3f}{r['budget_bytes'] / 2**20:>12.0f}"
               f"{r['peak_accounted_bytes'] / 2**20:>18.1f}{r['peak_buffers_bytes'] / 2**20:>20.1f}"
               f"{r['early_snapshots']:>12}{r['window_steps']:>8}")
     print(f"process peak RSS grew by {rss_growth / 2**20:.0f} MiB over the run")
