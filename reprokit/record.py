@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import sys
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -210,6 +211,7 @@ class Recorder:
         self.monitor = Monitor(state, self.settings, detect)
         self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync, limit=self.budget * 3 // 4,
                                       fallback_spill_dir=self.out_dir / SPILL_DIR)
+        self._engine.others = self._room_for_snapshot
         self._flat_batch: tuple[list[str], dict[str, Any], list[str]] | None = None
         """(keys, encoded tree, tensor keys) of the last batch when it was a flat dict of tensors."""
         self._slots: dict[tuple[int, int], torch.Tensor] = {}
@@ -239,6 +241,8 @@ class Recorder:
         self._window_ok = False
         self._history: deque[tuple[int, float | None, float | None]] = deque(maxlen=loss_history)
         self._warned: set[str] = set()
+        self._in_step = False
+        self._current_other = RNG_STEP_BYTES
         self._mention_leftovers()
 
     def _mention_leftovers(self) -> None:
@@ -266,10 +270,20 @@ class Recorder:
             TrainingFailure: when a detector fires; ``.bundle`` is the bundle path.
         """
         k = self.step_index
+        if self._in_step:  # the last step was interrupted (Ctrl-C): its partial updates are not replayable
+            self._pending.clear()
+            self._drop_window("interrupted", f"reprokit: step {k - 1} was interrupted; no bundle until the next "
+                                             f"snapshot (step {self._next_snapshot(k)}).")
+        self._in_step = True
         record = self._record_step_start(k, batch)
         result = self.monitor.run(self.train_step, batch, k, after=self._after_step)
         self.step_index += 1
-        self._engine.check()
+        self._in_step = False
+        try:
+            self._engine.check()
+        except Exception as e:  # a device error; the step's own outcome below is what the user sees
+            self._engine.broken = True
+            self._warn("check", f"reprokit: cannot check the snapshot copy ({e!r}); no bundle until the next snapshot")
         if record is not None:
             record.loss, record.grad_norm = result.loss, result.grad_norm
         self._history.append((k, result.loss, result.grad_norm))
@@ -293,6 +307,8 @@ class Recorder:
                                           f" is not the state that step started from ({torn}); a new one is taken at "
                                           f"step {k}, with those tensors copied in stream order from now on.")
             due = bool(torn) or self._snapshot is None or k - self._snapshot.step >= self.snapshot_every
+            if not due:
+                self._engine.discard_prepared()  # prepared for a snapshot that is not taken now: stale later
             if not due and not self._window_ok:
                 return None
             batch_bytes, other = _batch_bytes(batch)
@@ -300,6 +316,7 @@ class Recorder:
             position = 0 if due else k - self._snapshot.step  # type: ignore[union-attr]
             if not self._fits(k, position, need):
                 if due or position == 0 or not self._fits(k, 0, need, early=True):
+                    self._engine.discard_prepared()
                     self._skip(k, need, due)
                     return None
                 due, position = True, 0
@@ -308,9 +325,10 @@ class Recorder:
             if self._to_stage:
                 self._stage()
             rng = capture_rng(self.state.extra)
+            rec = _Step(k, tree, tensors, rng, other + RNG_STEP_BYTES * (1 + len(rng.owned)))
             if due:
+                self._current_other = rec.other_bytes  # this step's own bytes count against the snapshot's room
                 self._take_snapshot(k)
-            rec = _Step(k, tree, tensors, rng, other + RNG_STEP_BYTES)
             self._ring.append(rec)
             self._ring_other += rec.other_bytes
             self._note_peak()
@@ -456,6 +474,14 @@ class Recorder:
         return (self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"]
                 - self._bytes_at.get(position, 0) + window_other + need)
 
+    def _room_for_snapshot(self, make_room: bool) -> int:
+        """Bytes the budget leaves for a snapshot being taken now: the window restarts with this step (position 0),
+        so buffers of later positions are unused and, with ``make_room``, freed."""
+        if make_room:
+            for key in [key for key in self._slots if key[0] > 0]:
+                self._free_slot(key)
+        return self.budget - self._pool["pinned"] - self._pool["pageable"] - self._current_other
+
     def _free_slot(self, key: tuple[int, int]) -> None:
         slot = self._slots.pop(key)
         n = slot.numel() * slot.element_size()
@@ -516,7 +542,8 @@ class Recorder:
         """Write the window as a bundle; on any fault of ours warn and return None."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             try:
-                torch.cuda.synchronize()  # pinned copies in flight must land before we read them
+                for device in range(torch.cuda.device_count()):  # copies in flight must land before we read them
+                    torch.cuda.synchronize(device)
                 self._engine.check(ordered=True)
             except Exception as e:
                 self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
@@ -577,7 +604,10 @@ class Recorder:
         """Warn once per ``key``; an empty key always warns."""
         if not key or key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RecorderWarning, stacklevel=3)
+            try:
+                warnings.warn(message, RecorderWarning, stacklevel=3)
+            except Exception:  # warnings turned into errors (-W error): still never raise into the training loop
+                print(message, file=sys.stderr)
 
     def detach(self) -> None:
         """Stop watching (remove the optimizer hooks) but keep buffers, window and snapshot; see :meth:`attach`."""

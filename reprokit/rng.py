@@ -94,7 +94,15 @@ def check_generators(extra: dict[str, Any]) -> None:
 
 
 def _device(kind: str, gen: Any) -> str:
-    return str(gen.device) if kind == "torch" else "cpu"
+    """Where a generator lives: the torch device, or for numpy the bit generator's class (``numpy:PCG64``), which
+    decides which states it accepts."""
+    if kind == "torch":
+        return str(gen.device)
+    if kind == "numpy":
+        return f"numpy:{type(gen.bit_generator).__name__}"
+    if kind == "numpy_legacy":
+        return f"numpy:{type(gen._bit_generator).__name__}"
+    return "cpu"
 
 
 def _read(kind: str, gen: Any) -> Any:
@@ -124,18 +132,17 @@ def _write(kind: str, gen: Any, state: Any) -> None:
         gen.setstate(state)
 
 
-def new_generator(kind: str, device: str, state: Any = None) -> Any:
-    """A fresh generator of ``kind`` (for a bundle whose ``build`` did not make one where the snapshot has it)."""
+def new_generator(kind: str, device: str) -> Any:
+    """A fresh generator of ``kind`` on ``device`` (see :func:`_device`), for a bundle whose ``build`` did not make
+    one where the snapshot has it."""
     if kind == "torch":
         return torch.Generator(device=device)
-    if kind == "numpy":
-        name = state["bit_generator"] if isinstance(state, dict) else "PCG64"
-        bitgen = getattr(np.random, str(name), None)
+    if kind in ("numpy", "numpy_legacy"):
+        name = device.removeprefix("numpy:") if device.startswith("numpy:") else "MT19937"
+        bitgen = getattr(np.random, name, None)
         if not (isinstance(bitgen, type) and issubclass(bitgen, np.random.BitGenerator)):
             raise StateMismatchError(f"the bundle names an unknown numpy bit generator {name!r}")
-        return np.random.Generator(bitgen())
-    if kind == "numpy_legacy":
-        return np.random.RandomState()
+        return np.random.Generator(bitgen()) if kind == "numpy" else np.random.RandomState(bitgen())
     return random.Random()
 
 
@@ -278,9 +285,10 @@ def restore(tree: dict[str, Any], tensors: dict[str, torch.Tensor], extra: dict[
         gen = _at(extra, entry["path"])
         kind = entry["kind"]
         where = "state.extra" + "".join(f"[{p!r}]" for p in entry["path"])
-        if kind_of(gen) != kind:
-            raise StateMismatchError(f"the bundle recorded a {kind} generator at {where}, but build() put "
-                                     f"{type(gen).__qualname__} there")
+        if kind_of(gen) != kind or _device(kind, gen) != entry["device"]:
+            have = f"{type(gen).__qualname__} ({_device(kind, gen)})" if kind_of(gen) else type(gen).__qualname__
+            raise StateMismatchError(f"the bundle recorded a {kind} generator ({entry['device']}) at {where}, but "
+                                     f"build() put {have} there")
         if "tensor" in entry:
             state: Any = tensors[entry["tensor"]]
         else:

@@ -65,6 +65,9 @@ class SnapshotEngine:
         self.limit = limit
         """Host bytes an in-memory snapshot may hold; a bigger state spills to ``fallback_spill_dir``."""
         self.fallback_spill_dir = Path(fallback_spill_dir) if fallback_spill_dir else None
+        self.others: Any = None
+        """Optional ``(make_room: bool) -> bytes``: the room its owner's budget leaves for the snapshot (with
+        ``make_room``, after freeing buffers it no longer needs)."""
         self.spilled_for_memory: str | None = None
         """Why snapshots went to disk instead of host memory (set once, when it happens)."""
         self.sync = sync
@@ -193,8 +196,10 @@ class SnapshotEngine:
             self.torn = (f"{len(moved)} tensor(s) ({', '.join(moved[:3])}{', ...' if len(moved) > 3 else ''}) were "
                          "written outside optimizer.step() while the snapshot copied them")
             return
-        if ordered or self._done is None or self._done.query():
-            self._watched = []
+        thread = self._thread
+        if ordered or (thread is not None and not thread.is_alive() and self._issued == len(self._plan)
+                       and self._done is not None and self._done.query()):
+            self._watched = []  # ``done`` is recorded only once every copy is issued: before that, query() says nothing
 
     def detach(self) -> None:
         """Remove the optimizer hook; a snapshot in flight is finished first (the hook guards it)."""
@@ -250,6 +255,10 @@ class SnapshotEngine:
         except Exception:
             self._prepared = None  # take() walks again and reports any error there
 
+    def discard_prepared(self) -> None:
+        """The step after :meth:`prepare` took no snapshot (it was skipped): a later one must walk afresh."""
+        self._prepared = None
+
     def _fingerprint(self) -> tuple:
         opt = self.state.optimizer
         return (self.state.model.training, len(opt.state),
@@ -296,7 +305,8 @@ class SnapshotEngine:
         plan: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         cuda = False
         need = sum(t.numel() * t.element_size() for _, t, how in layout if how != "same")
-        if self.limit is not None and need > self.limit and self.fallback_spill_dir is not None:
+        if self.limit is not None and self.fallback_spill_dir is not None and need > self._room() and \
+                need > self._room(make_room=True):
             self._spill_from_now_on(need)
             return self._spill(extra_tree)
         for key, t, how in layout:
@@ -306,13 +316,15 @@ class SnapshotEngine:
                 tensors[key] = t
             else:
                 buf, owned = how
-                owned = owned and not self.sync  # synchronous copies need no device clone
+                owned = (owned or key in self._volatile) and not self.sync  # synchronous copies need no clone
                 # Module buffers and extra state may change in the next forward: clone them on the device now.
                 plan.append((buf, t.clone() if owned else t, owned))
                 if not owned and not self.sync:
                     self._watched.append((key, t, t._version))
                 tensors[key] = buf
                 cuda = True
+        for key in [key for key in self._buffers if key not in tensors]:  # state that is gone (grads, say)
+            self._account(self._buffers.pop(key), -1)
         if cuda and self.sync:
             for buf, src, _ in plan:
                 buf.copy_(src, non_blocking=True)  # on the training stream: ordered before every later write
@@ -393,16 +405,23 @@ class SnapshotEngine:
         """Host memory the engine holds now: snapshot buffers and the spill staging buffer."""
         return int(self.stats["pinned_bytes"] + self.stats["pageable_bytes"])
 
+    def _room(self, make_room: bool = False) -> int:
+        """Bytes an in-memory snapshot may take: ``limit``, or less where the owner's budget leaves less (with
+        ``make_room``, after the owner freed what it can)."""
+        if self.limit is None:
+            return 1 << 62
+        return self.limit if self.others is None else min(self.limit, self.others(make_room))
+
     def _spill_from_now_on(self, need: int) -> None:
         """The state does not fit the host-memory budget: free the buffers and stream snapshots to disk instead."""
         assert self.fallback_spill_dir is not None
         self.spill_dir = self.fallback_spill_dir
         self.spilled_for_memory = (f"the state ({mib(need)}) does not fit the recorder's host-memory budget "
-                                   f"for snapshots ({mib(self.limit or 0)}); snapshots are written to "
+                                   f"for snapshots ({mib(self._room())}); snapshots are written to "
                                    f"{self.spill_dir} instead (a synchronous copy at every snapshot)")
         self._buffers.clear()
         self.stats["pinned_bytes"] = self.stats["pageable_bytes"] = 0
-        self.staging_bytes = max(64 << 10, min(self.staging_bytes, (self.limit or self.staging_bytes) // 4))
+        self.staging_bytes = max(64 << 10, min(self.staging_bytes, self._room() // 4))
 
     # --- spilling to disk ----------------------------------------------------------------
 

@@ -157,7 +157,7 @@ def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], devic
                                  f"{', '.join(unknown[:5])}")
     for name, p in params.items():
         g = grads.get(name)
-        p.grad = None if g is None else g.to(device=device, dtype=p.dtype)  # a clone already
+        p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)  # a clone already
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

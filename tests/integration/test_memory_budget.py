@@ -122,3 +122,77 @@ def _build(config):
 
 def _step(state, batch):
     return state.model(batch).sum()
+
+
+def test_a_state_that_grows_after_the_first_snapshot_still_stays_under_the_budget(tmp_path):
+    """The first snapshot has no AdamW moments; the next is 3x larger. Room for it is judged on the new size."""
+    state = _build_linear(256)
+    S = sum(p.numel() * 4 for p in state.model.parameters())
+    budget = int(S * 4.5)
+    rec = reprokit.Recorder(state, _linear_step, build=_build_linear_default, out_dir=tmp_path, snapshot_every=4,
+                            host_memory_budget=budget)
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(12):
+            rec.step({"x": torch.randn(128, 256, generator=g)})
+            assert rec.held_bytes() <= budget and _held_by_tensors(rec) <= budget, rec.stats()
+
+
+def test_a_skipped_snapshot_does_not_leave_a_stale_prepared_walk(tmp_path):
+    """prepare() walks the state after the step before a due snapshot; if that snapshot is then skipped (its batch
+    does not fit the budget), a later snapshot must walk afresh, not take the old walk's plain values."""
+    state = _build_linear(4)
+    state.extra["n"] = 0
+    rec = reprokit.Recorder(state, _counting_step, build=_build_linear_default, out_dir=tmp_path, snapshot_every=2,
+                            host_memory_budget=200_000)
+    rec._engine._stream = object()  # as after a CUDA snapshot: prepare() walks ahead (this machine has no GPU)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4):
+            b = {"x": torch.ones(3, 4)}
+            if i == 2:
+                b["big"] = torch.zeros(100_000)  # does not fit: the due snapshot of step 2 is skipped
+            n_before = state.extra["n"]
+            rec.step(b)
+            if rec._snapshot is not None and rec._snapshot.step == i:
+                assert rec._snapshot.tree["state"]["extra"]["n"] == n_before, (i, rec._snapshot.tree["state"])
+    assert rec._snapshot is not None and rec._snapshot.step == 3
+
+
+def _build_linear(d):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(d, d)
+    return reprokit.TrainState(model=m, optimizer=torch.optim.Adam(m.parameters(), lr=1e-3))
+
+
+def _build_linear_default(config=None):
+    return _build_linear(256)
+
+
+def _linear_step(state, batch):
+    loss = state.model(batch["x"]).square().mean()
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    return loss
+
+
+def _counting_step(state, batch):
+    state.extra["n"] += 1
+    return _linear_step(state, batch)
+
+
+def test_warnings_turned_into_errors_never_reach_the_training_loop(tmp_path, capsys):
+    """Under -W error a RecorderWarning would raise; the recorder prints it instead and training goes on."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where out_dir should be")
+    state = _build_linear(4)
+    rec = reprokit.Recorder(state, _linear_step, build=_build_linear_default, out_dir=blocker)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rec.step({"x": torch.ones(2, 4)})
+        with pytest.raises(reprokit.TrainingFailure) as info:
+            rec.step({"x": torch.full((2, 4), float("nan"))})
+    assert info.value.bundle is None
+    assert "could not write a bundle" in capsys.readouterr().err

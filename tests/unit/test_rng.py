@@ -112,7 +112,7 @@ def test_a_generator_missing_at_replay_is_a_clear_mismatch():
     from reprokit.errors import StateMismatchError
 
     tree, tensors = rng.encode(rng.capture({"g": torch.Generator().manual_seed(0)}))
-    with pytest.raises(StateMismatchError, match=r"torch generator at state.extra\['g'\]"):
+    with pytest.raises(StateMismatchError, match=r"torch generator \(cpu\) at state.extra\['g'\]"):
         rng.restore(tree, tensors, {"g": None})
 
 
@@ -124,3 +124,25 @@ def test_unrecordable_generators_are_refused_at_attach():
         rng.check_generators({"a": [random.SystemRandom()]})
     with pytest.raises(CaptureError, match="not a string"):
         rng.check_generators({"a": {3.5: random.Random()}})
+
+
+def test_a_generator_build_did_not_make_is_created_with_the_recorded_bit_generator():
+    from reprokit import rng
+
+    extra = {"g": np.random.Generator(np.random.MT19937(3)), "r": np.random.RandomState(np.random.PCG64(4))}
+    marked = rng.marked(extra)
+    tree, tensors = rng.encode(rng.capture(extra))
+    want = (extra["g"].random(3).tolist(), extra["r"].rand(3).tolist())
+    fresh = rng.unmarked(marked, {})  # build() made none of them
+    rng.restore(tree, tensors, fresh)
+    assert type(fresh["g"].bit_generator) is np.random.MT19937
+    assert (fresh["g"].random(3).tolist(), fresh["r"].rand(3).tolist()) == want
+
+
+def test_a_generator_of_another_bit_generator_is_a_clear_mismatch():
+    from reprokit import rng
+    from reprokit.errors import StateMismatchError
+
+    tree, tensors = rng.encode(rng.capture({"g": np.random.Generator(np.random.MT19937(3))}))
+    with pytest.raises(StateMismatchError, match="MT19937"):
+        rng.restore(tree, tensors, {"g": np.random.default_rng(0)})
