@@ -1,0 +1,40 @@
+"""verify, inspect and pack read a bundle; they never import its code. Only replay (and commands built on it) do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from rk_testing import bundle_of, record
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _reprokit(args, env, cwd):
+    return subprocess.run([sys.executable, "-m", "reprokit", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_only_replay_imports_the_bundle_code(projects, tmp_path, monkeypatch):
+    marker = tmp_path / "imports.log"
+    monkeypatch.setenv("RK_IMPORT_MARKER", str(marker))
+    proj = projects("rk_marker")
+    batches = [{"x": torch.randn(8, 4), "y": torch.randn(8)} for _ in range(5)]
+    batches[3]["x"][0, 0] = float("nan")
+    _, exc = record(proj, {}, batches, tmp_path / "out", snapshot_every=2)
+    bundle = bundle_of(exc)
+    assert (bundle / "code" / "rk_marker.py").is_file()
+    marker.unlink()  # recording imported the live module; from here on only the bundle's copy could
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RK_IMPORT_MARKER": str(marker)}
+    for args in (["verify", str(bundle)], ["inspect", str(bundle)], ["inspect", str(bundle), "--json"],
+                 ["pack", str(bundle), "-o", str(tmp_path / "r.tar.gz")], ["verify", str(tmp_path / "r.tar.gz")],
+                 ["inspect", str(tmp_path / "r.tar.gz")]):
+        proc = _reprokit(args, env, tmp_path)
+        assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
+        assert not marker.exists(), f"reprokit {' '.join(args)} imported the bundle's code"
+    proc = _reprokit(["replay", str(bundle)], env, tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert marker.read_text() == "imported code\n", "replay imports the code snapshot, and only that copy"
