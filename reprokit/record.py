@@ -23,9 +23,12 @@ Memory: the snapshot, the batch buffers and the window's RNG reads stay within
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import sys
+import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -40,6 +43,7 @@ from reprokit import bundle as B
 from reprokit import pytree
 from reprokit.code import ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate
+from reprokit.distributed import IncidentBoard, rank_info
 from reprokit.env import capture_env, determinism_flags
 from reprokit.errors import CaptureError, RecorderWarning, TrainingFailure
 from reprokit.rng import RNGState, check_generators
@@ -52,6 +56,8 @@ from reprokit.state import TrainState, capture_state
 StepFn = Callable[[TrainState, Any], Any]
 
 SPILL_DIR = ".reprokit-spill"
+INCIDENT_GRACE_S = 1.0
+"""How long a rank's incident watcher waits for its own main thread to report a failure of its own."""
 RNG_STEP_BYTES = 40 << 10
 """Host memory of one step's RNG reads (python's 625-int tuple is most of it), counted against the budget."""
 
@@ -147,6 +153,9 @@ class Recorder:
             (the window restarts; said once). A state bigger than three quarters of the budget is
             snapshotted to disk under ``out_dir/.reprokit-spill`` instead (said once, with numbers).
             Batch buffers are a pool reused window after window.
+        incident_wait_s: under a process group (torchrun), how long a rank that failed waits for the other ranks
+            to write their windows into the incident folder before its error is raised (see
+            :mod:`reprokit.distributed`).
         snapshot_sync: copy CUDA state on the training stream (a stall of the state's size over
             the PCIe bandwidth at every snapshot: ~30 ms for GPT-2-124M with AdamW). By default the
             copy overlaps the forward and backward; a parameter written in place outside
@@ -185,6 +194,7 @@ class Recorder:
         spill_dir: str | Path | None = None,
         host_memory_budget: int | None = None,
         snapshot_sync: bool = False,
+        incident_wait_s: float = 60.0,
     ):
         if snapshot_every < 1:
             raise CaptureError(f"snapshot_every must be >= 1, got {snapshot_every}")
@@ -247,6 +257,14 @@ class Recorder:
         self._in_step = False
         self._current_other = RNG_STEP_BYTES
         self._mention_leftovers()
+        self.incident_wait_s = incident_wait_s
+        self.rank = rank_info()  # collective under a process group: every rank creates its Recorder
+        self._lock: Any = contextlib.nullcontext()
+        self._board: IncidentBoard | None = None
+        if self.rank is not None:
+            self._lock = threading.RLock()  # the incident watcher writes the window from another thread
+            self._board = IncidentBoard(self.out_dir, self.rank)
+            self._board.watch(self._on_incident)
 
     def _mention_leftovers(self) -> None:
         """Say, once at attach, when ``out_dir`` holds temp folders that killed writers left behind."""
@@ -278,8 +296,9 @@ class Recorder:
             self._drop_window("interrupted", f"reprokit: step {k - 1} was interrupted; no bundle until the next "
                                              f"snapshot (step {self._next_snapshot(k)}).")
         self._in_step = True
-        record = self._record_step_start(k, batch)
-        result = self.monitor.run(self.train_step, batch, k, after=self._after_step)
+        with self._lock:
+            record = self._record_step_start(k, batch)
+        result = self.monitor.run(self.train_step, batch, k, after=self._locked_after_step)
         self.step_index += 1
         self._in_step = False
         try:
@@ -292,7 +311,7 @@ class Recorder:
         self._history.append((k, result.loss, result.grad_norm))
         if result.failure is None:
             return result.value
-        path = self._dump(result.failure)
+        path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
         if result.exc is not None:
             note = f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written"
             if hasattr(result.exc, "add_note"):
@@ -541,24 +560,75 @@ class Recorder:
 
     # --- on failure ---------------------------------------------------------------
 
-    def _dump(self, failure: Failure) -> Path | None:
+    # --- incidents (several ranks) -----------------------------------------------------
+
+    def _locked_after_step(self) -> None:
+        with self._lock:
+            self._after_step()
+
+    def _dump_incident(self, failure: Failure) -> Path | None:
+        """This rank failed: declare the incident (or join the one a peer declared), write this rank's window into
+        the incident folder unless the watcher already did, then wait (bounded) for every rank to write its own."""
+        board = self._board
+        assert board is not None and self.rank is not None
+        with self._lock:
+            doc = board.declare(failure.step, self.rank.rank, failure.describe())
+            path = None
+            if board.seen != doc["incident"]:
+                board.seen = doc["incident"]
+                failure.detail = {**failure.detail, "incident": doc}
+                path = self._dump(failure, incident=doc["incident"])
+                board.done(self.rank.rank)
+            else:
+                path = self.bundles[-1] if self.bundles else None
+        missing = board.wait_for_all(self.incident_wait_s)
+        if missing:
+            self._warn("", f"reprokit: incident {doc['incident']}: ranks {missing} did not write their window within "
+                           f"{self.incident_wait_s:.0f} s")
+        return path
+
+    def _on_incident(self, doc: dict[str, Any]) -> None:
+        """Watcher thread: a peer failed; write this rank's window as it is now (a peer's failure, not this rank's)."""
+        board = self._board
+        assert board is not None and self.rank is not None
+        # A rank whose own detector fires at the same step (a NaN all-reduced into its gradients) is about to write
+        # its own failure: give its main thread a moment before writing this rank's window as a peer's.
+        time.sleep(INCIDENT_GRACE_S)
+        with self._lock:
+            if board.seen == doc["incident"]:
+                return
+            board.seen = doc["incident"]
+            step = max(self.step_index, self._ring[-1].step if self._ring else self.step_index)
+            failure = Failure(kind="peer", step=int(doc.get("step", step)),
+                              message=f"rank {doc.get('rank')} failed: {doc.get('what')}",
+                              detail={"incident": doc, "this_rank_step": step})
+            self._dump(failure, incident=doc["incident"], from_watcher=True)
+            board.done(self.rank.rank)
+
+    def _dump(self, failure: Failure, incident: str | None = None, from_watcher: bool = False) -> Path | None:
         """Write the window as a bundle; on any fault of ours warn and return None."""
+        ring = self._ring
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             try:
-                for device in range(torch.cuda.device_count()):  # copies in flight must land before we read them
-                    torch.cuda.synchronize(device)
-                self._engine.check(ordered=True)
+                if from_watcher:
+                    ring = self._landed_window()  # the main thread may be stuck in a collective: never synchronize
+                else:
+                    for device in range(torch.cuda.device_count()):  # copies in flight must land before we read
+                        torch.cuda.synchronize(device)
+                    self._engine.check(ordered=True)
             except Exception as e:
                 self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
                 return None
-        if not self._window_ok or self._snapshot is None or self._engine.broken or self._engine.torn:
+        if not self._window_ok or self._snapshot is None or self._engine.broken or self._engine.torn or not ring:
             self._warn("", f"reprokit: {failure.describe()}, but the recorded window is incomplete; no bundle")
             return None
         writer = None
         try:
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-            writer = B.BundleWriter(self.out_dir, f"bundle-{stamp}-step{failure.step:08d}-{failure.kind}")
-            path = self._write(writer, failure)
+            tag = f"-{self.rank.tag}" if self.rank is not None else ""
+            where = self.out_dir / incident if incident else self.out_dir
+            writer = B.BundleWriter(where, f"bundle-{stamp}-step{failure.step:08d}-{failure.kind}{tag}")
+            path = self._write(writer, failure, ring, incident)
         except BaseException as e:  # Ctrl-C while writing must not leave a half-written folder behind either
             if writer is not None:
                 writer.abort()
@@ -570,17 +640,33 @@ class Recorder:
         self.bundles.append(path)
         return path
 
-    def _write(self, w: B.BundleWriter, failure: Failure) -> Path:
+    def _landed_window(self) -> list[_Step]:
+        """The window without its last step when that step's GPU batch copies have not landed (they wait behind the
+        step's kernels, which a rank blocked in a collective never finishes); empty when the snapshot copy has
+        not landed either."""
+        done = self._engine._done
+        if self._engine._thread is not None or (done is not None and not done.query()):
+            return []
+        ring = list(self._ring)
+        if ring and any(not e.query() for e in self._landed.values()):
+            ring = ring[:-1]
+        return ring
+
+    def _write(self, w: B.BundleWriter, failure: Failure, ring: list[_Step] | None = None,
+               incident: str | None = None) -> Path:
         snap = self._snapshot
         assert snap is not None
+        ring = self._ring if ring is None else ring
         code = [] if self._root is None else [(relative(p, self._root), p)
                                               for p in snapshot_files(self._root, self._scripts)]
-        return B.write_bundle(w, failure=failure.to_json(), run=self._run_doc(snap, failure),
-                              env=capture_env(self._root), state=(snap.tree, snap.tensors),
-                              steps=(r.record() for r in self._ring),
-                              code=code)
+        run = self._run_doc(snap, failure, ring)
+        if self.rank is not None:
+            run["distributed"] = {**self.rank.to_json(), "incident": incident}
+        return B.write_bundle(w, failure=failure.to_json(), run=run, env=capture_env(self._root),
+                              state=(snap.tree, snap.tensors), steps=(r.record() for r in ring), code=code)
 
-    def _run_doc(self, snap: _Snapshot, failure: Failure) -> dict[str, Any]:
+    def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None) -> dict[str, Any]:
+        ring = self._ring if ring is None else ring
         device = next((str(p.device) for p in self.state.model.parameters()), "cpu")
         return {
             "refs": self._refs,
@@ -589,7 +675,8 @@ class Recorder:
                          "memory": self.stats()},
             "determinism": determinism_flags(),
             "device": device,
-            "window": {"start": snap.step, "end": failure.step, "steps": [r.step for r in self._ring]},
+            "window": {"start": snap.step, "end": ring[-1].step if ring else failure.step,
+                       "steps": [r.step for r in ring]},
             "history": [{"step": s, "loss": loss, "grad_norm": g} for s, loss, g in self._history],
         }
 
@@ -623,7 +710,9 @@ class Recorder:
         self._engine.attach()
 
     def close(self) -> None:
-        """Detach from the optimizer and free the window."""
+        """Detach from the optimizer, stop the incident watcher and free the window."""
+        if self._board is not None:
+            self._board.close()
         self.monitor.close()
         self._engine.close()
         self._ring.clear()

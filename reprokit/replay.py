@@ -368,6 +368,8 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
     """
     if times < 1:
         raise ReprokitError(f"--times must be >= 1, got {times}")
+    bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
+    _refuse_peer(bundle)
     with session(bundle, device=device, code=code) as s:
         inputs = s.inputs()
         runs = []
@@ -385,6 +387,20 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
             for r in runs[1:])
         return ReplayReport(s.bundle.path, s.recorded, runs, fidelity, str(s.device),
                             str(s.code_dir) if s.code_dir else "installed modules")
+
+
+def _refuse_peer(bundle: Bundle) -> None:
+    """A rank that did not fail itself has nothing to reproduce alone: point at the rank that failed."""
+    f = bundle.failure
+    if f.kind != "peer":
+        return
+    doc = f.detail.get("incident", {}) if isinstance(f.detail, dict) else {}
+    dist = bundle.run.get("distributed") or {}
+    raise ReprokitError(
+        f"{bundle.path.name} is rank {dist.get('rank', '?')}'s window of {doc.get('incident', 'an incident')}: this "
+        f"rank did not fail itself, rank {doc.get('rank', '?')} did at step {doc.get('step', '?')} "
+        f"({doc.get('what', '')}). Replay that rank's bundle (in {bundle.path.parent}); replaying every rank "
+        "together is not built yet.")
 
 
 def format_report(d: dict[str, Any]) -> str:

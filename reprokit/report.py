@@ -28,6 +28,9 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "state": _state_sizes(bundle),
         "sizes": bundle.sizes(),
         "refs": run["refs"],
+        "rank": (run.get("distributed") or {}).get("rank"),
+        "world_size": (run.get("distributed") or {}).get("world_size"),
+        "incident": (run.get("distributed") or {}).get("incident"),
         "env": {k: v for k, v in bundle.env.items() if k != "git"} | {"git": _git_summary(bundle.env.get("git"))},
         "losses": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in run["history"]],
     })

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 KINDS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "scaler_collapse", "exception", "loss_spike",
-         "predicate")
+         "predicate", "peer")
+"""``peer``: this rank did not fail; another rank of the same run did, and this is this rank's window (see
+:mod:`reprokit.distributed`)."""
 
 _LIBRARY_ROOTS = tuple(
     os.path.realpath(p) + os.sep
@@ -69,6 +71,7 @@ class Failure:
             "scaler_collapse": "GradScaler skipped too many steps in a row",
             "loss_spike": "loss spike",
             "predicate": "user predicate fired",
+            "peer": "another rank failed",
         }.get(self.kind)
         if self.kind == "exception":
             where = f" in {self.frame}" if self.frame else ""

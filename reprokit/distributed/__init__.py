@@ -1,0 +1,153 @@
+"""Ranks and incidents: every rank of a multi-process run records its own bundle, and a failure on any rank makes
+every rank write its window into one incident folder.
+
+Built on ``torch.distributed`` (the process group that torchrun, or the user, initialised): the Recorder reads the
+rank, world size, local rank and backend from it. Coordination at failure time needs no collective, since a rank
+blocked in one would never answer: the first rank that fails creates an incident file under
+``out_dir/.reprokit-incidents/`` (``O_EXCL``: exactly one wins), and a watcher thread on every rank polls for it and
+writes that rank's window from host memory, where the snapshot and batches already are. So ``out_dir`` must be on
+a filesystem every rank sees (one node, or a shared filesystem).
+
+The only collective is at attach time: rank 0 broadcasts a random nonce that names this run's incident file, so a
+file left by an earlier run is never mistaken for a new incident. Every rank must therefore create its Recorder,
+as SPMD training loops do.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+INCIDENTS_DIR = ".reprokit-incidents"
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    run_key: str
+    """Shared by every rank of this run (a nonce rank 0 broadcast at attach time)."""
+
+    @property
+    def tag(self) -> str:
+        """``rank01of04``: the part of a bundle folder's name that says which rank wrote it."""
+        width = len(str(self.world_size - 1))
+        return f"rank{self.rank:0{width}d}of{self.world_size}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
+                "backend": self.backend}
+
+
+def rank_info() -> RankInfo | None:
+    """This process's place in the default process group, or None when there is none (a single-process run).
+
+    Collective: with a process group, every rank must call it (it broadcasts rank 0's run key).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    backend = str(dist.get_backend())
+    device = torch.device("cpu")
+    if "nccl" in backend and "gloo" not in backend:  # NCCL moves only CUDA tensors
+        device = torch.device("cuda", torch.cuda.current_device())
+    nonce = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
+    dist.broadcast(nonce, src=0)
+    return RankInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())),
+                    backend, f"{int(nonce.item()):016x}")
+
+
+class IncidentBoard:
+    """The incident file of one run, and a watcher thread that reports a new incident once.
+
+    Example:
+        >>> board = IncidentBoard(Path("repros"), info)                     # doctest: +SKIP
+        >>> incident = board.declare(step=31204, rank=1, what="non-finite loss")  # doctest: +SKIP
+    """
+
+    def __init__(self, out_dir: Path, info: RankInfo, poll_s: float = 0.2):
+        self.info = info
+        self.path = Path(out_dir) / INCIDENTS_DIR / f"{info.run_key}.json"
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.seen: str | None = None
+        """The incident this rank has written its window for (by its own failure or the watcher)."""
+
+    def declare(self, step: int, rank: int, what: str) -> dict[str, Any]:
+        """This rank failed: create the incident (or join the one another rank created first) and return it."""
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        doc = {"incident": f"incident-{stamp}-step{step:08d}", "step": step, "rank": rank, "what": what,
+               "world_size": self.info.world_size}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{rank}.tmp")
+        tmp.write_text(json.dumps(doc))
+        try:
+            os.link(tmp, self.path)  # atomic and exclusive: the first failing rank's incident wins
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+        return self.read() or doc
+
+    def read(self) -> dict[str, Any] | None:
+        try:
+            doc = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) and isinstance(doc.get("incident"), str) else None
+
+    def done(self, rank: int) -> None:
+        """Mark that ``rank`` has written its window for the current incident (or given up trying)."""
+        try:
+            self._done_path(rank).write_text(self.seen or "")
+        except OSError:
+            pass
+
+    def wait_for_all(self, timeout_s: float) -> list[int]:
+        """Wait until every rank marked the incident done, at most ``timeout_s``; returns the ranks still missing."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [r for r in range(self.info.world_size) if not self._done_path(r).exists()]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(min(self.poll_s / 2, 0.05))
+
+    def _done_path(self, rank: int) -> Path:
+        return self.path.with_name(f"{self.info.run_key}.rank{rank}.done")
+
+    def watch(self, on_incident: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``on_incident(doc)`` from a daemon thread when an incident this rank has not written appears."""
+        def loop() -> None:
+            while not self._stop.wait(self.poll_s):
+                doc = self.read() if self.path.exists() else None
+                if doc is not None and doc["incident"] != self.seen:
+                    try:
+                        on_incident(doc)
+                    except Exception:  # never let the watcher die loudly inside a training job
+                        self.seen = doc["incident"]
+                        self.done(self.info.rank)
+
+        self._thread = threading.Thread(target=loop, name="reprokit-incidents", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -1,0 +1,88 @@
+"""Multi-rank recording under torchrun (gloo, 2 CPU processes): one incident folder, every rank's window."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from reprokit.bundle import open_bundle
+from reprokit.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = ROOT / "tests" / "projects" / "rk_ddp.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(out: Path, mode: str) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(PROJECT), str(out),
+                           mode], env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
+    return proc, time.monotonic() - t0
+
+
+def _incident(out: Path) -> tuple[Path, list[Path]]:
+    folders = [p for p in out.iterdir() if p.is_dir() and p.name.startswith("incident-")]
+    assert len(folders) == 1, list(out.iterdir())
+    return folders[0], sorted(p for p in folders[0].iterdir() if p.name.startswith("bundle-"))
+
+
+def test_a_nan_on_one_rank_gives_one_incident_with_every_rank_s_bundle(tmp_path):
+    out = tmp_path / "repros"
+    proc, _ = _torchrun(out, "nan")
+    assert proc.returncode != 0, "training failed"
+    folder, bundles = _incident(out)
+    assert [b.name.rsplit("-", 1)[-1] for b in bundles] == ["rank0of2", "rank1of2"], bundles
+    kinds = {}
+    for b in bundles:
+        bundle = open_bundle(b)
+        d = bundle.run["distributed"]
+        assert d["world_size"] == 2 and d["backend"] == "gloo" and d["incident"] == folder.name
+        kinds[d["rank"]] = bundle.failure.kind
+        assert bundle.failure.step == 6 and bundle.steps[-1] == 6
+    # rank 1 fed the NaN; rank 0 received it through the gradient all-reduce
+    assert kinds == {1: "nonfinite_loss", 0: "nonfinite_grad"}, kinds
+
+
+def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(tmp_path):
+    """Rank 1 raises in its step; rank 0 waits in the all-reduce and never returns. Rank 0's watcher writes its
+    window from host memory, long before the 60 s process-group timeout."""
+    out = tmp_path / "repros"
+    proc, seconds = _torchrun(out, "raise")
+    assert proc.returncode != 0
+    assert seconds < 45, f"torchrun took {seconds:.0f} s: the failing rank waited for the timeout"
+    folder, bundles = _incident(out)
+    assert len(bundles) == 2, bundles
+    by_rank = {open_bundle(b).run["distributed"]["rank"]: open_bundle(b) for b in bundles}
+    assert by_rank[1].failure.kind == "exception" and by_rank[1].failure.exc_type == "IndexError"
+    peer = by_rank[0]
+    assert peer.failure.kind == "peer" and peer.failure.step == 6
+    assert peer.failure.detail["incident"]["rank"] == 1
+    assert peer.steps[-1] == 6, "the window holds the step the rank was blocked in"
+    # A peer's bundle alone has nothing to reproduce: replay says so and points at the failing rank.
+    r = CliRunner().invoke(cli, ["replay", str(peer.path), "--json"])
+    assert r.exit_code == 2, r.output
+    assert "did not fail itself" in json.loads(r.stdout)["error"]["message"]
+
+
+@pytest.mark.parametrize("mode", ["nan"])
+def test_inspect_json_names_rank_world_and_incident(tmp_path, mode):
+    out = tmp_path / "repros"
+    _torchrun(out, mode)
+    folder, bundles = _incident(out)
+    d = json.loads(CliRunner().invoke(cli, ["inspect", str(bundles[1]), "--json"]).stdout)
+    assert (d["rank"], d["world_size"], d["incident"]) == (1, 2, folder.name), d

@@ -1,0 +1,53 @@
+"""A DDP project for torchrun with gloo on the CPU: rank 1 fails at a chosen step (NaN input or an exception)."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import reprokit
+
+
+def build(config):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    if dist.is_available() and dist.is_initialized():
+        model = DistributedDataParallel(model)
+    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+
+
+def train_step(state, batch):
+    if bool(batch["boom"]):
+        raise IndexError("index 99 is out of bounds on this rank")
+    loss = nn.functional.mse_loss(state.model(batch["x"]).squeeze(-1), batch["y"])
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def main(out_dir: str, mode: str, fail_step: int = 6) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    state = build({})
+    rec = reprokit.Recorder(state, train_step, build=build, config={}, out_dir=out_dir, snapshot_every=4,
+                            incident_wait_s=30)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(12):
+        x = torch.randn(8, 8, generator=g)
+        batch = {"x": x, "y": x.sum(1), "boom": torch.tensor(False)}
+        if rank == 1 and step == fail_step:
+            if mode == "nan":
+                x[0, 0] = float("nan")
+            else:
+                batch["boom"] = torch.tensor(True)
+        rec.step(batch)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
