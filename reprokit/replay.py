@@ -116,6 +116,8 @@ class ReplayReport:
     fidelity: dict[str, Any]
     device: str
     code: str
+    distributed: dict[str, Any] | None = None
+    """The rank, world size and incident the bundle was recorded in, when it came from a multi-rank run."""
 
     @property
     def failed_runs(self) -> int:
@@ -158,6 +160,7 @@ class ReplayReport:
             "fidelity": self.fidelity,
             "device": self.device,
             "code": self.code,
+            "distributed": self.distributed,
             "per_run": [r.to_json() for r in self.runs],
         })
 
@@ -386,7 +389,7 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
                     if a is not None and b is not None)
             for r in runs[1:])
         return ReplayReport(s.bundle.path, s.recorded, runs, fidelity, str(s.device),
-                            str(s.code_dir) if s.code_dir else "installed modules")
+                            str(s.code_dir) if s.code_dir else "installed modules", s.bundle.run.get("distributed"))
 
 
 def _refuse_peer(bundle: Bundle) -> None:
@@ -429,6 +432,10 @@ def format_report(d: dict[str, Any]) -> str:
         lines.append("  runs:")
         lines += [f"    {i}: {_run_line(r)}" for i, r in enumerate(d["per_run"], 1)]
     lines.append(f"  device {d['device']}, code from {d['code']}")
+    dist = d.get("distributed")
+    if dist and dist.get("world_size", 1) > 1:
+        lines.append(f"  note: recorded on rank {dist['rank']} of {dist['world_size']}, replayed alone: collectives see "
+                     "one rank, so a failure that needs the other ranks' data may not reproduce")
     return "\n".join(lines)
 
 

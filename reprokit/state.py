@@ -119,7 +119,7 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
             (missing/unexpected keys, shape mismatch), saying which.
     """
     device = _model_device(state.model)
-    model_sd = pytree.decode(tree[MODEL], tensors)
+    model_sd = _ddp_prefix(pytree.decode(tree[MODEL], tensors), state.model.state_dict().keys())
     try:
         state.model.load_state_dict({k: v.to(device) if isinstance(v, torch.Tensor) else v
                                      for k, v in model_sd.items()})
@@ -142,10 +142,25 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
             )
         if obj is not None:
             obj.load_state_dict(pytree.decode(recorded, tensors))
-    _restore_grads(state.model, pytree.decode(tree.get(GRADS, {}), tensors), device)
+    grads = pytree.decode(tree.get(GRADS, {}), tensors)
+    _restore_grads(state.model, _ddp_prefix(grads, dict(state.model.named_parameters()).keys()), device)
     extra = rng.unmarked(pytree.decode(tree.get(EXTRA, {}), tensors), state.extra)
     state.extra.clear()
     state.extra.update(pytree.map_tensors(extra, lambda t: t.to(device)))
+
+
+def _ddp_prefix(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
+    """Recorded keys as the live model names them, when the two differ only by DDP's ``module.`` prefix (a bundle
+    of a DistributedDataParallel model replayed in one process, where ``build`` made the bare model, or back)."""
+    live = set(live)
+    if set(recorded) == live:
+        return recorded
+    prefix = "module."
+    if all(k.startswith(prefix) for k in recorded) and {k[len(prefix):] for k in recorded} == live:
+        return {k[len(prefix):]: v for k, v in recorded.items()}
+    if not any(k.startswith(prefix) for k in recorded) and {prefix + k for k in recorded} == live:
+        return {prefix + k: v for k, v in recorded.items()}
+    return recorded
 
 
 def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], device: torch.device) -> None:

@@ -56,6 +56,14 @@ def test_a_nan_on_one_rank_gives_one_incident_with_every_rank_s_bundle(tmp_path)
         assert bundle.failure.step == 6 and bundle.steps[-1] == 6
     # rank 1 fed the NaN; rank 0 received it through the gradient all-reduce
     assert kinds == {1: "nonfinite_loss", 0: "nonfinite_grad"}, kinds
+    # One rank alone, in one process (a world of one; DDP's `module.` prefix handled): rank 1 fed the NaN itself, so
+    # its failure reproduces; rank 0's came from the other rank's data through the all-reduce, so it cannot.
+    alone = CliRunner().invoke(cli, ["replay", str(bundles[1])])
+    assert alone.exit_code == 1, alone.output
+    assert "recorded on rank 1 of 2, replayed alone" in alone.stdout
+    other = CliRunner().invoke(cli, ["replay", str(bundles[0]), "--json"])
+    assert other.exit_code in (0, 125), other.output
+    assert json.loads(other.stdout)["distributed"]["rank"] == 0
 
 
 def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(tmp_path):
