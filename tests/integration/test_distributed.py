@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from reprokit.bundle import open_bundle
@@ -26,12 +27,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(out: Path, mode: str) -> tuple[subprocess.CompletedProcess, float]:
+def _torchrun(out: Path, mode: str, device: str = "cpu") -> tuple[subprocess.CompletedProcess, float]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(PROJECT), str(out),
-                           mode], env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
+                           mode, device], env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
     return proc, time.monotonic() - t0
 
 
@@ -94,3 +95,27 @@ def test_inspect_json_names_rank_world_and_incident(tmp_path, mode):
     folder, bundles = _incident(out)
     d = json.loads(CliRunner().invoke(cli, ["inspect", str(bundles[1]), "--json"]).stdout)
     assert (d["rank"], d["world_size"], d["incident"]) == (1, 2, folder.name), d
+
+
+two_gpus = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2),
+                              reason="needs two CUDA devices (run on the 2-GPU machine)")
+
+
+@pytest.mark.cuda
+@two_gpus
+@pytest.mark.parametrize("mode", ["nan", "raise"])
+def test_nccl_incidents_on_two_gpus(tmp_path, mode):
+    """The same two cases under NCCL: a rank blocked in an NCCL all-reduce keeps its GPU stream busy forever, so its
+    watcher must write the window without synchronizing the device."""
+    out = tmp_path / "repros"
+    proc, seconds = _torchrun(out, mode, "cuda")
+    assert proc.returncode != 0 and seconds < 50, (seconds, proc.stderr[-3000:])
+    folder, bundles = _incident(out)
+    assert len(bundles) == 2, (bundles, proc.stderr[-3000:])
+    by_rank = {open_bundle(b).run["distributed"]["rank"]: open_bundle(b) for b in bundles}
+    assert by_rank[0].run["distributed"]["backend"] == "nccl"
+    if mode == "nan":
+        assert (by_rank[1].failure.kind, by_rank[0].failure.kind) == ("nonfinite_loss", "nonfinite_grad")
+    else:
+        assert by_rank[1].failure.exc_type == "IndexError" and by_rank[0].failure.kind == "peer"
+        assert by_rank[0].steps, "the peer's window holds the steps whose copies had landed"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 
 import torch
@@ -15,9 +16,10 @@ import reprokit
 
 def build(config):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    device = config.get("device", "cpu")
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
     if dist.is_available() and dist.is_initialized():
-        model = DistributedDataParallel(model)
+        model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
     return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
 
 
@@ -31,23 +33,27 @@ def train_step(state, batch):
     return loss
 
 
-def main(out_dir: str, mode: str, fail_step: int = 6) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+def main(out_dir: str, mode: str, device: str = "cpu", fail_step: int = 6) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    state = build({})
-    rec = reprokit.Recorder(state, train_step, build=build, config={}, out_dir=out_dir, snapshot_every=4,
+    config = {"device": device}
+    state = build(config)
+    rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir, snapshot_every=4,
                             incident_wait_s=30)
     g = torch.Generator().manual_seed(rank)
     for step in range(12):
         x = torch.randn(8, 8, generator=g)
         batch = {"x": x, "y": x.sum(1), "boom": torch.tensor(False)}
+        batch = {k: v.to(device) for k, v in batch.items()} if device == "cuda" else batch
         if rank == 1 and step == fail_step:
             if mode == "nan":
-                x[0, 0] = float("nan")
+                batch["x"][0, 0] = float("nan")
             else:
                 batch["boom"] = torch.tensor(True)
         rec.step(batch)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])
