@@ -352,7 +352,8 @@ def format_shrink(d: dict[str, Any]) -> str:
                      + (f" (dataset indices {d['dataset_indices']})" if d["dataset_indices"] else ""))
     if d["seq_window"]:
         lines.append(f"  sequence window {d['seq_window'][0]}:{d['seq_window'][1]}")
-    lines.append("  passes: " + ", ".join(f"{k} {v['accepted']}/{v['runs']} accepted, {v['replays']} replays"
+    lines.append("  passes: " + ", ".join(f"{k} {v['accepted']}/{v['runs']} accepted, {v['replays']} "
+                                          f"replay{'' if v['replays'] == 1 else 's'}"
                                           for k, v in d["passes"].items()))
     lines.append(f"  still fails: {fail_line(d['failure'])}")
     lines.append(f"wrote {d['output']}")

@@ -118,7 +118,9 @@ def _provenance_lines(p: Any) -> list[str]:
              + (f" in {_n(p['replays'], 'replay')}" if isinstance(p.get("replays"), int) else "")]
     before = p.get("before")
     if isinstance(before, dict):
-        lines.append("  before " + ", ".join(f"{k} {v}" for k, v in before.items() if v is not None))
+        order = ["steps", "rows", "seq", "tokens"]
+        keys = [k for k in order if k in before] + sorted(k for k in before if k not in order)
+        lines.append("  before " + ", ".join(f"{k} {before[k]}" for k in keys if before[k] is not None))
     if p.get("kept_rows") is not None:
         idx = p.get("dataset_indices")
         lines.append(f"  kept rows {p['kept_rows']} of the failing batch" + (f" (dataset indices {idx})" if idx else ""))
