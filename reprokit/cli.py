@@ -27,11 +27,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -70,6 +71,31 @@ def _wants_json(args: Sequence[str]) -> bool:
             words.append(a)
     env = "REPROKIT_" + "_".join(w.upper().replace("-", "_") for w in words) + "_JSON"
     return bool(words) and os.environ.get(env, "").strip().lower() in ("1", "true", "yes", "on", "t", "y")
+
+
+Update = Callable[[int, str], None]
+
+
+@contextlib.contextmanager
+def _progress(length: int, label: str, *, enabled: bool = True) -> Iterator[Update]:
+    """A progress bar on stderr, only when stderr is a terminal; yields ``update(done, info)``.
+
+    Elsewhere (a pipe, a log file, CliRunner, ``--json``) it prints nothing, so a captured log
+    holds no carriage returns. The bar ends its line on exit, also when the command fails, so
+    an error message or the final output never lands on it.
+    """
+    if not enabled or not sys.stderr.isatty():
+        def nothing(done: int, info: str = "") -> None:
+            pass
+
+        yield nothing
+        return
+    with click.progressbar(length=length, label=label, file=sys.stderr, show_eta=False, show_pos=True,
+                           item_show_func=lambda info: info) as bar:
+        def update(done: int, info: str = "") -> None:
+            bar.update(max(0, min(done, length) - bar.pos), info)
+
+        yield update
 
 
 def _save_traceback(exc: BaseException) -> Path | None:
@@ -198,10 +224,9 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, as_j
     from reprokit.replay import format_report
     from reprokit.replay import replay as do_replay
 
-    progress = None if as_json or times == 1 else (
-        lambda i, n: click.echo(f"\r  replay {i}/{n}", nl=i == n, err=True))
-    with _open(bundle, kw) as path:
-        report = do_replay(path, times=times, device=device, code=code, progress=progress)
+    with _progress(times, "replay", enabled=not as_json and times > 1) as update, _open(bundle, kw) as path:
+        report = do_replay(path, times=times, device=device, code=code,
+                           progress=lambda i, n: update(i, f"run {i}/{n}"))
     d = report.to_json()
     d["bundle"] = str(bundle)
     if as_json:
@@ -306,15 +331,10 @@ def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, is
     """
     from reprokit.shrink import shrink as do_shrink
 
-    def progress(name: str, replays: int, size: str) -> None:
-        click.echo(f"\r  {name:<9} replays {replays:>4}/{budget}  best: {size}\033[K", nl=False, err=True)
-
-    with _open(bundle, kw) as path:
+    with _progress(budget, "shrink", enabled=not as_json) as update, _open(bundle, kw) as path:
         result = do_shrink(path, output, budget=budget, passes=[p.strip() for p in passes.split(",") if p.strip()],
                            pad_id=pad_id, isolate=isolate, timeout=timeout, device=device, code=code,
-                           progress=None if as_json else progress)
-    if not as_json:
-        click.echo("", err=True)
+                           progress=lambda name, replays, size: update(replays, f"{name}, best: {size}"))
     d = result.to_json()
     _emit(d) if as_json else click.echo(format_shrink(d))
 
@@ -332,7 +352,8 @@ def format_shrink(d: dict[str, Any]) -> str:
                      + (f" (dataset indices {d['dataset_indices']})" if d["dataset_indices"] else ""))
     if d["seq_window"]:
         lines.append(f"  sequence window {d['seq_window'][0]}:{d['seq_window'][1]}")
-    lines.append("  passes: " + ", ".join(f"{k} {v['accepted']}/{v['runs']} accepted, {v['replays']} replays"
+    lines.append("  passes: " + ", ".join(f"{k} {v['accepted']}/{v['runs']} accepted, {v['replays']} "
+                                          f"replay{'' if v['replays'] == 1 else 's'}"
                                           for k, v in d["passes"].items()))
     lines.append(f"  still fails: {fail_line(d['failure'])}")
     lines.append(f"wrote {d['output']}")
@@ -363,7 +384,7 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
         return
     click.echo(f"wrote {r['output']} ({r['bytes'] / 1e6:.2f} MB), sha256 {r['sha256']}")
     click.echo("  contents: " + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in r["breakdown"].items()))
-    click.echo(f"  receiver: tar xzf {output.name} && python repro-*/repro.py")
+    click.echo(f"  receiver: tar xzf {shlex.quote(output.name)} && python {r['folder']}/repro.py")
 
 
 @main.group()
@@ -374,15 +395,24 @@ def bisect() -> None:
 def _axis_command(axis: str, doc: str, extra: list[Any] | None = None) -> None:
     def command(bundle: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
         from reprokit.bisect import AXES
+        from reprokit.bisect.precision import VARIANTS as PRECISION_VARIANTS
 
         fn: Any = AXES[axis][0]
         fmt: Any = AXES[axis][1]
         opts = {k: kw.pop(k) for k in list(kw) if k in ("keep", "variants")}
         if opts.get("variants"):
             opts["variants"] = [v.strip() for v in opts["variants"].split(",") if v.strip()]
-        if axis == "precision" and not as_json:
-            opts["progress"] = lambda name, verdict: click.echo(f"  {name:<16}{verdict}", err=True)
-        with _open(bundle, kw) as path:
+        n = len(opts.get("variants") or ()) or len(PRECISION_VARIANTS)
+        with _progress(n, "bisect precision", enabled=axis == "precision" and not as_json) as update, \
+                _open(bundle, kw) as path:
+            if axis == "precision":
+                done: list[str] = []
+
+                def progress(name: str, verdict: str) -> None:
+                    done.append(name)
+                    update(len(done), f"{name}: {verdict}")
+
+                opts["progress"] = progress
             d = fn(B.open_bundle(path), device=device, code=code, **opts)
         _emit(d) if as_json else click.echo(fmt(d))
 
@@ -499,6 +529,25 @@ def gc(directory: Path, dry_run: bool, as_json: bool) -> None:
         click.echo(f"{directory}: {len(found)} leftover temp folder(s), {n} abandoned"
                    + (" (dry run: nothing removed)" if dry_run else ""))
     sys.exit(1 if failed else 0)
+
+
+def _name_envvars(group: click.Group, prefix: str) -> None:
+    """Give every option the variable the README documents: ``REPROKIT_<COMMAND>_<OPTION>``.
+
+    Named after the option (``--json`` -> ``REPROKIT_REPLAY_JSON``), not after the Python
+    parameter (click's automatic names would read ``REPROKIT_REPLAY_AS_JSON``).
+    """
+    for name, cmd in group.commands.items():
+        cmd_prefix = f"{prefix}_{name.upper().replace('-', '_')}"
+        if isinstance(cmd, click.Group):
+            _name_envvars(cmd, cmd_prefix)
+        for param in cmd.params:
+            if isinstance(param, click.Option) and not param.is_eager and param.envvar is None:
+                long = max((o for o in param.opts if o.startswith("--")), key=len, default=param.opts[0])
+                param.envvar = f"{cmd_prefix}_{long.lstrip('-').upper().replace('-', '_')}"
+
+
+_name_envvars(main, "REPROKIT")
 
 
 if __name__ == "__main__":  # pragma: no cover

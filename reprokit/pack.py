@@ -109,10 +109,12 @@ class PackResult:
     sha256: str
     size: int
     breakdown: dict[str, int]
+    folder: str = ""
+    """The one top-level folder the archive extracts to (``repro-`` + 12 hex digits of the bundle's manifest)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"output": str(self.output), "sha256": self.sha256, "bytes": self.size,
-                "sha256_file": str(self.output) + ".sha256", "breakdown": self.breakdown}
+                "sha256_file": str(self.output) + ".sha256", "folder": self.folder, "breakdown": self.breakdown}
 
 
 def _readme(b: Bundle) -> str:
@@ -123,7 +125,8 @@ def _readme(b: Bundle) -> str:
         "",
         f"**Failure:** {f.describe()}",
         "",
-        f"- window: steps {run['window']['start']}..{run['window']['end']} ({len(b.steps)} steps), replayed from "
+        f"- window: steps {run['window']['start']}..{run['window']['end']} ({len(b.steps)} "
+        f"step{'' if len(b.steps) == 1 else 's'}), replayed from "
         f"the snapshot at step {run['window']['start']}",
         f"- recorded with python {env.get('python')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
         f"devices {env.get('devices') or ['cpu']}",
@@ -191,7 +194,7 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
     breakdown = b.sizes()
     breakdown["metadata"] += (b.path / MANIFEST).stat().st_size + len(pack_manifest)
     breakdown["runtime"] = sum(len(v) if isinstance(v, bytes) else v.stat().st_size for v in runtime.values())
-    return PackResult(output, digest, output.stat().st_size, breakdown)
+    return PackResult(output, digest, output.stat().st_size, breakdown, top)
 
 
 def _pack_manifest(b: Bundle, files: dict[str, Path | bytes]) -> bytes:

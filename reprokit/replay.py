@@ -471,7 +471,7 @@ def _run_line(r: dict[str, Any]) -> str:
         what = f"{f['exc_type']}: {f['message']}" if f.get("exc_type") else f"{f['kind']} ({f['message']})"
         out = f"different failure at step {r['failure_step']}: {what}"
     else:
-        out = f"passed {r['steps_run']} steps"
+        out = f"passed {r['steps_run']} step{'' if r['steps_run'] == 1 else 's'}"
     fid = r.get("fidelity") or {}
     if fid.get("first_diverging_step") is not None:
         out += f"; losses diverged at step {fid['first_diverging_step']}"

@@ -33,6 +33,7 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "incident": (run.get("distributed") or {}).get("incident"),
         "env": {k: v for k, v in bundle.env.items() if k != "git"} | {"git": _git_summary(bundle.env.get("git"))},
         "losses": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in run["history"]],
+        "provenance": run.get("provenance"),
     })
 
 
@@ -85,7 +86,7 @@ def format_describe(d: dict[str, Any]) -> str:
     ]
     if f["frame"]:
         lines.append(f"raised   in {f['frame']}")
-    lines.append(f"window   steps {w['start']}..{w['end']} ({w['steps']} steps, replayed from the snapshot at "
+    lines.append(f"window   steps {w['start']}..{w['end']} ({_n(w['steps'], 'step')}, replayed from the snapshot at "
                  f"step {w['start']})")
     lines.append("batch    " + ("; ".join(f"{k}: {v.get('dtype', v.get('type'))}{v.get('shape', '')}"
                                            for k, v in d["batch"].items()) or "(empty)"))
@@ -97,12 +98,43 @@ def format_describe(d: dict[str, Any]) -> str:
     lines.append(f"env      python {e['python']}, torch {e['torch']}, cuda {e['cuda']}, "
                  f"devices {e['devices'] or ['cpu']}" + (f", git {str(git.get('commit'))[:10]}"
                                                         f"{' (dirty)' if git.get('dirty') else ''}" if git else ""))
+    lines += _provenance_lines(d.get("provenance"))
     losses = d["losses"][-12:]
     if losses:
         lines.append(f"losses   (last {len(losses)} of {len(d['losses'])})")
         lines += [f"  step {h['step']:>8}  loss {h['loss'] if h['loss'] is not None else '-':<24}"
                   f"grad norm {h['grad_norm'] if h['grad_norm'] is not None else '-'}" for h in losses]
     return "\n".join(lines)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _provenance_lines(p: Any) -> list[str]:
+    """Where a shrunk bundle came from: source bundle, kept rows, dataset indices, sequence window, passes."""
+    if not isinstance(p, dict):
+        return []
+    src = str(p.get("source_bundle"))
+    digest = p.get("source_manifest_sha256")
+    lines = [f"shrunk   from {src}" + (f" (manifest sha256 {str(digest)[:12]})" if digest else "")
+             + (f" in {_n(p['replays'], 'replay')}" if isinstance(p.get("replays"), int) else "")]
+    before = p.get("before")
+    if isinstance(before, dict):
+        order = ["steps", "rows", "seq", "tokens"]
+        keys = [k for k in order if k in before] + sorted(k for k in before if k not in order)
+        lines.append("  before " + ", ".join(f"{k} {before[k]}" for k in keys if before[k] is not None))
+    if p.get("kept_rows") is not None:
+        idx = p.get("dataset_indices")
+        lines.append(f"  kept rows {p['kept_rows']} of the failing batch" + (f" (dataset indices {idx})" if idx else ""))
+    if p.get("seq_window"):
+        lo, hi = p["seq_window"]
+        lines.append(f"  sequence window {lo}:{hi}")
+    passes = p.get("passes")
+    if isinstance(passes, dict) and passes:
+        lines.append("  passes " + ", ".join(f"{k} {v.get('accepted')}/{v.get('runs')} accepted, "
+                                             f"{_n(v.get('replays', 0), 'replay')}" for k, v in passes.items()))
+    return lines
 
 
 def _refs_line(refs: Any) -> str:

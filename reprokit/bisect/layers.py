@@ -169,11 +169,15 @@ def format_layers(d: dict[str, Any]) -> str:
             lines.append("  its inputs were already non-finite: look at the data (or a module without hooks)")
     else:
         lines.append("no module produced a non-finite value in the failing step")
-    lines.append(f"{'module':<28}{'class':<16}{'phase':<9}{'in |min|..|max| (nonfinite)':<34}"
-                 f"{'out |min|..|max| (nonfinite)':<34}")
-    for fr in d.get("frames", []):
-        lines.append(f"{fr['module'][:27]:<28}{fr['class'][:15]:<16}{fr['phase']:<9}{_rng(fr['inputs']):<34}"
-                     f"{_rng(fr['outputs']):<34}")
+    frames = d.get("frames", [])
+    # Columns as wide as their longest entry: module paths and class names are never cut.
+    wm = max([len("module"), *(len(fr["module"]) for fr in frames)]) + 2
+    wc = max([len("class"), *(len(fr["class"]) for fr in frames)]) + 2
+    lines.append(f"{'module':<{wm}}{'class':<{wc}}{'phase':<9}{'in |min|..|max| (nonfinite)':<34}"
+                 "out |min|..|max| (nonfinite)")
+    for fr in frames:
+        lines.append(f"{fr['module']:<{wm}}{fr['class']:<{wc}}{fr['phase']:<9}{_rng(fr['inputs']):<34}"
+                     f"{_rng(fr['outputs'])}")
     return "\n".join(lines)
 
 

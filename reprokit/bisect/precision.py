@@ -14,8 +14,15 @@ How variants reach user code (and the limits of that):
   uses the GradScaler only if ``build`` made one.
 - ``tf32_on`` / ``tf32_off``: ``torch.backends.cuda.matmul.allow_tf32`` and
   ``torch.backends.cudnn.allow_tf32``; CUDA only (n/a on CPU).
-- ``sdpa_*``: ``torch.nn.attention.sdpa_kernel`` restricted to one backend; a
-  backend this device cannot run is n/a (probed with a tiny attention call).
+- ``sdpa_*``: ``torch.nn.attention.sdpa_kernel`` restricted to one backend. n/a when
+  the backend cannot run on this device (probed with a tiny attention call), when it
+  cannot run this model's attention (the step raised "No available kernel"), or when
+  the replay never called ``scaled_dot_product_attention`` (a model without
+  attention: the backend choice changes nothing). Calls are counted with a
+  ``TorchFunctionMode`` plus a wrapper of ``torch.nn.functional.scaled_dot_product_attention``
+  (which ``nn.MultiheadAttention`` calls); attention computed without SDPA (explicit
+  matmul + softmax, or inside a compiled graph) is not seen, and is not affected by
+  these variants either, except in a compiled graph.
 - ``deterministic``: ``torch.use_deterministic_algorithms(True)``; an op without a
   deterministic kernel then raises, which shows as ``different_failure``.
 """
@@ -32,6 +39,7 @@ import torch
 from reprokit import pytree
 from reprokit.bundle import Bundle
 from reprokit.replay import Session
+from reprokit.signature import Failure
 
 Variant = Callable[[Session], contextlib.AbstractContextManager[Any]]
 
@@ -98,10 +106,13 @@ def _flags(**flags: bool) -> Iterator[None]:
 
 
 def _sdpa(name: str) -> Variant:
-    def variant(s: Session) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def variant(s: Session) -> Iterator[None]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        return sdpa_kernel(getattr(SDPBackend, name))
+        with sdpa_kernel(getattr(SDPBackend, name)), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Flash attention kernel not used because ...": the result says it
+            yield
     return variant
 
 
@@ -122,6 +133,48 @@ def _sdpa_available(name: str, device: torch.device) -> bool:
         return True
     except RuntimeError:
         return False
+
+
+class _CountSDPA(torch.overrides.TorchFunctionMode):
+    """Counts calls of ``scaled_dot_product_attention`` while active (however the user's code reached it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self._sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is self._sdpa:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _counting_sdpa() -> Iterator[_CountSDPA]:
+    """``nn.MultiheadAttention`` reaches SDPA from inside ``multi_head_attention_forward``, which a
+    function mode hands over with itself switched off: the module attribute is wrapped too."""
+    F = torch.nn.functional
+    real = F.scaled_dot_product_attention
+    mode = _CountSDPA()
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        mode.calls += 1
+        return real(*args, **kwargs)
+
+    F.scaled_dot_product_attention = counted
+    try:
+        with mode:
+            yield mode
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+_NO_KERNEL = ("No available kernel", "No viable backend")
+
+
+def _no_kernel(failure: Failure | None) -> bool:
+    """The step raised because the forced SDPA backend cannot run these inputs (dtype, shape, mask, device)."""
+    return failure is not None and failure.exc_type == "RuntimeError" and any(m in failure.message for m in _NO_KERNEL)
 
 
 def _available(name: str, device: torch.device) -> bool:
@@ -163,9 +216,15 @@ def bisect_precision(bundle: Bundle, *, device: str | None = None, code: Any = N
         raise ReprokitError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     results: dict[str, str] = {}
     details: dict[str, Any] = {}
+    sdpa_calls: int | None = None  # during the recorded variant, once run
+    no_attention = ("n/a", "the replay never called scaled_dot_product_attention (no SDPA attention in this model), "
+                           "so the SDPA backend changes nothing")
     for name in names:
+        sdpa = name.startswith("sdpa_")
         with Session(bundle, device=device, code=code) as s:
-            if not _available(name, s.device):
+            if sdpa and sdpa_calls == 0:
+                results[name], details[name] = no_attention
+            elif not _available(name, s.device):
                 results[name] = "n/a"
                 details[name] = f"not available on {s.device.type}"
             else:
@@ -173,10 +232,24 @@ def bisect_precision(bundle: Bundle, *, device: str | None = None, code: Any = N
                 if name == "fp32":
                     inputs = [type(i)(i.step, pytree.map_tensors(i.batch, lambda t: t.float() if t.is_floating_point()
                                                                  else t), i.rng, i.rng_tensors) for i in inputs]
-                with VARIANTS[name](s):
+                with VARIANTS[name](s), (_counting_sdpa() if sdpa or name == "recorded"
+                                         else contextlib.nullcontext()) as counter:
                     out = s.run(inputs)
-                results[name] = "fail" if out.same else "different_failure" if out.failure else "pass"
-                details[name] = out.failure.describe() if out.failure else f"passed {len(out.losses)} steps"
+                calls = counter.calls if counter is not None else None
+                if name == "recorded":
+                    sdpa_calls = calls
+                if sdpa and calls == 0:
+                    results[name], details[name] = no_attention
+                elif sdpa and _no_kernel(out.failure):
+                    assert out.failure is not None
+                    results[name] = "n/a"
+                    details[name] = (f"the {SDPA[name]} backend cannot run this model's attention on "
+                                     f"{s.device.type}: {out.failure.message.splitlines()[0][:160]}")
+                else:
+                    results[name] = "fail" if out.same else "different_failure" if out.failure else "pass"
+                    steps = len(out.losses)
+                    details[name] = out.failure.describe() if out.failure else \
+                        f"passed {steps} step{'' if steps == 1 else 's'}"
         if progress:
             progress(name, results[name])
     fixes = [n for n in names if results[n] == "pass" and n != "recorded"]

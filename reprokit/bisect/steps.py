@@ -138,7 +138,7 @@ def format_steps(d: dict[str, Any]) -> str:
     lines = [f"{'step':>8} {'loss':>12} {'grad norm':>12} {'lr':>10} {'scale':>9}  top grads / notes"]
     for r in d["per_step"]:
         lr = ",".join(f"{x:.3g}" for x in r["lr"])
-        top = ", ".join(f"{n} {v:.3g}" for n, v in r["top_grads"][:3])
+        top = ", ".join(f"{n} {v:.3g}" for n, v in r["top_grads"][:5])
         mark = "  <-- " + r["bad"] if r["bad"] else ""
         lines.append(f"{r['step']:>8} {_num(r['loss']):>12} {_num(r['grad_norm']):>12} {lr:>10} "
                      f"{_num(r['scale']):>9}  {top}{mark}")
