@@ -27,7 +27,7 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 MAX_DEPTH = 200
 """Deepest nesting of arrays/objects in any JSON file (the writer's trees are a few levels deep)."""
 MAX_STRING_CHARS = 1024 * 1024
-"""Longest string value (tracebacks are cut at 20,000 characters when written)."""
+"""Longest string value (the writer cuts git diffs at 1,000,000 characters, tracebacks at 20,000)."""
 MAX_KEY_CHARS = 4096
 """Longest object key (a file path in the manifest is at most this long)."""
 MAX_NAME_BYTES = 255
@@ -58,7 +58,8 @@ class SchemaError(BundleError):
 
 
 def type_name(v: Any) -> str:
-    return "null" if v is None else {dict: "object", list: "list"}.get(type(v), type(v).__name__)
+    names: dict[type, str] = {dict: "object", list: "list"}
+    return "null" if v is None else names.get(type(v), type(v).__name__)
 
 
 # --- strict JSON --------------------------------------------------------------------------
@@ -180,7 +181,7 @@ class _File:
         """A finite number, null, or one of the strings the writer uses for NaN/inf."""
         if v is None and null:
             return
-        if isinstance(v, bool) or not (isinstance(v, (int, float)) or v in NONFINITE):
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) or (isinstance(v, str) and v in NONFINITE)):
             raise self.fail(field, f"must be a number{', null' if null else ''} or \"nan\"/\"inf\"/\"-inf\", "
                                    f"got {type_name(v)}")
 
