@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from reprokit import pytree
+from reprokit import pytree, schema
 from reprokit._version import __version__
 from reprokit.errors import BundleError, BundleVersionError
 from reprokit.signature import Failure
@@ -468,6 +468,9 @@ def verify(path: Path) -> list[dict[str, Any]]:
         rel = p.relative_to(path).as_posix()
         if p.is_symlink() or (not p.is_dir() and rel != MANIFEST and rel not in listed):
             problems.append({"file": rel, "problem": "unexpected file"})
+    # Consistent is not well-formed: hold every JSON file and safetensors header to its schema too
+    # (files reported above are not read again).
+    problems += schema.check_bundle(path, listed, skip={p["file"] for p in problems})
     return problems
 
 
@@ -476,13 +479,13 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, An
     if not mpath.is_file():
         return None, [{"file": MANIFEST, "problem": "missing (an interrupted write, or not a bundle)"}]
     try:
-        manifest = json.loads(mpath.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        return None, [{"file": MANIFEST, "problem": f"not valid JSON: {e}"}]
+        manifest = schema.load_json(mpath, MANIFEST)
+    except schema.SchemaError as e:
+        return None, e.problems
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         return None, [{"file": MANIFEST, "problem": f"not a {FORMAT} manifest"}]
     version = manifest.get("version")
-    if not isinstance(version, int) or version < 1:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         return None, [{"file": MANIFEST, "problem": f"unknown format version {version!r}"}]
     if version > VERSION:
         raise BundleVersionError(
@@ -501,6 +504,10 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, An
         # An altered manifest cannot vouch for any other file: report it alone.
         return None, [{"file": MANIFEST, "problem": "checksum mismatch (the manifest itself was altered)",
                            "expected": manifest["self_sha256"], "found": _self_digest(manifest)}]
+    try:
+        schema.check_manifest(manifest, MANIFEST)
+    except schema.SchemaError as e:
+        return None, e.problems
     return manifest, []
 
 
@@ -550,9 +557,10 @@ class Bundle:
         return self._json(name + ".json"), self._tensors(name + ".safetensors")
 
     def _json(self, rel: str) -> Any:
-        return json.loads((self.path / rel).read_bytes())
+        return schema.load_json(self.path / rel, rel)
 
     def _tensors(self, rel: str) -> dict[str, torch.Tensor]:
+        schema.check_safetensors(self.path / rel, rel)  # the header, before safetensors trusts it
         return st_load((self.path / rel).read_bytes())
 
     def sizes(self) -> dict[str, int]:
@@ -590,9 +598,8 @@ def open_bundle(path: str | Path) -> Bundle:
             "Ask the sender for an intact copy, or run `reprokit verify` for details.",
             problems,
         )
-    manifest = json.loads((path / MANIFEST).read_bytes())
-    docs = {rel: json.loads((path / rel).read_bytes()) for rel in (RUN, FAILURE, ENV)
-            if rel in manifest["files"]}
+    manifest = schema.load_json(path / MANIFEST, MANIFEST)
+    docs = {rel: schema.load_json(path / rel, rel) for rel in (RUN, FAILURE, ENV) if rel in manifest["files"]}
     missing = {RUN, FAILURE, ENV} - docs.keys()
     if missing:
         raise BundleError(f"{path} has a valid manifest but lacks {', '.join(sorted(missing))}")

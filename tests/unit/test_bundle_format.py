@@ -15,9 +15,13 @@ from reprokit import bundle as B
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
+# Not run.json: verify holds run.json to its schema, and these tests are about the container.
+NOTES = "notes.json"
+
+
 def write_tiny(tmp_path: Path) -> Path:
     w = B.BundleWriter(tmp_path, "b")
-    w.write_json(B.RUN, {"x": float("nan")})
+    w.write_json(NOTES, {"x": float("nan")})
     w.write_tensors("state/t.safetensors", {"a": torch.arange(4)})
     return w.commit()
 
@@ -26,8 +30,8 @@ def test_manifest_is_last_and_lists_every_file(tmp_path):
     path = write_tiny(tmp_path)
     manifest = json.loads((path / B.MANIFEST).read_text())
     assert manifest["format"] == B.FORMAT and manifest["version"] == B.VERSION
-    assert set(manifest["files"]) == {"run.json", "state/t.safetensors"}
-    assert json.loads((path / "run.json").read_text()) == {"x": "nan"}, "strict JSON on disk"
+    assert set(manifest["files"]) == {NOTES, "state/t.safetensors"}
+    assert json.loads((path / NOTES).read_text()) == {"x": "nan"}, "strict JSON on disk"
     assert B.verify(path) == []
     assert [p.name for p in tmp_path.iterdir()] == ["b"], "no temp dir left behind"
 
@@ -165,7 +169,7 @@ def test_ctrl_c_while_writing_leaves_no_temp_folder(tmp_path):
         raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == []
     with B.BundleWriter(tmp_path, "d") as w:
-        w.write_json(B.RUN, {})
+        w.write_json(NOTES, {})
         done = w.commit()
     assert [p.name for p in tmp_path.iterdir()] == ["d"] and B.verify(done) == []
 

@@ -1,0 +1,521 @@
+"""Strict reading and explicit schemas for every file of a bundle.
+
+A bundle may come from a buggy writer, another tool or a hand edit whose manifest checksums were
+recomputed: consistent, yet malformed. Before anything uses a file, :func:`load_json` parses it
+strictly (size cap, nesting depth checked on the raw text, no ``NaN``/``Infinity``/``1e999``, no
+duplicate keys, bounded strings) and the ``check_*`` functions hold it to the schema the writer
+(``record.py``, ``shrink``) produces: types, required keys, ranges. Safetensors headers are checked
+the same way (:func:`check_safetensors`). Every refusal is a :class:`SchemaError` (a
+:class:`~reprokit.errors.BundleError`, exit 3) naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import struct
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+from reprokit.errors import BundleError
+
+MAX_JSON_BYTES = 64 * 1024 * 1024
+"""Largest JSON file a bundle may hold (tensors live in safetensors; JSON is metadata)."""
+MAX_DEPTH = 200
+"""Deepest nesting of arrays/objects in any JSON file (the writer's trees are a few levels deep)."""
+MAX_STRING_CHARS = 1024 * 1024
+"""Longest string value (the writer cuts git diffs at 1,000,000 characters, tracebacks at 20,000)."""
+MAX_KEY_CHARS = 4096
+"""Longest object key (a file path in the manifest is at most this long)."""
+MAX_NAME_BYTES = 255
+"""Longest component of a path the manifest lists (what filesystems allow)."""
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+"""Largest safetensors header (the safetensors library's own limit)."""
+
+NONFINITE = frozenset({"nan", "inf", "-inf"})
+"""How the writer stores non-finite floats (``jsonable``)."""
+
+# Bytes per element of each safetensors dtype torch can load.
+ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+            "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_STRING_OR_BRACKET = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+_TREE_TAGS = ("__rk_tensor__", "__rk_ndarray__", "__rk_tuple__", "__rk_dict__", "__rk_float__")
+_FIX = "Re-record the bundle, or get an intact copy from whoever made it."
+
+
+class SchemaError(BundleError):
+    """A bundle file that is well-formed on disk (checksums match) but not what a bundle holds."""
+
+    def __init__(self, file: str, field: str, why: str):
+        where = f"{file}: {field}" if field else file
+        super().__init__(f"{where} {why}. {_FIX}", [{"file": file, "problem": f"{field} {why}".strip()}])
+        self.file, self.field, self.why = file, field, why
+
+
+def type_name(v: Any) -> str:
+    names: dict[type, str] = {dict: "object", list: "list"}
+    return "null" if v is None else names.get(type(v), type(v).__name__)
+
+
+# --- strict JSON --------------------------------------------------------------------------
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (non-finite numbers are stored as the strings \"nan\", \"inf\", \"-inf\")")
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"number {text[:40]} is out of range for a float")
+    return x
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup[:80]!r}")
+    return out
+
+
+def nesting_depth(data: bytes) -> int:
+    """Deepest ``[``/``{`` nesting of JSON text, brackets inside strings ignored; no recursion."""
+    steps = (1 if m[0] in b"[{" else -1 for m in _STRING_OR_BRACKET.findall(data) if len(m) == 1)
+    return max(accumulate(steps, initial=0))
+
+
+def parse_json(data: bytes, what: str) -> Any:
+    """Parse ``data`` strictly; ``what`` names it in errors (a bundle file's path)."""
+    if len(data) > MAX_JSON_BYTES:
+        raise SchemaError(what, "", f"is {len(data)} bytes; bundle JSON files are at most {MAX_JSON_BYTES}")
+    depth = nesting_depth(data)
+    if depth > MAX_DEPTH:
+        raise SchemaError(what, "", f"nests {depth} levels deep; at most {MAX_DEPTH} are allowed")
+    try:
+        text = data.decode("utf-8")
+        doc = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
+                         object_pairs_hook=_no_duplicates)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise SchemaError(what, "", f"is not valid strict JSON: {str(e)[:300]}") from None
+    _check_sizes(what, doc, "")
+    return doc
+
+
+def load_json(path: Path, what: str) -> Any:
+    """Read and parse one JSON file of a bundle strictly (size checked before reading)."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise SchemaError(what, "", f"is {size} bytes; bundle JSON files are at most {MAX_JSON_BYTES}")
+        data = path.read_bytes()
+    except OSError as e:
+        raise SchemaError(what, "", f"cannot be read: {e.strerror or e}") from None
+    return parse_json(data, what)
+
+
+def _check_sizes(what: str, v: Any, field: str) -> None:
+    if isinstance(v, str):
+        if len(v) > MAX_STRING_CHARS:
+            raise SchemaError(what, field or "<root>", f"is a string of {len(v)} characters; at most "
+                                                       f"{MAX_STRING_CHARS} are allowed")
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            if len(k) > MAX_KEY_CHARS:
+                raise SchemaError(what, field or "<root>", f"has a key of {len(k)} characters (starting "
+                                                           f"{k[:40]!r}); at most {MAX_KEY_CHARS} are allowed")
+            _check_sizes(what, x, _join(field, k))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _check_sizes(what, x, f"{field}[{i}]")
+
+
+def _join(field: str, key: str) -> str:
+    key = key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) else repr(key[:80])
+    return f"{field}.{key}" if field else key
+
+
+# --- small checkers -----------------------------------------------------------------------
+
+class _File:
+    def __init__(self, name: str):
+        self.name = name
+
+    def fail(self, field: str, why: str) -> SchemaError:
+        return SchemaError(self.name, field, why)
+
+    def obj(self, v: Any, field: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise self.fail(field or "<root>", f"must be an object, got {type_name(v)}")
+        for k in required:
+            if k not in v:
+                raise self.fail(_join(field, k), "is missing")
+        return v
+
+    def lst(self, v: Any, field: str) -> list[Any]:
+        if not isinstance(v, list):
+            raise self.fail(field, f"must be a list, got {type_name(v)}")
+        return v
+
+    def integer(self, v: Any, field: str, lo: int | None = 0) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise self.fail(field, f"must be an integer, got {type_name(v)}")
+        if lo is not None and v < lo:
+            raise self.fail(field, f"must be >= {lo}, got {v}")
+        return v
+
+    def string(self, v: Any, field: str, *, null: bool = False) -> None:
+        if not (isinstance(v, str) or (null and v is None)):
+            raise self.fail(field, f"must be a string{' or null' if null else ''}, got {type_name(v)}")
+
+    def boolean(self, v: Any, field: str) -> None:
+        if not isinstance(v, bool):
+            raise self.fail(field, f"must be true or false, got {type_name(v)}")
+
+    def number(self, v: Any, field: str, *, null: bool = True) -> None:
+        """A finite number, null, or one of the strings the writer uses for NaN/inf."""
+        if v is None and null:
+            return
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) or (isinstance(v, str) and v in NONFINITE)):
+            raise self.fail(field, f"must be a number{', null' if null else ''} or \"nan\"/\"inf\"/\"-inf\", "
+                                   f"got {type_name(v)}")
+
+    def tree(self, v: Any, field: str, keys: set[str] | None) -> None:
+        """A pytree (``reprokit.pytree``): tags well-formed; tensor refs name a key of ``keys`` when given."""
+        if isinstance(v, list):
+            for i, x in enumerate(v):
+                self.tree(x, f"{field}[{i}]", keys)
+            return
+        if not isinstance(v, dict):
+            return
+        if len(v) == 1 and next(iter(v)) in _TREE_TAGS:
+            (tag, val), = v.items()
+            f = _join(field, tag)
+            if tag in ("__rk_tensor__", "__rk_ndarray__"):
+                self.string(val, f)
+                if keys is not None and val not in keys:
+                    raise self.fail(f, f"names tensor {val[:200]!r}, which is not in the file's tensors")
+            elif tag == "__rk_tuple__":
+                self.tree(self.lst(val, f), f, keys)
+            elif tag == "__rk_dict__":
+                for i, pair in enumerate(self.lst(val, f)):
+                    if not isinstance(pair, list) or len(pair) != 2:
+                        raise self.fail(f"{f}[{i}]", f"must be a [key, value] pair, got {type_name(pair)}")
+                    if isinstance(pair[0], (dict, list)) and not _hashable_key(pair[0]):
+                        raise self.fail(f"{f}[{i}][0]", "must be a number, string, null or tuple of those")
+                    self.tree(pair[1], f"{f}[{i}][1]", keys)
+            else:
+                self.string(val, f)
+                try:
+                    float(val)
+                except ValueError:
+                    raise self.fail(f, f"must be a float as a string, got {val[:40]!r}") from None
+            return
+        for k, x in v.items():
+            self.tree(x, _join(field, k), keys)
+
+    def rng(self, v: Any, field: str, keys: set[str] | None) -> None:
+        """The RNG tree ``reprokit.rng.encode`` writes (and its tensors, when ``keys`` is given)."""
+        self.obj(v, field, ("python", "numpy"))
+        py = self.lst(v["python"], f"{field}.python")
+        if len(py) != 2:
+            raise self.fail(f"{field}.python", f"must be [version, gauss], got {len(py)} items")
+        self.integer(py[0], f"{field}.python[0]")
+        self.number(py[1], f"{field}.python[1]")
+        npy = self.lst(v["numpy"], f"{field}.numpy")
+        if len(npy) != 4:
+            raise self.fail(f"{field}.numpy", f"must be [name, pos, has_gauss, cached], got {len(npy)} items")
+        self.string(npy[0], f"{field}.numpy[0]")
+        self.integer(npy[1], f"{field}.numpy[1]")
+        self.integer(npy[2], f"{field}.numpy[2]")
+        self.number(npy[3], f"{field}.numpy[3]", null=False)
+        for i, e in enumerate(self.lst(v.get("owned", []), f"{field}.owned")):
+            ef = f"{field}.owned[{i}]"
+            self.obj(e, ef, ("path", "kind", "device"))
+            self.lst(e["path"], f"{ef}.path")
+            self.string(e["kind"], f"{ef}.kind")
+            self.string(e["device"], f"{ef}.device", null=True)
+            if "tensor" in e:
+                self.string(e["tensor"], f"{ef}.tensor")
+                if keys is not None and e["tensor"] not in keys:
+                    raise self.fail(f"{ef}.tensor", f"names tensor {e['tensor'][:200]!r}, which is not in the "
+                                                    "file's tensors")
+            elif "state" not in e:
+                raise self.fail(ef, "must hold a \"tensor\" or a \"state\"")
+        if keys is not None:
+            for k in ("rng/python", "rng/numpy", "rng/torch"):
+                if k not in keys:
+                    raise self.fail(field, f"needs tensor {k!r}, which is not in the file's tensors")
+
+
+def _hashable_key(v: Any) -> bool:
+    if isinstance(v, dict):
+        return set(v) == {"__rk_tuple__"} and isinstance(v["__rk_tuple__"], list) and all(
+            _hashable_key(x) for x in v["__rk_tuple__"])
+    return not isinstance(v, list)
+
+
+# --- the files ----------------------------------------------------------------------------
+
+def check_manifest_files(files: dict[str, Any], name: str = "manifest.json") -> None:
+    """The ``files`` table: each a relative path -> ``{"sha256": 64 hex, "size": int >= 0}``."""
+    f = _File(name)
+    for rel, meta in files.items():
+        field = f"files[{rel[:80]!r}]"
+        parts = rel.split("/")
+        if not rel or any(len(p.encode()) > MAX_NAME_BYTES for p in parts):
+            raise f.fail(field, f"is not a usable file path (empty, or a name over {MAX_NAME_BYTES} bytes)")
+        f.obj(meta, field, ("sha256", "size"))
+        extra = sorted(set(meta) - {"sha256", "size"})
+        if extra:
+            raise f.fail(field, f"has unknown field(s) {', '.join(map(repr, extra))}")
+        if not isinstance(meta["sha256"], str) or not _HEX64.fullmatch(meta["sha256"]):
+            raise f.fail(f"{field}.sha256", "must be 64 lowercase hex digits")
+        f.integer(meta["size"], f"{field}.size")
+
+
+def check_manifest(m: Any, name: str = "manifest.json") -> None:
+    f = _File(name)
+    f.obj(m, "", ("format", "version", "files"))
+    f.string(m["format"], "format")
+    f.integer(m["version"], "version", lo=1)
+    for k in ("created", "reprokit_version"):
+        if k in m:
+            f.string(m[k], k)
+    if "self_sha256" in m and not (isinstance(m["self_sha256"], str) and _HEX64.fullmatch(m["self_sha256"])):
+        raise f.fail("self_sha256", "must be 64 lowercase hex digits")
+    check_manifest_files(f.obj(m["files"], "files"), name)
+
+
+def check_failure(d: Any, name: str = "failure.json") -> None:
+    from reprokit.signature import KINDS
+
+    f = _File(name)
+    f.obj(d, "", ("kind", "step"))
+    f.string(d["kind"], "kind")
+    if d["kind"] not in KINDS:
+        raise f.fail("kind", f"must be one of {', '.join(KINDS)}, got {d['kind'][:80]!r}")
+    f.integer(d["step"], "step")
+    for k in ("exc_type", "frame"):
+        if k in d:
+            f.string(d[k], k, null=True)
+    for k in ("message", "traceback"):
+        if k in d:
+            f.string(d[k], k)
+    for k in ("detail", "signature"):
+        if k in d:
+            f.obj(d[k], k)
+
+
+def _detect_fields() -> dict[str, Any]:
+    from reprokit.detect import DetectSettings
+
+    return {x.name: x.type for x in dataclasses.fields(DetectSettings)}
+
+
+def check_run(d: Any, name: str = "run.json") -> None:
+    """What replay, inspect, shrink and bisect read of ``run.json`` (extra keys, like provenance, are kept)."""
+    from reprokit.code import _check_shape
+
+    f = _File(name)
+    f.obj(d, "", ("refs", "config", "recorder", "window", "history"))
+    refs = f.obj(d["refs"], "refs", ("build", "step"))
+    preds = f.lst(refs.get("predicates", []), "refs.predicates")
+    _check_shape(name, "refs.build", refs["build"])
+    _check_shape(name, "refs.step", refs["step"])
+    for i, r in enumerate(preds):
+        if r is not None:
+            _check_shape(name, f"refs.predicates[{i}]", r)
+    f.tree(d["config"], "config", set())
+    rec = f.obj(d["recorder"], "recorder", ("detect",))
+    detect = f.obj(rec["detect"], "recorder.detect")
+    known = _detect_fields()
+    for k, v in detect.items():
+        field = _join("recorder.detect", k)
+        if k not in known:
+            raise f.fail(field, f"is not a detector setting (known: {', '.join(known)})")
+        if k.startswith("check_"):
+            f.boolean(v, field)
+        elif k == "spike_factor":
+            f.number(v, field)
+            if v is not None and (v in NONFINITE or v <= 1):
+                raise f.fail(field, f"must be > 1 or null, got {v!r}")
+        else:
+            f.integer(v, field, lo=1 if k == "scaler_patience" else 2)
+    if "snapshot_every" in rec:
+        f.integer(rec["snapshot_every"], "recorder.snapshot_every", lo=1)
+    if "determinism" in d:
+        for k, v in f.obj(d["determinism"], "determinism").items():
+            f.boolean(v, _join("determinism", k))
+    if "device" in d:
+        f.string(d["device"], "device")
+    w = f.obj(d["window"], "window", ("start", "end", "steps"))
+    f.integer(w["start"], "window.start")
+    f.integer(w["end"], "window.end")
+    steps = f.lst(w["steps"], "window.steps")
+    for i, s in enumerate(steps):
+        f.integer(s, f"window.steps[{i}]")
+        if s > 99_999_999:
+            raise f.fail(f"window.steps[{i}]", f"must be at most 99999999 (8-digit file names), got {s}")
+    if len(set(steps)) != len(steps):
+        raise f.fail("window.steps", "lists a step twice")
+    for i, h in enumerate(f.lst(d["history"], "history")):
+        f.obj(h, f"history[{i}]", ("step", "loss", "grad_norm"))
+        f.integer(h["step"], f"history[{i}].step")
+        f.number(h["loss"], f"history[{i}].loss")
+        f.number(h["grad_norm"], f"history[{i}].grad_norm")
+
+
+def check_env(d: Any, name: str = "env.json") -> None:
+    f = _File(name)
+    f.obj(d, "", ("python", "torch", "cuda", "devices"))
+    f.string(d["python"], "python")
+    f.string(d["torch"], "torch")
+    f.string(d["cuda"], "cuda", null=True)
+    for i, x in enumerate(f.lst(d["devices"], "devices")):
+        f.string(x, f"devices[{i}]")
+    if d.get("git") is not None:
+        f.obj(d["git"], "git")
+
+
+def check_state(d: Any, keys: set[str] | None, name: str = "state/state.json") -> None:
+    f = _File(name)
+    f.obj(d, "", ("state", "rng"))
+    f.tree(f.obj(d["state"], "state"), "state", keys)
+    f.rng(d["rng"], "rng", keys)
+    if "monitor" in d:
+        f.obj(d["monitor"], "monitor")
+    if "step" in d and d["step"] is not None:
+        f.integer(d["step"], "step")
+
+
+def check_step(d: Any, step: int | None, keys: set[str] | None, name: str) -> None:
+    f = _File(name)
+    f.obj(d, "", ("step", "batch", "rng"))
+    f.integer(d["step"], "step")
+    if step is not None and d["step"] != step:
+        raise f.fail("step", f"is {d['step']}, but the file is named for step {step}")
+    f.tree(d["batch"], "batch", keys)
+    f.rng(d["rng"], "rng", keys)
+    f.number(d.get("loss"), "loss")
+    f.number(d.get("grad_norm"), "grad_norm")
+
+
+# --- safetensors --------------------------------------------------------------------------
+
+def check_safetensors(path: Path, name: str) -> set[str]:
+    """Check a safetensors file's header against the file; returns its tensor names.
+
+    The header length must fit the file, the header is strict JSON, each tensor has a known dtype,
+    a shape of ints >= 0 whose byte size equals its data range, and the ranges tile the data section
+    exactly, in order, without overlap or gaps.
+    """
+    f = _File(name)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise f.fail("", f"is {size} bytes, too short for a safetensors file (an 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                raise f.fail("", f"declares a {n}-byte header, but the file holds {size - 8} bytes after the "
+                                 f"length (and headers are at most {MAX_HEADER_BYTES})")
+            header = fh.read(n)
+    except OSError as e:
+        raise f.fail("", f"cannot be read: {e.strerror or e}") from None
+    doc = f.obj(parse_json(header, f"{name} (header)"), "header")
+    data_len = size - 8 - n
+    ranges = []
+    for key, info in doc.items():
+        field = f"header[{key[:80]!r}]"
+        if key == "__metadata__":
+            for k, v in f.obj(info, field).items():
+                f.string(v, f"{field}[{k[:80]!r}]")
+            continue
+        f.obj(info, field, ("dtype", "shape", "data_offsets"))
+        dtype = info["dtype"]
+        if dtype not in ITEMSIZE:
+            raise f.fail(f"{field}.dtype", f"must be one of {', '.join(ITEMSIZE)}, got {str(dtype)[:40]!r}")
+        count = 1
+        for i, d in enumerate(f.lst(info["shape"], f"{field}.shape")):
+            count *= f.integer(d, f"{field}.shape[{i}]")
+        offs = f.lst(info["data_offsets"], f"{field}.data_offsets")
+        if len(offs) != 2:
+            raise f.fail(f"{field}.data_offsets", f"must be [start, end], got {len(offs)} items")
+        start, end = (f.integer(x, f"{field}.data_offsets[{i}]") for i, x in enumerate(offs))
+        if not start <= end <= data_len:
+            raise f.fail(f"{field}.data_offsets", f"[{start}, {end}] is not a range within the "
+                                                  f"{data_len}-byte data section")
+        if count * ITEMSIZE[dtype] != end - start:  # Python ints: no overflow
+            raise f.fail(field, f"shape {info['shape']} of {dtype} needs {count * ITEMSIZE[dtype]} bytes, but its "
+                                f"data_offsets span {end - start}")
+        ranges.append((start, end, key))
+    at = 0
+    for start, end, key in sorted(ranges):
+        if start != at:
+            raise f.fail(f"header[{key[:80]!r}].data_offsets",
+                         f"starts at {start}, but the previous tensor ends at {at} ("
+                         f"{'overlapping' if start < at else 'a gap in the'} data)")
+        at = end
+    if at != data_len:
+        raise f.fail("", f"has {data_len - at} bytes of data no tensor covers")
+    return {k for k in doc if k != "__metadata__"}
+
+
+# --- a whole bundle -----------------------------------------------------------------------
+
+STEP_FILE = re.compile(r"steps/(\d{8})\.(json|safetensors)")
+
+
+def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()) -> list[dict[str, Any]]:  # type: ignore[assignment]
+    """Problems (``[{"file", "problem"}]``) of every JSON and safetensors file a bundle lists.
+
+    ``files`` is the manifest's table (already checked by :func:`check_manifest_files`); files in
+    ``skip`` (missing or altered ones, reported already) are not read.
+    """
+    problems: list[dict[str, Any]] = []
+    keys: dict[str, set[str] | None] = {}
+    docs: dict[str, Any] = {}
+
+    def run(rel: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except BundleError as e:
+            problems.extend(e.problems or [{"file": rel, "problem": str(e)}])
+            return None
+
+    for rel in sorted(files):
+        if rel in skip or rel.startswith("code/"):
+            continue
+        if rel.endswith(".safetensors") and (rel.startswith("steps/") or rel.startswith("state/")):
+            keys[rel] = run(rel, lambda rel=rel: check_safetensors(path / rel, rel))
+        elif rel.endswith(".json"):
+            docs[rel] = run(rel, lambda rel=rel: load_json(path / rel, rel))
+    checks = {"run.json": check_run, "failure.json": check_failure, "env.json": check_env}
+    for rel, doc in docs.items():
+        if doc is None:
+            continue
+        tensors = rel.removesuffix(".json") + ".safetensors"
+        k = keys.get(tensors) if tensors not in skip else None
+        m = STEP_FILE.fullmatch(rel)
+        if rel in checks:
+            run(rel, lambda rel=rel, doc=doc: checks[rel](doc, rel))
+        elif rel == "state/state.json":
+            run(rel, lambda doc=doc, k=k: check_state(doc, k))
+        elif m:
+            run(rel, lambda rel=rel, doc=doc, k=k, m=m: check_step(doc, int(m[1]), k, rel))
+    window = docs.get("run.json")
+    if isinstance(window, dict) and not any(p["file"] == "run.json" for p in problems):
+        for i, s in enumerate(window["window"]["steps"]):
+            for ext in ("json", "safetensors"):
+                rel = f"steps/{s:08d}.{ext}"
+                if rel not in files:
+                    problems.append({"file": "run.json", "problem": f"window.steps[{i}] is step {s}, but the "
+                                                                    f"manifest lists no {rel}"})
+    return problems
