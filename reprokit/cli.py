@@ -211,21 +211,34 @@ def _open(bundle: Path, kw: dict[str, Any]) -> Any:
               help="Where to replay (default: where it was recorded, if available).")
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Import build/step from this checkout instead of the bundle's code snapshot.")
+@click.option("--trust", is_flag=True, help="Do not print the note that replaying runs the bundle's code.")
 @archive_opts
 @json_opt
-def replay(bundle: Path, times: int, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
+def replay(bundle: Path, times: int, device: str | None, code: Path | None, trust: bool, as_json: bool,
+           **kw: Any) -> None:
     """Re-run BUNDLE and report whether it fails the same way at the same step.
+
+    Replaying runs code: build() and the step function are imported from the bundle's
+    code snapshot (or from --code) and executed. Replay bundles whose code you would run
+    yourself; verify, inspect and pack never import it. A bundle from elsewhere (a packed
+    archive, or recorded on another host) gets a one-line note saying so on stderr.
 
     Verdicts: deterministic (every run reproduced), flaky (some did), different_failure
     (none did, some failed with another signature or at another step), not_reproduced.
     Exit 1 deterministic or flaky, 0 not reproduced (fixed), 125 different failure
     (git bisect run skips it) or code that does not import, 3 invalid bundle.
     """
-    from reprokit.replay import format_report
+    from reprokit.archive import is_archive
+    from reprokit.bundle import open_bundle
+    from reprokit.replay import foreign_code_note, format_report
     from reprokit.replay import replay as do_replay
 
     with _progress(times, "replay", enabled=not as_json and times > 1) as update, _open(bundle, kw) as path:
-        report = do_replay(path, times=times, device=device, code=code,
+        opened = open_bundle(path)  # verified once, here
+        note = None if trust else foreign_code_note(opened, is_archive(bundle))
+        if note:
+            click.echo(note, err=True)
+        report = do_replay(opened, times=times, device=device, code=code,
                            progress=lambda i, n: update(i, f"run {i}/{n}"))
     d = report.to_json()
     d["bundle"] = str(bundle)

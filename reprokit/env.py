@@ -21,6 +21,7 @@ def capture_env(code_root: Path | None) -> dict[str, Any]:
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "host": platform.node(),
         "reprokit": __version__,
         "torch": torch.__version__,
         "numpy": _version("numpy"),

@@ -38,3 +38,27 @@ def test_only_replay_imports_the_bundle_code(projects, tmp_path, monkeypatch):
     proc = _reprokit(["replay", str(bundle)], env, tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert marker.read_text() == "imported code\n", "replay imports the code snapshot, and only that copy"
+
+
+def test_replay_says_it_runs_code_for_a_bundle_from_elsewhere(projects, tmp_path):
+    import json as _json
+
+    from click.testing import CliRunner
+
+    from reprokit.cli import main
+
+    mlp = projects("rk_mlp")
+    _, exc = record(mlp, {}, mlp.batches({}, 8, poison_step=6), tmp_path / "out", snapshot_every=5)
+    bundle = bundle_of(exc)
+    runner = CliRunner()
+    local = runner.invoke(main, ["replay", str(bundle)])
+    assert local.exit_code == 1 and "replaying runs code" not in local.stderr, "recorded here: no note"
+    packed = tmp_path / "r.tar.gz"
+    assert runner.invoke(main, ["pack", str(bundle), "-o", str(packed)]).exit_code == 0
+    foreign = runner.invoke(main, ["replay", str(packed), "--json"])
+    assert foreign.exit_code == 1 and "replaying runs code" in foreign.stderr
+    assert _json.loads(foreign.stdout)["reproduced"], "stdout is still the one JSON object"
+    trusted = runner.invoke(main, ["replay", str(packed), "--trust"])
+    assert trusted.exit_code == 1 and "replaying runs code" not in trusted.stderr
+    env = _json.loads((bundle / "env.json").read_text())
+    assert env["host"], "the recording host is in env.json"

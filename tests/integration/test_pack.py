@@ -51,7 +51,7 @@ def test_round_trip_pack_verify_replay(nan_bundle, tmp_path, scratch):
     v = CliRunner().invoke(main, ["verify", str(out), "--json"])
     assert v.exit_code == 0 and json.loads(v.output)["ok"], v.output
     rep = CliRunner().invoke(main, ["replay", str(out), "--json"])
-    assert rep.exit_code == 1 and json.loads(rep.output)["verdict"] == "deterministic"
+    assert rep.exit_code == 1 and json.loads(rep.stdout)["verdict"] == "deterministic"
     ins = CliRunner().invoke(main, ["inspect", str(out), "--json"])
     sizes = json.loads(ins.output)["sizes"]
     assert sizes["runtime"] > 0 and sizes["state"] > 0 and sizes["batches"] > 0
