@@ -212,10 +212,12 @@ def _open(bundle: Path, kw: dict[str, Any]) -> Any:
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Import build/step from this checkout instead of the bundle's code snapshot.")
 @click.option("--trust", is_flag=True, help="Do not print the note that replaying runs the bundle's code.")
+@click.option("--nproc", type=click.IntRange(1, 1024), default=None,
+              help="For an incident folder of a multi-rank run: the number of ranks (default: the run's world size).")
 @archive_opts
 @json_opt
-def replay(bundle: Path, times: int, device: str | None, code: Path | None, trust: bool, as_json: bool,
-           **kw: Any) -> None:
+def replay(bundle: Path, times: int, device: str | None, code: Path | None, trust: bool, nproc: int | None,
+           as_json: bool, **kw: Any) -> None:
     """Re-run BUNDLE and report whether it fails the same way at the same step.
 
     Replaying runs code: build() and the step function are imported from the bundle's
@@ -230,8 +232,12 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, trus
     """
     from reprokit.archive import is_archive
     from reprokit.bundle import open_bundle
+    from reprokit.distributed.incident import is_incident
     from reprokit.replay import foreign_code_note, format_report
     from reprokit.replay import replay as do_replay
+
+    if is_incident(bundle) or nproc is not None:
+        _replay_incident(bundle, times, device, code, nproc, as_json)
 
     with _progress(times, "replay", enabled=not as_json and times > 1) as update, _open(bundle, kw) as path:
         opened = open_bundle(path)  # verified once, here
@@ -246,6 +252,27 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, trus
         _emit(d)
     else:
         click.echo(format_report(d))
+    sys.exit(report.exit_code)
+
+
+def _replay_incident(folder: Path, times: int, device: str | None, code: Path | None, nproc: int | None,
+                     as_json: bool) -> None:
+    from reprokit.distributed.incident import is_incident, rank_bundles, replay_incident
+    from reprokit.report import format_incident
+
+    if not is_incident(folder):
+        raise click.UsageError(f"--nproc needs an incident folder of a multi-rank run; {folder} is not one")
+    if code is not None:
+        raise click.UsageError("--code is not supported for an incident replay yet; replay one rank's bundle instead")
+    world = len(rank_bundles(folder))
+    if nproc is not None and nproc != world:
+        raise click.UsageError(f"--nproc {nproc}: this incident was recorded on {world} ranks")
+    report = replay_incident(folder, times=times, device=device)
+    d = report.to_json()
+    if as_json:
+        _emit(d)
+    else:
+        click.echo(format_incident(d))
     sys.exit(report.exit_code)
 
 

@@ -349,7 +349,7 @@ def session(bundle: str | Path | Bundle, **kw: Any) -> Iterator[Session]:
 
 
 def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = None,
-           code: str | Path | None = None, progress: Any = None) -> ReplayReport:
+           code: str | Path | None = None, progress: Any = None, as_rank: bool = False) -> ReplayReport:
     """Re-run a bundle's window ``times`` times and say whether it fails the same way.
 
     Args:
@@ -359,6 +359,8 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
         code: a directory to import ``build``/step from instead of the bundle's snapshot
             (a fixed checkout makes the bundle pass).
         progress: optional callable ``progress(i, n)`` after each run.
+        as_rank: this process is one rank of an N-rank incident replay (see
+            :func:`reprokit.distributed.replay_incident`): a ``peer`` bundle is run too.
 
     Returns:
         A :class:`ReplayReport`; ``report.verdict`` is the headline: ``deterministic``,
@@ -373,7 +375,8 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
     if times < 1:
         raise ReprokitError(f"--times must be >= 1, got {times}")
     bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
-    _refuse_peer(bundle)
+    if not as_rank:  # one rank of an N-rank incident replay runs a peer's window too: its collectives need it
+        _refuse_peer(bundle)
     with session(bundle, device=device, code=code) as s:
         inputs = s.inputs()
         runs = []

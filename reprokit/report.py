@@ -198,3 +198,22 @@ def _finite_or_none(x: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return v if math.isfinite(v) else None
+
+
+def format_incident(d: dict[str, Any]) -> str:
+    """The human summary of an N-rank incident replay (``IncidentReport.to_json()``)."""
+    inc = d.get("incident") or {}
+    lines = [f"incident {inc.get('incident', d['folder'])}: rank {d['failing_rank']} failed in training "
+             f"({inc.get('what', 'see its bundle')}); replayed on {d['world_size']} ranks: {d['verdict']}"]
+    for r in d["ranks"]:
+        if r.get("error"):
+            what = f"error: {r['error']}"
+        elif r.get("blocked"):
+            what = f"blocked: {r.get('note', '')}"
+        else:
+            f = r.get("failure") or {}
+            got = f"{f.get('kind')} at step {f.get('step')}" if f else "no failure"
+            recorded = (r.get("recorded_failure") or {}).get("kind")
+            what = f"{r.get('verdict')} (recorded {recorded}, replayed {got})"
+        lines.append(f"  rank {r.get('rank')}: {what}")
+    return "\n".join(lines)

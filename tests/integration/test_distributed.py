@@ -88,6 +88,41 @@ def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(tmp
     assert "did not fail itself" in json.loads(r.stdout)["error"]["message"]
 
 
+def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path):
+    """Replayed alone, rank 0 cannot reproduce (its NaN came from rank 1 through the all-reduce); replayed together,
+    with the process group initialised before build(), both ranks fail as recorded."""
+    out = tmp_path / "repros"
+    _torchrun(out, "nan")
+    folder, _ = _incident(out)
+    r = CliRunner().invoke(cli, ["replay", str(folder), "--json"])
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1, r.output
+    # both ranks failed at step 6 in training; the incident is named by whichever declared it first
+    assert d["world_size"] == 2 and d["failing_rank"] in (0, 1) and d["verdict"] == "deterministic", d
+    by_rank = {x["rank"]: x for x in d["ranks"]}
+    assert by_rank[1]["failure"]["kind"] == "nonfinite_loss" and by_rank[1]["reproduced"]
+    assert by_rank[0]["failure"]["kind"] == "nonfinite_grad" and by_rank[0]["reproduced"], by_rank[0]
+    human = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "2"])
+    assert human.exit_code == 1 and "rank 0: deterministic" in human.stdout, human.output
+    bad = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "3"])
+    assert bad.exit_code == 2 and "recorded on 2 ranks" in bad.output
+
+
+def test_an_incident_whose_rank_raised_replays_with_the_peer_blocked(tmp_path):
+    out = tmp_path / "repros"
+    _torchrun(out, "raise")
+    folder, _ = _incident(out)
+    r = CliRunner().invoke(cli, ["replay", str(folder), "--json"])
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1 and d["verdict"] == "deterministic", d
+    by_rank = {x["rank"]: x for x in d["ranks"]}
+    assert by_rank[1]["failure"]["exception_type"] == "IndexError"
+    # rank 0 waits in the all-reduce that rank 1 never joins: either it is still blocked when rank 1 has reported
+    # (the replay marks it so), or the transport notices rank 1's exit and raises in its step (another failure)
+    peer = by_rank[0]
+    assert peer.get("blocked") or (peer["verdict"] == "different_failure" and peer["failure"]["step"] == 6), peer
+
+
 @pytest.mark.parametrize("mode", ["nan"])
 def test_inspect_json_names_rank_world_and_incident(tmp_path, mode):
     out = tmp_path / "repros"

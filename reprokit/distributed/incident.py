@@ -1,0 +1,202 @@
+"""Replay an incident on N ranks: one process per rank under ``torch.distributed.run``, each loading its own bundle.
+
+``reprokit replay INCIDENT_DIR`` (an incident folder written by a multi-rank run) starts ``world_size`` ranks with
+``python -m torch.distributed.run`` (gloo on the CPU, NCCL on GPUs), initialises the process group before ``build``
+runs (so ``build`` wraps the model in DDP as it did in training), and gathers each rank's replay report from a JSON
+file it writes. A rank whose peer failed before a collective would wait in that collective forever: each rank
+watches the others' reports and, once a peer has finished with a failure and this rank is still running after a
+grace period, writes "blocked" as its own outcome and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reprokit.bundle import MANIFEST, open_bundle
+from reprokit.errors import BundleError, ReprokitError
+
+BLOCKED_GRACE_S = 5.0
+
+
+def is_incident(folder: Path) -> bool:
+    """A folder of rank bundles (no manifest of its own)."""
+    return folder.is_dir() and not (folder / MANIFEST).exists() and any(
+        (p / MANIFEST).exists() for p in folder.iterdir() if p.is_dir())
+
+
+def rank_bundles(folder: Path) -> dict[int, Path]:
+    """``{rank: bundle folder}`` of an incident folder, checked to be one whole run: every rank once, the same
+    world size and incident, and windows that start at the same step (else the ranks' collectives cannot line up).
+
+    Raises:
+        BundleError: naming what does not fit.
+    """
+    found: dict[int, Path] = {}
+    worlds: set[Any] = set()
+    incidents: set[Any] = set()
+    starts: set[Any] = set()
+    for p in sorted(folder.iterdir()):
+        if not (p / MANIFEST).exists():
+            continue
+        b = open_bundle(p)
+        d = b.run.get("distributed")
+        if not isinstance(d, dict) or not isinstance(d.get("rank"), int):
+            raise BundleError(f"{p}: not a rank's bundle (run.json has no `distributed` section)")
+        if d["rank"] in found:
+            raise BundleError(f"{folder}: two bundles of rank {d['rank']} ({found[d['rank']].name}, {p.name})")
+        found[d["rank"]] = p
+        worlds.add(d.get("world_size"))
+        incidents.add(d.get("incident"))
+        starts.add(b.run["window"]["start"])
+    if not found:
+        raise BundleError(f"{folder}: no bundles in this folder")
+    if len(worlds) != 1 or len(incidents) != 1:
+        raise BundleError(f"{folder}: bundles of different runs or incidents (world sizes {sorted(map(str, worlds))})")
+    world = worlds.pop()
+    if not isinstance(world, int) or sorted(found) != list(range(world)):
+        missing = sorted(set(range(world if isinstance(world, int) else 0)) - set(found))
+        raise BundleError(f"{folder}: ranks {missing} of {world} have no bundle; an N-rank replay needs every rank "
+                          "(replay one rank's bundle alone instead)")
+    if len(starts) != 1:
+        raise BundleError(f"{folder}: the ranks' windows start at different steps {sorted(starts)}; their "
+                          "collectives cannot line up in a replay")
+    return found
+
+
+@dataclass
+class IncidentReport:
+    """What an N-rank replay saw on each rank."""
+
+    folder: Path
+    incident: dict[str, Any]
+    ranks: list[dict[str, Any]]
+    """Per rank: its replay report (``ReplayReport.to_json()``), or ``{"rank", "blocked": True, ...}``."""
+
+    @property
+    def failing_rank(self) -> int:
+        return int(self.incident.get("rank", 0))
+
+    @property
+    def verdict(self) -> str:
+        """The verdict of the rank that failed in training: did the incident happen again?"""
+        r = next((x for x in self.ranks if x.get("rank") == self.failing_rank), None)
+        return str(r.get("verdict", "not_reproduced")) if r else "not_reproduced"
+
+    @property
+    def exit_code(self) -> int:
+        from reprokit.replay import VERDICT_EXIT_CODES
+
+        return VERDICT_EXIT_CODES.get(self.verdict, 125)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"incident": self.incident, "folder": str(self.folder), "world_size": len(self.ranks),
+                "failing_rank": self.failing_rank, "verdict": self.verdict, "exit_code": self.exit_code,
+                "reproduced": self.verdict in ("deterministic", "flaky"), "ranks": self.ranks}
+
+
+def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = None,
+                    timeout_s: float = 600) -> IncidentReport:
+    """Replay every rank of an incident together, as many processes as the run had.
+
+    Example:
+        >>> report = replay_incident("repros/incident-20261126-142501-step00000006")   # doctest: +SKIP
+        >>> report.verdict, [r.get("verdict") for r in report.ranks]                    # doctest: +SKIP
+        ('deterministic', ['deterministic', 'deterministic'])
+    """
+    folder = Path(folder)
+    bundles = rank_bundles(folder)
+    first = open_bundle(bundles[0])
+    incident = (first.failure.detail or {}).get("incident") or {}
+    for p in bundles.values():
+        f = open_bundle(p).failure
+        if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
+            incident = f.detail["incident"]
+    world = len(bundles)
+    device = device or ("cuda" if str(first.run.get("device", "cpu")).startswith("cuda") else "cpu")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="reprokit-incident-") as out:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+               "127.0.0.1", "--master_port", str(port), "-m", "reprokit.distributed.incident", str(folder), out,
+               str(times), device]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ReprokitError(f"the {world}-rank replay of {folder} did not finish within {timeout_s:.0f} s") from None
+        ranks = []
+        for r in range(world):
+            path = Path(out) / f"rank{r}.json"
+            if path.exists():
+                ranks.append(json.loads(path.read_text()))
+            else:
+                tail = proc.stderr.strip().splitlines()[-3:]
+                ranks.append({"rank": r, "error": f"rank {r} wrote no report (torchrun exit {proc.returncode}): "
+                                                  + " | ".join(tail)})
+    return IncidentReport(folder, incident, ranks)
+
+
+def _rank_main(folder: str, out: str, times: str, device: str) -> None:
+    """One rank, under torch.distributed.run: init the process group, replay this rank's bundle, write its report."""
+    import datetime
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from reprokit.replay import replay
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
+    mine = Path(out) / f"rank{rank}.json"
+
+    def watch_peers() -> None:
+        """A peer finished with a failure and this rank still runs: it waits in a collective that never completes."""
+        while not mine.exists():
+            time.sleep(0.2)
+            for r in range(world):
+                p = Path(out) / f"rank{r}.json"
+                if r == rank or not p.exists():
+                    continue
+                try:
+                    peer = json.loads(p.read_text())
+                except ValueError:
+                    continue
+                if peer.get("failure") is not None:
+                    time.sleep(BLOCKED_GRACE_S)
+                    if not mine.exists():
+                        _write(mine, {"rank": rank, "blocked": True, "verdict": "blocked",
+                                      "note": f"still running {BLOCKED_GRACE_S:.0f} s after rank {r} failed: blocked "
+                                              "in a collective that rank never joined"})
+                        os._exit(0)
+
+    threading.Thread(target=watch_peers, daemon=True).start()
+    try:
+        report = replay(rank_bundles(Path(folder))[rank], times=int(times), device=device, as_rank=True)
+        doc = {"rank": rank, **report.to_json()}
+    except ReprokitError as e:
+        doc = {"rank": rank, "error": f"{type(e).__name__}: {e}", "verdict": "error"}
+    _write(mine, doc)
+    os._exit(0)  # peers may still be blocked in a collective: leave without one (no destroy_process_group)
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    _rank_main(*sys.argv[1:5])
