@@ -151,6 +151,9 @@ def test_nccl_incidents_on_two_gpus(tmp_path, mode):
     assert by_rank[0].run["distributed"]["backend"] == "nccl"
     if mode == "nan":
         assert (by_rank[1].failure.kind, by_rank[0].failure.kind) == ("nonfinite_loss", "nonfinite_grad")
+        r = CliRunner().invoke(cli, ["replay", str(folder), "--device", "cuda", "--json"])
+        d = json.loads(r.stdout)
+        assert r.exit_code == 1 and all(x.get("reproduced") for x in d["ranks"]), d
     else:
         assert by_rank[1].failure.exc_type == "IndexError" and by_rank[0].failure.kind == "peer"
         assert by_rank[0].steps, "the peer's window holds the steps whose copies had landed"
