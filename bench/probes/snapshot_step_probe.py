@@ -1,6 +1,6 @@
 """What does the step that takes a snapshot cost, and where? (GPT-2-124M, CUDA)
 
-    python bench/snapshot_step_probe.py [--snapshots 8] [--json]
+    PYTHONPATH=bench python bench/probes/snapshot_step_probe.py [--snapshots 8] [--json]
 
 Runs the default Recorder with a snapshot every ``--every`` steps and times every step
 as recorder_overhead.py does (the training stream synchronised before each step, the

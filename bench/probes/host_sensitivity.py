@@ -1,6 +1,6 @@
 """Which host time lands on the critical path of the bench step (GPT-2-124M, CUDA)?
 
-    python bench/host_sensitivity.py [--rounds 40] [--delay-ms 1.0] [--json]
+    PYTHONPATH=bench python bench/probes/host_sensitivity.py [--rounds 40] [--delay-ms 1.0] [--json]
 
 Adds a busy wait of ``--delay-ms`` to the bare step at one place at a time: before
 the step function (where the recorder records the batch and RNG), in an optimizer

@@ -1,6 +1,6 @@
 """GPU-time attribution of the Recorder on the bench model, from torch.profiler (CUDA).
 
-    python bench/trace_recorder.py [--steps 100]
+    PYTHONPATH=bench python bench/probes/trace_recorder.py [--steps 100]
 
 Profiles the same number of bare and recorded steps (the recorded ones include one
 snapshot) and prints device time per step for each, the kernels and copies that only

@@ -1,6 +1,6 @@
 """GPU time of ways to take the global L2 norm of GPT-2-124M's gradients (CUDA events, median of 30).
 
-    python bench/norm_kernels.py [--json]
+    PYTHONPATH=bench python bench/probes/norm_kernels.py [--json]
 
 The host queues each way while the GPU is kept busy (``torch.cuda._sleep``), so the
 events time the GPU work alone, not the launches; host time is printed beside it.

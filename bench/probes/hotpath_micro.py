@@ -1,6 +1,6 @@
 """Micro-timings of the recorder's hot-path pieces on a GPT-2-124M-shaped state (host microseconds).
 
-    python bench/hotpath_micro.py          # needs CUDA
+    PYTHONPATH=bench python bench/probes/hotpath_micro.py          # needs CUDA
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Host time the Recorder spends on the critical path of each step, measured inside the training loop (CUDA).
 
-    python bench/step_start_probe.py [--steps 300]
+    PYTHONPATH=bench python bench/probes/step_start_probe.py [--steps 300]
 
-bench/host_sensitivity.py shows that on the bench model only host time before the
+bench/probes/host_sensitivity.py shows that on the bench model only host time before the
 step function (the GPU is idle: the previous step's loss read synchronised) and
 after the loss read lands on the step time; host time inside the step is hidden
 behind the GPU. This prints, per step, the microseconds of each piece of the

@@ -1,6 +1,6 @@
 """What does the per-step gradient-norm check cost, and is it host time or GPU time? (GPT-2-124M, CUDA)
 
-    python bench/gradcheck_probe.py [--rounds 60] [--json]
+    PYTHONPATH=bench python bench/probes/gradcheck_probe.py [--rounds 60] [--json]
 
 Same model, step and protocol as recorder_overhead.py (10-step blocks, order rotated
 every round, 95% intervals over per-round ratios; before each step only the training
