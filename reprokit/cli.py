@@ -257,17 +257,14 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, trus
 
 def _replay_incident(folder: Path, times: int, device: str | None, code: Path | None, nproc: int | None,
                      as_json: bool) -> None:
-    from reprokit.distributed.incident import is_incident, rank_bundles, replay_incident
+    from reprokit.distributed.incident import is_incident, replay_incident
     from reprokit.report import format_incident
 
     if not is_incident(folder):
         raise click.UsageError(f"--nproc needs an incident folder of a multi-rank run; {folder} is not one")
     if code is not None:
         raise click.UsageError("--code is not supported for an incident replay yet; replay one rank's bundle instead")
-    world = len(rank_bundles(folder))
-    if nproc is not None and nproc != world:
-        raise click.UsageError(f"--nproc {nproc}: this incident was recorded on {world} ranks")
-    report = replay_incident(folder, times=times, device=device)
+    report = replay_incident(folder, times=times, device=device, nproc=nproc)
     d = report.to_json()
     if as_json:
         _emit(d)

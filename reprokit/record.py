@@ -333,8 +333,10 @@ class Recorder:
                 self._engine.discard_prepared()  # prepared for a snapshot that is not taken now: stale later
             if not due and not self._window_ok:
                 return None
+            rng = capture_rng(self.state.extra)  # before anything can draw: the state this step starts from
             batch_bytes, other = _batch_bytes(batch)
-            need = batch_bytes + other + RNG_STEP_BYTES
+            other += RNG_STEP_BYTES * (1 + len(rng.owned))
+            need = batch_bytes + other
             position = 0 if due else k - self._snapshot.step  # type: ignore[union-attr]
             if not self._fits(k, position, need):
                 if due or position == 0 or not self._fits(k, 0, need, early=True):
@@ -346,8 +348,7 @@ class Recorder:
             tree, tensors = self._encode_batch(batch)
             if self._to_stage:
                 self._stage()
-            rng = capture_rng(self.state.extra)
-            rec = _Step(k, tree, tensors, rng, other + RNG_STEP_BYTES * (1 + len(rng.owned)))
+            rec = _Step(k, tree, tensors, rng, other)
             if due:
                 self._current_other = rec.other_bytes  # this step's own bytes count against the snapshot's room
                 self._take_snapshot(k)
@@ -393,10 +394,7 @@ class Recorder:
         if slot is None or slot.shape != t.shape or slot.dtype != t.dtype:
             if slot is not None:
                 self._free_slot(key)
-            slot = self._slots[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            n = slot.numel() * slot.element_size()
-            self._pool["pinned" if t.is_cuda else "pageable"] += n
-            self._bytes_at[key[0]] = self._bytes_at.get(key[0], 0) + n
+            slot = self._new_slot(key, t)
         if t.requires_grad:
             t = t.detach()
         if not t.is_cuda:
@@ -411,11 +409,12 @@ class Recorder:
     def _stage(self) -> None:
         """Queue this step's device-to-device batch copies, in one call, on the training stream."""
         todo, self._to_stage = self._to_stage, []
-        for device in {t.device for _, t in todo}:
+        devices = {t.device for _, t in todo}
+        for device in devices:
             done = self._landed.get(device)
             if done is not None:
                 torch.cuda.current_stream(device).wait_event(done)  # last step's copies out of the stages have run
-        if len({t.device for _, t in todo}) == 1 and hasattr(torch, "_foreach_copy_"):
+        if len(devices) == 1 and hasattr(torch, "_foreach_copy_"):
             torch._foreach_copy_([s for s, _ in todo], [t for _, t in todo])  # one dispatch for every leaf
         else:
             for stage, t in todo:
@@ -504,11 +503,19 @@ class Recorder:
                 self._free_slot(key)
         return self.budget - self._pool["pinned"] - self._pool["pageable"] - self._current_other
 
+    def _new_slot(self, key: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+        """A batch buffer for ``like`` at (position, leaf) ``key``: pinned for a CUDA tensor, counted in the pool."""
+        slot = self._slots[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+        self._count_slot(key, slot, 1)
+        return slot
+
     def _free_slot(self, key: tuple[int, int]) -> None:
-        slot = self._slots.pop(key)
-        n = slot.numel() * slot.element_size()
-        self._pool["pinned" if slot.is_pinned() else "pageable"] -= n
-        self._bytes_at[key[0]] -= n
+        self._count_slot(key, self._slots.pop(key), -1)
+
+    def _count_slot(self, key: tuple[int, int], slot: torch.Tensor, sign: int) -> None:
+        n = sign * slot.numel() * slot.element_size()
+        self._pool["pinned" if slot.is_pinned() else "pageable"] += n
+        self._bytes_at[key[0]] = self._bytes_at.get(key[0], 0) + n
 
     def _note_peak(self) -> None:
         e = self._engine.stats
@@ -644,8 +651,7 @@ class Recorder:
         """The window without its last step when that step's GPU batch copies have not landed (they wait behind the
         step's kernels, which a rank blocked in a collective never finishes); empty when the snapshot copy has
         not landed either."""
-        done = self._engine._done
-        if self._engine._thread is not None or (done is not None and not done.query()):
+        if not self._engine.copies_landed():
             return []
         ring = list(self._ring)
         if ring and any(not e.query() for e in self._landed.values()):

@@ -169,6 +169,11 @@ class SnapshotEngine:
             self._done = None
         self.check(ordered=True)
 
+    def copies_landed(self) -> bool:
+        """Whether the last snapshot's copies are all in host memory, asked without waiting (a thread other than the
+        training one may ask while the training stream is stuck)."""
+        return self._thread is None and (self._done is None or self._done.query())
+
     def check(self, ordered: bool = False) -> None:
         """Was a tensor copied asynchronously written in place since the snapshot was taken?
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reprokit.bundle import MANIFEST, open_bundle
+from reprokit.bundle import MANIFEST, Bundle, open_bundle
 from reprokit.errors import BundleError, ReprokitError
 
 BLOCKED_GRACE_S = 5.0
@@ -32,14 +32,15 @@ def is_incident(folder: Path) -> bool:
         (p / MANIFEST).exists() for p in folder.iterdir() if p.is_dir())
 
 
-def rank_bundles(folder: Path) -> dict[int, Path]:
-    """``{rank: bundle folder}`` of an incident folder, checked to be one whole run: every rank once, the same
-    world size and incident, and windows that start at the same step (else the ranks' collectives cannot line up).
+def rank_bundles(folder: Path) -> dict[int, Bundle]:
+    """``{rank: opened bundle}`` of an incident folder (each verified once), checked to be one whole run: every
+    rank once, the same world size and incident, and windows that start at the same step (else the ranks'
+    collectives cannot line up).
 
     Raises:
         BundleError: naming what does not fit.
     """
-    found: dict[int, Path] = {}
+    found: dict[int, Bundle] = {}
     worlds: set[Any] = set()
     incidents: set[Any] = set()
     starts: set[Any] = set()
@@ -51,8 +52,8 @@ def rank_bundles(folder: Path) -> dict[int, Path]:
         if not isinstance(d, dict) or not isinstance(d.get("rank"), int):
             raise BundleError(f"{p}: not a rank's bundle (run.json has no `distributed` section)")
         if d["rank"] in found:
-            raise BundleError(f"{folder}: two bundles of rank {d['rank']} ({found[d['rank']].name}, {p.name})")
-        found[d["rank"]] = p
+            raise BundleError(f"{folder}: two bundles of rank {d['rank']} ({found[d['rank']].path.name}, {p.name})")
+        found[d["rank"]] = b
         worlds.add(d.get("world_size"))
         incidents.add(d.get("incident"))
         starts.add(b.run["window"]["start"])
@@ -102,7 +103,7 @@ class IncidentReport:
                 "reproduced": self.verdict in ("deterministic", "flaky"), "ranks": self.ranks}
 
 
-def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = None,
+def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = None, nproc: int | None = None,
                     timeout_s: float = 600) -> IncidentReport:
     """Replay every rank of an incident together, as many processes as the run had.
 
@@ -113,22 +114,23 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
     """
     folder = Path(folder)
     bundles = rank_bundles(folder)
-    first = open_bundle(bundles[0])
+    world = len(bundles)
+    if nproc is not None and nproc != world:
+        raise ReprokitError(f"--nproc {nproc}: this incident was recorded on {world} ranks")
+    first = bundles[0]
     incident = (first.failure.detail or {}).get("incident") or {}
-    for p in bundles.values():
-        f = open_bundle(p).failure
+    for b in bundles.values():
+        f = b.failure
         if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
             incident = f.detail["incident"]
-    world = len(bundles)
     device = device or ("cuda" if str(first.run.get("device", "cpu")).startswith("cuda") else "cpu")
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="reprokit-incident-") as out:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # Each rank is told where its bundle is: verified here once, not again by every rank.
+        _write(Path(out) / "ranks.json", {str(r): str(b.path) for r, b in bundles.items()})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
-               "127.0.0.1", "--master_port", str(port), "-m", "reprokit.distributed.incident", str(folder), out,
+               "127.0.0.1", "--master_port", str(free_port()), "-m", "reprokit.distributed.incident", str(folder), out,
                str(times), device]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -144,6 +146,13 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
                 ranks.append({"rank": r, "error": f"rank {r} wrote no report (torchrun exit {proc.returncode}): "
                                                   + " | ".join(tail)})
     return IncidentReport(folder, incident, ranks)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a local process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _rank_main(folder: str, out: str, times: str, device: str) -> None:
@@ -184,7 +193,8 @@ def _rank_main(folder: str, out: str, times: str, device: str) -> None:
 
     threading.Thread(target=watch_peers, daemon=True).start()
     try:
-        report = replay(rank_bundles(Path(folder))[rank], times=int(times), device=device, as_rank=True)
+        mine_bundle = json.loads((Path(out) / "ranks.json").read_text())[str(rank)]
+        report = replay(mine_bundle, times=int(times), device=device, as_rank=True)
         doc = {"rank": rank, **report.to_json()}
     except ReprokitError as e:
         doc = {"rank": rank, "error": f"{type(e).__name__}: {e}", "verdict": "error"}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,22 +15,17 @@ from click.testing import CliRunner
 
 from reprokit.bundle import open_bundle
 from reprokit.cli import main as cli
+from reprokit.distributed.incident import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = ROOT / "tests" / "projects" / "rk_ddp.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(out: Path, mode: str, device: str = "cpu") -> tuple[subprocess.CompletedProcess, float]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(PROJECT), str(out),
+                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PROJECT), str(out),
                            mode, device], env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
     return proc, time.monotonic() - t0
 
