@@ -31,3 +31,18 @@ def bundle_of(exc: BaseException | None) -> Path:
     notes = [n for n in getattr(exc, "__notes__", []) if n.startswith("reprokit: bundle written to ")]
     assert notes, f"no bundle note on {exc!r}"
     return Path(notes[-1].removeprefix("reprokit: bundle written to "))
+
+
+def record_mlp_nan(out_dir: Path, steps: int, poison_step: int, snapshot_every: int) -> Path:
+    """Record the rk_mlp test project until the poisoned step's NaN loss; the bundle path (for module fixtures)."""
+    import importlib
+    import sys
+
+    projects = str(Path(__file__).parent / "projects")
+    sys.path.insert(0, projects)
+    try:
+        mlp = importlib.import_module("rk_mlp")
+    finally:
+        sys.path.remove(projects)
+    _, exc = record(mlp, {}, mlp.batches({}, steps, poison_step=poison_step), out_dir, snapshot_every=snapshot_every)
+    return bundle_of(exc)

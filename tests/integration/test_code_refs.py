@@ -6,7 +6,6 @@ was re-signed, as an attacker would: checksums alone cannot catch it.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import bundle_of, record
+from rk_testing import record_mlp_nan
 
 import reprokit
 from reprokit import bundle as B
@@ -30,12 +29,7 @@ GOLDEN_DEMO = ROOT / "tests" / "golden" / "v1" / "demo-nan"
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(ROOT / "tests" / "projects"))
-        mlp = importlib.import_module("rk_mlp")
-        _, exc = record(mlp, {}, mlp.batches({}, 14, poison_step=11), tmp_path_factory.mktemp("repros"),
-                        snapshot_every=5)
-    return bundle_of(exc)
+    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 14, 11, 5)
 
 
 @pytest.fixture

@@ -31,36 +31,29 @@ def test_example_runs(script, tmp_path):
         assert line in proc.stdout, proc.stdout
 
 
-def test_shrink_bench_quick_runs():
+def _bench_json(name: str) -> dict | list:
+    """Run ``bench/NAME.py --quick --json`` (the smoke run) and return what it printed."""
     import json
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "shrink_bench.py"), "--quick", "--json"], env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick", "--json"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    rows = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def test_shrink_bench_quick_runs():
+    rows = _bench_json("shrink_bench")
     assert len(rows) == 4 and all(r["after"]["rows"] <= r["before"]["rows"] for r in rows)
 
 
 def test_recorder_overhead_bench_quick_runs():
-    import json
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "recorder_overhead.py"), "--quick", "--json"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    report = _bench_json("recorder_overhead")
     assert {"bare", "recorder", "recorder+checks", "detect_anomaly"} <= report["variants"].keys()
     assert report["variants"]["bare"]["ratio"] == 1.0
 
 
 def test_memory_budget_bench_quick_runs_and_stays_under_its_budget():
-    import json
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_budget.py"), "--quick", "--json"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    report = _bench_json("memory_budget")
     small = report["variants"]["recorder (budget 2 MiB)"]
     assert small["early_snapshots"] >= 1 and small["peak_buffers_bytes"] <= small["budget_bytes"], small

@@ -8,7 +8,6 @@ the file as a problem (exit 1), ``inspect`` and ``replay`` must refuse it as an 
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import struct
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import bundle_of, record
+from rk_testing import record_mlp_nan
 
 from reprokit import bundle as B
 from reprokit import schema
@@ -28,12 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(ROOT / "tests" / "projects"))
-        mlp = importlib.import_module("rk_mlp")
-        _, exc = record(mlp, {}, mlp.batches({}, 8, poison_step=6), tmp_path_factory.mktemp("repros"),
-                        snapshot_every=4)
-    return bundle_of(exc)
+    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 8, 6, 4)
 
 
 @pytest.fixture
