@@ -544,7 +544,11 @@ class Bundle:
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """``(tree, tensors)`` of the snapshot the window starts from."""
-        return self._json(STATE_JSON), self._tensors(STATE_TENSORS)
+        return self.state_tree(), self._tensors(STATE_TENSORS)
+
+    def state_tree(self) -> dict[str, Any]:
+        """The snapshot's JSON alone (no tensor is read)."""
+        return self._json(STATE_JSON)
 
     def step(self, step: int) -> tuple[Any, dict[str, Any], dict[str, torch.Tensor]]:
         """``(batch, rng_tree, rng_tensors)`` recorded for one step of the window."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from reprokit import pytree
 from reprokit.errors import RecorderWarning
 from reprokit.signature import Failure, from_exception
 from reprokit.state import TrainState
@@ -91,6 +92,7 @@ class Monitor:
         self._norms: list[torch.Tensor] = []
         self._scale: float | None = None
         self._groups: tuple[int, list[list[torch.Tensor]]] | None = None
+        self._sharded = False
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         self._unjoined: list[torch.cuda.Stream] = []
         """Side streams with a norm queued that the training stream has not waited for yet."""
@@ -124,7 +126,9 @@ class Monitor:
         """The optimizer's parameters grouped by (device, dtype), computed once: the hot path only gathers."""
         n = sum(len(g["params"]) for g in optimizer.param_groups)
         if self._groups is None or self._groups[0] != n:
-            self._groups = (n, group_by_device_dtype([p for g in optimizer.param_groups for p in g["params"]]))
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            self._sharded = any(type(p) not in _PLAIN and pytree.is_dtensor(p) for p in params)
+            self._groups = (n, group_by_device_dtype(params))
         return self._groups[1]
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -133,6 +137,8 @@ class Monitor:
                      if gs]
             if not grads:
                 return
+            if self._sharded:  # FSDP2: each rank checks its own shards (a global norm would need a collective)
+                grads = [[local_shard(g) for g in gs] for gs in grads]
             # A GradScaler driving an optimizer with its own AMP handling (fused Adam/AdamW/SGD)
             # calls step() on every step, overflowed ones too, and hands it the scale and an
             # overflow flag: the gradients seen here may still be scaled (the fused kernel
@@ -220,7 +226,14 @@ class Monitor:
             loss = loss.detach()
         if after is not None:
             after()
-        loss_f, grad_norm, param_norm = self._read(loss)
+        try:
+            loss_f, grad_norm, param_norm = self._read(loss)
+        except Exception as e:  # reprokit's own fault: the run goes on, unchecked for this step, and says so once
+            if not self._hook_warned:
+                self._hook_warned = True
+                warnings.warn(f"reprokit: could not read the loss and norms after step {step}, so that step went "
+                              f"unchecked: {e!r}", RecorderWarning, stacklevel=3)
+            loss_f = grad_norm = param_norm = None
         return StepResult(loss_f, grad_norm, self._check(step, loss_f, grad_norm, param_norm), value=loss)
 
     def _read(self, loss: Any) -> tuple[float | None, float | None, float | None]:
@@ -242,7 +255,7 @@ class Monitor:
                                                                                   for n in norms]).max().reshape(1))
         has_param = False
         if self.settings.check_params:
-            params = [p.detach() for p in self.state.model.parameters()]
+            params = [local_shard(p.detach()) for p in self.state.model.parameters()]
             if params:
                 parts.append(global_norm(params).reshape(1))
                 has_param = True
@@ -318,6 +331,14 @@ def group_by_device_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
     return list(groups.values())
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded DTensor (FSDP2), or ``t`` itself: the checks never run a collective."""
+    return t.to_local() if type(t) not in _PLAIN and pytree.is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:

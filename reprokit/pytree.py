@@ -40,6 +40,7 @@ def encode(
     copy: TensorCopy = _default_copy,
     skip_callables: bool = False,
     tensors: dict[str, torch.Tensor] | None = None,
+    shards: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Split ``obj`` into a JSON-able tree and ``{key: tensor}``.
 
@@ -50,6 +51,9 @@ def encode(
         skip_callables: drop callables silently (scheduler state holds lambdas
             that ``build`` recreates anyway).
         tensors: an existing dict to add the tensors to.
+        shards: where to describe sharded leaves (``DTensor``, as FSDP2 makes them): this rank's local shard is
+            stored under the leaf's key, and ``shards[key]`` says how it was laid out (see :func:`shard_spec`).
+            Without it a DTensor leaf is refused: a batch or an RNG tree has no business holding one.
 
     Returns:
         ``(tree, tensors)``; ``decode(tree, tensors)`` gives back an equal tree.
@@ -64,14 +68,19 @@ def encode(
         3
     """
     out: dict[str, torch.Tensor] = {} if tensors is None else tensors
-    return _enc(obj, prefix, out, copy, skip_callables), out
+    return _enc(obj, prefix, out, copy, skip_callables, shards), out
 
 
-def _enc(obj: Any, path: str, out: dict, copy: TensorCopy, skip: bool) -> Any:
+def _enc(obj: Any, path: str, out: dict, copy: TensorCopy, skip: bool, shards: dict | None = None) -> Any:
     if isinstance(obj, torch.Tensor):  # first: state dicts are mostly tensors (snapshots walk ~1000 leaves)
         if obj.layout != torch.strided:
             raise CaptureError(f"{path or '<root>'}: sparse tensors are not supported; make it dense with `.to_dense()`")
         key = path or "tensor"
+        if type(obj) is not torch.Tensor and is_dtensor(obj):
+            if shards is None:
+                raise CaptureError(f"{path or '<root>'}: a sharded DTensor can be recorded only in the training state")
+            shards[key] = shard_spec(obj)
+            obj = obj.to_local()  # type: ignore[attr-defined]
         out[key] = copy(obj)
         return {TENSOR: key}
     if obj is None or isinstance(obj, (bool, str)):
@@ -87,19 +96,40 @@ def _enc(obj: Any, path: str, out: dict, copy: TensorCopy, skip: bool) -> Any:
     if isinstance(obj, np.generic):
         return _enc(obj.item(), path, out, copy, skip)
     if isinstance(obj, tuple):
-        return {TUPLE: [_enc(v, f"{path}/{i}", out, copy, skip) for i, v in enumerate(obj)]}
+        return {TUPLE: [_enc(v, f"{path}/{i}", out, copy, skip, shards) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [_enc(v, f"{path}/{i}", out, copy, skip) for i, v in enumerate(obj)]
+        return [_enc(v, f"{path}/{i}", out, copy, skip, shards) for i, v in enumerate(obj)]
     if isinstance(obj, Mapping):
         items = [(k, v) for k, v in obj.items() if not (skip and callable(v) and not isinstance(v, torch.Tensor))]
         if all(isinstance(k, str) and k not in TAGS for k, _ in items):
-            return {k: _enc(v, f"{path}/{k}" if path else k, out, copy, skip) for k, v in items}
-        return {DICT: [[_enc(k, f"{path}/#key{i}", out, copy, skip), _enc(v, f"{path}/{k}", out, copy, skip)]
+            return {k: _enc(v, f"{path}/{k}" if path else k, out, copy, skip, shards) for k, v in items}
+        return {DICT: [[_enc(k, f"{path}/#key{i}", out, copy, skip, shards), _enc(v, f"{path}/{k}", out, copy, skip, shards)]
                        for i, (k, v) in enumerate(items)]}
     raise CaptureError(
         f"{path or '<root>'}: cannot record a value of type {type(obj).__qualname__}; "
         "bundles hold only tensors, numpy arrays, numbers, strings, None, and lists/tuples/dicts of those"
     )
+
+
+_DTENSOR: type | None = None
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (imported only once a tensor subclass shows up)."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # a torch built without distributed support has no DTensor
+            return False
+        _DTENSOR = DTensor
+    return isinstance(t, _DTENSOR)
+
+
+def shard_spec(t: Any) -> dict[str, Any]:
+    """How a DTensor is laid out: JSON that replay compares with the DTensor it loads the local shard into."""
+    return {"placements": [repr(p) for p in t.placements], "shape": list(t.shape),
+            "local_shape": list(t.to_local().shape), "mesh_shape": list(t.device_mesh.shape)}
 
 
 def decode(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:

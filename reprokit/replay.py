@@ -26,9 +26,9 @@ from reprokit.bundle import Bundle, jsonable, open_bundle
 from reprokit.code import check_refs, imported, resolve
 from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
-from reprokit.errors import CodeLoadError, ReprokitError
+from reprokit.errors import CodeLoadError, ReprokitError, StateMismatchError
 from reprokit.signature import Failure
-from reprokit.state import TrainState, capture_rng, capture_state, restore_rng, restore_state
+from reprokit.state import SHARDS, TrainState, capture_rng, capture_state, restore_rng, restore_state
 
 
 @dataclass
@@ -221,6 +221,7 @@ class Session:
         flags = apply_determinism_flags(run.get("determinism", {}))
         self._stack.callback(apply_determinism_flags, flags)
         config = pytree.decode(run["config"], {})
+        _refuse_shards_alone(self.bundle)
         try:
             state = build(config)
         except Exception as e:
@@ -419,8 +420,27 @@ def _refuse_peer(bundle: Bundle) -> None:
     raise ReprokitError(
         f"{bundle.path.name} is rank {dist.get('rank', '?')}'s window of {doc.get('incident', 'an incident')}: this "
         f"rank did not fail itself, rank {doc.get('rank', '?')} did at step {doc.get('step', '?')} "
-        f"({doc.get('what', '')}). Replay that rank's bundle (in {bundle.path.parent}); replaying every rank "
-        "together is not built yet.")
+        f"({doc.get('what', '')}). Replay that rank's bundle, or the whole incident on as many ranks: "
+        f"`reprokit replay {bundle.path.parent} --nproc {dist.get('world_size', 'N')}`.")
+
+
+def _refuse_shards_alone(bundle: Bundle) -> None:
+    """A rank's shards of a sharded (FSDP2) state mean nothing without the other ranks': replay them together."""
+    shards = bundle.state_tree().get("state", {}).get(SHARDS)
+    if not shards:
+        return
+    mesh = next(iter(shards.values())).get("mesh_shape", ["?"])
+    ranks = 1
+    for n in mesh:
+        ranks *= n if isinstance(n, int) else 1
+    world = torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
+    if world != ranks:
+        dist = bundle.run.get("distributed") or {}
+        where = bundle.path.parent if dist else "the incident folder"
+        raise StateMismatchError(
+            f"{bundle.path.name} holds one rank's shards of a sharded (FSDP2) state, recorded on a mesh of {mesh} "
+            f"ranks; this process is a world of {world}. Replay the incident on as many ranks: "
+            f"`reprokit replay {where} --nproc {ranks}`.")
 
 
 def format_report(d: dict[str, Any]) -> str:

@@ -22,6 +22,8 @@ SCALER = "scaler"
 RNG = "rng"
 EXTRA = "extra"
 GRADS = "grads"
+SHARDS = "shards"
+"""Key of the state tree that describes sharded tensors (FSDP2's DTensors): ``{tensor key: layout}``."""
 COMPONENTS = (MODEL, OPTIMIZER, SCHEDULER, SCALER)
 
 
@@ -89,7 +91,8 @@ def capture_state(state: TrainState, copy: pytree.TensorCopy | None = None) -> t
         CaptureError: naming the component and path that cannot be recorded.
     """
     tensors: dict[str, torch.Tensor] = {}
-    kw: dict[str, Any] = {"tensors": tensors}
+    shards: dict[str, dict[str, Any]] = {}
+    kw: dict[str, Any] = {"tensors": tensors, "shards": shards}
     if copy is not None:
         kw["copy"] = copy
     tree: dict[str, Any] = {"training": state.model.training}
@@ -108,6 +111,8 @@ def capture_state(state: TrainState, copy: pytree.TensorCopy | None = None) -> t
             tree[name], _ = pytree.encode(sd, name, skip_callables=(name == SCHEDULER), **kw)
         except CaptureError as e:
             raise CaptureError(f"cannot capture the {name} state: {e}") from None
+    if shards:
+        tree[SHARDS] = shards
     return tree, tensors
 
 
@@ -119,6 +124,8 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
             (missing/unexpected keys, shape mismatch), saying which.
     """
     device = _model_device(state.model)
+    if tree.get(SHARDS):
+        tensors = _as_shards(state, tree[SHARDS], tensors, device)
     model_sd = _ddp_prefix(pytree.decode(tree[MODEL], tensors), state.model.state_dict().keys())
     try:
         state.model.load_state_dict({k: v.to(device) if isinstance(v, torch.Tensor) else v
@@ -147,6 +154,51 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     extra = rng.unmarked(pytree.decode(tree.get(EXTRA, {}), tensors), state.extra)
     state.extra.clear()
     state.extra.update(pytree.map_tensors(extra, lambda t: t.to(device)))
+
+
+def _as_shards(state: TrainState, shards: dict[str, dict[str, Any]], tensors: dict[str, torch.Tensor],
+               device: torch.device) -> dict[str, torch.Tensor]:
+    """The recorded local shards as DTensors laid out like the live model's (FSDP2): each shard goes back onto the
+    device mesh of the parameter or buffer it belongs to, after checking that the layout is the recorded one."""
+    live_sd = state.model.state_dict()
+    params = dict(state.model.named_parameters())
+    by_index = _optimizer_params(state)
+    out = dict(tensors)
+    for key, spec in shards.items():
+        part, _, rest = key.partition("/")
+        live: Any = None
+        if part == MODEL:
+            live = live_sd.get(rest)
+        elif part == GRADS:
+            live = params.get(rest)
+        elif part == OPTIMIZER and rest.startswith("state/"):
+            live = by_index.get(rest.split("/")[1])
+        if live is None or not pytree.is_dtensor(live) or key not in tensors:
+            raise StateMismatchError(
+                f"the bundle holds a shard of {key} (a sharded, FSDP2 state recorded on a mesh of "
+                f"{spec.get('mesh_shape')} ranks) but the model that build() made has no sharded tensor there: replay "
+                "the incident on as many ranks (`reprokit replay INCIDENT_DIR --nproc N`) with build() sharding the "
+                "model as the run did")
+        layout = pytree.shard_spec(live)
+        if layout["placements"] != spec["placements"] or layout["shape"] != spec["shape"] \
+                or layout["local_shape"] != list(tensors[key].shape):
+            raise StateMismatchError(
+                f"{key}: recorded as a shard {spec['local_shape']} of {spec['shape']} placed {spec['placements']} "
+                f"on a mesh of {spec['mesh_shape']}, but build() made a shard {layout['local_shape']} of "
+                f"{layout['shape']} placed {layout['placements']} on a mesh of {layout['mesh_shape']}: replay on "
+                "as many ranks as the run had, sharded the same way")
+        from torch.distributed.tensor import DTensor
+        local = tensors[key].to(device=live.to_local().device)
+        out[key] = DTensor.from_local(local, live.device_mesh, live.placements, run_check=False,
+                                      shape=live.shape, stride=live.stride())
+    return out
+
+
+def _optimizer_params(state: TrainState) -> dict[str, torch.Tensor]:
+    """The live parameter behind each index of the optimizer's state dict (``state/<index>/...``)."""
+    live = [p for group in state.optimizer.param_groups for p in group["params"]]
+    indices = [str(i) for i in range(len(live))]  # state_dict() numbers parameters in param_groups order
+    return dict(zip(indices, live))
 
 
 def _ddp_prefix(recorded: dict[str, Any], live: Any) -> dict[str, Any]:

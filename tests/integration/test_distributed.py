@@ -117,6 +117,38 @@ def test_an_incident_whose_rank_raised_replays_with_the_peer_blocked(tmp_path):
     assert peer.get("blocked") or (peer["verdict"] == "different_failure" and peer["failure"]["step"] == 6), peer
 
 
+def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp_path):
+    """FSDP2 (fully_shard, gloo): every rank holds half of each parameter and of AdamW's state. Each bundle carries
+    its rank's shards and their layout; replayed on two ranks (build() shards the model again), both reproduce
+    bit-exactly. Replayed alone, the shards mean nothing: refused before build(), pointing at the incident."""
+    out = tmp_path / "repros"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                           str(ROOT / "tests" / "projects" / "rk_fsdp.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    # the run ends in reprokit's TrainingFailure, and the recorder itself had no trouble with DTensors
+    assert proc.returncode != 0 and "TrainingFailure" in proc.stderr, proc.stderr[-3000:]
+    assert "RecorderWarning" not in proc.stderr, proc.stderr[-3000:]
+    folder, bundles = _incident(out)
+    assert len(bundles) == 2, bundles
+    for b in bundles:
+        tree, tensors = open_bundle(b).state()
+        shards = tree["state"]["shards"]
+        assert shards["model/0.weight"] == {"placements": ["Shard(dim=0)"], "shape": [16, 8], "local_shape": [8, 8],
+                                            "mesh_shape": [2]}, shards
+        assert tuple(tensors["model/0.weight"].shape) == (8, 8)
+        assert any(k.startswith("optimizer/state/") and k.endswith("exp_avg") for k in shards), sorted(shards)
+    r = CliRunner().invoke(cli, ["replay", str(folder), "--json"])
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1 and d["verdict"] == "deterministic", r.output
+    for x in d["ranks"]:
+        assert x["reproduced"] and x["fidelity"]["bit_exact"], x
+    alone = CliRunner().invoke(cli, ["replay", str(bundles[1])])
+    assert alone.exit_code == 125, alone.output
+    assert "shards of a sharded (FSDP2) state" in alone.output and "--nproc 2" in alone.output
+
+
 @pytest.mark.parametrize("mode", ["nan"])
 def test_inspect_json_names_rank_world_and_incident(tmp_path, mode):
     out = tmp_path / "repros"
