@@ -433,6 +433,7 @@ def _axis_command(axis: str, doc: str, extra: list[Any] | None = None) -> None:
     def command(bundle: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
         from reprokit.bisect import AXES
         from reprokit.bisect.precision import VARIANTS as PRECISION_VARIANTS
+        from reprokit.replay import not_reproduced_note
 
         fn: Any = AXES[axis][0]
         fmt: Any = AXES[axis][1]
@@ -450,8 +451,15 @@ def _axis_command(axis: str, doc: str, extra: list[Any] | None = None) -> None:
                     update(len(done), f"{name}: {verdict}")
 
                 opts["progress"] = progress
-            d = fn(B.open_bundle(path), device=device, code=code, **opts)
+            opened = B.open_bundle(path)
+            d = fn(opened, device=device, code=code, **opts)
+        if d.get("reproduced") is False:
+            d["note"] = d.get("note") or not_reproduced_note(opened)
         _emit(d) if as_json else click.echo(fmt(d))
+        if d.get("reproduced") is False:
+            if not as_json:
+                click.echo(d["note"])
+            sys.exit(1)
 
     command.__doc__ = doc
     opts: list[Any] = [

@@ -424,6 +424,23 @@ def _refuse_peer(bundle: Bundle) -> None:
         f"`reprokit replay {bundle.path.parent} --nproc {dist.get('world_size', 'N')}`.")
 
 
+def alone_hint(bundle: Bundle) -> str:
+    """What to try when a bundle's failure did not reproduce: a rank replayed alone needs its peers; else flakiness."""
+    dist = bundle.run.get("distributed") or {}
+    if dist.get("world_size", 1) > 1:
+        return (f"It was recorded on rank {dist.get('rank')} of {dist['world_size']} and replayed alone: collectives "
+                "see one rank, so a failure that came from the other ranks' data cannot happen here. Replay the "
+                f"incident on {dist['world_size']} ranks (`reprokit replay {bundle.path.parent} --nproc "
+                f"{dist['world_size']}`) and shrink or bisect the rank whose failure reproduces alone.")
+    return "Run `reprokit replay --times 5` to see whether it is flaky."
+
+
+def not_reproduced_note(bundle: Bundle) -> str:
+    """The line a bisect prints when the recorded failure did not happen in its replay."""
+    return (f"the recorded failure ({bundle.failure.describe()}) did NOT reproduce in this replay, so nothing above "
+            f"localises it. {alone_hint(bundle)}")
+
+
 def _refuse_shards_alone(bundle: Bundle) -> None:
     """A rank's shards of a sharded (FSDP2) state mean nothing without the other ranks': replay them together."""
     shards = bundle.state_tree().get("state", {}).get(SHARDS)

@@ -93,7 +93,7 @@ def bisect_layers(bundle: Bundle, *, device: str | None = None, code: Any = None
         inputs = s.inputs()
         before = s.advance(inputs[:-1]) if len(inputs) > 1 else s.snapshot
         if before is None:
-            return {"first_nonfinite": None, "frames": [], "raised_in": None,
+            return {"first_nonfinite": None, "frames": [], "raised_in": None, "reproduced": False,
                     "note": "the window failed before its last step; shrink or replay it first"}
         assert s.state is not None
         tracer = _Tracer(s.state.model, keep)
@@ -104,7 +104,7 @@ def bisect_layers(bundle: Bundle, *, device: str | None = None, code: Any = None
                 out = s.run(inputs[-1:], before)
         finally:
             tracer.close()
-        result: dict[str, Any] = {"failure": out.failure.describe() if out.failure else None,
+        result: dict[str, Any] = {"failure": out.failure.describe() if out.failure else None, "reproduced": out.same,
                                   "first_nonfinite": None, "frames": [], "raised_in": None, "origin": None}
         if out.failure is not None and out.failure.kind == "exception" and tracer.stack:
             name, shapes = tracer.stack[-1]

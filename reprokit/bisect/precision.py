@@ -254,12 +254,15 @@ def bisect_precision(bundle: Bundle, *, device: str | None = None, code: Any = N
             progress(name, results[name])
     fixes = [n for n in names if results[n] == "pass" and n != "recorded"]
     return {"variants": results, "details": details,
+            "reproduced": results["recorded"] == "fail" if "recorded" in results else None,
             "smallest_fix": fixes[0] if results.get("recorded") == "fail" and fixes else None}
 
 
 def format_precision(d: dict[str, Any]) -> str:
     lines = [f"  {n:<16}{v:<19}{d['details'][n]}" for n, v in d["variants"].items()]
     fix = d["smallest_fix"]
+    if d.get("reproduced") is False:
+        return "\n".join(lines)  # the caller says why no variant can be called a fix
     lines.append(f"smallest change that makes the failure go away: {fix}" if fix else
                  "no single variant makes the failure go away")
     return "\n".join(lines)

@@ -69,6 +69,7 @@ def bisect_steps(bundle: Bundle, *, device: str | None = None, code: Any = None,
     per_step: list[dict[str, Any]] = []
     first_bad = reason = None
     streak = 0
+    reproduced = False
     with Session(bundle, device=device, code=code) as s:
         s.restore()
         state = s.state
@@ -80,6 +81,7 @@ def bisect_steps(bundle: Bundle, *, device: str | None = None, code: Any = None,
                 scale_before = state.scaler.get_scale() if state.scaler_enabled() else None
                 lrs = [g["lr"] for g in state.optimizer.param_groups]
                 out = s.run([inp], snapshot=None, restore=False)
+                reproduced = reproduced or out.same
                 norms: dict[str, float] = probe.norms or {}
                 gnorm = math.sqrt(sum(v * v for v in norms.values())) if norms else None
                 scale = state.scaler.get_scale() if state.scaler_enabled() else None
@@ -107,7 +109,7 @@ def bisect_steps(bundle: Bundle, *, device: str | None = None, code: Any = None,
         finally:
             probe.handle.remove()
     return {"first_bad_step": first_bad, "reason": reason, "failure_step": bundle.failure.step,
-            "per_step": per_step}
+            "reproduced": reproduced, "per_step": per_step}
 
 
 def _judge(row: dict[str, Any], losses: list[float], gnorms: list[float], streak: int, rules: StepRules) -> str | None:

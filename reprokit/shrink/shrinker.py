@@ -18,7 +18,7 @@ from reprokit import pytree
 from reprokit.bundle import Bundle, StepRecord, open_bundle
 from reprokit.errors import DidNotReproduce, ReprokitError
 from reprokit.origin import Origin, same_origin, watch_step
-from reprokit.replay import RunOutcome, Session, StepInput
+from reprokit.replay import RunOutcome, Session, StepInput, alone_hint
 from reprokit.shrink.case import (
     Case,
     Snapshot,
@@ -344,7 +344,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             got = out.failure.describe() if isinstance(out, RunOutcome) and out.failure else "no failure"
             raise DidNotReproduce(
                 f"{src.path} does not reproduce ({got} on replay; recorded: {src.failure.describe()}), so there is "
-                "nothing to shrink. Run `reprokit replay --times 5` to see whether it is flaky."
+                f"nothing to shrink. {alone_hint(src)}"
             )
         if src.failure.kind in NONFINITE:
             # Checked once here, then for every candidate that fails with the same signature.

@@ -59,6 +59,17 @@ def test_a_nan_on_one_rank_gives_one_incident_with_every_rank_s_bundle(tmp_path)
     other = CliRunner().invoke(cli, ["replay", str(bundles[0]), "--json"])
     assert other.exit_code in (0, 125), other.output
     assert json.loads(other.stdout)["distributed"]["rank"] == 0
+    # Shrink and bisect work on the rank whose failure reproduces alone, and say so on the one whose does not.
+    shrunk = CliRunner().invoke(cli, ["shrink", str(bundles[1]), "-o", str(tmp_path / "s1"), "--json"])
+    assert shrunk.exit_code == 0 and json.loads(shrunk.stdout)["failure"]["kind"] == "nonfinite_loss", shrunk.output
+    layers = CliRunner().invoke(cli, ["bisect", "layers", str(bundles[1]), "--json"])
+    assert layers.exit_code == 0 and json.loads(layers.stdout)["first_nonfinite"]["module"] == "0", layers.output
+    for argv in (["shrink", str(bundles[0]), "-o", str(tmp_path / "s0")], ["bisect", "steps", str(bundles[0])],
+                 ["bisect", "layers", str(bundles[0])], ["bisect", "precision", str(bundles[0]), "--variants", "recorded,fp32"]):
+        r = CliRunner().invoke(cli, argv)
+        assert r.exit_code == 1, (argv, r.output)
+        assert "recorded on rank 0 of 2 and replayed alone" in r.output and "--nproc 2" in r.output, (argv, r.output)
+    assert "no single variant" not in r.output and "fp32            pass" in r.output, r.output
 
 
 def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(tmp_path):

@@ -80,7 +80,7 @@ EXPECTED = {
     "empty": {**dict.fromkeys(COMMANDS[:-1], 3), "verify": 1, "gc": 0},
 }
 # Exits that are answers, not errors: no {"error": ...} object.
-ANSWERS = {("replay", 1), ("verify", 1), ("gc", 0)}
+ANSWERS = {("replay", 1), ("verify", 1), ("gc", 0), ("bisect steps", 1), ("bisect layers", 1), ("bisect precision", 1)}
 
 
 def argv(command: str, target: Path, t: dict, n: str) -> list[str]:
