@@ -262,9 +262,7 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
 
     if not is_incident(folder):
         raise click.UsageError(f"--nproc needs an incident folder of a multi-rank run; {folder} is not one")
-    if code is not None:
-        raise click.UsageError("--code is not supported for an incident replay yet; replay one rank's bundle instead")
-    report = replay_incident(folder, times=times, device=device, nproc=nproc)
+    report = replay_incident(folder, times=times, device=device, nproc=nproc, code=code)
     d = report.to_json()
     if as_json:
         _emit(d)

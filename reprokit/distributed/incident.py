@@ -104,8 +104,11 @@ class IncidentReport:
 
 
 def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = None, nproc: int | None = None,
-                    timeout_s: float = 600) -> IncidentReport:
+                    code: str | Path | None = None, timeout_s: float = 600) -> IncidentReport:
     """Replay every rank of an incident together, as many processes as the run had.
+
+    ``code``: a checkout every rank imports build/step from instead of its bundle's code snapshot (as
+    ``reprokit replay --code``).
 
     Example:
         >>> report = replay_incident("repros/incident-20261126-142501-step00000006")   # doctest: +SKIP
@@ -124,6 +127,11 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
         if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
             incident = f.detail["incident"]
     device = device or ("cuda" if str(first.run.get("device", "cpu")).startswith("cuda") else "cpu")
+    if code is not None:  # refuse a checkout without the project here, once, not in every rank
+        from reprokit.code import check_refs
+
+        for b in bundles.values():
+            check_refs(b.run.get("refs"), snapshot=b.code_dir, code=Path(code), source=b.path / "run.json")
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="reprokit-incident-") as out:
@@ -131,7 +139,7 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
         _write(Path(out) / "ranks.json", {str(r): str(b.path) for r, b in bundles.items()})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), "-m", "reprokit.distributed.incident", str(folder), out,
-               str(times), device]
+               str(times), device, str(Path(code).resolve()) if code is not None else ""]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -155,7 +163,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(folder: str, out: str, times: str, device: str) -> None:
+def _rank_main(folder: str, out: str, times: str, device: str, code: str = "") -> None:
     """One rank, under torch.distributed.run: init the process group, replay this rank's bundle, write its report."""
     import datetime
     import threading
@@ -194,7 +202,7 @@ def _rank_main(folder: str, out: str, times: str, device: str) -> None:
     threading.Thread(target=watch_peers, daemon=True).start()
     try:
         mine_bundle = json.loads((Path(out) / "ranks.json").read_text())[str(rank)]
-        report = replay(mine_bundle, times=int(times), device=device, as_rank=True)
+        report = replay(mine_bundle, times=int(times), device=device, code=code or None, as_rank=True)
         doc = {"rank": rank, **report.to_json()}
     except ReprokitError as e:
         doc = {"rank": rank, "error": f"{type(e).__name__}: {e}", "verdict": "error"}
@@ -209,4 +217,4 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    _rank_main(*sys.argv[1:5])
+    _rank_main(*sys.argv[1:6])

@@ -111,6 +111,13 @@ def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path):
     assert human.exit_code == 1 and "rank 0: deterministic" in human.stdout, human.output
     bad = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "3"])
     assert bad.exit_code == 2 and "recorded on 2 ranks" in bad.output
+    # --code: every rank imports build/step from a checkout; one without the project is refused before any rank runs
+    coded = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(ROOT / "tests" / "projects"), "--json"])
+    assert coded.exit_code == 1 and json.loads(coded.stdout)["verdict"] == "deterministic", coded.output
+    empty = folder.parent / "empty-checkout"
+    empty.mkdir()
+    refused = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(empty)])
+    assert refused.exit_code == 125 and "does not hold the bundle's code" in refused.output, refused.output
 
 
 def test_an_incident_whose_rank_raised_replays_with_the_peer_blocked(tmp_path):
