@@ -57,3 +57,11 @@ def test_memory_budget_bench_quick_runs_and_stays_under_its_budget():
     report = _bench_json("memory_budget")
     small = report["variants"]["recorder (budget 2 MiB)"]
     assert small["early_snapshots"] >= 1 and small["peak_buffers_bytes"] <= small["budget_bytes"], small
+
+
+def test_ddp_overhead_bench_quick_runs_two_ranks_and_writes_both_windows():
+    report = _bench_json("ddp_overhead")
+    assert report["world_size"] == 2 and [r["rank"] for r in report["ranks"]] == [0, 1]
+    # rank 1 fed the NaN; rank 0 got it through the all-reduce; both wrote their window
+    assert {r["rank"]: r["failure"] for r in report["ranks"]} == {0: "nonfinite_grad", 1: "nonfinite_loss"}
+    assert all(r["dump_s"] is not None and r["bundle_bytes"] > 0 for r in report["ranks"]), report["ranks"]

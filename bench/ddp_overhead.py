@@ -1,0 +1,262 @@
+"""Recorder overhead on a DDP training step, every rank measured side by side in one run; each rank's dump time.
+
+    python bench/ddp_overhead.py                 # every GPU of this host: GPT-2 124M under DDP (NCCL), bf16 autocast
+    python bench/ddp_overhead.py --quick         # 2 CPU ranks (gloo), a tiny GPT, a few steps (timings meaningless)
+    python bench/ddp_overhead.py --json --save bench/results
+
+It starts itself under ``torch.distributed.run`` (one process per GPU, or two on the CPU). Each rank runs the bare
+DDP step and the step through ``Recorder.step`` in short interleaved blocks (10 steps; the order rotates every
+round), so drift hits both alike; "bare (A/A)" is the bare step timed as if it were a variant: the noise floor. A
+step's time includes ``loss.item()``, as real loops do, and the all-reduce, so a slow rank slows every rank. Then
+rank 1 feeds a NaN: each rank's time to write its window into the incident folder is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import reprokit
+
+GPT2 = {"layers": 12, "d": 768, "heads": 12, "vocab": 50304, "ctx": 1024, "batch": 8}
+QUICK = {"layers": 2, "d": 64, "heads": 4, "vocab": 256, "ctx": 32, "batch": 2}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, d: int, heads: int, vocab: int, ctx: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def build(config):
+    torch.manual_seed(0)
+    device = config["device"]
+    model = GPT(config["layers"], config["d"], config["heads"], config["vocab"], config["ctx"]).to(device)
+    if dist.is_available() and dist.is_initialized():
+        model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device == "cuda")
+    return reprokit.TrainState(model=model, optimizer=opt)
+
+
+def train_step(state, batch):
+    idx, targets = batch["idx"], batch["targets"]
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16):
+        logits = state.model(idx)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    cuda = torch.cuda.is_available() and not args.quick
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.backends.cuda.matmul.allow_tf32 = True
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {**(QUICK if args.quick else GPT2), "device": "cuda" if cuda else "cpu"}
+    state = build(cfg)
+    g = torch.Generator(device=cfg["device"]).manual_seed(rank)
+    out_dir = Path(args.out)
+    rec = reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out_dir, incident_wait_s=120)
+    rec.detach()
+
+    def batch():
+        idx = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["ctx"] + 1), device=cfg["device"], generator=g)
+        return {"idx": idx[:, :-1], "targets": idx[:, 1:]}
+
+    def block(name: str, n: int) -> list[float]:
+        recorded = name == "recorder"
+        if recorded:
+            rec.attach()
+        times = []
+        try:
+            for _ in range(n):
+                b = batch()
+                if cuda:
+                    torch.cuda.current_stream().synchronize()
+                t0 = time.perf_counter()
+                loss = rec.step(b) if recorded else train_step(state, b)
+                loss.item()
+                times.append(time.perf_counter() - t0)
+        finally:
+            if recorded:
+                rec.detach()
+        return times
+
+    steps, rounds = (2, 2) if args.quick else (args.block, args.rounds)
+    for name in ("bare", "recorder"):
+        block(name, 3 if args.quick else 110)  # warm-up, the recorder's ring and first snapshot included
+    variants = ["bare", "recorder", "bare (A/A)"]
+    results: dict[str, list[float]] = {v: [] for v in variants}
+    means: dict[str, list[float]] = {v: [] for v in variants}
+    for i in range(rounds):
+        for v in variants[i % 3:] + variants[:i % 3]:
+            t = block("bare" if v == "bare (A/A)" else v, steps)
+            results[v] += t
+            means[v].append(statistics.mean(t))
+    bare = statistics.mean(results["bare"])
+    table = {}
+    for v, t in results.items():
+        r = [m / b for m, b in zip(means[v], means["bare"])]
+        row = {"mean_ms": statistics.mean(t) * 1e3, "median_ms": statistics.median(t) * 1e3,
+               "ratio": statistics.mean(t) / bare, "steps": len(t)}
+        if len(r) > 1:
+            half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
+            row["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
+        table[v] = row
+    # The incident: rank 1 feeds a NaN; every rank writes its window. Time each rank's own write.
+    rec.attach()
+    spent: dict[str, float] = {}
+    dump = rec._dump
+
+    def timed_dump(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return dump(*a, **kw)
+        finally:
+            spent["dump_s"] = time.perf_counter() - t0
+    rec._dump = timed_dump  # type: ignore[method-assign]
+    nan_batch = batch()
+    failed = None
+    t0 = time.perf_counter()
+    try:
+        if rank == 1:
+            with torch.no_grad():  # a NaN in this rank's input embedding row: its loss and (all-reduced) grads go NaN
+                emb = state.model.module.wte.weight
+                saved = emb[nan_batch["idx"][0, 0]].clone()
+                emb[nan_batch["idx"][0, 0]] = float("nan")
+        rec.step(nan_batch)
+    except reprokit.TrainingFailure as e:
+        failed = e.failure.kind
+    finally:
+        if rank == 1:
+            with torch.no_grad():
+                emb[nan_batch["idx"][0, 0]] = saved
+    incident_s = time.perf_counter() - t0
+    bundle = rec.bundles[-1] if rec.bundles else None
+    size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file()) if bundle else 0
+    doc = {"rank": rank, "world_size": world, "variants": table, "failure": failed,
+           "dump_s": spent.get("dump_s"), "incident_step_s": incident_s, "bundle_bytes": size,
+           "recorder_memory": rec.stats(),
+           "device": torch.cuda.get_device_name() if cuda else "cpu", "config": cfg}
+    Path(args.report).joinpath(f"rank{rank}.json").write_text(json.dumps(doc))
+    rec.close()
+    os._exit(0)  # no destroy_process_group: a peer may still sit in a collective after the incident
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 CPU ranks, a tiny GPT, few steps (smoke run)")
+    ap.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs on this host, or 2 on the CPU)")
+    ap.add_argument("--block", type=int, default=10, help="steps per block")
+    ap.add_argument("--rounds", type=int, default=40, help="rounds of one block per variant")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--save", default=None, help="folder to write ddp_overhead_<device>_<commit>.json into")
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--report", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if "RANK" in os.environ:
+        rank_main(args)
+        return
+    cuda = torch.cuda.is_available() and not args.quick
+    nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
+    with tempfile.TemporaryDirectory(prefix="reprokit-ddp-bench-") as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+               "127.0.0.1", "--master_port", str(_free_port()), __file__, "--out", str(Path(tmp) / "repros"),
+               "--report", tmp, "--block", str(args.block), "--rounds", str(args.rounds)] + (["--quick"] if args.quick else [])
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        ranks = []
+        for r in range(nproc):
+            p = Path(tmp) / f"rank{r}.json"
+            if not p.exists():
+                raise SystemExit(f"rank {r} wrote no report (torchrun exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            ranks.append(json.loads(p.read_text()))
+    report = {"benchmark": "ddp_overhead", "commit": commit(), "device": ranks[0]["device"], "torch": torch.__version__,
+              "world_size": nproc, "config": ranks[0]["config"], "ranks": ranks,
+              "ratio_recorder": max(r["variants"]["recorder"]["ratio"] for r in ranks),
+              "ratio_aa": max(r["variants"]["bare (A/A)"]["ratio"] for r in ranks)}
+    if args.save:
+        name = "cpu" if report["device"] == "cpu" else report["device"].split()[1].lower()
+        path = Path(args.save) / f"ddp_overhead_{name}x{nproc}_{report['commit']}.json"
+        path.write_text(json.dumps(report, indent=1))
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    cfg = report["config"]
+    print(f"device {report['device']} x{nproc}, torch {report['torch']}, commit {report['commit']}, batch "
+          f"{cfg['batch']}x{cfg['ctx']} per rank, {cfg['layers']} layers d={cfg['d']}")
+    print(f"{'rank':>4} {'variant':<12}{'mean ms':>10}{'median ms':>11}{'x bare':>8}{'95% CI (paired rounds)':>24}")
+    for r in ranks:
+        for name, v in r["variants"].items():
+            ci = "[{:.3f}, {:.3f}]".format(*v["ratio_ci95"]) if "ratio_ci95" in v else ""
+            print(f"{r['rank']:>4} {name:<12}{v['mean_ms']:>10.2f}{v['median_ms']:>11.2f}{v['ratio']:>8.3f}{ci:>24}")
+    for r in ranks:
+        dump = f"{r['dump_s']:.2f} s" if r["dump_s"] is not None else "no bundle"
+        print(f"rank {r['rank']}: failure {r['failure']}, own window written in {dump} "
+              f"({r['bundle_bytes'] / 1e6:.1f} MB); the failing step took {r['incident_step_s']:.2f} s in all")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    main()
