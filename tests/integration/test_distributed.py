@@ -135,7 +135,12 @@ def test_an_incident_whose_rank_raised_replays_with_the_peer_blocked(tmp_path):
     assert peer.get("blocked") or (peer["verdict"] == "different_failure" and peer["failure"]["step"] == 6), peer
 
 
-def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp_path):
+two_gpus = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2),
+                              reason="needs two CUDA devices (run on the 2-GPU machine)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, two_gpus])])
+def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp_path, device):
     """FSDP2 (fully_shard, gloo): every rank holds half of each parameter and of AdamW's state. Each bundle carries
     its rank's shards and their layout; replayed on two ranks (build() shards the model again), both reproduce
     bit-exactly. Replayed alone, the shards mean nothing: refused before build(), pointing at the incident."""
@@ -143,7 +148,7 @@ def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                           str(ROOT / "tests" / "projects" / "rk_fsdp.py"), str(out)],
+                           str(ROOT / "tests" / "projects" / "rk_fsdp.py"), str(out), device],
                           env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     # the run ends in reprokit's TrainingFailure, and the recorder itself had no trouble with DTensors
     assert proc.returncode != 0 and "TrainingFailure" in proc.stderr, proc.stderr[-3000:]
@@ -157,7 +162,7 @@ def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp
                                             "mesh_shape": [2]}, shards
         assert tuple(tensors["model/0.weight"].shape) == (8, 8)
         assert any(k.startswith("optimizer/state/") and k.endswith("exp_avg") for k in shards), sorted(shards)
-    r = CliRunner().invoke(cli, ["replay", str(folder), "--json"])
+    r = CliRunner().invoke(cli, ["replay", str(folder), "--device", device, "--json"])
     d = json.loads(r.stdout)
     assert r.exit_code == 1 and d["verdict"] == "deterministic", r.output
     for x in d["ranks"]:
@@ -174,10 +179,6 @@ def test_inspect_json_names_rank_world_and_incident(tmp_path, mode):
     folder, bundles = _incident(out)
     d = json.loads(CliRunner().invoke(cli, ["inspect", str(bundles[1]), "--json"]).stdout)
     assert (d["rank"], d["world_size"], d["incident"]) == (1, 2, folder.name), d
-
-
-two_gpus = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2),
-                              reason="needs two CUDA devices (run on the 2-GPU machine)")
 
 
 @pytest.mark.cuda

@@ -7,6 +7,7 @@ shards and replay must put them back on a mesh of as many ranks.
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 
 import torch
@@ -19,7 +20,7 @@ import reprokit
 
 def build(config):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(config.get("device", "cpu"))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
@@ -35,10 +36,12 @@ def train_step(state, batch):
     return loss
 
 
-def main(out_dir: str, fail_step: int = 6) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+def main(out_dir: str, device: str = "cpu", fail_step: int = 6) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    config: dict = {}
+    config = {"device": device}
     state = build(config)
     rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir, snapshot_every=4,
                             incident_wait_s=30)
@@ -47,8 +50,8 @@ def main(out_dir: str, fail_step: int = 6) -> None:
         x = torch.randn(8, 8, generator=g)
         if rank == 1 and step == fail_step:
             x[0, 0] = float("nan")
-        rec.step({"x": x, "y": x.sum(1)})
+        rec.step({"x": x.to(device), "y": x.sum(1).to(device)})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
