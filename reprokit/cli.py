@@ -277,23 +277,37 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
 @bundle_arg
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also draw loss and grad-norm history, failure marked, to this PNG (needs reprokit[plot]).")
+@click.option("--batch", "show_batch", is_flag=True, help="Also print the failing step's batch itself, row by row.")
+@click.option("--rows", default=None, help="With --batch: only these rows (e.g. 5, 1,4 or 2-6).")
 @archive_opts
 @json_opt
-def inspect(bundle: Path, plot: Path | None, as_json: bool, **kw: Any) -> None:
-    """Show BUNDLE's failure, window, batch structure, state sizes, env and losses.
+def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None, as_json: bool, **kw: Any) -> None:
+    """Show BUNDLE's failure, window, batch structure, a diagnosis of the failing batch, state sizes, env and losses.
 
-    BUNDLE may be a bundle folder or a packed .tar.gz.
+    BUNDLE may be a bundle folder or a packed .tar.gz. The diagnosis checks the failing
+    step's batch for non-finite values, ids past the model's embedding tables, empty
+    masks, all-ignored labels and sequences past the position table.
     """
-    from reprokit.report import describe, format_describe, plot_history
+    from reprokit.report import batch_dump, describe, format_batch, format_describe, parse_rows, plot_history
 
+    if rows is not None and not show_batch:
+        raise click.UsageError("--rows needs --batch")
+    picked = parse_rows(rows) if rows is not None else None
     with _open(bundle, kw) as path:
         opened = B.open_bundle(path)
         d = describe(opened)
+        if show_batch:
+            d["batch_values"] = batch_dump(opened, picked)
         if plot is not None:
             plot_history(opened, plot)
             d["plot"] = str(plot)
     d["bundle"] = str(bundle)
-    _emit(d) if as_json else click.echo(format_describe(d))
+    if as_json:
+        _emit(d)
+        return
+    click.echo(format_describe(d))
+    if show_batch:
+        click.echo(format_batch(d["batch_values"]))
 
 
 @main.command()

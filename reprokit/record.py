@@ -43,6 +43,7 @@ from reprokit import bundle as B
 from reprokit import pytree
 from reprokit.code import ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate
+from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info
 from reprokit.env import capture_env, determinism_flags
 from reprokit.errors import CaptureError, RecorderWarning, TrainingFailure
@@ -222,6 +223,7 @@ class Recorder:
         capture_state(state, copy=lambda t: t)  # fail now, at attach time, if anything cannot be recorded
         check_generators(state.extra)
         self.monitor = Monitor(state, self.settings, detect)
+        self._tables = model_tables(state.model)  # table sizes for the batch diagnosis (inspect, failure note)
         self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync, limit=self.budget * 3 // 4,
                                       fallback_spill_dir=self.out_dir / SPILL_DIR)
         self._engine.others = self._room_for_snapshot
@@ -312,12 +314,19 @@ class Recorder:
         if result.failure is None:
             return result.value
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
+        hint = failure_note(batch, self._tables)
         if result.exc is not None:
             note = f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written"
             if hasattr(result.exc, "add_note"):
+                if hint:
+                    result.exc.add_note(hint)
                 result.exc.add_note(note)
             raise result.exc
-        raise TrainingFailure(result.failure, path)
+        failure = TrainingFailure(result.failure, path)
+        add_note = getattr(failure, "add_note", None)  # Python 3.11+
+        if hint and add_note is not None:
+            add_note(hint)
+        raise failure
 
     def _record_step_start(self, k: int, batch: Any) -> _Step | None:
         """Copy the batch and read the RNG; take the snapshot when one is due (after the batch copy is queued, so on
@@ -684,6 +693,7 @@ class Recorder:
             "window": {"start": snap.step, "end": ring[-1].step if ring else failure.step,
                        "steps": [r.step for r in ring]},
             "history": [{"step": s, "loss": loss, "grad_norm": g} for s, loss, g in self._history],
+            "model": self._tables,
         }
 
     # --- helpers ------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from reprokit import pytree
 from reprokit.bundle import STATE_TENSORS, Bundle, jsonable
 from reprokit.code import ref_label
+from reprokit.diagnose import findings
 from reprokit.errors import ReprokitError
 
 
@@ -34,7 +35,94 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "env": {k: v for k, v in bundle.env.items() if k != "git"} | {"git": _git_summary(bundle.env.get("git"))},
         "losses": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in run["history"]],
         "provenance": run.get("provenance"),
+        "diagnosis": diagnosis(bundle),
     })
+
+
+def failing_step(bundle: Bundle) -> int | None:
+    """The window's step the failure fired at (else its last step); None for an empty window."""
+    steps = bundle.steps
+    if not steps:
+        return None
+    return bundle.failure.step if bundle.failure.step in steps else steps[-1]
+
+
+def diagnosis(bundle: Bundle) -> dict[str, Any]:
+    """The failing step's batch checked for data faults (``reprokit.diagnose``), from tensors alone."""
+    step = failing_step(bundle)
+    if step is None:
+        return {"step": None, "findings": [], "tables": None}
+    batch = bundle.step(step)[0]
+    tables = bundle.run.get("model")
+    return {"step": step, "findings": findings(batch, tables), "tables": tables}
+
+
+def batch_dump(bundle: Bundle, rows: list[int] | None = None, width: int = 64) -> dict[str, Any]:
+    """The failing step's batch itself (``inspect --batch``): each leaf, its rows as lists (``rows`` only)."""
+    step = failing_step(bundle)
+    if step is None:
+        return {"step": None, "leaves": {}}
+    batch = bundle.step(step)[0]
+    leaves: dict[str, Any] = {}
+    for path, leaf in pytree.leaves(batch):
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            leaves[path] = {"value": leaf if isinstance(leaf, (int, float, str, bool)) or leaf is None else repr(leaf)}
+            continue
+        t = leaf.detach().cpu()
+        entry: dict[str, Any] = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
+        if t.dim() == 0:
+            entry["value"] = t.item()
+        else:
+            n = t.shape[0]
+            picked = [r for r in (range(n) if rows is None else rows) if 0 <= r < n]
+            entry["rows"] = {str(r): _row_values(t[r], width) for r in picked}
+            if rows is not None and len(picked) < len(rows):
+                entry["missing_rows"] = [r for r in rows if not 0 <= r < n]
+        leaves[path] = entry
+    return {"step": step, "leaves": leaves}
+
+
+def _row_values(t: Any, width: int) -> dict[str, Any]:
+    flat = t.reshape(-1)
+    values = flat[:width].tolist()
+    return {"shape": list(t.shape), "values": values, "truncated": flat.numel() > width}
+
+
+def parse_rows(text: str) -> list[int]:
+    """``"5"``, ``"1,4"``, ``"2-6"`` (inclusive) as a sorted list of row numbers.
+
+    Raises:
+        ReprokitError: naming the part that is not a row number or range.
+    """
+    rows: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ReprokitError(f"--rows: {part!r} is not a row number or a range like 2-6; expected e.g. 5 or 1,4 "
+                                "or 2-6")
+        rows.update(range(int(lo), int(hi if sep else lo) + 1))
+    return sorted(rows)
+
+
+def format_batch(d: dict[str, Any]) -> str:
+    """``batch_dump``'s dict as text: one block per leaf, one line per row."""
+    lines = [f"batch of step {d['step']}"]
+    for path, e in d["leaves"].items():
+        if "rows" not in e:
+            lines.append(f"{path}  {e.get('dtype', '')}{e.get('shape', '')} = {e['value']!r}".replace("  =", " ="))
+            continue
+        lines.append(f"{path}  {e['dtype']}{e['shape']}")
+        for r, row in e["rows"].items():
+            vals = ", ".join(_fmt(v) for v in row["values"])
+            shape = f" {row['shape']}" if len(row["shape"]) > 1 else ""
+            lines.append(f"  row {r}{shape}: [{vals}{', ...' if row['truncated'] else ''}]")
+        if e.get("missing_rows"):
+            lines.append(f"  (no row {', '.join(map(str, e['missing_rows']))}: the leaf has {e['shape'][0]} rows)")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def _batch_structure(bundle: Bundle, step: int) -> dict[str, Any]:
@@ -99,6 +187,7 @@ def format_describe(d: dict[str, Any]) -> str:
                  f"devices {e['devices'] or ['cpu']}" + (f", git {str(git.get('commit'))[:10]}"
                                                         f"{' (dirty)' if git.get('dirty') else ''}" if git else ""))
     lines += _provenance_lines(d.get("provenance"))
+    lines += _diagnosis_lines(d.get("diagnosis"))
     losses = d["losses"][-12:]
     if losses:
         lines.append(f"losses   (last {len(losses)} of {len(d['losses'])})")
@@ -135,6 +224,20 @@ def _provenance_lines(p: Any) -> list[str]:
         lines.append("  passes " + ", ".join(f"{k} {v.get('accepted')}/{v.get('runs')} accepted, "
                                              f"{_n(v.get('replays', 0), 'replay')}" for k, v in passes.items()))
     return lines
+
+
+def _diagnosis_lines(diag: Any) -> list[str]:
+    """The batch diagnosis: each finding, or a line saying the batch looks clean."""
+    from reprokit.diagnose import summary
+
+    if not isinstance(diag, dict) or diag.get("step") is None:
+        return []
+    found = summary(diag.get("findings") or [])
+    tables = diag.get("tables")
+    checked = "" if tables else " (no embedding table sizes recorded: ids not checked)"
+    if not found:
+        return [f"data     the batch of step {diag['step']} shows no data fault{checked}"]
+    return [f"data     the batch of step {diag['step']}{checked}:"] + [f"  {line}" for line in found]
 
 
 def _refs_line(refs: Any) -> str:

@@ -364,11 +364,26 @@ def check_run(d: Any, name: str = "run.json") -> None:
             raise f.fail(f"window.steps[{i}]", f"must be at most 99999999 (8-digit file names), got {s}")
     if len(set(steps)) != len(steps):
         raise f.fail("window.steps", "lists a step twice")
+    if "model" in d:
+        _check_tables(f, d["model"])
     for i, h in enumerate(f.lst(d["history"], "history")):
         f.obj(h, f"history[{i}]", ("step", "loss", "grad_norm"))
         f.integer(h["step"], f"history[{i}].step")
         f.number(h["loss"], f"history[{i}].loss")
         f.number(h["grad_norm"], f"history[{i}].grad_norm")
+
+
+def _check_tables(f: _File, m: Any) -> None:
+    """``run.json``'s ``model``: the lookup tables the batch diagnosis reads (``reprokit.diagnose``)."""
+    f.obj(m, "model")
+    for key in ("embeddings", "positions"):
+        for i, e in enumerate(f.lst(m.get(key, []), f"model.{key}")):
+            ef = f"model.{key}[{i}]"
+            f.obj(e, ef, ("name", "num_embeddings"))
+            f.string(e["name"], f"{ef}.name")
+            f.integer(e["num_embeddings"], f"{ef}.num_embeddings")
+            if e.get("padding_idx") is not None:
+                f.integer(e["padding_idx"], f"{ef}.padding_idx", lo=None)
 
 
 def check_env(d: Any, name: str = "env.json") -> None:
