@@ -438,6 +438,35 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
     click.echo(f"  receiver: tar xzf {shlex.quote(output.name)} && python {r['folder']}/repro.py")
 
 
+@main.command()
+@bundle_arg
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+              help="Folder for the extract (must not exist, or be empty).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
+@click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Import build/step from this checkout instead of the bundle's code snapshot.")
+@archive_opts
+@json_opt
+def extract(bundle: Path, output: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
+    """Cut the module that failed out of BUNDLE: a small bundle of that module alone.
+
+    The extract holds the module's class (source from the code snapshot, or a torch
+    class), its parameters and buffers, the inputs it received and, for a backward
+    failure, the gradient flowing into it; replaying it runs just that module. Where
+    one aten op made the first bad value, extract/op_repro.py runs that op alone.
+    Exit 0 written; 1 the bundle does not reproduce, or no module is to blame (the
+    step function's own code or the batch made the value: said, and that op's inputs
+    saved in OUTPUT where known).
+    """
+    from reprokit.extract import extract as do_extract
+    from reprokit.extract import format_extract
+
+    with _open(bundle, kw) as path:
+        result = do_extract(B.open_bundle(path), output, device=device, code=code)
+    d = result.to_json()
+    _emit(d) if as_json else click.echo(format_extract(d))
+
+
 @main.group()
 def bisect() -> None:
     """Localise a failure: over steps, layers/ops, precision and kernels, or git commits."""
