@@ -103,6 +103,20 @@ def _batch_bytes(batch: Any) -> tuple[int, int]:
 
 
 
+def _lr_and_scale(state: TrainState) -> tuple[float | None, float | None]:
+    """The first param group's LR and the GradScaler's scale after a step, for ``inspect --plot``.
+
+    Read only where it costs no device sync: a tensor LR or a scale on a GPU is left out (None).
+    """
+    try:
+        lr = state.optimizer.param_groups[0].get("lr")
+        lr = float(lr) if isinstance(lr, (int, float)) else None
+        scale = getattr(state.scaler, "_scale", None) if state.scaler_enabled() else None
+        return lr, float(scale) if isinstance(scale, torch.Tensor) and not scale.is_cuda else None
+    except Exception:  # never let a read for a plot stop the run
+        return None, None
+
+
 @dataclass(slots=True)
 class _Step:
     """One recorded step, as kept in the window: its batch copied, its RNG as read (encoded at dump)."""
@@ -254,7 +268,8 @@ class Recorder:
         self._snapshot: _Snapshot | None = None
         self._ring: list[_Step] = []
         self._window_ok = False
-        self._history: deque[tuple[int, float | None, float | None]] = deque(maxlen=loss_history)
+        self._history: deque[tuple[int, float | None, float | None, float | None, float | None]] = deque(
+            maxlen=loss_history)
         self._warned: set[str] = set()
         self._in_step = False
         self._current_other = RNG_STEP_BYTES
@@ -310,7 +325,7 @@ class Recorder:
             self._warn("check", f"reprokit: cannot check the snapshot copy ({e!r}); no bundle until the next snapshot")
         if record is not None:
             record.loss, record.grad_norm = result.loss, result.grad_norm
-        self._history.append((k, result.loss, result.grad_norm))
+        self._history.append((k, result.loss, result.grad_norm, *_lr_and_scale(self.state)))
         if result.failure is None:
             return result.value
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
@@ -692,7 +707,8 @@ class Recorder:
             "device": device,
             "window": {"start": snap.step, "end": ring[-1].step if ring else failure.step,
                        "steps": [r.step for r in ring]},
-            "history": [{"step": s, "loss": loss, "grad_norm": g} for s, loss, g in self._history],
+            "history": [{"step": s, "loss": loss, "grad_norm": g, "lr": lr, "loss_scale": scale}
+                        for s, loss, g, lr, scale in self._history],
             "model": self._tables,
         }
 

@@ -258,7 +258,11 @@ def _mb(n: int) -> str:
 
 
 def plot_history(bundle: Bundle, out: Path) -> Path:
-    """Loss and grad norm over the recorded history, window shaded, failure marked, as a PNG.
+    """Loss, grad norm, LR and loss scale over the recorded history, window shaded, failure marked, as a PNG.
+
+    The LR and loss-scale panels appear when the recorder stored them; the title names the
+    failure and, for a shrunk bundle, the rows it kept. A log axis is used only over a range of
+    at least a decade; narrower ranges get a linear axis with plain tick labels.
 
     Raises:
         ReprokitError: when matplotlib is not installed, saying how to get it.
@@ -268,12 +272,14 @@ def plot_history(bundle: Bundle, out: Path) -> Path:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import ScalarFormatter
     except ImportError:
         raise ReprokitError("--plot needs matplotlib: pip install 'reprokit[plot]'") from None
     hist = bundle.run.get("history", [])
     steps = [h["step"] for h in hist]
-    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
-    for ax, key, label in ((ax1, "loss", "loss"), (ax2, "grad_norm", "grad norm")):
+    panels = plot_panels(hist)
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, figsize=(9, 2.2 + 1.6 * len(panels)), squeeze=False)
+    for ax, (key, label) in zip(axes[:, 0], panels):
         ys = [_finite_or_none(h.get(key)) for h in hist]
         ax.plot(steps, [y if y is not None else float("nan") for y in ys], lw=1.2, color="C0")
         bad = [s for s, h in zip(steps, hist) if h.get(key) is not None and _finite_or_none(h[key]) is None]
@@ -282,17 +288,45 @@ def plot_history(bundle: Bundle, out: Path) -> Path:
         ax.set_ylabel(label)
         ax.axvspan(bundle.run["window"]["start"], bundle.run["window"]["end"], color="0.9", label="replay window")
         ax.axvline(bundle.failure.step, color="red", lw=1.5, label=f"failure: {bundle.failure.kind}")
-        if any(y is not None and y > 0 for y in ys):
+        if log_axis(ys):
             ax.set_yscale("log")
-    ax1.legend(loc="upper left", fontsize=8)
-    ax2.set_xlabel("step")
-    fig.suptitle(f"{bundle.failure.describe()}"[:100], fontsize=10)
+        else:  # a narrow range: plain numbers, no offset or "x 10^0" (7.78..7.90 reads as such)
+            fmt = ScalarFormatter(useOffset=False)
+            fmt.set_scientific(False)
+            ax.yaxis.set_major_formatter(fmt)
+    axes[0, 0].legend(loc="upper left", fontsize=8)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(plot_title(bundle), fontsize=9)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_panels(hist: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """``(history key, label)`` of each panel: loss and grad norm, then LR and loss scale where recorded."""
+    return [("loss", "loss"), ("grad_norm", "grad norm")] + [
+        (key, label) for key, label in (("lr", "learning rate"), ("loss_scale", "loss scale"))
+        if any(_finite_or_none(h.get(key)) is not None for h in hist)]
+
+
+def log_axis(ys: list[float | None]) -> bool:
+    """A log axis only for positive values spanning at least a decade."""
+    known = [y for y in ys if y is not None]
+    return bool(known) and min(known) > 0 and max(known) >= 10 * min(known)
+
+
+def plot_title(bundle: Bundle) -> str:
+    """The failure, and for a shrunk bundle where its rows came from (kept rows, dataset indices)."""
+    title = bundle.failure.describe()[:100]
+    p = bundle.run.get("provenance")
+    if isinstance(p, dict) and p.get("kept_rows") is not None:
+        idx = p.get("dataset_indices")
+        title += f"\nshrunk: kept rows {p['kept_rows']} of the failing batch" + (
+            f" (dataset indices {idx})" if idx else "")
+    return title
 
 
 def _finite_or_none(x: Any) -> float | None:

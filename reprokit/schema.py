@@ -373,6 +373,8 @@ def check_run(d: Any, name: str = "run.json") -> None:
         f.integer(h["step"], f"history[{i}].step")
         f.number(h["loss"], f"history[{i}].loss")
         f.number(h["grad_norm"], f"history[{i}].grad_norm")
+        for k in ("lr", "loss_scale"):
+            f.number(h.get(k), f"history[{i}].{k}")
 
 
 def _check_tables(f: _File, m: Any) -> None:

@@ -114,3 +114,26 @@ def test_bad_rows_are_a_usage_error(projects, tmp_path, rows):
     _, exc = record(mlp, {}, mlp.batches({}, 3, poison_step=1), tmp_path, snapshot_every=3)
     r = CliRunner().invoke(main, ["inspect", str(bundle_of(exc)), "--batch", "--rows", rows])
     assert r.exit_code == 2 and "--rows" in r.output
+
+
+# --- inspect --plot -----------------------------------------------------------------------
+
+def test_plot_has_lr_and_loss_scale_panels_and_plain_narrow_axes(projects, tmp_path):
+    from reprokit.bundle import open_bundle
+    from reprokit.report import log_axis, plot_panels, plot_title
+
+    mlp = projects("rk_mlp")
+    cfg = {"scaler": True, "scheduler": "lambda", "steps": 12}
+    batches = [dict(b, grad_mult=1.0) for b in mlp.batches(cfg, 8, poison_step=6)]
+    _, exc = record(mlp, cfg, batches, tmp_path, snapshot_every=4)
+    bundle = open_bundle(bundle_of(exc))
+    hist = bundle.run["history"]
+    assert all(isinstance(h["lr"], float) for h in hist) and len({h["lr"] for h in hist}) > 1, hist
+    assert all(h["loss_scale"] == 256.0 for h in hist[:-1]), hist
+    assert [k for k, _ in plot_panels(hist)] == ["loss", "grad_norm", "lr", "loss_scale"]
+    assert [k for k, _ in plot_panels([{"loss": 1.0, "grad_norm": 2.0}])] == ["loss", "grad_norm"]
+    assert not log_axis([7.78, 7.9, None]) and log_axis([0.01, 5.0]) and not log_axis([-1.0, 50.0])
+    out = tmp_path / "plot.png"
+    r = CliRunner().invoke(main, ["inspect", str(bundle.path), "--plot", str(out)])
+    assert r.exit_code == 0 and out.read_bytes()[:4] == b"\x89PNG"
+    assert plot_title(bundle).startswith("non-finite")
