@@ -462,7 +462,7 @@ def extract(bundle: Path, output: Path, device: str | None, code: Path | None, a
     from reprokit.extract import format_extract
 
     with _open(bundle, kw) as path:
-        result = do_extract(B.open_bundle(path), output, device=device, code=code)
+        result = do_extract(B.open_bundle(path), output, device=device, code=code, source=bundle)
     d = result.to_json()
     _emit(d) if as_json else click.echo(format_extract(d))
 

@@ -212,8 +212,12 @@ def _plain(v: Any) -> bool:
 
 # --- the extract ----------------------------------------------------------------------------
 
-def extract(bundle: B.Bundle, output: str | Path, *, device: str | None = None, code: Any = None) -> ExtractResult:
+def extract(bundle: B.Bundle, output: str | Path, *, device: str | None = None, code: Any = None,
+            source: str | Path | None = None) -> ExtractResult:
     """Cut the module that failed out of ``bundle`` into a new, small bundle at ``output``.
+
+    ``source`` names the bundle in the extract's ``run.json`` (default: its folder; the CLI passes
+    the archive's path for a ``.tar.gz``, whose folder is a temporary one).
 
     Raises:
         DidNotReproduce: the bundle does not fail when replayed, or the module alone does not.
@@ -266,7 +270,8 @@ def extract(bundle: B.Bundle, output: str | Path, *, device: str | None = None, 
             watcher.origin.module, name) else None
         code_dir = s.code_dir
     notes = [f"attributes not carried (not plain data): {', '.join(skipped)}"] if skipped else []
-    return _write(bundle, output, name, type(mod).__qualname__, phase, spec, call, op, code_dir, cls_file, notes)
+    return _write(bundle, output, name, type(mod).__qualname__, phase, spec, call, op, code_dir, cls_file, notes,
+                  Path(source) if source is not None else bundle.path)
 
 
 def _target(located: dict[str, Any]) -> tuple[str, str] | None:
@@ -320,7 +325,8 @@ def _op_files(op: dict[str, Any]) -> dict[str, bytes]:
 
 
 def _write(bundle: B.Bundle, output: Path, name: str, cls: str, phase: str, spec: dict[str, Any], call: _Call,
-           op: dict[str, Any] | None, code_dir: Path | None, cls_file: str | None, notes: list[str]) -> ExtractResult:
+           op: dict[str, Any] | None, code_dir: Path | None, cls_file: str | None, notes: list[str],
+           source: Path) -> ExtractResult:
     """Record the module's one step with the recorder, then add ``extract`` to its run.json (and the op files)."""
     import reprokit
     from reprokit.code import imported
@@ -357,13 +363,13 @@ def _write(bundle: B.Bundle, output: Path, name: str, cls: str, phase: str, spec
                                   "way (its failure may need state it does not hold); use the whole bundle, or "
                                   "`reprokit shrink` it instead")
         failure = f"{type(recorded).__name__}: {str(recorded).splitlines()[0][:300]}"
-        info = {"source_bundle": str(bundle.path), "source_manifest_sha256": B.sha256_file(bundle.path / B.MANIFEST),
+        info = {"source_bundle": str(source), "source_manifest_sha256": B.sha256_file(bundle.path / B.MANIFEST),
                 "source_step": bundle.failure.step, "source_failure": bundle.failure.describe(), "module": name,
                 "class": f"{spec['class']['module']}.{spec['class']['qualname']}", "phase": phase,
                 "op": op["op"] if op else None}
         path = _rewrite(rec.bundles[-1], output, info, op)
     size = sum(int(m["size"]) for m in json.loads((path / B.MANIFEST).read_text())["files"].values())
-    return ExtractResult(output=path, source=bundle.path, module=name, cls=cls, phase=phase, failure=failure,
+    return ExtractResult(output=path, source=source, module=name, cls=cls, phase=phase, failure=failure,
                          op=op["op"] if op else None, notes=notes, bytes=size)
 
 
