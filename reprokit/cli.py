@@ -275,23 +275,37 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
 @bundle_arg
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also draw loss and grad-norm history, failure marked, to this PNG (needs reprokit[plot]).")
+@click.option("--batch", "show_batch", is_flag=True, help="Also print the failing step's batch itself, row by row.")
+@click.option("--rows", default=None, help="With --batch: only these rows (e.g. 5, 1,4 or 2-6).")
 @archive_opts
 @json_opt
-def inspect(bundle: Path, plot: Path | None, as_json: bool, **kw: Any) -> None:
-    """Show BUNDLE's failure, window, batch structure, state sizes, env and losses.
+def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None, as_json: bool, **kw: Any) -> None:
+    """Show BUNDLE's failure, window, batch structure, a diagnosis of the failing batch, state sizes, env and losses.
 
-    BUNDLE may be a bundle folder or a packed .tar.gz.
+    BUNDLE may be a bundle folder or a packed .tar.gz. The diagnosis checks the failing
+    step's batch for non-finite values, ids past the model's embedding tables, empty
+    masks, all-ignored labels and sequences past the position table.
     """
-    from reprokit.report import describe, format_describe, plot_history
+    from reprokit.report import batch_dump, describe, format_batch, format_describe, parse_rows, plot_history
 
+    if rows is not None and not show_batch:
+        raise click.UsageError("--rows needs --batch")
+    picked = parse_rows(rows) if rows is not None else None
     with _open(bundle, kw) as path:
         opened = B.open_bundle(path)
         d = describe(opened)
+        if show_batch:
+            d["batch_values"] = batch_dump(opened, picked)
         if plot is not None:
             plot_history(opened, plot)
             d["plot"] = str(plot)
     d["bundle"] = str(bundle)
-    _emit(d) if as_json else click.echo(format_describe(d))
+    if as_json:
+        _emit(d)
+        return
+    click.echo(format_describe(d))
+    if show_batch:
+        click.echo(format_batch(d["batch_values"]))
 
 
 @main.command()
@@ -420,6 +434,35 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
     click.echo(f"wrote {r['output']} ({r['bytes'] / 1e6:.2f} MB), sha256 {r['sha256']}")
     click.echo("  contents: " + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in r["breakdown"].items()))
     click.echo(f"  receiver: tar xzf {shlex.quote(output.name)} && python {r['folder']}/repro.py")
+
+
+@main.command()
+@bundle_arg
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+              help="Folder for the extract (must not exist, or be empty).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
+@click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Import build/step from this checkout instead of the bundle's code snapshot.")
+@archive_opts
+@json_opt
+def extract(bundle: Path, output: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
+    """Cut the module that failed out of BUNDLE: a small bundle of that module alone.
+
+    The extract holds the module's class (source from the code snapshot, or a torch
+    class), its parameters and buffers, the inputs it received and, for a backward
+    failure, the gradient flowing into it; replaying it runs just that module. Where
+    one aten op made the first bad value, extract/op_repro.py runs that op alone.
+    Exit 0 written; 1 the bundle does not reproduce, or no module is to blame (the
+    step function's own code or the batch made the value: said, and that op's inputs
+    saved in OUTPUT where known).
+    """
+    from reprokit.extract import extract as do_extract
+    from reprokit.extract import format_extract
+
+    with _open(bundle, kw) as path:
+        result = do_extract(B.open_bundle(path), output, device=device, code=code, source=bundle)
+    d = result.to_json()
+    _emit(d) if as_json else click.echo(format_extract(d))
 
 
 @main.group()

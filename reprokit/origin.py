@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from reprokit.replay import RunOutcome, Session, StepInput
 
@@ -188,6 +188,8 @@ class OriginWatcher(TorchDispatchMode):
         self.first_nan: Origin | None = None
         self.first_any: Origin | None = None
         self.first_nonfinite: dict[str, Any] | None = None
+        self.created_call: tuple[Any, Any, Any] | None = None
+        """``(func, args, kwargs)`` of the op that made the origin (``reprokit extract``'s one-op repro)."""
 
     @property
     def origin(self) -> Origin | None:
@@ -222,6 +224,9 @@ class OriginWatcher(TorchDispatchMode):
                                     "output": value_stats(bad)}
         if value is not None:
             self.created = self._origin(func, value, True, bad, where)
+            # Copied now: the optimizer (or an in-place op) may change these inputs later in the step.
+            self.created_call = (func, *tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
+                                                 (args, kwargs)))
         elif nan and self.first_nan is None:
             self.first_nan = self._origin(func, "nan", False, bad, where)
         elif self.first_any is None:

@@ -43,6 +43,7 @@ from reprokit import bundle as B
 from reprokit import pytree
 from reprokit.code import ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate
+from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info
 from reprokit.env import capture_env, determinism_flags
 from reprokit.errors import CaptureError, RecorderWarning, TrainingFailure
@@ -100,6 +101,20 @@ def _batch_bytes(batch: Any) -> tuple[int, int]:
     return tensors, arrays
 
 
+
+
+def _lr_and_scale(state: TrainState) -> tuple[float | None, float | None]:
+    """The first param group's LR and the GradScaler's scale after a step, for ``inspect --plot``.
+
+    Read only where it costs no device sync: a tensor LR or a scale on a GPU is left out (None).
+    """
+    try:
+        lr = state.optimizer.param_groups[0].get("lr")
+        lr = float(lr) if isinstance(lr, (int, float)) else None
+        scale = getattr(state.scaler, "_scale", None) if state.scaler_enabled() else None
+        return lr, float(scale) if isinstance(scale, torch.Tensor) and not scale.is_cuda else None
+    except Exception:  # never let a read for a plot stop the run
+        return None, None
 
 
 @dataclass(slots=True)
@@ -222,6 +237,7 @@ class Recorder:
         capture_state(state, copy=lambda t: t)  # fail now, at attach time, if anything cannot be recorded
         check_generators(state.extra)
         self.monitor = Monitor(state, self.settings, detect)
+        self._tables = model_tables(state.model)  # table sizes for the batch diagnosis (inspect, failure note)
         self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync, limit=self.budget * 3 // 4,
                                       fallback_spill_dir=self.out_dir / SPILL_DIR)
         self._engine.others = self._room_for_snapshot
@@ -252,7 +268,8 @@ class Recorder:
         self._snapshot: _Snapshot | None = None
         self._ring: list[_Step] = []
         self._window_ok = False
-        self._history: deque[tuple[int, float | None, float | None]] = deque(maxlen=loss_history)
+        self._history: deque[tuple[int, float | None, float | None, float | None, float | None]] = deque(
+            maxlen=loss_history)
         self._warned: set[str] = set()
         self._in_step = False
         self._current_other = RNG_STEP_BYTES
@@ -308,16 +325,23 @@ class Recorder:
             self._warn("check", f"reprokit: cannot check the snapshot copy ({e!r}); no bundle until the next snapshot")
         if record is not None:
             record.loss, record.grad_norm = result.loss, result.grad_norm
-        self._history.append((k, result.loss, result.grad_norm))
+        self._history.append((k, result.loss, result.grad_norm, *_lr_and_scale(self.state)))
         if result.failure is None:
             return result.value
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
+        hint = failure_note(batch, self._tables)
         if result.exc is not None:
             note = f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written"
             if hasattr(result.exc, "add_note"):
+                if hint:
+                    result.exc.add_note(hint)
                 result.exc.add_note(note)
             raise result.exc
-        raise TrainingFailure(result.failure, path)
+        failure = TrainingFailure(result.failure, path)
+        add_note = getattr(failure, "add_note", None)  # Python 3.11+
+        if hint and add_note is not None:
+            add_note(hint)
+        raise failure
 
     def _record_step_start(self, k: int, batch: Any) -> _Step | None:
         """Copy the batch and read the RNG; take the snapshot when one is due (after the batch copy is queued, so on
@@ -683,7 +707,9 @@ class Recorder:
             "device": device,
             "window": {"start": snap.step, "end": ring[-1].step if ring else failure.step,
                        "steps": [r.step for r in ring]},
-            "history": [{"step": s, "loss": loss, "grad_norm": g} for s, loss, g in self._history],
+            "history": [{"step": s, "loss": loss, "grad_norm": g, "lr": lr, "loss_scale": scale}
+                        for s, loss, g, lr, scale in self._history],
+            "model": self._tables,
         }
 
     # --- helpers ------------------------------------------------------------------------

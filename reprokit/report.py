@@ -11,6 +11,7 @@ from safetensors import safe_open
 from reprokit import pytree
 from reprokit.bundle import STATE_TENSORS, Bundle, jsonable
 from reprokit.code import ref_label
+from reprokit.diagnose import findings
 from reprokit.errors import ReprokitError
 
 
@@ -34,7 +35,94 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "env": {k: v for k, v in bundle.env.items() if k != "git"} | {"git": _git_summary(bundle.env.get("git"))},
         "losses": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in run["history"]],
         "provenance": run.get("provenance"),
+        "diagnosis": diagnosis(bundle),
     })
+
+
+def failing_step(bundle: Bundle) -> int | None:
+    """The window's step the failure fired at (else its last step); None for an empty window."""
+    steps = bundle.steps
+    if not steps:
+        return None
+    return bundle.failure.step if bundle.failure.step in steps else steps[-1]
+
+
+def diagnosis(bundle: Bundle) -> dict[str, Any]:
+    """The failing step's batch checked for data faults (``reprokit.diagnose``), from tensors alone."""
+    step = failing_step(bundle)
+    if step is None:
+        return {"step": None, "findings": [], "tables": None}
+    batch = bundle.step(step)[0]
+    tables = bundle.run.get("model")
+    return {"step": step, "findings": findings(batch, tables), "tables": tables}
+
+
+def batch_dump(bundle: Bundle, rows: list[int] | None = None, width: int = 64) -> dict[str, Any]:
+    """The failing step's batch itself (``inspect --batch``): each leaf, its rows as lists (``rows`` only)."""
+    step = failing_step(bundle)
+    if step is None:
+        return {"step": None, "leaves": {}}
+    batch = bundle.step(step)[0]
+    leaves: dict[str, Any] = {}
+    for path, leaf in pytree.leaves(batch):
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            leaves[path] = {"value": leaf if isinstance(leaf, (int, float, str, bool)) or leaf is None else repr(leaf)}
+            continue
+        t = leaf.detach().cpu()
+        entry: dict[str, Any] = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
+        if t.dim() == 0:
+            entry["value"] = t.item()
+        else:
+            n = t.shape[0]
+            picked = [r for r in (range(n) if rows is None else rows) if 0 <= r < n]
+            entry["rows"] = {str(r): _row_values(t[r], width) for r in picked}
+            if rows is not None and len(picked) < len(rows):
+                entry["missing_rows"] = [r for r in rows if not 0 <= r < n]
+        leaves[path] = entry
+    return {"step": step, "leaves": leaves}
+
+
+def _row_values(t: Any, width: int) -> dict[str, Any]:
+    flat = t.reshape(-1)
+    values = flat[:width].tolist()
+    return {"shape": list(t.shape), "values": values, "truncated": flat.numel() > width}
+
+
+def parse_rows(text: str) -> list[int]:
+    """``"5"``, ``"1,4"``, ``"2-6"`` (inclusive) as a sorted list of row numbers.
+
+    Raises:
+        ReprokitError: naming the part that is not a row number or range.
+    """
+    rows: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ReprokitError(f"--rows: {part!r} is not a row number or a range like 2-6; expected e.g. 5 or 1,4 "
+                                "or 2-6")
+        rows.update(range(int(lo), int(hi if sep else lo) + 1))
+    return sorted(rows)
+
+
+def format_batch(d: dict[str, Any]) -> str:
+    """``batch_dump``'s dict as text: one block per leaf, one line per row."""
+    lines = [f"batch of step {d['step']}"]
+    for path, e in d["leaves"].items():
+        if "rows" not in e:
+            lines.append(f"{path}  {e.get('dtype', '')}{e.get('shape', '')} = {e['value']!r}".replace("  =", " ="))
+            continue
+        lines.append(f"{path}  {e['dtype']}{e['shape']}")
+        for r, row in e["rows"].items():
+            vals = ", ".join(_fmt(v) for v in row["values"])
+            shape = f" {row['shape']}" if len(row["shape"]) > 1 else ""
+            lines.append(f"  row {r}{shape}: [{vals}{', ...' if row['truncated'] else ''}]")
+        if e.get("missing_rows"):
+            lines.append(f"  (no row {', '.join(map(str, e['missing_rows']))}: the leaf has {e['shape'][0]} rows)")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def _batch_structure(bundle: Bundle, step: int) -> dict[str, Any]:
@@ -99,6 +187,7 @@ def format_describe(d: dict[str, Any]) -> str:
                  f"devices {e['devices'] or ['cpu']}" + (f", git {str(git.get('commit'))[:10]}"
                                                         f"{' (dirty)' if git.get('dirty') else ''}" if git else ""))
     lines += _provenance_lines(d.get("provenance"))
+    lines += _diagnosis_lines(d.get("diagnosis"))
     losses = d["losses"][-12:]
     if losses:
         lines.append(f"losses   (last {len(losses)} of {len(d['losses'])})")
@@ -137,6 +226,20 @@ def _provenance_lines(p: Any) -> list[str]:
     return lines
 
 
+def _diagnosis_lines(diag: Any) -> list[str]:
+    """The batch diagnosis: each finding, or a line saying the batch looks clean."""
+    from reprokit.diagnose import summary
+
+    if not isinstance(diag, dict) or diag.get("step") is None:
+        return []
+    found = summary(diag.get("findings") or [])
+    tables = diag.get("tables")
+    checked = "" if tables else " (no embedding table sizes recorded: ids not checked)"
+    if not found:
+        return [f"data     the batch of step {diag['step']} shows no data fault{checked}"]
+    return [f"data     the batch of step {diag['step']}{checked}:"] + [f"  {line}" for line in found]
+
+
 def _refs_line(refs: Any) -> str:
     """What replay would import, as ``build MODULE:QUALNAME, step ..., predicates ...`` (shown as recorded)."""
     if not isinstance(refs, dict):
@@ -155,7 +258,11 @@ def _mb(n: int) -> str:
 
 
 def plot_history(bundle: Bundle, out: Path) -> Path:
-    """Loss and grad norm over the recorded history, window shaded, failure marked, as a PNG.
+    """Loss, grad norm, LR and loss scale over the recorded history, window shaded, failure marked, as a PNG.
+
+    The LR and loss-scale panels appear when the recorder stored them; the title names the
+    failure and, for a shrunk bundle, the rows it kept. A log axis is used only over a range of
+    at least a decade; narrower ranges get a linear axis with plain tick labels.
 
     Raises:
         ReprokitError: when matplotlib is not installed, saying how to get it.
@@ -165,12 +272,14 @@ def plot_history(bundle: Bundle, out: Path) -> Path:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import ScalarFormatter
     except ImportError:
         raise ReprokitError("--plot needs matplotlib: pip install 'reprokit[plot]'") from None
     hist = bundle.run.get("history", [])
     steps = [h["step"] for h in hist]
-    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
-    for ax, key, label in ((ax1, "loss", "loss"), (ax2, "grad_norm", "grad norm")):
+    panels = plot_panels(hist)
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, figsize=(9, 2.2 + 1.6 * len(panels)), squeeze=False)
+    for ax, (key, label) in zip(axes[:, 0], panels):
         ys = [_finite_or_none(h.get(key)) for h in hist]
         ax.plot(steps, [y if y is not None else float("nan") for y in ys], lw=1.2, color="C0")
         bad = [s for s, h in zip(steps, hist) if h.get(key) is not None and _finite_or_none(h[key]) is None]
@@ -179,17 +288,45 @@ def plot_history(bundle: Bundle, out: Path) -> Path:
         ax.set_ylabel(label)
         ax.axvspan(bundle.run["window"]["start"], bundle.run["window"]["end"], color="0.9", label="replay window")
         ax.axvline(bundle.failure.step, color="red", lw=1.5, label=f"failure: {bundle.failure.kind}")
-        if any(y is not None and y > 0 for y in ys):
+        if log_axis(ys):
             ax.set_yscale("log")
-    ax1.legend(loc="upper left", fontsize=8)
-    ax2.set_xlabel("step")
-    fig.suptitle(f"{bundle.failure.describe()}"[:100], fontsize=10)
+        else:  # a narrow range: plain numbers, no offset or "x 10^0" (7.78..7.90 reads as such)
+            fmt = ScalarFormatter(useOffset=False)
+            fmt.set_scientific(False)
+            ax.yaxis.set_major_formatter(fmt)
+    axes[0, 0].legend(loc="upper left", fontsize=8)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(plot_title(bundle), fontsize=9)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_panels(hist: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """``(history key, label)`` of each panel: loss and grad norm, then LR and loss scale where recorded."""
+    return [("loss", "loss"), ("grad_norm", "grad norm")] + [
+        (key, label) for key, label in (("lr", "learning rate"), ("loss_scale", "loss scale"))
+        if any(_finite_or_none(h.get(key)) is not None for h in hist)]
+
+
+def log_axis(ys: list[float | None]) -> bool:
+    """A log axis only for positive values spanning at least a decade."""
+    known = [y for y in ys if y is not None]
+    return bool(known) and min(known) > 0 and max(known) >= 10 * min(known)
+
+
+def plot_title(bundle: Bundle) -> str:
+    """The failure, and for a shrunk bundle where its rows came from (kept rows, dataset indices)."""
+    title = bundle.failure.describe()[:100]
+    p = bundle.run.get("provenance")
+    if isinstance(p, dict) and p.get("kept_rows") is not None:
+        idx = p.get("dataset_indices")
+        title += f"\nshrunk: kept rows {p['kept_rows']} of the failing batch" + (
+            f" (dataset indices {idx})" if idx else "")
+    return title
 
 
 def _finite_or_none(x: Any) -> float | None:

@@ -364,11 +364,68 @@ def check_run(d: Any, name: str = "run.json") -> None:
             raise f.fail(f"window.steps[{i}]", f"must be at most 99999999 (8-digit file names), got {s}")
     if len(set(steps)) != len(steps):
         raise f.fail("window.steps", "lists a step twice")
+    if "model" in d:
+        _check_tables(f, d["model"])
+    if "extract" in d:
+        _check_extract(f, d["extract"])
     for i, h in enumerate(f.lst(d["history"], "history")):
         f.obj(h, f"history[{i}]", ("step", "loss", "grad_norm"))
         f.integer(h["step"], f"history[{i}].step")
         f.number(h["loss"], f"history[{i}].loss")
         f.number(h["grad_norm"], f"history[{i}].grad_norm")
+        for k in ("lr", "loss_scale"):
+            f.number(h.get(k), f"history[{i}].{k}")
+
+
+def _check_tables(f: _File, m: Any) -> None:
+    """``run.json``'s ``model``: the lookup tables the batch diagnosis reads (``reprokit.diagnose``)."""
+    f.obj(m, "model")
+    for key in ("embeddings", "positions"):
+        for i, e in enumerate(f.lst(m.get(key, []), f"model.{key}")):
+            ef = f"model.{key}[{i}]"
+            f.obj(e, ef, ("name", "num_embeddings"))
+            f.string(e["name"], f"{ef}.name")
+            f.integer(e["num_embeddings"], f"{ef}.num_embeddings")
+            if e.get("padding_idx") is not None:
+                f.integer(e["padding_idx"], f"{ef}.padding_idx", lo=None)
+
+
+def _check_extract(f: _File, x: Any) -> None:
+    """``run.json``'s ``extract``: where a ``reprokit extract`` bundle came from (``reprokit.extract``)."""
+    f.obj(x, "extract", ("source_bundle", "module", "class", "phase", "op"))
+    for k in ("source_bundle", "module", "class", "source_failure", "source_manifest_sha256"):
+        if k in x:
+            f.string(x[k], _join("extract", k))
+    if x["phase"] not in ("forward", "backward"):
+        raise f.fail("extract.phase", f"must be \"forward\" or \"backward\", got {str(x['phase'])[:40]!r}")
+    f.string(x["op"], "extract.op", null=True)
+    if "source_step" in x:
+        f.integer(x["source_step"], "extract.source_step")
+
+
+def check_op(d: Any, keys: set[str] | None, name: str = "extract/op.json") -> None:
+    """An extract's one-op repro: ``{"op": "aten.NAME.OVERLOAD", "args": [...], "kwargs": {...}}``."""
+    f = _File(name)
+    f.obj(d, "", ("op", "args", "kwargs"))
+    f.string(d["op"], "op")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){1,2}", d["op"]):
+        raise f.fail("op", f"must be an op name like aten.exp.default, got {d['op'][:80]!r}")
+
+    def arg(v: Any, field: str) -> None:
+        if isinstance(v, list):
+            for i, x in enumerate(v):
+                arg(x, f"{field}[{i}]")
+        elif isinstance(v, dict):
+            if len(v) != 1 or next(iter(v)) not in ("tensor", "float", "dtype", "device"):
+                raise f.fail(field, "must be a tensor, float, dtype or device reference")
+            (k, ref), = v.items()
+            f.string(ref, _join(field, k))
+            if k == "tensor" and keys is not None and ref not in keys:
+                raise f.fail(_join(field, k), f"names tensor {ref[:80]!r}, which is not in extract/op.safetensors")
+
+    arg(f.lst(d["args"], "args"), "args")
+    for k, v in f.obj(d["kwargs"], "kwargs").items():
+        arg(v, _join("kwargs", k))
 
 
 def check_env(d: Any, name: str = "env.json") -> None:
@@ -493,7 +550,7 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
     for rel in sorted(files):
         if rel in skip or rel.startswith("code/"):
             continue
-        if rel.endswith(".safetensors") and (rel.startswith("steps/") or rel.startswith("state/")):
+        if rel.endswith(".safetensors") and rel.split("/", 1)[0] in ("steps", "state", "extract"):
             keys[rel] = run(rel, lambda rel=rel: check_safetensors(path / rel, rel))
         elif rel.endswith(".json"):
             docs[rel] = run(rel, lambda rel=rel: load_json(path / rel, rel))
@@ -506,6 +563,8 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
         m = STEP_FILE.fullmatch(rel)
         if rel in checks:
             run(rel, lambda rel=rel, doc=doc: checks[rel](doc, rel))
+        elif rel == "extract/op.json":
+            run(rel, lambda doc=doc, k=k: check_op(doc, k))
         elif rel == "state/state.json":
             run(rel, lambda doc=doc, k=k: check_state(doc, k))
         elif m:

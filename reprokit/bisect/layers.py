@@ -126,6 +126,11 @@ def bisect_layers(bundle: Bundle, *, device: str | None = None, code: Any = None
         result["first_nonfinite"] = {"module": first["module"], "class": first["class"], "phase": first["phase"],
                                      "op": op["op"] if op else None, "op_detail": op,
                                      "inputs_already_nonfinite": first["inputs_already_nonfinite"]}
+        origin = result["origin"]
+        if origin and origin.get("created") and origin.get("module") is None:
+            # Made by the step function's own code: the module hooks saw it only later, arriving in backward.
+            result["outside_every_module"] = {"site": origin.get("site"), "op": origin.get("op"),
+                                              "phase": origin.get("phase")}
         return result
 
 
@@ -161,6 +166,11 @@ def format_layers(d: dict[str, Any]) -> str:
         r = d["raised_in"]
         lines.append(f"raised in module {r['module']} ({r['class']}): {r['exception']}")
         lines.append("  it received: " + "; ".join(r["received"]))
+    elif d.get("outside_every_module"):
+        o, f = d["outside_every_module"], d["first_nonfinite"]
+        lines.append(f"first non-finite: made by the step function, outside every module, at {o['site'] or '?'} "
+                     f"({o['op']}, {o['phase']}); no module is to blame")
+        lines.append(f"  the modules saw it only afterwards: {f['module']} ({f['class']}) in {f['phase']}")
     elif d.get("first_nonfinite"):
         f = d["first_nonfinite"]
         lines.append(f"first non-finite: {f['module']} ({f['class']}), {f['phase']}"

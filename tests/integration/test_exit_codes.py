@@ -17,7 +17,7 @@ from reprokit.cli import main
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 COMMANDS = ["replay", "inspect", "verify", "shrink", "bisect steps", "bisect layers", "bisect precision",
-            "bisect commits", "pack", "gc", "demo"]
+            "bisect commits", "pack", "extract", "gc", "demo"]
 
 
 def documented_codes() -> dict[str, set[int]]:
@@ -74,7 +74,7 @@ def targets(tmp_path_factory):
 # good end in this throwaway repository (the project folder is not there): a wrong end, 2.
 EXPECTED = {
     "valid": {"replay": 1, "inspect": 0, "verify": 0, "shrink": 0, "bisect steps": 0, "bisect layers": 0,
-              "bisect precision": 0, "bisect commits": 2, "pack": 0, "gc": 0},
+              "bisect precision": 0, "bisect commits": 2, "pack": 0, "extract": 1, "gc": 0},
     "missing": dict.fromkeys(COMMANDS[:-1], 2),
     "file": {**dict.fromkeys(COMMANDS[:-1], 3), "gc": 2},
     "empty": {**dict.fromkeys(COMMANDS[:-1], 3), "verify": 1, "gc": 0},
@@ -86,6 +86,7 @@ ANSWERS = {("replay", 1), ("verify", 1), ("gc", 0), ("bisect steps", 1), ("bisec
 def argv(command: str, target: Path, t: dict, n: str) -> list[str]:
     extra = {"shrink": ["-o", str(t["root"] / f"shrunk-{n}"), "--budget", "20"],
              "pack": ["-o", str(t["root"] / f"packed-{n}.tar.gz")],
+             "extract": ["-o", str(t["root"] / f"extract-{n}")],
              "bisect commits": ["--good", "HEAD~1", "--bad", "HEAD", "--repo", str(t["repo"])]}.get(command, [])
     return [*command.split(), str(target), *extra]
 

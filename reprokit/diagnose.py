@@ -1,0 +1,216 @@
+"""A diagnosis of the failing step's batch, before any replay: what a person checks first.
+
+Four classic data faults show in the batch alone, given the sizes of the model's lookup tables:
+
+- non-finite values in a floating leaf (per leaf and row);
+- an integer id past the model's ``nn.Embedding`` tables (a tokenizer/model vocab mismatch), or a
+  negative id other than the ignore index;
+- rows whose mask is all empty or whose labels are all the ignore index (a loss of 0/0);
+- a sequence longer than the position table (a rare long sample).
+
+The table sizes come from the recorder (:func:`model_tables`, stored as ``run.json``'s ``model``),
+so ``inspect`` never imports the bundle's code. Which integer leaf feeds which table cannot be known
+without running the code, so an id leaf is held against the *largest* token table: an id that fits
+no table at all is out of range whichever table it feeds. Leaves named like dataset indices
+(``index``, ``idx``) are not ids and are skipped. Everything here only reads tensors and never raises
+on odd input (a finding that cannot be computed is left out).
+
+Example:
+    >>> tables = {"embeddings": [{"name": "wte", "num_embeddings": 64, "padding_idx": None}], "positions": []}
+    >>> [f["message"] for f in findings({"input_ids": torch.tensor([[1, 64]])}, tables)]
+    ['input_ids row 0 position 1 = 64 >= num_embeddings 64 of wte']
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+"""The ignore index of ``cross_entropy`` (and of Hugging Face labels)."""
+MAX_FINDINGS = 20
+"""At most this many findings are listed; the rest are counted."""
+
+_POSITION = re.compile(r"(^|[._])(pos|wpe|position)", re.IGNORECASE)
+_NOT_IDS = re.compile(r"(index|idx)", re.IGNORECASE)
+_MASK = re.compile(r"mask", re.IGNORECASE)
+_LABELS = re.compile(r"(label|target)", re.IGNORECASE)
+
+
+def model_tables(model: torch.nn.Module) -> dict[str, list[dict[str, Any]]]:
+    """The model's lookup tables: token ``nn.Embedding``s and position tables (recorder side).
+
+    A position table is an ``nn.Embedding`` or a 2-D parameter/buffer whose name says ``pos``,
+    ``wpe`` or ``position``; its first dimension is the longest sequence it serves.
+
+    Example:
+        >>> model_tables(torch.nn.Embedding(10, 4))["embeddings"][0]["num_embeddings"]
+        10
+    """
+    embeddings: list[dict[str, Any]] = []
+    positions: list[dict[str, Any]] = []
+    owned: set[str] = set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Embedding):
+            entry = {"name": name or "<model>", "num_embeddings": int(mod.num_embeddings),
+                     "padding_idx": None if mod.padding_idx is None else int(mod.padding_idx)}
+            (positions if _POSITION.search(name) else embeddings).append(entry)
+            owned.add(f"{name}.weight" if name else "weight")
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in named:
+        if name not in owned and t.dim() == 2 and _POSITION.search(name):
+            positions.append({"name": name, "num_embeddings": int(t.shape[0]), "padding_idx": None})
+    return {"embeddings": embeddings, "positions": positions}
+
+
+def _leaves(obj: Any, path: str = "") -> list[tuple[str, Any]]:
+    if isinstance(obj, Mapping):
+        return [x for k, v in obj.items() for x in _leaves(v, f"{path}/{k}" if path else str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [x for i, v in enumerate(obj) for x in _leaves(v, f"{path}/{i}" if path else str(i))]
+    return [(path or "<root>", obj)]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, -1]`` (a 0-d or 1-d tensor is one row)."""
+    return t.reshape(1, -1) if t.dim() <= 1 else t.reshape(t.shape[0], -1)
+
+
+def _where(t: torch.Tensor, flat: int) -> str:
+    """``row R position P`` of a flat index into ``t``."""
+    if t.dim() == 0:
+        return ""
+    idx = []
+    for size in reversed(t.shape):
+        idx.append(flat % size)
+        flat //= size
+    idx.reverse()
+    if len(idx) == 1:
+        return f" position {idx[0]}"
+    rest = idx[1:]
+    return f" row {idx[0]} position {rest[0] if len(rest) == 1 else tuple(rest)}"
+
+
+def findings(batch: Any, tables: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Every data fault found in ``batch``: ``[{"leaf", "row", "check", "message"}]``.
+
+    ``check`` is one of ``nonfinite``, ``id_range``, ``negative_id``, ``empty_mask``, ``all_ignored``,
+    ``sequence_length``. ``tables`` is :func:`model_tables`'s dict (or None: id checks are skipped).
+    """
+    out: list[dict[str, Any]] = []
+    tables = tables if isinstance(tables, Mapping) else {}
+    embeddings = [e for e in tables.get("embeddings") or [] if isinstance(e, Mapping)]
+    positions = [e for e in tables.get("positions") or [] if isinstance(e, Mapping)]
+    for path, leaf in _leaves(batch):
+        if not isinstance(leaf, torch.Tensor) or leaf.numel() == 0 or leaf.layout != torch.strided:
+            continue
+        t = leaf.detach().cpu()
+        try:
+            if t.is_floating_point() or t.is_complex():
+                out += _nonfinite(path, t)
+            elif t.dtype != torch.bool and not _NOT_IDS.search(path):
+                if _LABELS.search(path):
+                    out += _all_ignored(path, t)
+                if not _MASK.search(path):
+                    out += _ids(path, t, embeddings, positions)
+            if _MASK.search(path) and not t.is_floating_point():
+                out += _empty_masks(path, t)
+        except (RuntimeError, TypeError, ValueError):
+            continue  # an odd leaf (say, a dtype without comparisons): no finding rather than a crash
+    return out
+
+
+def _nonfinite(path: str, t: torch.Tensor) -> list[dict[str, Any]]:
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return []
+    rows = _rows(bad)
+    nan = _rows(torch.isnan(t))
+    out = []
+    for r in torch.nonzero(rows.any(dim=1)).flatten().tolist():
+        n_nan, n_all = int(nan[r].sum()), int(rows[r].sum())
+        first = int(torch.nonzero(rows[r])[0])
+        where = f" row {r}" if t.dim() > 1 else ""
+        at = f", first at position {first}" if t.dim() > 1 else f" at position {first}"
+        out.append({"leaf": path, "row": r if t.dim() > 1 else None, "check": "nonfinite",
+                    "message": f"{path}{where}: {n_nan} NaN and {n_all - n_nan} inf value(s){at}"})
+    return out
+
+
+def _ids(path: str, t: torch.Tensor, embeddings: list[Mapping[str, Any]],
+         positions: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    flat = t.reshape(-1).long()
+    negative = (flat < 0) & (flat != IGNORE_INDEX)
+    if bool(negative.any()):
+        i = int(torch.nonzero(negative)[0])
+        out.append({"leaf": path, "row": _row(t, i), "check": "negative_id",
+                    "message": f"{path}{_where(t, i)} = {int(flat[i])} < 0 (an embedding lookup raises IndexError; "
+                               f"only {IGNORE_INDEX} is the usual ignore index)"})
+    if embeddings:
+        table = max(embeddings, key=lambda e: int(e.get("num_embeddings", 0)))
+        size = int(table.get("num_embeddings", 0))
+        over = flat >= size
+        for i in torch.nonzero(over).flatten().tolist()[:5]:
+            out.append({"leaf": path, "row": _row(t, i), "check": "id_range",
+                        "message": f"{path}{_where(t, i)} = {int(flat[i])} >= num_embeddings {size} of "
+                                   f"{table.get('name')}"})
+        if int(over.sum()) > 5:
+            out.append({"leaf": path, "row": None, "check": "id_range",
+                        "message": f"{path}: {int(over.sum())} ids >= {size} in all (first 5 listed)"})
+    if positions and t.dim() >= 2 and not _LABELS.search(path):
+        length = int(t.shape[-1])
+        for table in positions:
+            size = int(table.get("num_embeddings", 0))
+            if length > size:
+                out.append({"leaf": path, "row": None, "check": "sequence_length",
+                            "message": f"{path}: sequence length {length} > {size} positions of {table.get('name')} "
+                                       f"(the longest sequence the model takes)"})
+    return out
+
+
+def _row(t: torch.Tensor, flat: int) -> int | None:
+    if t.dim() < 2:
+        return None
+    return flat // max(1, t[0].numel())
+
+
+def _all_ignored(path: str, t: torch.Tensor) -> list[dict[str, Any]]:
+    if t.dim() < 2:
+        return []
+    ignored = (_rows(t) == IGNORE_INDEX).all(dim=1)
+    return [{"leaf": path, "row": r, "check": "all_ignored",
+             "message": f"{path} row {r}: every label is the ignore index {IGNORE_INDEX} (its loss is 0/0 = NaN "
+                        "under a mean over the row)"}
+            for r in torch.nonzero(ignored).flatten().tolist()]
+
+
+def _empty_masks(path: str, t: torch.Tensor) -> list[dict[str, Any]]:
+    if t.dim() < 2:
+        return []
+    empty = ~(_rows(t) != 0).any(dim=1)
+    return [{"leaf": path, "row": r, "check": "empty_mask",
+             "message": f"{path} row {r}: the mask is all 0 (a softmax over no position is NaN)"}
+            for r in torch.nonzero(empty).flatten().tolist()]
+
+
+def summary(found: list[dict[str, Any]], limit: int = MAX_FINDINGS) -> list[str]:
+    """The findings as lines, at most ``limit`` of them plus a count of the rest."""
+    lines = [f["message"] for f in found[:limit]]
+    if len(found) > limit:
+        lines.append(f"... and {len(found) - limit} more")
+    return lines
+
+
+def failure_note(batch: Any, tables: Mapping[str, Any] | None) -> str | None:
+    """One note for the failure message (recorder side); None when the batch shows nothing. Never raises."""
+    try:
+        lines = summary(findings(batch, tables), limit=5)
+    except Exception:  # the recorder must never raise its own errors into the training loop
+        return None
+    if not lines:
+        return None
+    return "reprokit: the failing step's batch: " + "; ".join(lines)

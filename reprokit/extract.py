@@ -1,0 +1,409 @@
+"""``reprokit extract``: the smallest program that shows the bad value, out of a whole bundle.
+
+A bundle carries the whole model and optimizer; a bug report needs one module. ``extract``
+localises the failing step like ``bisect layers`` (the module whose forward raised, else the first
+module whose output, or gradient in backward, went non-finite from finite inputs), runs that step
+once more with hooks on that module only, and keeps what it received: its positional and keyword
+inputs, its parameters and buffers as they were at that moment, and for a backward failure the
+gradient flowing into it. From those it *records* a new bundle, with the recorder itself, whose
+"model" is that one module (rebuilt from its class: the project's source from the code snapshot,
+or a torch class) and whose one step runs it (see :mod:`reprokit.extract_repro`). So the extract
+is a bundle like any other: ``replay``, ``inspect``, ``verify`` and ``pack`` take it, and its
+packed ``repro.py`` runs with only torch, numpy and safetensors. ``run.json``'s ``extract`` says
+where it came from.
+
+When the first non-finite value comes from one aten op made from finite inputs, its inputs are
+saved too (``extract/op.json``, ``extract/op.safetensors``) with ``extract/op_repro.py``, a script
+that runs just that op. When no module is to blame (the step function's own loss expression made
+the NaN, or the batch already held it), nothing module-level can be cut out: ``extract`` says so,
+and saves that op's inputs and script alone, when the op is known.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import shutil
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as st_save
+
+from reprokit import bundle as B
+from reprokit import pytree
+from reprokit.errors import BundleError, DidNotReproduce, ReprokitError
+from reprokit.origin import OriginWatcher, watch_step
+from reprokit.replay import Session
+from reprokit.shrink.case import batch_size
+
+EXTRACT_MODULE = "rk_extract"
+"""Name of the generated step module in an extract's code snapshot."""
+OP_FILES = ("extract/op.json", "extract/op.safetensors", "extract/op_repro.py")
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class NothingToExtract(ReprokitError):
+    """No module is to blame for the failure, so there is no module to cut out."""
+
+    exit_code = 1
+
+
+@dataclass
+class ExtractResult:
+    """What ``extract`` wrote (or, for ``module is None``, why it could not cut out a module)."""
+
+    output: Path
+    source: Path
+    module: str | None
+    cls: str | None
+    phase: str | None
+    failure: str | None
+    op: str | None
+    notes: list[str] = field(default_factory=list)
+    bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"output": str(self.output), "source": str(self.source), "module": self.module, "class": self.cls,
+                "phase": self.phase, "failure": self.failure, "op": self.op, "notes": self.notes,
+                "bytes": self.bytes}
+
+
+# --- locating the culprit ---------------------------------------------------------------
+
+@dataclass
+class _Call:
+    args: Any
+    kwargs: Any
+    params: dict[str, torch.Tensor]
+    output_bad: bool = False
+    grad_outputs: list[Any] | None = None
+    grad_bad: bool = False
+
+
+class _Capture:
+    """Hooks on one module: what each call received, and which call first went bad."""
+
+    def __init__(self, mod: torch.nn.Module, phase: str):
+        self.mod, self.backward = mod, 0
+        self.calls: list[_Call] = []
+        self._current = -1
+        self.handles = [mod.register_forward_pre_hook(self._pre, with_kwargs=True),
+                        mod.register_forward_hook(self._post)]
+        if phase == "backward":
+            self.handles += [mod.register_full_backward_pre_hook(self._back_pre),
+                             mod.register_full_backward_hook(self._back)]
+
+    @staticmethod
+    def _copy(obj: Any) -> Any:
+        return pytree.map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
+
+    def _pre(self, mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        params = {k: v.detach().to("cpu", copy=True) for k, v in mod.state_dict(keep_vars=True).items()
+                  if isinstance(v, torch.Tensor)}
+        self.calls.append(_Call(self._copy(list(args)), self._copy(dict(kwargs)), params))
+
+    def _post(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
+        call = self.calls[-1]
+        call.output_bad = any(not bool(torch.isfinite(t).all()) for t in _float_leaves(output))
+
+    def _back_pre(self, mod: torch.nn.Module, grad_output: Any) -> None:
+        self.backward += 1
+        index = len(self.calls) - self.backward  # backward visits the calls in reverse
+        if 0 <= index < len(self.calls):
+            self.calls[index].grad_outputs = [None if g is None else g.detach().to("cpu", copy=True)
+                                              for g in grad_output]
+        self._current = index
+
+    def _back(self, mod: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+        index = self._current
+        params_bad = any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in mod.parameters())
+        if 0 <= index < len(self.calls):
+            self.calls[index].grad_bad = params_bad or any(
+                not bool(torch.isfinite(t).all()) for t in _float_leaves(grad_input))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _float_leaves(obj: Any) -> list[torch.Tensor]:
+    return [t for _, t in pytree.leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+class _OpCapture(OriginWatcher):
+    """The origin watcher; ``op`` encodes the inputs of the op that *made* the first non-finite value.
+
+    (No frame of this module may run inside the watcher: origin sites skip reprokit's own frames.)
+    """
+
+    @property
+    def op(self) -> dict[str, Any] | None:
+        if self.created_call is None:
+            return None
+        func, args, kwargs = self.created_call
+        return None if func._schema.is_mutable else _encode_op(func, args, kwargs)
+
+
+def _encode_op(func: Any, args: Any, kwargs: Any) -> dict[str, Any] | None:
+    """``{"op", "args", "kwargs", "tensors"}`` for a one-op repro; None for arguments JSON cannot hold."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def enc(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            key = f"t{len(tensors)}"
+            tensors[key] = v.detach().to("cpu", copy=True).contiguous()
+            return {"tensor": key}
+        if isinstance(v, float) and not math.isfinite(v):
+            return {"float": repr(v)}
+        if isinstance(v, _PLAIN):
+            return v
+        if isinstance(v, (list, tuple)):
+            return [enc(x) for x in v]
+        if isinstance(v, torch.dtype):
+            return {"dtype": str(v).removeprefix("torch.")}
+        if isinstance(v, torch.device):
+            return {"device": "cpu"}
+        raise TypeError(type(v).__name__)
+
+    try:
+        return {"op": str(func), "args": [enc(a) for a in args], "kwargs": {k: enc(v) for k, v in kwargs.items()},
+                "tensors": tensors}
+    except TypeError:
+        return None
+
+
+# --- the module as data -------------------------------------------------------------------
+
+def _module_spec(mod: torch.nn.Module, skipped: list[str], path: str = "") -> dict[str, Any]:
+    """How :func:`reprokit.extract_repro._make` rebuilds ``mod``: class, plain attributes, tensor shapes."""
+    cls = type(mod)
+    attrs: dict[str, Any] = {}
+    for k, v in vars(mod).items():
+        if k.startswith("_"):
+            continue
+        if _plain(v):
+            attrs[k] = v
+        else:
+            skipped.append(f"{path}{k} ({type(v).__name__})")
+    return {
+        "class": {"module": cls.__module__, "qualname": cls.__qualname__},
+        "attrs": attrs,
+        "params": {k: None if p is None else {"dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape),
+                                              "requires_grad": bool(p.requires_grad)}
+                   for k, p in mod._parameters.items()},
+        "buffers": {k: None if b is None else {"dtype": str(b.dtype).removeprefix("torch."), "shape": list(b.shape)}
+                    for k, b in mod._buffers.items()},
+        "children": {k: None if c is None else _module_spec(c, skipped, f"{path}{k}.")
+                     for k, c in mod._modules.items()},
+    }
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, _PLAIN):
+        return True
+    return isinstance(v, (list, tuple)) and all(_plain(x) for x in v)
+
+
+# --- the extract ----------------------------------------------------------------------------
+
+def extract(bundle: B.Bundle, output: str | Path, *, device: str | None = None, code: Any = None,
+            source: str | Path | None = None) -> ExtractResult:
+    """Cut the module that failed out of ``bundle`` into a new, small bundle at ``output``.
+
+    ``source`` names the bundle in the extract's ``run.json`` (default: its folder; the CLI passes
+    the archive's path for a ``.tar.gz``, whose folder is a temporary one).
+
+    Raises:
+        DidNotReproduce: the bundle does not fail when replayed, or the module alone does not.
+        NothingToExtract: no module is to blame (the failure's origin is the step function's own code,
+            or the batch); ``output`` then holds that op's repro when the op is known.
+        ReprokitError: ``output`` exists and is not empty.
+
+    Example:
+        >>> extract(open_bundle("repros/bundle-..."), "small").module              # doctest: +SKIP
+        'blocks.3.attn'
+    """
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ReprokitError(f"{output} exists and is not an empty folder; name a new folder for the extract")
+    from reprokit.bisect.layers import bisect_layers
+
+    located = bisect_layers(bundle, device=device, code=code)
+    if located.get("failure") is None:
+        raise DidNotReproduce(f"{bundle.path} did not fail when replayed, so there is nothing to cut out; "
+                              "check `reprokit replay` first")
+    target = _target(located)
+    with Session(bundle, device=device, code=code) as s:
+        inputs = s.inputs()
+        before = s.advance(inputs[:-1]) if len(inputs) > 1 else s.snapshot
+        if before is None:
+            raise DidNotReproduce(f"{bundle.path}: the window failed before its last step; replay or shrink it "
+                                  "first (`reprokit replay`), then extract")
+        watcher = _OpCapture(batch_size(inputs[-1].batch))
+        if target is None or located["raised_in"] is None:
+            watch_step(s, inputs[-1], before, watcher.rows, watcher)
+        if target is None:
+            return _nothing(bundle, output, located, watcher)
+        name, phase = target
+        assert s.state is not None
+        mod = s.state.model if name == "<model>" else s.state.model.get_submodule(name)
+        cap = _Capture(mod, phase)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                s.run(inputs[-1:], before)
+        finally:
+            cap.close()
+        call = _pick(cap.calls, phase, located)
+        skipped: list[str] = []
+        spec = _module_spec(mod, skipped)
+        cls_file = getattr(sys.modules.get(type(mod).__module__), "__file__", None)
+        if spec["class"]["module"] == "__main__" and cls_file:  # a class of the training script itself
+            spec["class"]["module"] = Path(cls_file).stem
+        op = watcher.op if watcher.origin is not None and watcher.origin.created and _inside(
+            watcher.origin.module, name) else None
+        code_dir = s.code_dir
+    notes = [f"attributes not carried (not plain data): {', '.join(skipped)}"] if skipped else []
+    return _write(bundle, output, name, type(mod).__qualname__, phase, spec, call, op, code_dir, cls_file, notes,
+                  Path(source) if source is not None else bundle.path)
+
+
+def _target(located: dict[str, Any]) -> tuple[str, str] | None:
+    if located.get("raised_in"):
+        return located["raised_in"]["module"], "forward"
+    first = located.get("first_nonfinite")
+    origin = located.get("origin") or {}
+    if first is None or first.get("inputs_already_nonfinite") or (origin and origin.get("module") is None):
+        return None
+    return first["module"], first["phase"]
+
+
+def _inside(module: str | None, name: str) -> bool:
+    return module is not None and (name == "<model>" or module == name or module.startswith(name + "."))
+
+
+def _pick(calls: list[_Call], phase: str, located: dict[str, Any]) -> _Call:
+    if not calls:
+        raise DidNotReproduce("the module was not called when the failing step ran again; it may be skipped "
+                              "depending on the data. Replay the bundle to check it still fails the same way")
+    if located.get("raised_in"):
+        return calls[-1]
+    key = "grad_bad" if phase == "backward" else "output_bad"
+    return next((c for c in calls if getattr(c, key)), calls[-1])
+
+
+def _nothing(bundle: B.Bundle, output: Path, located: dict[str, Any], watcher: _OpCapture) -> ExtractResult:
+    origin = watcher.origin
+    where = origin.describe() if origin is not None else "unknown (no op made a non-finite value)"
+    first = located.get("first_nonfinite") or {}
+    if origin is not None and not origin.created:
+        why = f"the batch or the state already held it: {where}; see `reprokit inspect {bundle.path}`"
+    elif origin is not None and origin.module is None:
+        why = f"the step function made it outside every module: {where}"
+    else:
+        why = f"first seen in {first.get('module')} with inputs already non-finite: {where}"
+    msg = f"no module to blame, so no module-level extract: {why}."
+    if watcher.op is not None:
+        output.mkdir(parents=True, exist_ok=True)
+        for rel, data in _op_files(watcher.op).items():
+            (output / Path(rel).name).write_bytes(data)
+        msg += (f" The inputs of {watcher.op['op']} are saved in {output}: `python {output / 'op_repro.py'}` "
+                "runs that op alone.")
+    raise NothingToExtract(msg)
+
+
+def _op_files(op: dict[str, Any]) -> dict[str, bytes]:
+    doc = {k: op[k] for k in ("op", "args", "kwargs")}
+    return {OP_FILES[0]: B.dumps(doc), OP_FILES[1]: st_save(op["tensors"]) if op["tensors"] else st_save({}),
+            OP_FILES[2]: (Path(__file__).parent / "extract_op.py").read_bytes()}
+
+
+def _write(bundle: B.Bundle, output: Path, name: str, cls: str, phase: str, spec: dict[str, Any], call: _Call,
+           op: dict[str, Any] | None, code_dir: Path | None, cls_file: str | None, notes: list[str],
+           source: Path) -> ExtractResult:
+    """Record the module's one step with the recorder, then add ``extract`` to its run.json (and the op files)."""
+    import reprokit
+    from reprokit.code import imported
+
+    batch: dict[str, Any] = {"phase": phase, "args": call.args, "kwargs": call.kwargs}
+    if phase == "backward":
+        batch["grad_outputs"] = call.grad_outputs or []
+    config = {"module": spec}
+    with tempfile.TemporaryDirectory(prefix="reprokit-extract-") as tmp:
+        work = Path(tmp) / "code"
+        if code_dir is not None and code_dir.is_dir():
+            shutil.copytree(code_dir, work, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            work.mkdir()
+        if cls_file and not (work / Path(cls_file).name).exists() and not _library(cls_file):
+            shutil.copy2(cls_file, work / Path(cls_file).name)
+        (work / f"{EXTRACT_MODULE}.py").write_bytes((Path(__file__).parent / "extract_repro.py").read_bytes())
+        with imported(work), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the recorder's notes about this throwaway run are not the user's
+            mod = importlib.import_module(EXTRACT_MODULE)
+            state = mod.build(config)
+            state.model.load_state_dict(call.params, strict=False)
+            rec = reprokit.Recorder(state, mod.train_step, build=mod.build, config=config,
+                                    out_dir=Path(tmp) / "out", snapshot_every=1, check_grads=False)
+            try:
+                rec.step(batch)
+                recorded = None
+            except Exception as e:  # noqa: BLE001 - the module's own failure is what we want
+                recorded = e
+            finally:
+                rec.close()
+        if recorded is None or not rec.bundles:
+            raise DidNotReproduce(f"module {name} ({cls}) alone, on the inputs it received, does not fail the same "
+                                  "way (its failure may need state it does not hold); use the whole bundle, or "
+                                  "`reprokit shrink` it instead")
+        failure = f"{type(recorded).__name__}: {str(recorded).splitlines()[0][:300]}"
+        info = {"source_bundle": str(source), "source_manifest_sha256": B.sha256_file(bundle.path / B.MANIFEST),
+                "source_step": bundle.failure.step, "source_failure": bundle.failure.describe(), "module": name,
+                "class": f"{spec['class']['module']}.{spec['class']['qualname']}", "phase": phase,
+                "op": op["op"] if op else None}
+        path = _rewrite(rec.bundles[-1], output, info, op)
+    size = sum(int(m["size"]) for m in json.loads((path / B.MANIFEST).read_text())["files"].values())
+    return ExtractResult(output=path, source=source, module=name, cls=cls, phase=phase, failure=failure,
+                         op=op["op"] if op else None, notes=notes, bytes=size)
+
+
+def _library(path: str) -> bool:
+    return "site-packages" in Path(path).parts or "dist-packages" in Path(path).parts or \
+        Path(path).resolve().is_relative_to(Path(torch.__file__).resolve().parent)
+
+
+def _rewrite(recorded: Path, output: Path, info: dict[str, Any], op: dict[str, Any] | None) -> Path:
+    """Copy the recorded bundle to ``output`` with ``run.json``'s ``extract`` set (and the op files added)."""
+    src = B.open_bundle(recorded)
+    if output.exists():
+        output.rmdir()  # empty, checked above
+    w = B.BundleWriter(output.parent, output.name)
+    with w:
+        for rel in sorted(src.manifest["files"]):
+            if rel == B.RUN:
+                w.write_json(rel, {**src.run, "extract": info})
+            else:
+                w.copy_file(rel, src.path / rel)
+        for rel, data in (_op_files(op).items() if op else ()):
+            w.write_bytes(rel, data)
+        path = w.commit()
+    if path != output:
+        raise BundleError(f"{output} appeared while the extract was written; it is at {path} instead")
+    return path
+
+
+def format_extract(d: dict[str, Any]) -> str:
+    lines = [f"extracted module {d['module']} ({d['class']}), {d['phase']}, from {d['source']}",
+             f"  it fails alone: {d['failure']}"]
+    if d.get("op"):
+        lines.append(f"  first bad value made by one op, {d['op']}: python {d['output']}/extract/op_repro.py")
+    lines += [f"  note: {n}" for n in d.get("notes") or []]
+    lines.append(f"wrote {d['output']} ({d['bytes'] / 1e3:.1f} kB); `reprokit replay {d['output']}` exits 1 while "
+                 "it fails, `reprokit pack` ships it")
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""`reprokit extract`: the failing module alone, as a small bundle that replays anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+from click.testing import CliRunner
+from rk_testing import bundle_of, record
+from test_pack import _minimal_site
+
+from reprokit.cli import main
+from reprokit.pack import pack
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    return _minimal_site(tmp_path_factory.mktemp("site") / "site")
+
+
+def _cli(*args):
+    return CliRunner().invoke(main, [*map(str, args)])
+
+
+def _record(projects, tmp_path, case):
+    if case == "softmax":
+        m, cfg = projects("rk_extract_zoo"), {}
+        batches = m.batches(cfg, 6, poison_step=4)
+    elif case == "fp16":
+        m, cfg = projects("rk_extract_zoo"), {"model": "fp16"}
+        batches = m.batches(cfg, 6, poison_step=4)
+    else:
+        m, cfg = projects("rk_lm"), {"vocab": 64, "max_len": 32}
+        batches = m.batches(cfg, 6, oov_step=4)
+    _, exc = record(m, cfg, batches, tmp_path / "repros", snapshot_every=3)
+    return bundle_of(exc)
+
+
+def _hand_off(tmp_path, site, folder, script, *args):
+    """Run ``script`` (relative to the unpacked folder) with only torch, numpy and safetensors importable."""
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site), "HOME": str(tmp_path)}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-S", str(folder / script), *args], env=env, cwd=elsewhere,
+                          capture_output=True, text=True, timeout=300)
+
+
+CASES = {
+    # case: module, class, phase, exception type of the extract, op that made the value
+    "softmax": ("attn", "UnstableSoftmax", "forward", "FloatingPointError", "aten.exp.default"),
+    "fp16": ("1", "Linear", "backward", "FloatingPointError", "aten.mm.default"),
+    "embedding": ("tok", "Embedding", "forward", "IndexError", None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_extract_replays_from_the_packed_extract_alone(projects, tmp_path, site, case):
+    module, cls, phase, exc_type, op = CASES[case]
+    bundle = _record(projects, tmp_path, case)
+    out = tmp_path / "extract"
+    r = _cli("extract", bundle, "-o", out, "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert (d["module"], d["class"], d["phase"], d["op"]) == (module, cls, phase, op), d
+    assert d["failure"].startswith(exc_type), d
+    assert d["bytes"] < 200_000, "an extract holds one module, not the model and optimizer"
+    for command in ("verify", "inspect"):
+        assert _cli(command, out).exit_code == 0
+    info = json.loads((out / "run.json").read_text())["extract"]
+    assert info["module"] == module and info["phase"] == phase and info["source_bundle"] == str(bundle)
+    rep = _cli("replay", out, "--json")
+    assert rep.exit_code == 1 and json.loads(rep.stdout)["verdict"] == "deterministic", rep.output
+
+    packed = tmp_path / "extract.tar.gz"
+    pack(out, packed)
+    assert packed.stat().st_size < 100_000
+    unpacked = tmp_path / "colleague"
+    unpacked.mkdir()
+    with tarfile.open(packed) as tf:
+        tf.extractall(unpacked, filter="data")
+    (top,) = list(unpacked.iterdir())
+    proc = _hand_off(tmp_path, site, top, "repro.py", "--json")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["verdict"] == "deterministic" and got["failure"]["exception_type"] == exc_type, got
+    if op is not None:
+        one = _hand_off(tmp_path, site, top, "bundle/extract/op_repro.py")
+        assert one.returncode == 1 and f"{op}: " in one.stdout and "REPRODUCED" in one.stdout, one.stdout + one.stderr
+    else:
+        assert not (top / "bundle" / "extract").exists()
+
+
+def test_extract_into_a_folder_that_holds_files_is_refused(projects, tmp_path):
+    bundle = _record(projects, tmp_path, "embedding")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine\n")
+    r = _cli("extract", bundle, "-o", tmp_path / "busy")
+    assert r.exit_code == 2 and "not an empty folder" in r.output
+    assert (tmp_path / "busy" / "keep.txt").read_text() == "mine\n"
+
+
+def test_no_module_to_blame_names_the_step_function_line(projects, tmp_path):
+    lm = projects("rk_lm_mask")
+    cfg = {"vocab": 50}
+    _, exc = record(lm, cfg, lm.batches(cfg, 5, empty=(3, 2)), tmp_path / "repros", snapshot_every=2)
+    bundle = bundle_of(exc)
+    layers = _cli("bisect", "layers", bundle)
+    assert layers.exit_code == 0
+    assert "first non-finite: made by the step function, outside every module, at rk_lm_mask.py:32" in layers.output
+    assert "inputs were already non-finite" not in layers.output
+    out = tmp_path / "extract"
+    r = _cli("extract", bundle, "-o", out)
+    assert r.exit_code == 1, r.output
+    assert "no module to blame" in r.output and "rk_lm_mask.py:32" in r.output and "aten.div.Tensor" in r.output
+    one = subprocess.run([sys.executable, str(out / "op_repro.py")], capture_output=True, text=True, timeout=120)
+    assert one.returncode == 1 and "aten.div.Tensor: " in one.stdout, one.stdout + one.stderr
+
+
+def test_a_nan_from_the_batch_is_no_module_fault(projects, tmp_path):
+    mlp = projects("rk_mlp")
+    _, exc = record(mlp, {}, mlp.batches({}, 6, poison_step=4), tmp_path / "repros", snapshot_every=3)
+    r = _cli("extract", bundle_of(exc), "-o", tmp_path / "x", "--json")
+    assert r.exit_code == 1
+    msg = json.loads(r.stdout)["error"]["message"]
+    assert "no module to blame" in msg and "already held it" in msg, msg
