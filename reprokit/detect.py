@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from reprokit import pytree
-from reprokit.errors import RecorderWarning
+from reprokit.errors import ConfigError, RecorderWarning
 from reprokit.signature import Failure, from_exception
 from reprokit.state import TrainState
 
@@ -57,11 +57,11 @@ class DetectSettings:
 
     def __post_init__(self) -> None:
         if self.scaler_patience < 1:
-            raise ValueError(f"scaler_patience must be >= 1, got {self.scaler_patience}")
+            raise ConfigError(f"scaler_patience must be >= 1, got {self.scaler_patience}")
         if self.spike_factor is not None and self.spike_factor <= 1:
-            raise ValueError(f"spike_factor must be > 1 (a multiple of the median loss), got {self.spike_factor}")
+            raise ConfigError(f"spike_factor must be > 1 (a multiple of the median loss), got {self.spike_factor}")
         if self.spike_window < 2:
-            raise ValueError(f"spike_window must be >= 2, got {self.spike_window}")
+            raise ConfigError(f"spike_window must be >= 2, got {self.spike_window}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

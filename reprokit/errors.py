@@ -29,6 +29,10 @@ class BundleVersionError(BundleError):
     """A bundle was written by a newer (or unknown) format version."""
 
 
+class ConfigError(ReprokitError, ValueError):
+    """An option has a value reprokit cannot use (also a ``ValueError``, which is what it is)."""
+
+
 class CaptureError(ReprokitError):
     """Some piece of training state cannot be captured into a bundle."""
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import reprokit
 from reprokit.detect import global_norm
 
 
@@ -26,3 +28,10 @@ def test_global_norm_sees_a_nonfinite_value():
     for bad in (float("nan"), float("inf"), float("-inf")):
         ts = [torch.ones(3), torch.tensor([1.0, bad]), torch.ones(2, dtype=torch.float64)]
         assert not math.isfinite(global_norm(ts).item())
+
+
+@pytest.mark.parametrize("bad", [{"scaler_patience": 0}, {"spike_factor": 1.0}, {"spike_window": 1}])
+def test_bad_detector_settings_raise_reprokit_s_config_error(bad):
+    with pytest.raises(reprokit.ConfigError, match=next(iter(bad))) as e:
+        reprokit.DetectSettings(**bad)
+    assert isinstance(e.value, reprokit.ReprokitError) and isinstance(e.value, ValueError)

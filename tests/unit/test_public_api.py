@@ -3,7 +3,7 @@ import reprokit
 
 def test_public_names_are_pinned():
     assert sorted(reprokit.__all__) == sorted([
-        "Bundle", "BundleError", "BundleVersionError", "CaptureError", "CodeLoadError", "DetectSettings",
+        "Bundle", "BundleError", "BundleVersionError", "CaptureError", "CodeLoadError", "ConfigError", "DetectSettings",
         "DidNotReproduce", "Failure", "Recorder", "RecorderWarning", "ReplayReport", "ReprokitError", "Session",
         "StateMismatchError", "TrainState", "TrainingFailure", "__version__", "open_bundle", "replay", "verify",
     ])
@@ -12,7 +12,7 @@ def test_public_names_are_pinned():
 
 
 def test_every_error_derives_from_the_root():
-    for name in ("BundleError", "BundleVersionError", "CaptureError", "CodeLoadError", "DidNotReproduce",
+    for name in ("BundleError", "BundleVersionError", "CaptureError", "CodeLoadError", "ConfigError", "DidNotReproduce",
                  "StateMismatchError", "TrainingFailure"):
         assert issubclass(getattr(reprokit, name), reprokit.ReprokitError)
 
