@@ -27,7 +27,7 @@ from reprokit.code import check_refs, imported, resolve
 from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
 from reprokit.errors import CodeLoadError, ReprokitError, StateMismatchError
-from reprokit.signature import Failure
+from reprokit.signature import Failure, summary_line
 from reprokit.state import SHARDS, TrainState, capture_rng, capture_state, restore_rng, restore_state
 
 
@@ -77,7 +77,7 @@ class RunOutcome:
 
     def to_json(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "reproduced": self.same,
-                "failure": self.failure.to_json() if self.failure else None,
+                "failure": self.failure.summary() if self.failure else None,
                 "failure_step": self.failure.step if self.failure else None,
                 "different_failure": bool(self.failure and not self.same), "seconds": round(self.seconds, 4),
                 "steps_run": len(self.losses),
@@ -167,9 +167,7 @@ class ReplayReport:
 
 
 def _failure_summary(f: Failure | None) -> dict[str, Any] | None:
-    if f is None:
-        return None
-    return {"kind": f.kind, "step": f.step, "exception_type": f.exc_type, "message": f.message, "frame": f.frame}
+    return None if f is None else f.summary()
 
 
 def default_device(bundle: Bundle) -> str:
@@ -522,8 +520,7 @@ def _run_line(r: dict[str, Any]) -> str:
     if r["verdict"] == "reproduced":
         out = f"reproduced at step {r['failure_step']}"
     elif r["verdict"] == "different_failure":
-        what = f"{f['exc_type']}: {f['message']}" if f.get("exc_type") else f"{f['kind']} ({f['message']})"
-        out = f"different failure at step {r['failure_step']}: {what}"
+        out = f"different failure at step {r['failure_step']}: {summary_line(f, frame=False, step=False)}"
     else:
         out = f"passed {r['steps_run']} step{'' if r['steps_run'] == 1 else 's'}"
     fid = r.get("fidelity") or {}
@@ -535,7 +532,5 @@ def _run_line(r: dict[str, Any]) -> str:
 
 
 def fail_line(f: dict[str, Any] | None) -> str:
-    if not f:
-        return "none"
-    what = f"{f['exception_type']}: {f['message']}" if f["exception_type"] else f"{f['kind']} ({f['message']})"
-    return f"{what} at step {f['step']}" + (f" in {f['frame']}" if f.get("frame") else "")
+    """One line for a failure summary (see :func:`reprokit.signature.summary_line`)."""
+    return summary_line(f)

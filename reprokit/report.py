@@ -22,8 +22,7 @@ def describe(bundle: Bundle) -> dict[str, Any]:
     return jsonable({
         "bundle": str(bundle.path),
         "format_version": bundle.manifest["version"],
-        "failure": {"kind": f.kind, "step": f.step, "exception_type": f.exc_type, "message": f.message,
-                    "frame": f.frame, "signature": f.signature()},
+        "failure": {**f.summary(), "signature": f.signature()},
         "window": {"start": run["window"]["start"], "end": run["window"]["end"], "steps": len(steps)},
         "batch": _batch_structure(bundle, steps[-1]) if steps else {},
         "state": _state_sizes(bundle),

@@ -80,12 +80,36 @@ class Failure:
         return f"{what} at step {self.step}{extra}"
 
     def to_json(self) -> dict[str, Any]:
+        """The bundle's ``failure.json`` (format field names: ``exc_type``)."""
         return {**asdict(self), "signature": self.signature()}
+
+    def summary(self) -> dict[str, Any]:
+        """The failure as every command's ``--json`` reports it (one shape, ``exception_type`` spelled out).
+
+        Example:
+            >>> Failure("exception", 7, exc_type="IndexError", message="index 9").summary()["exception_type"]
+            'IndexError'
+        """
+        return {"kind": self.kind, "step": self.step, "exception_type": self.exc_type, "message": self.message,
+                "frame": self.frame}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Failure:
         names = {"kind", "step", "exc_type", "message", "frame", "traceback", "detail"}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def summary_line(d: dict[str, Any] | None, *, frame: bool = True, step: bool = True) -> str:
+    """One line for a :meth:`Failure.summary` dict: ``IndexError: msg at step 7 in f``, or ``kind (msg) at step 7``.
+
+    Example:
+        >>> summary_line(Failure("nonfinite_loss", 6, message="loss = nan").summary())
+        'nonfinite_loss (loss = nan) at step 6'
+    """
+    if not d:
+        return "none"
+    what = f"{d['exception_type']}: {d['message']}" if d.get("exception_type") else f"{d['kind']} ({d['message']})"
+    return what + (f" at step {d['step']}" if step else "") + (f" in {d['frame']}" if frame and d.get("frame") else "")
 
 
 def normalise(message: str) -> str:

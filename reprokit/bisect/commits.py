@@ -24,6 +24,7 @@ from typing import Any
 
 from reprokit.bundle import Bundle, open_bundle
 from reprokit.errors import ReprokitError
+from reprokit.signature import summary_line
 
 Progress = Callable[["Probe", int], None]
 
@@ -147,10 +148,7 @@ class _Prober:
 
 
 def _describe(f: dict[str, Any] | None) -> str:
-    if not f:
-        return "none"
-    what = f"{f['exception_type']}: {f['message']}" if f.get("exception_type") else f"{f['kind']}"
-    return f"{what} at step {f['step']}"
+    return summary_line(f, frame=False)
 
 
 def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: str | Path | None = None,

@@ -85,8 +85,7 @@ class ShrinkResult:
             "origin_checks": self.origin_checks,
             "origin_changed": self.origin_changed,
             "seconds": round(self.seconds, 3),
-            "failure": {"kind": self.failure.kind, "step": self.failure.step, "exception_type": self.failure.exc_type,
-                        "message": self.failure.message},
+            "failure": self.failure.summary(),
             "passes": {k: vars(v) | {"seconds": round(v.seconds, 3)} for k, v in self.passes.items()},
         })
 

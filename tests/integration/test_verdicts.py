@@ -209,5 +209,6 @@ def test_bisect_commits_skips_a_commit_that_fails_earlier(tmp_path, monkeypatch)
     r = bisect_commits(info.value.bundle, good=shas[0], bad=shas[-1], repo=proj)
     verdicts = {shas.index(p.sha) + 1: (p.verdict, p.reason) for p in r.probes}
     assert verdicts[3][0] == "skip", verdicts
-    assert "different failure: nonfinite_loss at step 8 (recorded: nonfinite_loss at step 9)" == verdicts[3][1]
+    assert "different failure: nonfinite_loss (loss = nan) at step 8 (recorded: nonfinite_loss (loss = nan) at step 9)" \
+        == verdicts[3][1]
     assert r.first_bad == shas[4], verdicts
