@@ -1,10 +1,19 @@
 """The shrink passes, each a small function listed once in ``PASSES``.
 
-A pass takes the shrinker and the current best case, makes one deterministic
-search over its own kind of reduction (it does not loop to its own fixpoint;
-the scheduler owns that), and returns a smaller interesting case or ``None``.
-Every candidate goes through ``shrinker.test``, which caches, counts the
-budget, and accepts only the same failure.
+The contract, as :meth:`reprokit.shrink.shrinker.Shrinker.run` uses it:
+
+* A pass takes the shrinker and the current best case and makes one deterministic
+  search over its own kind of reduction. It does not loop to its own fixpoint: the
+  scheduler reruns every pass, the ones that just made progress first, until a whole
+  round changes nothing or the replay budget runs out.
+* Every candidate goes through ``shrinker.test``, which caches, counts the budget
+  (raising ``BudgetExhausted`` when it is spent), accepts only the same failure, and
+  keeps the smallest interesting case it has seen as ``shrinker.best``. The scheduler
+  reads ``shrinker.best`` after each pass, never the pass's return value, so a pass cut
+  short by the budget loses nothing it found.
+* A pass returns the case its search settled on (already seen by ``shrinker.test``, so
+  never smaller than ``shrinker.best``), or ``None`` when it found nothing smaller; the
+  return value is for the pass's own tests and for reading, not for the scheduler.
 """
 
 from __future__ import annotations

@@ -247,6 +247,8 @@ class Shrinker:
                 before, replays0, t0 = self.best, self.replays, time.perf_counter()
                 stats[name].runs += 1
                 try:
+                    # The pass's own answer is not needed: every interesting candidate already went through
+                    # test(), which keeps the smallest as self.best (see the contract in passes.py).
                     PASSES[name](self, self.best)  # type: ignore[arg-type]
                 except BudgetExhausted:
                     exhausted = True
