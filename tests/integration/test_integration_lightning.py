@@ -1,0 +1,100 @@
+"""reprokit.integrations.lightning: a real Lightning Trainer records through the callback; replay and shrink."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from rk_testing import bundle_of
+
+import reprokit
+from reprokit.bundle import open_bundle
+from reprokit.cli import main
+from reprokit.errors import CaptureError
+
+pytest.importorskip("lightning")
+
+pytestmark = [
+    # Lightning's own warnings (a DataLoader without workers, its pytree shim on torch 2.13): not reprokit's.
+    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
+    pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\).*:FutureWarning"),
+]
+
+OOV, IGNORED = 21, 17  # sample 21 (batch 5, row 1) holds an id past the vocab; sample 17 (batch 4, row 1) no labels
+
+
+def _fit(projects, tmp_path, dataset_kw, module_kw=(), bs=4, **trainer_kw):
+    from reprokit.integrations.lightning import ReprokitCallback
+
+    L = projects("rk_lightning")
+    cb = ReprokitCallback(out_dir=tmp_path / "repros", snapshot_every=3)
+    with pytest.raises(Exception) as info:
+        L.trainer([cb], **trainer_kw).fit(L.TinyLit(**dict(module_kw)), L.loader(L.Tokens(**dataset_kw), bs))
+    return info.value, bundle_of(info.value)
+
+
+def _replay(bundle):
+    out = CliRunner().invoke(main, ["replay", str(bundle), "--json"])
+    assert out.exit_code == 1, out.output
+    d = json.loads(out.output)
+    assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] >= 2
+    return d
+
+
+def _shrink_keeps(bundle, tmp_path, index):
+    out = CliRunner().invoke(main, ["shrink", str(bundle), "-o", str(tmp_path / "small"), "--json"])
+    assert out.exit_code == 0, out.output
+    d = json.loads(out.output)
+    assert d["rows_after"] == 1 and d["dataset_indices"] == [index]
+    again = CliRunner().invoke(main, ["replay", str(tmp_path / "small")])
+    assert again.exit_code == 1, again.output
+
+
+def test_automatic_optimization_index_error_replays_bit_exact_and_shrinks_to_the_sample(projects, tmp_path):
+    # Accumulation and clipping on: the replayed step runs them as Lightning's automatic loop does.
+    exc, bundle = _fit(projects, tmp_path, {"oov": OOV}, accumulate_grad_batches=2, gradient_clip_val=0.5)
+    assert isinstance(exc, IndexError)
+    b = open_bundle(bundle)
+    assert b.failure.step == 5 and b.run["config"]["trainer"]["accumulate_grad_batches"] == 2
+    assert b.run["refs"]["build"] == {"module": "reprokit.integrations.lightning", "qualname": "build"}
+    assert (bundle / "code" / "rk_lightning.py").is_file()
+    d = _replay(bundle)
+    assert d["failure"]["frame"].startswith("rk_lightning.py:forward")
+    _shrink_keeps(bundle, tmp_path, OOV)
+
+
+def test_automatic_optimization_nan_loss_from_a_sample_without_labels(projects, tmp_path):
+    exc, bundle = _fit(projects, tmp_path, {"ignored": IGNORED})
+    assert isinstance(exc, reprokit.TrainingFailure) and exc.failure.kind == "nonfinite_loss" and exc.failure.step == 4
+    _replay(bundle)
+    _shrink_keeps(bundle, tmp_path, IGNORED)
+
+
+def test_manual_optimization_nan_loss_replays_bit_exact(projects, tmp_path):
+    exc, bundle = _fit(projects, tmp_path, {"ignored": IGNORED}, {"manual": True})
+    assert isinstance(exc, reprokit.TrainingFailure) and exc.failure.step == 4
+    assert open_bundle(bundle).run["config"]["automatic_optimization"] is False
+    _replay(bundle)
+
+
+def test_replay_follows_the_code_an_edit_that_fixes_the_module_passes(projects, tmp_path):
+    """The replayed step really runs the snapshot's training_step: a fixed copy of the module passes."""
+    _, bundle = _fit(projects, tmp_path, {"ignored": IGNORED})
+    fixed = tmp_path / "fixed"
+    fixed.mkdir()
+    src = (bundle / "code" / "rk_lightning.py").read_text()
+    marker = "per_sample = ce.sum(1) / (labels != -100).sum(1)"
+    assert marker in src
+    (fixed / "rk_lightning.py").write_text(src.replace(marker, "per_sample = ce.sum(1) / (labels != -100).sum(1)"
+                                                                ".clamp(min=1)"))
+    out = CliRunner().invoke(main, ["replay", str(bundle), "--code", str(fixed)])
+    assert out.exit_code == 0, out.output
+
+
+def test_a_module_that_cannot_be_rebuilt_from_its_hyperparameters_is_refused_at_attach(projects, tmp_path):
+    from reprokit.integrations.lightning import ReprokitCallback
+
+    L = projects("rk_lightning")
+    with pytest.raises(CaptureError, match="save_hyperparameters"):
+        L.trainer([ReprokitCallback(out_dir=tmp_path / "r")]).fit(L.Unsaved(8), L.loader(L.Tokens()))
