@@ -166,7 +166,8 @@ def _describe(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[TrainSta
     state = TrainState(model=module, optimizer=trainer.optimizers[0], scheduler=sched, scaler=scaler)
     config = {"module": cls_ref, "hparams": hparams,
               "trainer": {k: getattr(trainer, k) for k in TRAINER_FLAGS},
-              "automatic_optimization": module.automatic_optimization}
+              "automatic_optimization": module.automatic_optimization,
+              "accelerator": "gpu" if module.device.type == "cuda" else "cpu"}
     return state, config, cls_ref, root
 
 
@@ -189,11 +190,13 @@ def build(config: dict[str, Any]) -> TrainState:
         raise CodeLoadError(f"config.module names {cls!r}, not a LightningModule subclass")
     module = cls(**config["hparams"])
     flags = config["trainer"]
+    # Replay runs where the bundle was recorded when it can (reprokit's default device), else on the CPU.
+    accelerator = "gpu" if config.get("accelerator") == "gpu" and torch.cuda.is_available() else "cpu"
     quiet = logging.getLogger("lightning.pytorch")  # "GPU available: ..." lines are about this headless trainer
     level = quiet.level
     quiet.setLevel(logging.WARNING)
     try:
-        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        trainer = pl.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, **flags)
     finally:
         quiet.setLevel(level)

@@ -71,10 +71,12 @@ def test_automatic_optimization_nan_loss_from_a_sample_without_labels(projects, 
     _shrink_keeps(bundle, tmp_path, IGNORED)
 
 
-def test_manual_optimization_nan_loss_replays_bit_exact(projects, tmp_path):
-    exc, bundle = _fit(projects, tmp_path, {"ignored": IGNORED}, {"manual": True})
+def test_manual_optimization_under_bf16_autocast_replays_bit_exact(projects, tmp_path):
+    # bf16-mixed: the precision plugin's autocast is part of the replayed step (fp32 losses would differ).
+    exc, bundle = _fit(projects, tmp_path, {"ignored": IGNORED}, {"manual": True}, precision="bf16-mixed")
     assert isinstance(exc, reprokit.TrainingFailure) and exc.failure.step == 4
-    assert open_bundle(bundle).run["config"]["automatic_optimization"] is False
+    config = open_bundle(bundle).run["config"]
+    assert config["automatic_optimization"] is False and config["trainer"]["precision"] == "bf16-mixed"
     _replay(bundle)
 
 
