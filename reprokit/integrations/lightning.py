@@ -189,7 +189,7 @@ def build(config: dict[str, Any]) -> TrainState:
     if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
         raise CodeLoadError(f"config.module names {cls!r}, not a LightningModule subclass")
     module = cls(**config["hparams"])
-    flags = config["trainer"]
+    flags = {k: config["trainer"][k] for k in TRAINER_FLAGS if k in config["trainer"]}  # nothing else reaches Trainer
     # Replay runs where the bundle was recorded when it can (reprokit's default device), else on the CPU.
     accelerator = "gpu" if config.get("accelerator") == "gpu" and torch.cuda.is_available() else "cpu"
     quiet = logging.getLogger("lightning.pytorch")  # "GPU available: ..." lines are about this headless trainer

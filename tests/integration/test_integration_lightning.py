@@ -71,6 +71,16 @@ def test_automatic_optimization_nan_loss_from_a_sample_without_labels(projects, 
     _shrink_keeps(bundle, tmp_path, IGNORED)
 
 
+def test_the_gradient_check_reads_the_gradients_the_closure_made(projects, tmp_path):
+    """Lightning steps the optimizer with a closure that runs training_step and backward inside step(): the
+    gradient check must read that step's gradients (after the closure), not the last step's."""
+    exc, bundle = _fit(projects, tmp_path, {"ignored": IGNORED}, {"guard": True})
+    assert isinstance(exc, reprokit.TrainingFailure)
+    assert (exc.failure.kind, exc.failure.step) == ("nonfinite_grad", 4)  # the loss of step 4 is finite
+    d = _replay(bundle)
+    assert d["failure"]["kind"] == "nonfinite_grad"
+
+
 def test_manual_optimization_under_bf16_autocast_replays_bit_exact(projects, tmp_path):
     # bf16-mixed: the precision plugin's autocast is part of the replayed step (fp32 losses would differ).
     exc, bundle = _fit(projects, tmp_path, {"ignored": IGNORED}, {"manual": True}, precision="bf16-mixed")
@@ -86,10 +96,9 @@ def test_replay_follows_the_code_an_edit_that_fixes_the_module_passes(projects, 
     fixed = tmp_path / "fixed"
     fixed.mkdir()
     src = (bundle / "code" / "rk_lightning.py").read_text()
-    marker = "per_sample = ce.sum(1) / (labels != -100).sum(1)"
+    marker = "per_sample = (ce.sum(1) + 1e-4 * z) / count"
     assert marker in src
-    (fixed / "rk_lightning.py").write_text(src.replace(marker, "per_sample = ce.sum(1) / (labels != -100).sum(1)"
-                                                                ".clamp(min=1)"))
+    (fixed / "rk_lightning.py").write_text(src.replace(marker, marker + ".clamp(min=1)"))
     out = CliRunner().invoke(main, ["replay", str(bundle), "--code", str(fixed)])
     assert out.exit_code == 0, out.output
 
