@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from rk_testing import bundle_of
 
 import reprokit
+from reprokit.bisect import bisect_layers
 from reprokit.bundle import open_bundle
 from reprokit.cli import main
 from reprokit.errors import CaptureError
@@ -68,6 +69,12 @@ def test_automatic_optimization_nan_loss_from_a_sample_without_labels(projects, 
     exc, bundle = _fit(projects, tmp_path, {"ignored": IGNORED})
     assert isinstance(exc, reprokit.TrainingFailure) and exc.failure.kind == "nonfinite_loss" and exc.failure.step == 4
     _replay(bundle)
+    # Lightning runs training_step inside optimizer.step(closure): the origin is still the forward's division.
+    origin = bisect_layers(open_bundle(bundle))["origin"]
+    src = (bundle / "code" / "rk_lightning.py").read_text().splitlines()
+    line = next(i for i, t in enumerate(src, 1) if "0 / 0 = nan" in t)
+    assert (origin["phase"], origin["op"], origin["module"], origin["rows"]) == ("forward", "aten.div.Tensor", None, [1])
+    assert origin["site"] == f"rk_lightning.py:{line}"
     _shrink_keeps(bundle, tmp_path, IGNORED)
 
 

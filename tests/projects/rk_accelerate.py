@@ -38,5 +38,5 @@ def loader(n=40, poison=None, bs=4):
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(n, 4, generator=g), torch.randn(n, generator=g)
     if poison is not None:
-        x[poison, 1] = float("inf")  # inf - inf in the first layer's backward... a NaN loss at that batch
+        x[poison, 1] = float("inf")  # tanh saturates (a finite loss), but inf * 0 in the backward: NaN gradients
     return ACCELERATOR.prepare(DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=False))
