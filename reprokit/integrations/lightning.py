@@ -26,18 +26,22 @@ followed by the ``interval="step"`` LR schedulers Lightning steps after it.
   the same ``run`` method of that trainer's loop, and steps the ``interval="step"`` schedulers as
   ``TrainingEpochLoop._update_learning_rates`` does. Losses replay bit-exact on CPU.
 
-Limits (said at attach time when they apply): one process (``world_size == 1``); one optimizer and at most
-one LR scheduler; ``self.log`` calls are no-ops on replay (logging does not change training); hooks that run
-outside the optimization (``on_train_batch_start/end``, callbacks changing weights, an EMA) are not part of the
-replayed step. ``ReduceLROnPlateau`` and ``interval="epoch"`` schedulers step between epochs, outside the
-replayed window.
+Several ranks (``strategy="ddp"`` under torchrun): every rank records through the multi-rank machinery (one
+incident folder, every rank's window; see :mod:`reprokit.distributed`). A rank's bundle replays alone on one
+device (no all-reduce, so not bit-exact); ``reprokit replay INCIDENT --nproc N`` rebuilds each rank's module
+behind Lightning's DDP strategy in the process group replay starts, and replays bit-exact on CPU.
+
+Limits (said at attach time when they apply): one optimizer and at most one LR scheduler; ``self.log`` calls
+are no-ops on replay (logging does not change training); hooks that run outside the optimization
+(``on_train_batch_start/end``, callbacks changing weights, an EMA) are not part of the replayed step;
+``ReduceLROnPlateau`` and ``interval="epoch"`` schedulers step between epochs, outside the replayed window.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import warnings
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -49,7 +53,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from reprokit.code import ref_of, resolve_project
-from reprokit.errors import CaptureError, CodeLoadError, RecorderWarning
+from reprokit.errors import CaptureError, CodeLoadError
 from reprokit.record import Recorder
 from reprokit.state import TrainState
 
@@ -87,10 +91,6 @@ class ReprokitCallback(Callback):
         self._restore: tuple[Any, ...] = ()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.world_size != 1:
-            warnings.warn(f"reprokit: the Lightning callback records one process; this run has world_size="
-                          f"{trainer.world_size}, so nothing is recorded", RecorderWarning, stacklevel=2)
-            return
         state, config, cls_ref, root = _describe(trainer, pl_module)
         rec = Recorder(state, train_step, build=build, config=config, out_dir=self.out_dir, **self.options)
         # Replay runs reprokit's train_step on a headless trainer; while recording, the step is the live one.
@@ -192,17 +192,25 @@ def build(config: dict[str, Any]) -> TrainState:
     flags = {k: config["trainer"][k] for k in TRAINER_FLAGS if k in config["trainer"]}  # nothing else reaches Trainer
     # Replay runs where the bundle was recorded when it can (reprokit's default device), else on the CPU.
     accelerator = "gpu" if config.get("accelerator") == "gpu" and torch.cuda.is_available() else "cpu"
+    ranks = torch.distributed.get_world_size() if torch.distributed.is_available() and \
+        torch.distributed.is_initialized() else 1
+    if ranks > 1:
+        flags["strategy"] = "ddp"
     quiet = logging.getLogger("lightning.pytorch")  # "GPU available: ..." lines are about this headless trainer
     level = quiet.level
     quiet.setLevel(logging.WARNING)
     try:
-        trainer = pl.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
+        devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if ranks > 1 else 1
+        trainer = pl.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, **flags)
     finally:
         quiet.setLevel(level)
     trainer.state.fn, trainer.state.stage = TrainerFn.FITTING, RunningStage.TRAINING
     trainer.strategy.connect(module)
     module.trainer = trainer
+    if ranks > 1:  # an incident replayed on its N ranks: the model behind DDP, as the recorded run had it
+        trainer.strategy.setup_environment()
+        trainer.strategy.model = trainer.strategy._setup_model(module)
     module.log = module.log_dict = _no_log  # type: ignore[method-assign]
     optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
     trainer.strategy.optimizers = optimizers

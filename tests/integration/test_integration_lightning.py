@@ -116,3 +116,39 @@ def test_a_module_that_cannot_be_rebuilt_from_its_hyperparameters_is_refused_at_
     L = projects("rk_lightning")
     with pytest.raises(CaptureError, match="save_hyperparameters"):
         L.trainer([ReprokitCallback(out_dir=tmp_path / "r")]).fit(L.Unsaved(8), L.loader(L.Tokens()))
+
+
+def test_under_torchrun_every_rank_records_into_one_incident(tmp_path):
+    """Lightning's DDP strategy (gloo, 2 CPU processes under torchrun): rank 1's data has a sample without labels;
+    rank 0 gets the NaN through the gradient all-reduce. The callback records per rank through the multi-rank
+    machinery (one incident folder, every rank's window)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from reprokit.distributed.incident import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "repros"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(free_port()), str(root / "tests" / "projects" /
+                                                                                 "rk_lightning_ddp.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode != 0, "training failed"
+    folders = [p for p in out.iterdir() if p.name.startswith("incident-")]
+    assert len(folders) == 1, proc.stderr[-3000:]
+    bundles = sorted(p for p in folders[0].iterdir() if p.name.startswith("bundle-"))
+    kinds = {open_bundle(b).run["distributed"]["rank"]: (open_bundle(b).failure.kind, open_bundle(b).failure.step)
+             for b in bundles}
+    assert kinds == {0: ("nonfinite_grad", 5), 1: ("nonfinite_loss", 5)}, kinds
+    # Rank 1 fed the NaN itself: alone, in one process (no all-reduce, so not bit-exact), it still fails there.
+    alone = CliRunner().invoke(main, ["replay", str(bundles[1])])
+    assert alone.exit_code == 1 and "recorded on rank 1 of 2, replayed alone" in alone.stdout, alone.output
+    # On its two ranks again (replay's build puts the module behind Lightning's DDP strategy): bit-exact on both.
+    both = CliRunner().invoke(main, ["replay", str(folders[0]), "--nproc", "2", "--json"])
+    assert both.exit_code == 1, both.output
+    ranks = json.loads(both.stdout)["ranks"]
+    assert [(r["rank"], r["verdict"], r["fidelity"]["bit_exact"]) for r in ranks] == \
+        [(0, "deterministic", True), (1, "deterministic", True)], ranks

@@ -77,8 +77,8 @@ def loader(dataset, batch_size=4):
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)
 
 
-def trainer(callbacks, **kw):
-    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+def trainer(callbacks, devices=1, **kw):
+    return pl.Trainer(accelerator="cpu", devices=devices, max_epochs=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kw)
 
 
