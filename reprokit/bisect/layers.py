@@ -114,7 +114,11 @@ def _eager_if(compiled: bool) -> Any:
     """Run compiled code eagerly while bisecting a compiled model."""
     if not compiled:
         return contextlib.nullcontext()
-    return torch.compiler.set_stance("force_eager")
+    if hasattr(torch.compiler, "set_stance"):
+        return torch.compiler.set_stance("force_eager")
+    from torch._dynamo import config  # torch < 2.6: no stances; dynamo disabled runs compiled modules' Python code
+
+    return config.patch(disable=True)
 
 
 def bisect_layers(bundle: Bundle, *, device: str | None = None, code: Any = None, keep: int = 20) -> dict[str, Any]:
