@@ -26,9 +26,10 @@ from typing import Any
 from reprokit.errors import BundleError, CaptureError, CodeLoadError
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
-# reprokit's own modules a ref may name: the demo's build/step. Nothing else of reprokit (its CLI
-# would turn ``config`` into a command line) and nothing of the standard library or site-packages.
-OWN_MODULES = frozenset({"reprokit.demo"})
+# reprokit's own modules a ref may name: the demo's build/step, and the integrations' build/step (which import the
+# project's own classes through :func:`resolve_project`). Nothing else of reprokit (its CLI would turn ``config``
+# into a command line) and nothing of the standard library or site-packages.
+OWN_MODULES = frozenset({"reprokit.demo", "reprokit.integrations.lightning"})
 MAX_CODE_BYTES = 20 * 1024 * 1024
 
 
@@ -105,8 +106,11 @@ def check_refs(refs: Any, *, snapshot: Path | None, code: Path | None, source: s
     if not isinstance(refs, dict) or "build" not in refs or "step" not in refs or \
             not isinstance(refs.get("predicates", []), list):
         raise _invalid(source, "refs", refs, "must be {\"build\": REF, \"step\": REF, \"predicates\": [REF|null, ...]}")
+    if not isinstance(refs.get("objects", []), list):
+        raise _invalid(source, "refs.objects", refs["objects"], "must be a list of refs")
     named = [("refs.build", refs["build"]), ("refs.step", refs["step"])] + [
-        (f"refs.predicates[{i}]", r) for i, r in enumerate(refs.get("predicates", [])) if r is not None]
+        (f"refs.predicates[{i}]", r) for i, r in enumerate(refs.get("predicates", [])) if r is not None] + [
+        (f"refs.objects[{i}]", r) for i, r in enumerate(refs.get("objects", []))]
     project = []
     for field, ref in named:
         kind, target = _check_shape(source, field, ref)
@@ -272,6 +276,10 @@ def _protected(name: str, mod: Any) -> bool:
 
 # --- importing ----------------------------------------------------------------------
 
+_ACTIVE: list[Path | None] = []
+"""The code folders of the :func:`imported` contexts now open (the innermost last)."""
+
+
 @contextlib.contextmanager
 def imported(code_dir: Path | None) -> Iterator[None]:
     """Make ``code_dir`` the first place imports look, for the duration of a replay.
@@ -287,6 +295,7 @@ def imported(code_dir: Path | None) -> Iterator[None]:
     # Importing from a bundle must not write __pycache__ into it: that would make it fail verification.
     sys.dont_write_bytecode = True
     evicted: dict[str, Any] = {}
+    _ACTIVE.append(code_dir.resolve() if code_dir is not None else None)
     if code_dir is not None:
         code_dir = code_dir.resolve()
         tops = set(_top_names(code_dir))
@@ -298,6 +307,7 @@ def imported(code_dir: Path | None) -> Iterator[None]:
     try:
         yield
     finally:
+        _ACTIVE.pop()
         sys.path[:] = saved_path
         sys.dont_write_bytecode = saved_bytecode
         if code_dir is not None:
@@ -359,6 +369,30 @@ def resolve(ref: dict[str, Any], code_dir: Path | None, field: str = "ref") -> C
             "project's own functions; this bundle is invalid and the object was not called.",
             [{"file": "run.json", "problem": f"{field} names an object defined outside the code"}])
     return obj
+
+
+def resolve_project(ref: Any, field: str) -> Any:
+    """Import a project object (a class) that an integration's ``build`` finds in run.json's config.
+
+    Vetted as :func:`check_refs` vets ``refs``, against the code folder of the replay in progress (the
+    innermost :func:`imported`): a module or script inside it, never the standard library, reprokit or an
+    installed package. Recorders list the same ref under ``refs.objects`` so that it is vetted before
+    anything is imported, too.
+
+    Raises:
+        BundleError: a malformed ref, or one naming code outside the replayed code folder.
+        CodeLoadError: no replay in progress, or the import failed.
+    """
+    if not _ACTIVE or _ACTIVE[-1] is None:
+        raise CodeLoadError(f"config {field} = {ref_label(ref)} names the project's code, but no code folder is "
+                            "being replayed (the bundle has no code/ snapshot); pass --code DIR")
+    code_dir = _ACTIVE[-1]
+    kind, target = _check_shape("run.json", f"config.{field}", ref)
+    if kind == "module" and (lib := _installed(target.split(".")[0], search=True)):
+        raise _invalid("run.json", f"config.{field}", ref, f"names {target}, a module of {lib}, not of the project")
+    if _find(code_dir, kind, target) is None:
+        raise _invalid("run.json", f"config.{field}", ref, f"names {target}, which is not in {code_dir}")
+    return resolve(ref, code_dir, f"config.{field}")
 
 
 def _file_of(module: Any, root: Path) -> Path | None:

@@ -43,7 +43,8 @@ class DetectSettings:
     check_loss: bool = True
     """Fail on a NaN/inf loss."""
     check_grads: bool = True
-    """Fail on a non-finite global gradient norm, read in an optimizer step pre-hook.
+    """Fail on a non-finite global gradient norm, read in an optimizer step pre-hook (in the post-hook when
+    ``step()`` is given a closure, which computes the step's gradients inside it: Lightning, LBFGS).
     Steps a GradScaler skips (overflow) do not count, and the norm is of the unscaled
     gradients, also with fused optimizers that unscale inside their own step."""
     check_params: bool = False
@@ -98,6 +99,8 @@ class Monitor:
         """Side streams with a norm queued that the training stream has not waited for yet."""
         self._hooks: tuple[Any, Any] | None = None
         self._hook_warned = False
+        self._after_closure = False
+        """Set by the pre-hook when step() was given a closure: the norm is read after the step."""
         self.attach()
 
     def close(self) -> None:
@@ -133,6 +136,14 @@ class Monitor:
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
+            # The hook's args start with the optimizer itself; anything after it is the caller's.
+            extra = args[1:] if args and args[0] is optimizer else args
+            closure = kwargs.get("closure", extra[0] if extra else None)
+            if callable(closure) and not isinstance(getattr(optimizer, "grad_scale", None), torch.Tensor):
+                # The closure computes this step's gradients inside step() (Lightning's automatic optimization,
+                # LBFGS): the ones here are the last step's. Read them in the post-hook.
+                self._after_closure = True
+                return
             grads = [gs for gs in ([g for g in map(_GRAD, ps) if g is not None] for ps in self._grad_groups(optimizer))
                      if gs]
             if not grads:
@@ -145,11 +156,9 @@ class Monitor:
             # unscales them and writes them back), and an overflowed step is skipped on the device.
             scale, found_inf = (t if isinstance(t := getattr(optimizer, name, None), torch.Tensor) else None
                                 for name in ("grad_scale", "found_inf"))
-            # The hook's args start with the optimizer itself; anything after it is the caller's.
-            extra = args[1:] if args and args[0] is optimizer else args
             calls_back = any(a is not None for a in (*extra, *kwargs.values()))
             if scale is not None or calls_back:
-                # The step writes the gradients (or may: a closure, a grad_scaler argument): in line.
+                # The step writes the gradients (or may: a grad_scaler argument): in line.
                 self._norms.append(_amp_adjusted(_norm_of_groups(grads), scale, found_inf))
             else:
                 self._norms.append(self._norm_aside(grads, found_inf))
@@ -160,6 +169,12 @@ class Monitor:
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
+            if self._after_closure:
+                self._after_closure = False
+                grads = [gs for gs in ([g for g in map(_GRAD, ps) if g is not None]
+                                       for ps in self._grad_groups(optimizer)) if gs]
+                if grads:
+                    self._norms.append(_norm_of_groups(grads))
             self._join()
         except Exception as e:  # never break the user's optimizer step
             if not self._hook_warned:
@@ -215,6 +230,7 @@ class Monitor:
         graph (~650 nodes) takes ~0.2 ms of host time, all of it on the critical path there.
         """
         self._norms.clear()
+        self._after_closure = False
         try:
             loss = step_fn(self.state, batch)
         except Exception as e:

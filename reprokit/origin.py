@@ -299,8 +299,23 @@ def _hooks(session: Session, watcher: OriginWatcher) -> Iterator[None]:
                 watcher.stack.pop()
         handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
 
-    def opt_pre(*_: Any) -> None:
+    def opt_pre(opt: Any, args: Any, kwargs: Any) -> Any:
         watcher.optimizing = True
+        closure = kwargs.get("closure", args[1] if len(args) > 1 and args[0] is opt else None)
+        if not callable(closure):
+            return None
+
+        # A closure (Lightning's automatic optimization, LBFGS) runs the forward and backward inside step():
+        # those are not the optimizer's ops.
+        def forward_then_optimizer(*a: Any, **kw: Any) -> Any:
+            watcher.optimizing = False
+            try:
+                return closure(*a, **kw)
+            finally:
+                watcher.optimizing = True
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": forward_then_optimizer}
+        return (args[0], forward_then_optimizer, *args[2:]), kwargs
 
     def opt_post(*_: Any) -> None:
         watcher.optimizing = False

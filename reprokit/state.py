@@ -33,8 +33,9 @@ class TrainState:
 
     Attributes:
         model: the ``nn.Module`` being trained.
-        optimizer: its optimizer (any ``torch.optim.Optimizer``).
-        scheduler: an LR scheduler, or ``None``.
+        optimizer: its optimizer (any ``torch.optim.Optimizer``, or a wrapper of one such as accelerate's
+            ``AcceleratedOptimizer``: your step keeps calling the wrapper, reprokit hooks the optimizer inside).
+        scheduler: an LR scheduler (or accelerate's ``AcceleratedScheduler``), or ``None``.
         scaler: a ``torch.amp.GradScaler``, or ``None``.
         extra: free-form state your step needs (counters, EMA models' state
             dicts...): tensors, numbers, strings and containers of those. It is
@@ -58,9 +59,36 @@ class TrainState:
             raise CaptureError(
                 f"TrainState.optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__qualname__}"
             )
+        _hook_through(self.optimizer)
 
     def scaler_enabled(self) -> bool:
         return self.scaler is not None and bool(getattr(self.scaler, "is_enabled", lambda: True)())
+
+
+def unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The optimizer that really steps: ``opt`` itself, or the one a wrapper keeps in ``.optimizer``.
+
+    accelerate's ``AcceleratedOptimizer`` subclasses ``Optimizer`` without running its ``__init__``, so it has no
+    step-hook registry of its own; it delegates ``state``, ``param_groups``, ``state_dict`` and ``step`` to the
+    optimizer it wraps.
+    """
+    inner = opt
+    while not hasattr(inner, "_optimizer_step_pre_hooks") and isinstance(getattr(inner, "optimizer", None),
+                                                                         torch.optim.Optimizer):
+        inner = inner.optimizer
+    return inner
+
+
+def _hook_through(opt: torch.optim.Optimizer) -> None:
+    """Step hooks registered on a wrapper land on the optimizer it wraps (the wrapper's ``step`` calls that one's).
+
+    The wrapper itself stays what the step function calls, so what it adds around the step (accelerate's
+    gradient-sync check and GradScaler) still runs, while recording and on replay.
+    """
+    inner = unwrap_optimizer(opt)
+    if inner is not opt and hasattr(inner, "_optimizer_step_pre_hooks"):
+        opt.register_step_pre_hook = inner.register_step_pre_hook  # type: ignore[method-assign]
+        opt.register_step_post_hook = inner.register_step_post_hook  # type: ignore[method-assign]
 
 
 # --- RNG (see reprokit.rng) -------------------------------------------------

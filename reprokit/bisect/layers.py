@@ -14,10 +14,20 @@ expression makes (a 0/0 outside every module) reaches the modules only through
 backward. So the step also runs once under :func:`reprokit.origin.watch_step`,
 and ``origin`` names the first op that made the non-finite value, wherever it
 ran (module, or the step function's file:line), as the shrinker checks it.
+
+A model compiled with ``torch.compile`` runs its modules inside one graph, where
+module hooks do not fire (localisation would stop at ``_orig_mod``). When the
+model holds a compiled module, the whole bisection runs the steps eagerly
+(``torch.compiler.set_stance("force_eager")``, the compiled module's own Python
+code) and says so in ``eager``; module paths are then those inside it
+(``_orig_mod.block.lin``). Eager numerics may differ from the compiled kernels':
+a failure that only the compiled code makes does not show there, and the result
+says the failing step passed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -87,51 +97,90 @@ class _Tracer:
             h.remove()
 
 
+EAGER_NOTE = ("the model is compiled (torch.compile): bisect ran the steps eagerly, the compiled module's own Python "
+               "code, so that module hooks see inside it")
+
+
+def compiled_modules(model: torch.nn.Module) -> list[str]:
+    """Paths of the modules in ``model`` that ``torch.compile`` wrapped (``<model>`` for the model itself)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch without dynamo compiles nothing
+        return []
+    return [name or "<model>" for name, m in model.named_modules() if isinstance(m, OptimizedModule)]
+
+
+def _eager_if(compiled: bool) -> Any:
+    """Run compiled code eagerly while bisecting a compiled model."""
+    if not compiled:
+        return contextlib.nullcontext()
+    if hasattr(torch.compiler, "set_stance"):
+        return torch.compiler.set_stance("force_eager")
+    from torch._dynamo import config  # torch < 2.6: no stances; dynamo disabled runs compiled modules' Python code
+
+    return config.patch(disable=True)
+
+
 def bisect_layers(bundle: Bundle, *, device: str | None = None, code: Any = None, keep: int = 20) -> dict[str, Any]:
-    """Localise the failing step's first non-finite module and op (or the module that raised)."""
+    """Localise the failing step's first non-finite module and op (or the module that raised).
+
+    A compiled model (``torch.compile``) is bisected eagerly: ``result["eager"]`` lists the compiled modules and
+    ``result["note"]`` says so.
+    """
     with Session(bundle, device=device, code=code) as s:
-        inputs = s.inputs()
-        before = s.advance(inputs[:-1]) if len(inputs) > 1 else s.snapshot
-        if before is None:
-            return {"first_nonfinite": None, "frames": [], "raised_in": None, "reproduced": False,
-                    "note": "the window failed before its last step; shrink or replay it first"}
         assert s.state is not None
-        tracer = _Tracer(s.state.model, keep)
-        try:
-            with warnings.catch_warnings():
-                # Full backward hooks warn when a module's inputs need no grad (the first layer): expected here.
-                warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                out = s.run(inputs[-1:], before)
-        finally:
-            tracer.close()
-        result: dict[str, Any] = {"failure": out.failure.describe() if out.failure else None, "reproduced": out.same,
-                                  "first_nonfinite": None, "frames": [], "raised_in": None, "origin": None}
-        if out.failure is not None and out.failure.kind == "exception" and tracer.stack:
-            name, shapes = tracer.stack[-1]
-            result["raised_in"] = {"module": name, "class": type(s.state.model.get_submodule(
-                "" if name == "<model>" else name)).__name__, "received": shapes,
-                "exception": f"{out.failure.exc_type}: {out.failure.message}"}
-            result["frames"] = list(tracer.frames)[-keep:]
-            return result
-        if out.failure is not None and out.failure.kind != "exception":
-            origin = watch_step(s, inputs[-1], before, batch_size(inputs[-1].batch))[1]
-            result["origin"] = origin.to_json() if origin else None
-        if tracer.first is None:
-            result["frames"] = list(tracer.frames)[-keep:]
-            return result
-        first = tracer.first
-        result["frames"] = tracer.first_frames + [{k: first[k] for k in ("module", "class", "phase", "inputs",
-                                                                           "outputs", "weights")}]
-        op = _find_op(s, inputs[-1:], before, first["module"], first["phase"])
-        result["first_nonfinite"] = {"module": first["module"], "class": first["class"], "phase": first["phase"],
-                                     "op": op["op"] if op else None, "op_detail": op,
-                                     "inputs_already_nonfinite": first["inputs_already_nonfinite"]}
-        origin = result["origin"]
-        if origin and origin.get("created") and origin.get("module") is None:
-            # Made by the step function's own code: the module hooks saw it only later, arriving in backward.
-            result["outside_every_module"] = {"site": origin.get("site"), "op": origin.get("op"),
-                                              "phase": origin.get("phase")}
+        compiled = compiled_modules(s.state.model)
+        with _eager_if(bool(compiled)):
+            result = _bisect(s, keep)
+        if compiled:
+            result["eager"] = compiled
+            result["note"] = EAGER_NOTE + (f"; {result['note']}" if result.get("note") else "")
         return result
+
+
+def _bisect(s: Session, keep: int) -> dict[str, Any]:
+    inputs = s.inputs()
+    before = s.advance(inputs[:-1]) if len(inputs) > 1 else s.snapshot
+    if before is None:
+        return {"first_nonfinite": None, "frames": [], "raised_in": None, "reproduced": False,
+                "note": "the window failed before its last step; shrink or replay it first"}
+    assert s.state is not None
+    tracer = _Tracer(s.state.model, keep)
+    try:
+        with warnings.catch_warnings():
+            # Full backward hooks warn when a module's inputs need no grad (the first layer): expected here.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            out = s.run(inputs[-1:], before)
+    finally:
+        tracer.close()
+    result: dict[str, Any] = {"failure": out.failure.describe() if out.failure else None, "reproduced": out.same,
+                              "first_nonfinite": None, "frames": [], "raised_in": None, "origin": None}
+    if out.failure is not None and out.failure.kind == "exception" and tracer.stack:
+        name, shapes = tracer.stack[-1]
+        result["raised_in"] = {"module": name, "class": type(s.state.model.get_submodule(
+            "" if name == "<model>" else name)).__name__, "received": shapes,
+            "exception": f"{out.failure.exc_type}: {out.failure.message}"}
+        result["frames"] = list(tracer.frames)[-keep:]
+        return result
+    if out.failure is not None and out.failure.kind != "exception":
+        origin = watch_step(s, inputs[-1], before, batch_size(inputs[-1].batch))[1]
+        result["origin"] = origin.to_json() if origin else None
+    if tracer.first is None:
+        result["frames"] = list(tracer.frames)[-keep:]
+        return result
+    first = tracer.first
+    result["frames"] = tracer.first_frames + [{k: first[k] for k in ("module", "class", "phase", "inputs",
+                                                                       "outputs", "weights")}]
+    op = _find_op(s, inputs[-1:], before, first["module"], first["phase"])
+    result["first_nonfinite"] = {"module": first["module"], "class": first["class"], "phase": first["phase"],
+                                 "op": op["op"] if op else None, "op_detail": op,
+                                 "inputs_already_nonfinite": first["inputs_already_nonfinite"]}
+    origin = result["origin"]
+    if origin and origin.get("created") and origin.get("module") is None:
+        # Made by the step function's own code: the module hooks saw it only later, arriving in backward.
+        result["outside_every_module"] = {"site": origin.get("site"), "op": origin.get("op"),
+                                          "phase": origin.get("phase")}
+    return result
 
 
 def _find_op(s: Session, steps: list, before: Any, module: str, phase: str) -> dict[str, Any] | None:
@@ -160,6 +209,8 @@ def _find_op(s: Session, steps: list, before: Any, module: str, phase: str) -> d
 
 def format_layers(d: dict[str, Any]) -> str:
     lines = []
+    if d.get("note"):
+        lines.append(f"note: {d['note']}")
     if d.get("origin"):
         lines.append(f"origin: {d['origin']['summary']}")
     if d.get("raised_in"):

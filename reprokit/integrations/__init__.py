@@ -5,5 +5,6 @@ Each submodule imports its framework lazily (only when the submodule itself is i
 
 * ``reprokit.integrations.transformers``: a ``TrainerCallback`` for the Hugging Face ``Trainer``.
 * ``reprokit.integrations.lightning``: a Lightning ``Callback``.
-* ``reprokit.integrations.accelerate``: helpers for loops prepared by ``accelerate``.
+* accelerate needs no module here: ``TrainState`` takes its ``AcceleratedOptimizer`` and ``AcceleratedScheduler``
+  as they are (see :func:`reprokit.state.unwrap_optimizer`).
 """

@@ -1,0 +1,244 @@
+"""Record a Lightning ``Trainer`` run; replay its steps through Lightning's own optimization loops.
+
+Usage (nothing else changes in the script)::
+
+    from reprokit.integrations.lightning import ReprokitCallback
+    trainer = lightning.pytorch.Trainer(callbacks=[ReprokitCallback(out_dir="repros")])
+    trainer.fit(model, loader)
+
+Design. A reprokit step is one pass of Lightning's per-batch optimization: ``_AutomaticOptimization.run``
+(the closure with ``zero_grad`` on the first batch of an accumulation, ``training_step``, the loss divided by
+``accumulate_grad_batches``, ``backward`` through the precision plugin, and, when the batch ends an
+accumulation, ``optimizer_step`` with ``on_before_optimizer_step`` and gradient clipping), or
+``_ManualOptimization.run`` (``training_step`` calling ``manual_backward`` and ``opt.step()`` itself),
+followed by the ``interval="step"`` LR schedulers Lightning steps after it.
+
+* Recording: at ``on_train_start`` the callback puts a :class:`reprokit.Recorder` around those two ``run``
+  methods of the live trainer, so each batch runs through ``Recorder.step`` exactly as Lightning runs it
+  (batch, RNG and state are taken at its start; an exception or a non-finite loss writes a bundle and is
+  raised through Lightning, which calls ``on_exception`` and stops). The recorded batch is
+  ``{"batch": BATCH, "lightning": {"batch_idx", "optimizer_step"}}``: whether this batch ended an
+  accumulation is recorded, not recomputed.
+* Replay: ``build(config)`` imports the LightningModule class from the bundle's code snapshot (vetted like
+  every ref), constructs it from its ``save_hyperparameters()`` values (JSON in run.json, never a pickle),
+  and connects it to a headless ``Trainer`` made with the recorded precision, clipping and accumulation
+  settings; ``configure_optimizers`` gives the optimizer and scheduler configs. :func:`train_step` then calls
+  the same ``run`` method of that trainer's loop, and steps the ``interval="step"`` schedulers as
+  ``TrainingEpochLoop._update_learning_rates`` does. Losses replay bit-exact on CPU.
+
+Several ranks (``strategy="ddp"`` under torchrun): every rank records through the multi-rank machinery (one
+incident folder, every rank's window; see :mod:`reprokit.distributed`). A rank's bundle replays alone on one
+device (no all-reduce, so not bit-exact); ``reprokit replay INCIDENT --nproc N`` rebuilds each rank's module
+behind Lightning's DDP strategy in the process group replay starts, and replays bit-exact on CPU.
+
+Limits (said at attach time when they apply): one optimizer and at most one LR scheduler; ``self.log`` calls
+are no-ops on replay (logging does not change training); hooks that run outside the optimization
+(``on_train_batch_start/end``, callbacks changing weights, an EMA) are not part of the replayed step;
+``ReduceLROnPlateau`` and ``interval="epoch"`` schedulers step between epochs, outside the replayed window.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections import OrderedDict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
+from reprokit.code import ref_of, resolve_project
+from reprokit.errors import CaptureError, CodeLoadError
+from reprokit.record import Recorder
+from reprokit.state import TrainState
+
+BATCH = "batch"
+META = "lightning"
+TRAINER_FLAGS = ("accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm", "precision")
+"""The Trainer settings that change what one optimization step computes, recorded in run.json."""
+
+__all__ = ["ReprokitCallback", "build", "train_step"]
+
+
+class ReprokitCallback(Callback):
+    """A Lightning callback that records the run and writes a bundle when it fails.
+
+    Args:
+        out_dir: where bundles are written.
+        **recorder_options: passed to :class:`reprokit.Recorder` (``snapshot_every``, ``check_grads``,
+            ``detect``, ``host_memory_budget``...).
+
+    Example:
+        >>> trainer = pl.Trainer(callbacks=[ReprokitCallback(out_dir="repros")])   # doctest: +SKIP
+        >>> trainer.fit(model, loader)                                            # doctest: +SKIP
+    """
+
+    def __init__(self, out_dir: str = "repros", **recorder_options: Any):
+        for key in ("build", "config", "state", "train_step"):
+            if key in recorder_options:
+                raise CaptureError(f"ReprokitCallback({key}=...): the callback makes {key} itself from the "
+                                   "LightningModule and the Trainer; drop it")
+        self.out_dir = out_dir
+        self.options = recorder_options
+        self.recorder: Recorder | None = None
+        self._live: tuple[Any, tuple[Any, ...]] | None = None
+        self._output: Any = None
+        self._restore: tuple[Any, ...] = ()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state, config, cls_ref, root = _describe(trainer, pl_module)
+        rec = Recorder(state, train_step, build=build, config=config, out_dir=self.out_dir, **self.options)
+        # Replay runs reprokit's train_step on a headless trainer; while recording, the step is the live one.
+        rec.train_step = self._run_live
+        rec._refs["objects"] = [cls_ref]
+        rec._root = root  # build and step are reprokit's: the code snapshot is the LightningModule's project
+        rec._scripts = [root / cls_ref["script"]] if "script" in cls_ref else []
+        self.recorder = rec
+        loop = trainer.fit_loop.epoch_loop
+        auto, manual = loop.automatic_optimization, loop.manual_optimization
+        auto_run, manual_run = auto.run, manual.run
+
+        def recorded_auto(optimizer: Any, batch_idx: int, kwargs: OrderedDict) -> Any:
+            return self._step(trainer, auto_run, (optimizer, batch_idx, kwargs), kwargs, batch_idx)
+
+        def recorded_manual(kwargs: OrderedDict) -> Any:
+            return self._step(trainer, manual_run, (kwargs,), kwargs, int(kwargs.get("batch_idx", 0)))
+
+        auto.run = recorded_auto  # type: ignore[method-assign]
+        manual.run = recorded_manual  # type: ignore[method-assign]
+        self._restore = (auto, manual)
+
+    def _step(self, trainer: pl.Trainer, run: Any, args: tuple[Any, ...], kwargs: OrderedDict, batch_idx: int) -> Any:
+        assert self.recorder is not None
+        steps = not trainer.fit_loop._should_accumulate()
+        self._live, self._output = (run, args), None
+        self.recorder.step({BATCH: kwargs[BATCH], META: {"batch_idx": batch_idx, "optimizer_step": steps}})
+        return self._output
+
+    def _run_live(self, state: TrainState, batch: Any) -> Any:
+        assert self._live is not None
+        run, args = self._live
+        self._output = run(*args)
+        return _loss_of(self._output)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._detach()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+        for loop in getattr(self, "_restore", ()):
+            loop.__dict__.pop("run", None)  # the class's run again
+        self._restore = ()
+
+
+def _describe(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[TrainState, dict[str, Any], dict, Any]:
+    """The TrainState, the config ``build`` takes, the module class's ref and its project root."""
+    if len(trainer.optimizers) != 1 or len(trainer.lr_scheduler_configs) > 1:
+        raise CaptureError(f"reprokit's Lightning callback records one optimizer and at most one LR scheduler; "
+                           f"configure_optimizers gave {len(trainer.optimizers)} optimizer(s) and "
+                           f"{len(trainer.lr_scheduler_configs)} scheduler(s)")
+    cls = type(module)
+    try:
+        cls_ref, root = ref_of(cls, "the LightningModule class")
+    except CaptureError as e:
+        raise CaptureError(f"{e}; reprokit rebuilds the module on replay by importing its class") from None
+    if root is None:
+        raise CaptureError(f"{cls.__module__}.{cls.__qualname__} is installed code, not the project's; reprokit "
+                           "replays the project's own LightningModule subclass (define one in your project)")
+    hparams = dict(module.hparams)
+    try:
+        inspect.signature(cls).bind(**hparams)
+    except TypeError as e:
+        raise CaptureError(f"{cls.__qualname__}(**hparams) cannot be called with its saved hyperparameters "
+                           f"({sorted(hparams)}): {e}. Call self.save_hyperparameters() in __init__ so that replay "
+                           "can rebuild the module") from None
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
+    state = TrainState(model=module, optimizer=trainer.optimizers[0], scheduler=sched, scaler=scaler)
+    config = {"module": cls_ref, "hparams": hparams,
+              "trainer": {k: getattr(trainer, k) for k in TRAINER_FLAGS},
+              "automatic_optimization": module.automatic_optimization,
+              "accelerator": "gpu" if module.device.type == "cuda" else "cpu"}
+    return state, config, cls_ref, root
+
+
+def _loss_of(output: Any) -> Any:
+    return output.get("loss") if isinstance(output, dict) else output
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` on replay: logging does not change training, and there is no logger connector."""
+
+
+def build(config: dict[str, Any]) -> TrainState:
+    """Rebuild the recorded LightningModule on a headless Trainer (what replay calls; see the module docstring).
+
+    Raises:
+        CodeLoadError: the class is not a LightningModule, or constructing it failed.
+    """
+    cls = resolve_project(config["module"], "module")
+    if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
+        raise CodeLoadError(f"config.module names {cls!r}, not a LightningModule subclass")
+    module = cls(**config["hparams"])
+    flags = {k: config["trainer"][k] for k in TRAINER_FLAGS if k in config["trainer"]}  # nothing else reaches Trainer
+    # Replay runs where the bundle was recorded when it can (reprokit's default device), else on the CPU.
+    accelerator = "gpu" if config.get("accelerator") == "gpu" and torch.cuda.is_available() else "cpu"
+    ranks = torch.distributed.get_world_size() if torch.distributed.is_available() and \
+        torch.distributed.is_initialized() else 1
+    if ranks > 1:
+        flags["strategy"] = "ddp"
+    quiet = logging.getLogger("lightning.pytorch")  # "GPU available: ..." lines are about this headless trainer
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if ranks > 1 else 1
+        trainer = pl.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, **flags)
+    finally:
+        quiet.setLevel(level)
+    trainer.state.fn, trainer.state.stage = TrainerFn.FITTING, RunningStage.TRAINING
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    if ranks > 1:  # an incident replayed on its N ranks: the model behind DDP, as the recorded run had it
+        trainer.strategy.setup_environment()
+        trainer.strategy.model = trainer.strategy._setup_model(module)
+    module.log = module.log_dict = _no_log  # type: ignore[method-assign]
+    optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+    trainer.strategy.optimizers = optimizers
+    trainer.strategy.lr_scheduler_configs = schedulers
+    if module.automatic_optimization != config["automatic_optimization"]:
+        raise CodeLoadError(f"{cls.__qualname__}.automatic_optimization is {module.automatic_optimization} now, "
+                            f"{config['automatic_optimization']} when recorded")
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return TrainState(model=module, optimizer=optimizers[0], scheduler=schedulers[0].scheduler if schedulers else None,
+                      scaler=scaler)
+
+
+def train_step(state: TrainState, batch: dict[str, Any]) -> Any:
+    """One recorded batch through the headless trainer's own optimization loop, then its per-step schedulers."""
+    module: Any = state.model
+    trainer: Any = module.trainer
+    meta = batch[META]
+    idx, steps = int(meta["batch_idx"]), bool(meta["optimizer_step"])
+    trainer.fit_loop._should_accumulate = lambda: not steps  # type: ignore[method-assign]
+    loop = trainer.fit_loop.epoch_loop
+    kwargs = OrderedDict([(BATCH, batch[BATCH]), ("batch_idx", idx)])
+    if module.automatic_optimization:
+        output = loop.automatic_optimization.run(trainer.optimizers[0], idx, kwargs)
+        if steps:  # TrainingEpochLoop.update_lr_schedulers("step", update_plateau_schedulers=False)
+            for cfg in trainer.lr_scheduler_configs:
+                if cfg.interval == "step" and not cfg.reduce_on_plateau and (idx + 1) % cfg.frequency == 0:
+                    call._call_lightning_module_hook(trainer, "lr_scheduler_step", cfg.scheduler, None)
+    else:
+        output = loop.manual_optimization.run(kwargs)
+    loss = _loss_of(output)
+    return loss if isinstance(loss, torch.Tensor) else None
