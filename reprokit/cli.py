@@ -38,8 +38,13 @@ from typing import Any, TextIO
 
 import click
 
-from reprokit import bundle as B
 from reprokit.errors import ReprokitError
+
+# Import rule (issue 17: `reprokit --help` and `--version` answer in <= 0.3 s): at module level this
+# file imports only click, the standard library and modules that do not import torch
+# (reprokit.errors, reprokit.archive for Limits). Every command imports what it needs inside its
+# function (`from reprokit.bundle import open_bundle`), so torch loads only when a command runs.
+# tests/integration/test_io.py::test_help_and_version_do_not_import_torch holds this.
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "REPROKIT"}
 
@@ -52,8 +57,10 @@ _json_out: list[TextIO] = []
 
 
 def _emit(obj: dict[str, Any]) -> None:
+    from reprokit.bundle import jsonable
+
     out = _json_out[-1] if _json_out else None
-    click.echo(json.dumps(B.jsonable(obj), indent=2, sort_keys=False), file=out)
+    click.echo(json.dumps(jsonable(obj), indent=2, sort_keys=False), file=out)
 
 
 def _wants_json(args: Sequence[str]) -> bool:
@@ -284,10 +291,11 @@ def inspect(bundle: Path, plot: Path | None, as_json: bool, **kw: Any) -> None:
 
     BUNDLE may be a bundle folder or a packed .tar.gz.
     """
+    from reprokit.bundle import open_bundle
     from reprokit.report import describe, format_describe, plot_history
 
     with _open(bundle, kw) as path:
-        opened = B.open_bundle(path)
+        opened = open_bundle(path)
         d = describe(opened)
         if plot is not None:
             plot_history(opened, plot)
@@ -309,12 +317,13 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     Exit 3 if the format is newer than this reprokit reads.
     """
     from reprokit.archive import digest_source, is_archive
+    from reprokit.bundle import verify as verify_bundle
     from reprokit.errors import BundleError
 
     origin = digest_source(bundle, kw["sha256"]) if is_archive(bundle) else None
     try:
         with _open(bundle, kw) as path:
-            problems = B.verify(path)
+            problems = verify_bundle(path)
     except BundleError as e:
         if not e.problems:
             raise
@@ -433,6 +442,7 @@ def _axis_command(axis: str, doc: str, extra: list[Any] | None = None) -> None:
     def command(bundle: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
         from reprokit.bisect import AXES
         from reprokit.bisect.precision import VARIANTS as PRECISION_VARIANTS
+        from reprokit.bundle import open_bundle
 
         fn: Any = AXES[axis][0]
         fmt: Any = AXES[axis][1]
@@ -450,7 +460,7 @@ def _axis_command(axis: str, doc: str, extra: list[Any] | None = None) -> None:
                     update(len(done), f"{name}: {verdict}")
 
                 opts["progress"] = progress
-            d = fn(B.open_bundle(path), device=device, code=code, **opts)
+            d = fn(open_bundle(path), device=device, code=code, **opts)
         _emit(d) if as_json else click.echo(fmt(d))
 
     command.__doc__ = doc

@@ -34,7 +34,12 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "env": {k: v for k, v in bundle.env.items() if k != "git"} | {"git": _git_summary(bundle.env.get("git"))},
         "losses": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in run["history"]],
         "provenance": run.get("provenance"),
+        "checked": CHECKED,
     })
+
+
+CHECKED = ("JSON files and code hashed against the manifest; tensor files checked for size and header only, "
+           "not hashed (`reprokit verify` hashes them; replay hashes each one as it loads it)")
 
 
 def _batch_structure(bundle: Bundle, step: int) -> dict[str, Any]:
@@ -99,6 +104,8 @@ def format_describe(d: dict[str, Any]) -> str:
                  f"devices {e['devices'] or ['cpu']}" + (f", git {str(git.get('commit'))[:10]}"
                                                         f"{' (dirty)' if git.get('dirty') else ''}" if git else ""))
     lines += _provenance_lines(d.get("provenance"))
+    if d.get("checked"):
+        lines.append(f"checked  {d['checked']}")
     losses = d["losses"][-12:]
     if losses:
         lines.append(f"losses   (last {len(losses)} of {len(d['losses'])})")
