@@ -57,3 +57,10 @@ def test_memory_budget_bench_quick_runs_and_stays_under_its_budget():
     report = _bench_json("memory_budget")
     small = report["variants"]["recorder (budget 2 MiB)"]
     assert small["early_snapshots"] >= 1 and small["peak_buffers_bytes"] <= small["budget_bytes"], small
+
+
+def test_io_bench_quick_runs():
+    report = _bench_json("io_bench")
+    assert {"dump", "load", "verify", "pack", "open_archive"} <= report["figures"].keys()
+    assert all(f["ratio"] > 0 and f["limit_Bps"] > 0 for f in report["figures"].values()), report["figures"]
+    assert report["inspect_exit"] == 0 and report["archive"]["name"] == "repro.tar"
