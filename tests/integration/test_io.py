@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -40,10 +41,19 @@ def nan_bundle(tmp_path_factory):
 
 @pytest.mark.parametrize("flag", ["--help", "--version"])
 def test_help_and_version_do_not_import_torch(flag):
-    code = ("import sys\nfrom reprokit.cli import main\ntry:\n    main([%r])\nexcept SystemExit as e:\n"
-            "    assert e.code == 0, e.code\nloaded = sorted(m for m in ('torch', 'numpy', 'safetensors') "
-            "if m in sys.modules)\nassert not loaded, loaded\nimport reprokit\nassert 'torch' not in sys.modules\n"
-            "assert reprokit.Recorder.__name__ == 'Recorder' and 'torch' in sys.modules\n") % flag
+    code = textwrap.dedent(f"""
+        import sys
+        from reprokit.cli import main
+        try:
+            main([{flag!r}])
+        except SystemExit as e:
+            assert e.code == 0, e.code
+        loaded = sorted(m for m in ("torch", "numpy", "safetensors") if m in sys.modules)
+        assert not loaded, loaded
+        import reprokit
+        assert "torch" not in sys.modules
+        assert reprokit.Recorder.__name__ == "Recorder" and "torch" in sys.modules  # loaded on first use
+    """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
