@@ -213,7 +213,7 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
     copied and must match the bundle's manifest (else nothing is written).
 
     Example:
-        >>> r = pack("repros/bundle-...", "repro.tar.gz")             # doctest: +SKIP
+        >>> r = pack("repros/bundle-...", "repro.tar")                # doctest: +SKIP
         >>> r.sha256                                                   # doctest: +SKIP
     """
     b = open_bundle(Path(bundle))  # JSON, code and sizes now; tensor files hashed as they are copied below
