@@ -7,9 +7,13 @@ Public API (everything else is internal and may change)::
     report = reprokit.replay("repros/bundle-...", times=3)
 """
 
+from __future__ import annotations
+
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from reprokit._version import __version__
-from reprokit.bundle import Bundle, open_bundle, verify
-from reprokit.detect import DetectSettings
 from reprokit.errors import (
     BundleError,
     BundleVersionError,
@@ -22,10 +26,54 @@ from reprokit.errors import (
     StateMismatchError,
     TrainingFailure,
 )
-from reprokit.record import Recorder
-from reprokit.replay import ReplayReport, Session, replay
-from reprokit.signature import Failure
-from reprokit.state import TrainState
+
+# The names below import torch, so they are loaded on first use (PEP 562): `import reprokit` and
+# `reprokit --help` stay fast. The TYPE_CHECKING block names them for type checkers and for
+# reprokit.pack.runtime_files, which vendors every module listed there.
+if TYPE_CHECKING:
+    from reprokit.bundle import Bundle, open_bundle, verify
+    from reprokit.detect import DetectSettings
+    from reprokit.record import Recorder
+    from reprokit.replay import ReplayReport, Session, replay
+    from reprokit.signature import Failure
+    from reprokit.state import TrainState
+
+_LAZY = {
+    "Bundle": "reprokit.bundle", "open_bundle": "reprokit.bundle", "verify": "reprokit.bundle",
+    "DetectSettings": "reprokit.detect", "Recorder": "reprokit.record", "ReplayReport": "reprokit.replay",
+    "Session": "reprokit.replay", "replay": "reprokit.replay", "Failure": "reprokit.signature",
+    "TrainState": "reprokit.state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reprokit' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``reprokit.replay`` sets the package's attribute ``replay`` to that module, which
+    would hide the function ``reprokit.replay`` (loaded lazily, above) once anything imported the submodule. The
+    eager package rebound the name after that import; this keeps the function in place the same way."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f"{__name__}.{name}":
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "Bundle",

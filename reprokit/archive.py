@@ -1,5 +1,8 @@
 """Open bundles that come from other people: tarballs checked before anything is written.
 
+Archives are plain ``.tar`` (what ``reprokit pack`` writes) or ``.tar.gz`` (earlier versions);
+gzip is recognised by its magic bytes, whatever the name.
+
 The order of defences: (1) the archive's own sha256, when a ``.sha256`` sits
 beside it or one is given, before decompressing a byte; (2) a pre-scan of
 every member header, reading but writing nothing, that refuses links,
@@ -16,7 +19,10 @@ Every problem found is reported, not only the first.
 The tar reader is our own (ustar, GNU long names, pax records), about a
 hundred lines: ``tarfile`` reads a GNU long name or a pax header whole however
 large it claims to be, and stops without a word at a damaged header after the
-first member.
+first member. It reads every number in a header with a bounded number of digits (a pax record's
+length and ``size`` at most 20), so a crafted header costs its bytes, never quadratic time
+(CPython's tarfile took 79-135 s on a 200,000-digit pax record), and never escapes as a
+``ValueError`` (Python refuses ``int()`` of more than 4,300 digits).
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
-import json
 import os
 import shutil
 import struct
@@ -35,16 +40,22 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from reprokit.bundle import MANIFEST, _self_digest, sha256_file, verify
+from reprokit import schema
 from reprokit.errors import BundleError, BundleVersionError
-from reprokit.pack import PACK_FORMAT, PACK_MANIFEST, PACK_VERSION
+
+# This module is imported by the command line's option decorators (Limits), so it must not import
+# torch: reprokit.bundle and reprokit.pack (which do) are imported inside the functions that use them.
+MANIFEST = "manifest.json"  # reprokit.bundle.MANIFEST
+PACK_MANIFEST = "pack-manifest.json"  # reprokit.pack.PACK_MANIFEST
 
 GiB = 1 << 30
 MAX_PROBLEMS = 100
 SIDECAR_MAX_BYTES = 4096
 """A ``.sha256`` file holds one line; a larger one is refused unread."""
 BLOCK = 512
-CHUNK = 1 << 20
+CHUNK = 8 << 20
+MAX_PAX_NUMBER_DIGITS = 20
+"""A pax ``size`` (or record length) is a 64-bit count: more digits are refused before ``int()`` sees them."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -77,32 +88,52 @@ class _Refused(Exception):
 
 
 class _Stream:
-    """The decompressed archive, read in bounded pieces; refuses to inflate past the caps.
+    """The archive's tar stream (gunzipped when it is a .tar.gz), read in bounded pieces; refuses to
+    inflate past the caps.
 
     Every decompression error (a bad CRC or length in the gzip trailer, a corrupt deflate
-    stream, a truncated file) becomes :class:`_Refused`.
+    stream, a truncated file) becomes :class:`_Refused`. An uncompressed tar is read as it is, and
+    member data nobody reads is skipped with a seek.
     """
 
     def __init__(self, path: Path, limits: Limits):
         self._raw = open(path, "rb")  # noqa: SIM115 - closed in close()
-        self._gz = gzip.GzipFile(fileobj=self._raw, mode="rb")
+        self.compressed = self._raw.read(2) == b"\x1f\x8b"
+        self._raw.seek(0)
+        self._size = os.fstat(self._raw.fileno()).st_size
+        self._src: Any = gzip.GzipFile(fileobj=self._raw, mode="rb") if self.compressed else self._raw
         self._limits = limits
         self.inflated = 0
 
     def read(self, n: int) -> bytes:
         """Up to ``n`` bytes; fewer only at the end of the stream."""
         try:
-            data = self._gz.read(n)
+            data = self._src.read(n)
         except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-            raise _Refused(f"not a readable .tar.gz: {e or type(e).__name__}") from None
-        self.inflated += len(data)
+            raise _Refused(f"not a readable {'.tar.gz' if self.compressed else '.tar'}: "
+                           f"{e or type(e).__name__}") from None
+        self._count(len(data))
+        return data
+
+    def skip(self, n: int, what: str) -> None:
+        """Pass over ``n`` bytes: a seek in an uncompressed tar, reading them in a .tar.gz."""
+        if self.compressed:
+            for _ in self.chunks(n, what):
+                pass
+            return
+        if self._raw.tell() + n > self._size:
+            raise _Refused(f"archive ends inside {what} (truncated?)")
+        self._raw.seek(n, os.SEEK_CUR)
+        self._count(n)
+
+    def _count(self, n: int) -> None:
+        self.inflated += n
         cap = self._limits.max_total_bytes + self._limits.max_members * 1024 + (1 << 20)
         if self.inflated > cap:
             raise _Refused(f"archive inflates past {cap} bytes (max_total_bytes)")
         if self.inflated > 256 << 20 and self.inflated > self._limits.max_ratio * max(1, self._raw.tell()):
             raise _Refused(f"archive inflates more than {self._limits.max_ratio:g}x its compressed size "
                            "(a decompression bomb?); raise --max-ratio if this bundle is genuine")
-        return data
 
     def exact(self, n: int, what: str) -> bytes:
         data = self.read(n)
@@ -124,8 +155,25 @@ class _Stream:
                 raise _Refused("data after the tar end-of-archive marker (a damaged or altered archive)")
 
     def close(self) -> None:
-        self._gz.close()
+        self._src.close()
         self._raw.close()
+
+
+class _Data:
+    """One member's data: iterate to read it in chunks; :meth:`skip` passes over what was not read."""
+
+    def __init__(self, stream: _Stream, n: int, what: str):
+        self._stream, self._left, self._what = stream, n, what
+
+    def __iter__(self) -> Iterator[bytes]:
+        while self._left > 0:
+            data = self._stream.exact(min(self._left, CHUNK), self._what)
+            self._left -= len(data)
+            yield data
+
+    def skip(self) -> None:
+        self._stream.skip(self._left, self._what)
+        self._left = 0
 
 
 @dataclass(slots=True)
@@ -169,7 +217,7 @@ def _pax(data: bytes) -> dict[str, Any]:
     out: dict[str, Any] = {}
     pos = 0
     while pos < len(data) and data[pos] != 0:
-        sp = data.find(b" ", pos, pos + 21)
+        sp = data.find(b" ", pos, pos + MAX_PAX_NUMBER_DIGITS + 1)
         try:
             length = int(data[pos:sp]) if sp > pos else -1
         except ValueError:
@@ -183,14 +231,15 @@ def _pax(data: bytes) -> dict[str, Any]:
         if key in ("path", "linkpath"):
             out[key] = value
         elif key == "size":
-            if not value.isdigit():
-                raise _Refused(f"invalid pax size {value!r} (a damaged archive)")
+            if not (value.isascii() and value.isdigit()) or len(value) > MAX_PAX_NUMBER_DIGITS:
+                raise _Refused(f"invalid pax size {value[:40]!r}{'...' if len(value) > 40 else ''} "
+                               f"({len(value)} characters; a damaged or crafted archive)")
             out["size"] = int(value)
         pos += length
     return out
 
 
-def _members(stream: _Stream, limits: Limits) -> Iterator[tuple[_Member, Iterator[bytes]]]:
+def _members(stream: _Stream, limits: Limits) -> Iterator[tuple[_Member, _Data]]:
     """Each member with an iterator over its data (skipped when not consumed), to the verified end.
 
     Raises:
@@ -246,20 +295,22 @@ def _members(stream: _Stream, limits: Limits) -> Iterator[tuple[_Member, Iterato
                          linkname=pending.get("linkpath") or _nts(block[157:257]))
         pending, extended = {}, 0
         data_size = size if kind == "file" or kind.startswith("member type") else 0  # as tar does
-        data = stream.chunks(data_size, f"the data of {name}")
+        data = _Data(stream, data_size, f"the data of {name}")
         yield member, data
-        for _ in data:  # what the caller did not read
-            pass
+        data.skip()  # what the caller did not read
         stream.exact(-data_size % BLOCK, f"the padding of {name}")
 
 
 def is_archive(path: Path) -> bool:
-    return path.is_file() and (path.name.endswith((".tar.gz", ".tgz")) or _gzip_magic(path))
+    """A packed repro: ``.tar`` (what ``reprokit pack`` writes) or ``.tar.gz`` (earlier versions), by name or
+    by content (gzip magic, or a ustar header)."""
+    return path.is_file() and (path.name.endswith((".tar", ".tar.gz", ".tgz")) or _archive_magic(path))
 
 
-def _gzip_magic(path: Path) -> bool:
+def _archive_magic(path: Path) -> bool:
     with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
+        head = f.read(BLOCK)
+    return head[:2] == b"\x1f\x8b" or (len(head) == BLOCK and head[257:262] == b"ustar")
 
 
 def digest_source(path: Path, expected: str | None) -> str | None:
@@ -291,6 +342,8 @@ def check_digest(path: Path, expected: str | None) -> list[dict[str, Any]]:
     if len(want) != 64 or any(c not in "0123456789abcdef" for c in want):
         return [{"file": source, "problem": "not a sha256 (64 hex digits expected)", "expected": "64 hex digits",
                  "found": want[:80]}]
+    from reprokit.bundle import sha256_file
+
     found = sha256_file(path)
     if found != want:
         return [{"file": path.name, "problem": f"archive sha256 does not match {source}", "expected": want,
@@ -458,15 +511,18 @@ def _coverage(root: Path, bundle: Path, files: dict[str, tuple[str, int]]) -> li
 
 
 def _read_pack_manifest(pm: Path, size: int) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    from reprokit.bundle import _self_digest
+    from reprokit.pack import PACK_FORMAT, PACK_VERSION
+
     def bad(problem: str) -> tuple[None, list[dict[str, Any]]]:
         return None, [{"file": PACK_MANIFEST, "problem": problem}]
 
     if size > 64 << 20:
         return bad(f"{size} bytes; a pack manifest is small, not read")
     try:
-        m = json.loads(pm.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        return bad(f"not valid JSON: {e}")
+        m = schema.parse_json(pm.read_bytes(), PACK_MANIFEST)  # strict, with the depth and size limits
+    except schema.SchemaError as e:
+        return bad(e.why)
     if not isinstance(m, dict) or m.get("format") != PACK_FORMAT or not isinstance(m.get("files"), dict):
         return bad(f"not a {PACK_FORMAT} manifest")
     if not isinstance(m.get("version"), int) or m["version"] < 1:
@@ -506,6 +562,8 @@ def extracted(path: Path, *, sha256: str | None = None, limits: Limits | None = 
         BundleError: with ``.problems`` listing everything wrong (digest, members, manifests).
         BundleVersionError: for a bundle or pack manifest newer than this reprokit reads.
     """
+    from reprokit.bundle import verify
+
     limits = limits or Limits()
     problems = check_digest(path, sha256)
     if problems:
@@ -551,5 +609,6 @@ def bundle_dir(path: str | Path, *, sha256: str | None = None, limits: Limits | 
     elif not path.exists():
         raise BundleError(f"{path} does not exist")
     else:
-        raise BundleError(f"{path} is neither a bundle folder nor a .tar.gz archive")
+        raise BundleError(f"{path} is neither a bundle folder nor a packed archive (.tar, or .tar.gz from earlier "
+                          "versions); pass a bundle folder or the file `reprokit pack` wrote")
 

@@ -18,16 +18,15 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from reprokit import pytree, schema
+from reprokit import pytree, schema, tensorfile
 from reprokit._version import __version__
 from reprokit.errors import BundleError, BundleVersionError
 from reprokit.signature import Failure
@@ -47,6 +46,9 @@ CODE = "code"
 MANIFEST_KEYS = frozenset({"created", "files", "format", "reprokit_version", "self_sha256", "version"})
 LEGACY_KEYS = MANIFEST_KEYS - {"self_sha256"}
 TMP_PREFIX = ".tmp-"
+MAX_TOTAL_JSON_BYTES = 512 << 20
+"""Most bytes of JSON (outside code/) one bundle may list: with schema's per-file cap, depth and string
+limits, this bounds the time and memory any command spends parsing a bundle's metadata."""
 
 # Upgrades take a bundle's parsed JSON files ({"run.json": {...}, ...}) from
 # version v to v + 1. Version 1 is the first, so none exist yet; when the
@@ -72,11 +74,8 @@ def dumps(obj: Any) -> bytes:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """The file's sha256 (reading and hashing overlapped)."""
+    return tensorfile.sha256_file(path)[0]
 
 
 def step_name(step: int) -> str:
@@ -150,19 +149,17 @@ class BundleWriter:
         self.write_bytes(rel, dumps(obj))
 
     def write_tensors(self, rel: str, tensors: dict[str, torch.Tensor] | Path) -> None:
-        """Write tensors as safetensors; a Path is an already-written safetensors file, copied in chunks."""
+        """Write tensors as safetensors, streamed from their own memory and hashed while written
+        (:func:`reprokit.tensorfile.write_safetensors`); a Path is an already-written safetensors
+        file, copied in chunks."""
         if isinstance(tensors, Path):
             self.copy_file(rel, tensors)
             return
-        own: dict[str, torch.Tensor] = {}
-        storages: set[int] = set()
-        for k, t in tensors.items():
-            # safetensors refuses tensors that share storage: give views (referenced batches) their own.
-            ptr = t.untyped_storage().data_ptr() if t.numel() else -1
-            whole = t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
-            own[k] = t if whole and ptr not in storages else t.contiguous().clone()
-            storages.add(ptr)
-        self.write_bytes(rel, st_save(own))
+        try:
+            sha, size = tensorfile.write_safetensors(self._target(rel), tensors)
+        except FileNotFoundError:
+            raise self._vanished() from None
+        self.files[rel] = {"sha256": sha, "size": size}
 
     def copy_file(self, rel: str, src: Path) -> None:
         """Copy a file in, chunk by chunk (state files may be larger than memory)."""
@@ -174,7 +171,7 @@ class BundleWriter:
             except FileNotFoundError:
                 raise self._vanished() from None
             with fout:
-                for chunk in iter(lambda: fin.read(1 << 24), b""):
+                for chunk in iter(lambda: fin.read(tensorfile.CHUNK), b""):
                     h.update(chunk)
                     fout.write(chunk)
                     size += len(chunk)
@@ -434,10 +431,12 @@ def _du(d: Path) -> tuple[int, float]:
 
 # --- verifying ------------------------------------------------------------------
 
-def verify(path: Path) -> list[dict[str, Any]]:
+def verify(path: Path, *, hash_tensors: bool = True) -> list[dict[str, Any]]:
     """Every problem with a bundle directory: ``[{"file", "problem", "expected", "found"}]``.
 
-    An empty list means every file matches the manifest and nothing extra is there.
+    An empty list means every file matches the manifest and nothing extra is there. With
+    ``hash_tensors=False`` the ``.safetensors`` files are checked for size and header only, not
+    hashed (``inspect``, and :func:`open_bundle`, which hashes each one when it reads it).
 
     Raises:
         BundleError: when ``path`` is not a directory.
@@ -450,14 +449,30 @@ def verify(path: Path) -> list[dict[str, Any]]:
     if manifest is None:
         return problems
     listed: dict[str, Any] = manifest["files"]
+    json_bytes = sum(meta["size"] for rel, meta in listed.items() if not rel.startswith(f"{CODE}/")
+                     and rel.endswith(".json"))
+    if json_bytes > MAX_TOTAL_JSON_BYTES:  # each file has its own cap (schema); this bounds the sum
+        return [{"file": MANIFEST, "problem": f"lists {json_bytes} bytes of JSON files; a bundle holds at most "
+                                              f"{MAX_TOTAL_JSON_BYTES} (metadata only: tensors live in "
+                                              "safetensors); not read", "expected": MAX_TOTAL_JSON_BYTES,
+                 "found": json_bytes}]
+    def unsafe(rel: str) -> bool:
+        return rel.startswith("/") or ".." in Path(rel).parts
+
+    digests = _sha256_many([path / rel for rel in listed if not unsafe(rel) and (path / rel).is_file()
+                            and (hash_tensors or not rel.endswith(".safetensors"))])
     for rel, meta in sorted(listed.items()):
         target = path / rel
-        if rel.startswith("/") or ".." in Path(rel).parts:
+        if unsafe(rel):
             problems.append({"file": rel, "problem": "unsafe path in manifest"})
         elif not target.is_file():
             problems.append({"file": rel, "problem": "missing", "expected": meta.get("sha256")})
+        elif not hash_tensors and rel.endswith(".safetensors"):
+            if target.stat().st_size != meta.get("size"):
+                problems.append({"file": rel, "problem": "size mismatch", "expected": meta.get("size"),
+                                 "found": target.stat().st_size})
         else:
-            found = sha256_file(target)
+            found = digests[target]
             if found != meta.get("sha256"):
                 problems.append({"file": rel, "problem": "checksum mismatch", "expected": meta.get("sha256"),
                                  "found": found})
@@ -472,6 +487,17 @@ def verify(path: Path) -> list[dict[str, Any]]:
     # (files reported above are not read again).
     problems += schema.check_bundle(path, listed, skip={p["file"] for p in problems})
     return problems
+
+
+def _sha256_many(paths: list[Path]) -> dict[Path, str]:
+    """sha256 of every file, several at once (one file's hash is one sequential stream, so a bundle's
+    files are spread over the cores, largest first)."""
+    workers = min(len(paths), os.cpu_count() or 1, 8)
+    if workers <= 1:
+        return {p: sha256_file(p) for p in paths}
+    order = sorted(paths, key=lambda p: -p.stat().st_size)
+    with ThreadPoolExecutor(workers, thread_name_prefix="reprokit-verify") as pool:
+        return dict(zip(order, pool.map(sha256_file, order)))
 
 
 def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -564,8 +590,19 @@ class Bundle:
         return schema.load_json(self.path / rel, rel)
 
     def _tensors(self, rel: str) -> dict[str, torch.Tensor]:
-        schema.check_safetensors(self.path / rel, rel)  # the header, before safetensors trusts it
-        return st_load((self.path / rel).read_bytes())
+        """The tensors of one file, read once: hashed while read, and made only once the digest matched."""
+        meta = self.manifest["files"].get(rel)
+        if meta is None:
+            raise BundleError(f"{self.path}: {rel} is not in the manifest; the bundle is incomplete. {_FIX}",
+                              [{"file": rel, "problem": "missing"}])
+        try:
+            return tensorfile.read_verified(self.path / rel, meta["sha256"], meta["size"])
+        except tensorfile.TensorFileError as e:
+            raise BundleError(f"{self.path}: {rel}: {e}; refusing to load it. {_FIX}",
+                              [{"file": rel, "problem": str(e)}]) from None
+        except OSError as e:
+            raise BundleError(f"{self.path}: {rel} cannot be read ({e.strerror or e}). {_FIX}",
+                              [{"file": rel, "problem": f"cannot be read: {e.strerror or e}"}]) from None
 
     def sizes(self) -> dict[str, int]:
         """Bytes on disk per part: state, batches (steps/), code, metadata, and the vendored runtime
@@ -581,8 +618,16 @@ class Bundle:
         return out
 
 
+_FIX = "Ask the sender for an intact copy, or run `reprokit verify` for details."
+
+
 def open_bundle(path: str | Path) -> Bundle:
     """Verify a bundle directory, then open it.
+
+    Every JSON file and the code snapshot are hashed here, and every file's size and safetensors
+    header checked; each tensor file is hashed when it is read (:meth:`Bundle.state`,
+    :meth:`Bundle.step`), in the same pass, before any tensor is made from it. So loading a state
+    reads it once, and a tampered tensor file is refused when it is loaded (``BundleError``).
 
     Raises:
         BundleError: listing every problem when verification fails.
@@ -593,13 +638,13 @@ def open_bundle(path: str | Path) -> Bundle:
         >>> b.failure.kind, b.steps                               # doctest: +SKIP
     """
     path = Path(path)
-    problems = verify(path)
+    problems = verify(path, hash_tensors=False)
     if problems:
         lines = "\n".join(f"  {p['file']}: {p['problem']}" for p in problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise BundleError(
             f"{path} failed verification ({len(problems)} problem(s)); refusing to load it:\n{lines}{more}\n"
-            "Ask the sender for an intact copy, or run `reprokit verify` for details.",
+            + _FIX,
             problems,
         )
     manifest = schema.load_json(path / MANIFEST, MANIFEST)

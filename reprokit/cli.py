@@ -38,8 +38,13 @@ from typing import Any, TextIO
 
 import click
 
-from reprokit import bundle as B
 from reprokit.errors import ReprokitError
+
+# Import rule (issue 17: `reprokit --help` and `--version` answer in <= 0.3 s): at module level this
+# file imports only click, the standard library and modules that do not import torch
+# (reprokit.errors, reprokit.archive for Limits). Every command imports what it needs inside its
+# function (`from reprokit.bundle import open_bundle`), so torch loads only when a command runs.
+# tests/integration/test_io.py::test_help_and_version_do_not_import_torch holds this.
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "REPROKIT"}
 
@@ -52,8 +57,10 @@ _json_out: list[TextIO] = []
 
 
 def _emit(obj: dict[str, Any]) -> None:
+    from reprokit.bundle import jsonable
+
     out = _json_out[-1] if _json_out else None
-    click.echo(json.dumps(B.jsonable(obj), indent=2, sort_keys=False), file=out)
+    click.echo(json.dumps(jsonable(obj), indent=2, sort_keys=False), file=out)
 
 
 def _wants_json(args: Sequence[str]) -> bool:
@@ -173,12 +180,12 @@ json_opt = click.option("--json", "as_json", is_flag=True, help="Print one JSON 
 
 
 def archive_opts(fn: Any) -> Any:
-    """Options for opening a packed .tar.gz: its digest and the extraction caps."""
+    """Options for opening a packed archive (.tar or .tar.gz): its digest and the extraction caps."""
     from reprokit.archive import Limits
 
     d = Limits()
     opts = [
-        click.option("--sha256", default=None, help="Expected sha256 of a .tar.gz (default: read BUNDLE.sha256 "
+        click.option("--sha256", default=None, help="Expected sha256 of an archive (default: read BUNDLE.sha256 "
                                                      "beside it, if there is one)."),
         click.option("--max-members", default=d.max_members, show_default=True, type=click.IntRange(1),
                      help="Refuse archives with more members."),
@@ -282,17 +289,18 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
 def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None, as_json: bool, **kw: Any) -> None:
     """Show BUNDLE's failure, window, batch structure, a diagnosis of the failing batch, state sizes, env and losses.
 
-    BUNDLE may be a bundle folder or a packed .tar.gz. The diagnosis checks the failing
+    BUNDLE may be a bundle folder or a packed archive (.tar or .tar.gz). The diagnosis checks the failing
     step's batch for non-finite values, ids past the model's embedding tables, empty
     masks, all-ignored labels and sequences past the position table.
     """
+    from reprokit.bundle import open_bundle
     from reprokit.report import batch_dump, describe, format_batch, format_describe, parse_rows, plot_history
 
     if rows is not None and not show_batch:
         raise click.UsageError("--rows needs --batch")
     picked = parse_rows(rows) if rows is not None else None
     with _open(bundle, kw) as path:
-        opened = B.open_bundle(path)
+        opened = open_bundle(path)
         d = describe(opened)
         if show_batch:
             d["batch_values"] = batch_dump(opened, picked)
@@ -315,18 +323,19 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
 def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     """Check every file of BUNDLE against its manifest; exit 1 if anything is wrong.
 
-    For a .tar.gz: its sha256 (from --sha256 or BUNDLE.sha256 beside it), then
+    For an archive: its sha256 (from --sha256 or BUNDLE.sha256 beside it), then
     every member and the whole stream, then the manifests of what it holds
     (every file, repro.py and the runtime included). Every problem is listed.
     Exit 3 if the format is newer than this reprokit reads.
     """
     from reprokit.archive import digest_source, is_archive
+    from reprokit.bundle import verify as verify_bundle
     from reprokit.errors import BundleError
 
     origin = digest_source(bundle, kw["sha256"]) if is_archive(bundle) else None
     try:
         with _open(bundle, kw) as path:
-            problems = B.verify(path)
+            problems = verify_bundle(path)
     except BundleError as e:
         if not e.problems:
             raise
@@ -412,13 +421,14 @@ def format_shrink(d: dict[str, Any]) -> str:
 @main.command()
 @bundle_arg
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="The .tar.gz to write; OUTPUT.sha256 is written beside it.")
+              help="The archive to write: OUTPUT.tar (uncompressed, fast) or OUTPUT.tar.gz (gzip, much slower: float "
+                   "tensors barely compress); OUTPUT.sha256 is written beside it.")
 @json_opt
 def pack(bundle: Path, output: Path, as_json: bool) -> None:
-    """Pack BUNDLE into a deterministic .tar.gz that replays with only torch, numpy and safetensors.
+    """Pack BUNDLE into a deterministic tarball that replays with only torch, numpy and safetensors.
 
     Inside: the bundle, repro.py, the reprokit runtime and a README. Send the
-    .tar.gz and its .sha256; the receiver runs `python repro.py`.
+    archive and its .sha256; the receiver runs `python repro.py`.
     """
     from reprokit.pack import pack as do_pack
 
@@ -426,14 +436,15 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
         from reprokit.errors import BundleError
 
         raise BundleError(f"{bundle} is not a bundle folder; pack takes the folder the recorder wrote "
-                          "(a .tar.gz is already packed: send it with its .sha256)")
+                          "(a .tar or .tar.gz is already packed: send it with its .sha256)")
     r = do_pack(bundle, output).to_json()
     if as_json:
         _emit(r)
         return
     click.echo(f"wrote {r['output']} ({r['bytes'] / 1e6:.2f} MB), sha256 {r['sha256']}")
     click.echo("  contents: " + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in r["breakdown"].items()))
-    click.echo(f"  receiver: tar xzf {shlex.quote(output.name)} && python {r['folder']}/repro.py")
+    flags = "xzf" if output.name.endswith((".tar.gz", ".tgz")) else "xf"
+    click.echo(f"  receiver: tar {flags} {shlex.quote(output.name)} && python {r['folder']}/repro.py")
 
 
 @main.command()
@@ -456,11 +467,12 @@ def extract(bundle: Path, output: Path, device: str | None, code: Path | None, a
     step function's own code or the batch made the value: said, and that op's inputs
     saved in OUTPUT where known).
     """
+    from reprokit.bundle import open_bundle
     from reprokit.extract import extract as do_extract
     from reprokit.extract import format_extract
 
     with _open(bundle, kw) as path:
-        result = do_extract(B.open_bundle(path), output, device=device, code=code, source=bundle)
+        result = do_extract(open_bundle(path), output, device=device, code=code, source=bundle)
     d = result.to_json()
     _emit(d) if as_json else click.echo(format_extract(d))
 
@@ -474,6 +486,7 @@ def _axis_command(axis: str, doc: str, extra: list[Any] | None = None) -> None:
     def command(bundle: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
         from reprokit.bisect import AXES
         from reprokit.bisect.precision import VARIANTS as PRECISION_VARIANTS
+        from reprokit.bundle import open_bundle
         from reprokit.replay import not_reproduced_note
 
         fn: Any = AXES[axis][0]
@@ -492,7 +505,7 @@ def _axis_command(axis: str, doc: str, extra: list[Any] | None = None) -> None:
                     update(len(done), f"{name}: {verdict}")
 
                 opts["progress"] = progress
-            opened = B.open_bundle(path)
+            opened = open_bundle(path)
             d = fn(opened, device=device, code=code, **opts)
         if d.get("reproduced") is False:
             d["note"] = d.get("note") or not_reproduced_note(opened)

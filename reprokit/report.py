@@ -35,7 +35,12 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "losses": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in run["history"]],
         "provenance": run.get("provenance"),
         "diagnosis": diagnosis(bundle),
+        "checked": CHECKED,
     })
+
+
+CHECKED = ("JSON files and code hashed against the manifest; tensor files checked for size and header only, "
+           "not hashed (`reprokit verify` hashes them; replay hashes each one as it loads it)")
 
 
 def failing_step(bundle: Bundle) -> int | None:
@@ -187,6 +192,8 @@ def format_describe(d: dict[str, Any]) -> str:
                                                         f"{' (dirty)' if git.get('dirty') else ''}" if git else ""))
     lines += _provenance_lines(d.get("provenance"))
     lines += _diagnosis_lines(d.get("diagnosis"))
+    if d.get("checked"):
+        lines.append(f"checked  {d['checked']}")
     losses = d["losses"][-12:]
     if losses:
         lines.append(f"losses   (last {len(losses)} of {len(d['losses'])})")

@@ -30,9 +30,7 @@ measured by ``bench/recorder_overhead.py``.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import threading
 import time
 import warnings
@@ -43,16 +41,7 @@ import torch
 
 from reprokit.errors import RecorderWarning
 from reprokit.state import TrainState, capture_rng, capture_state
-
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
-                     ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        _ST_DTYPES[getattr(torch, _name)] = _code
+from reprokit.tensorfile import write_safetensors
 
 
 class SnapshotEngine:
@@ -470,32 +459,6 @@ def _free_cached_bytes() -> int:
 
 def write_safetensors_streaming(path: Path, tensors: dict[str, torch.Tensor], staging: Any,
                                 chunk: int = 256 << 20) -> None:
-    """Write a safetensors file chunk by chunk, never holding more than ``chunk`` bytes on the host."""
-    header: dict[str, Any] = {}
-    offset = 0
-    items = sorted(tensors.items())
-    for key, t in items:
-        if t.dtype not in _ST_DTYPES:
-            raise TypeError(f"{key}: dtype {t.dtype} cannot be stored in safetensors")
-        n = t.numel() * t.element_size()
-        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, t in items:
-            flat = t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else None
-            if flat is None:
-                continue
-            for a in range(0, flat.numel(), chunk):
-                part = flat[a:a + chunk]
-                if part.is_cuda:
-                    buf = staging(part.numel())
-                    buf.copy_(part)
-                    f.write(buf.numpy().data)
-                else:
-                    f.write(part.numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write a safetensors file chunk by chunk, never holding more than ``chunk`` bytes on the host
+    (the one tensor writer, :func:`reprokit.tensorfile.write_safetensors`)."""
+    write_safetensors(path, tensors, staging=staging, chunk=chunk)

@@ -65,3 +65,10 @@ def test_ddp_overhead_bench_quick_runs_two_ranks_and_writes_both_windows():
     # rank 1 fed the NaN; rank 0 got it through the all-reduce; both wrote their window
     assert {r["rank"]: r["failure"] for r in report["ranks"]} == {0: "nonfinite_grad", 1: "nonfinite_loss"}
     assert all(r["dump_s"] is not None and r["bundle_bytes"] > 0 for r in report["ranks"]), report["ranks"]
+
+
+def test_io_bench_quick_runs():
+    report = _bench_json("io_bench")
+    assert {"dump", "load", "verify", "pack", "open_archive"} <= report["figures"].keys()
+    assert all(f["ratio"] > 0 and f["limit_Bps"] > 0 for f in report["figures"].values()), report["figures"]
+    assert report["inspect_exit"] == 0 and report["archive"]["name"] == "repro.tar"

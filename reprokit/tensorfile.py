@@ -1,0 +1,217 @@
+"""The one tensor writer and reader: safetensors files streamed at disk speed, hashed on the way.
+
+Every file reprokit writes tensors to goes through :func:`write_safetensors` (bundle files and the
+recorder's spill file): the header, then each tensor's bytes straight from its own memory (a CUDA
+tensor through a bounded staging buffer), never a second copy of the state in host memory. The
+sha256 of what is written runs in a helper thread while the next piece is written (``hashlib``
+and file writes both release the GIL), so a dump costs max(write, hash), not their sum.
+
+:func:`read_verified` reads a whole file into one buffer and hashes it in the same pass (the
+hash of piece *i* runs while piece *i + 1* is read); tensors are made from that buffer only after
+its digest matched the manifest's. Nothing is unpickled; the header is parsed as strict JSON and
+every range is checked against the buffer before a view is taken.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+
+import torch
+
+CHUNK = 32 << 20
+"""Bytes per write/read call and per hashed piece: large enough for disk speed, small enough to overlap."""
+_SMALL = 1 << 20  # pieces below this are hashed inline (a thread hand-off costs more than it saves)
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("float8_e8m0fnu", "F8_E8M0"),
+                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("complex64", "C64")):
+    if hasattr(torch, _name):
+        DTYPES[getattr(torch, _name)] = _code
+BY_CODE = {code: dtype for dtype, code in DTYPES.items()}
+
+Staging = Callable[[int], torch.Tensor]
+"""``staging(n)``: a host uint8 buffer of ``n`` bytes to copy a device tensor's piece through."""
+
+
+class TensorFileError(ValueError):
+    """A tensor file that does not match its digest or its own header (callers wrap it in a BundleError)."""
+
+
+def _header(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    items = sorted(tensors.items())
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, t in items:
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{key}: dtype {t.dtype} cannot be stored in safetensors")
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, items
+
+
+def _pieces(items: list[tuple[str, torch.Tensor]], staging: Staging | None, chunk: int) -> Iterator[memoryview]:
+    for _, t in items:
+        if not t.numel():
+            continue
+        flat = t.detach()
+        if not flat.is_contiguous():
+            flat = flat.contiguous()  # this one tensor only (a view of a batch, a transposed weight)
+        flat = flat.reshape(-1).view(torch.uint8)
+        for a in range(0, flat.numel(), chunk):
+            part = flat[a:a + chunk]
+            if part.device.type != "cpu":
+                if staging is None:
+                    part = part.cpu()
+                else:
+                    buf = staging(part.numel())
+                    buf.copy_(part)
+                    part = buf
+            yield memoryview(cast(Any, part.numpy())).cast("B")
+
+
+def _write_all(f: BinaryIO, data: memoryview) -> None:
+    while data:
+        n = f.write(data)
+        data = data[n:]
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], *, staging: Staging | None = None,
+                      chunk: int = CHUNK) -> tuple[str, int]:
+    """Write ``tensors`` as a safetensors file at ``path`` (fsynced); returns ``(sha256, size)``.
+
+    Tensors are written in key order straight from their memory, ``chunk`` bytes at a time; device
+    tensors go through ``staging`` (else ``.cpu()`` per piece). Tensors may share storage.
+
+    Raises:
+        TypeError: for a dtype safetensors cannot store.
+        OSError: from the filesystem (``FileNotFoundError`` when the folder vanished).
+
+    Example:
+        >>> write_safetensors(Path("x.safetensors"), {"w": torch.ones(2)})   # doctest: +SKIP
+        ('b3f1...', 80)
+    """
+    head, items = _header(tensors)
+    h = hashlib.sha256(head)
+    size = len(head)
+    with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="reprokit-hash") as pool:
+        _write_all(f, memoryview(head))
+        for piece in _pieces(items, staging, chunk):
+            if len(piece) < _SMALL:
+                h.update(piece)
+                _write_all(f, piece)
+            else:
+                hashed = pool.submit(h.update, piece)  # the hash of this piece runs while it is written
+                _write_all(f, piece)
+                hashed.result()  # before the next piece (the staging buffer is reused)
+            size += len(piece)
+        os.fsync(f.fileno())
+    return h.hexdigest(), size
+
+
+def _read_hashed(path: Path, pieces: Iterator[memoryview]) -> tuple[str, int]:
+    """Read ``path`` into the buffers ``pieces`` yields, hashing piece i while piece i + 1 is read."""
+    h = hashlib.sha256()
+    total = 0
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="reprokit-hash") as pool:
+        pending: Future[None] | None = None
+        for buf in pieces:
+            n = 0
+            while n < len(buf) and (k := f.readinto(buf[n:])):
+                n += k
+            if pending is not None:
+                pending.result()
+            if not n:
+                break
+            pending = pool.submit(h.update, buf[:n])
+            total += n
+            if n < len(buf):
+                break
+        if pending is not None:
+            pending.result()
+    return h.hexdigest(), total
+
+
+def sha256_file(path: Path, chunk: int = CHUNK) -> tuple[str, int]:
+    """``(sha256, bytes)`` of a file, reading and hashing overlapped (two buffers in turn)."""
+    bufs = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
+
+    def turns() -> Iterator[memoryview]:
+        i = 0
+        while True:
+            yield bufs[i % 2]
+            i += 1
+
+    return _read_hashed(path, turns())
+
+
+def read_verified(path: Path, sha256: str, size: int, chunk: int = CHUNK) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file whose bytes hash to ``sha256`` (one read, hashed on the way).
+
+    Tensors of 1 MiB or more are views of one buffer holding the file (no second copy of a state);
+    smaller ones, and any whose offset is not aligned to its element size, get their own storage.
+
+    Raises:
+        TensorFileError: the file's size or digest differs from the manifest's, or its header does not
+            describe its own bytes.
+    """
+    buf = torch.empty(size + 1, dtype=torch.uint8)  # one byte more: a longer file shows as a size mismatch
+    whole = memoryview(cast(Any, buf.numpy())).cast("B")
+    found, n = _read_hashed(path, (whole[a:a + chunk] for a in range(0, size + 1, chunk)))
+    if n != size:
+        raise TensorFileError(f"size mismatch: {n if n <= size else 'more than ' + str(size)} bytes on disk, "
+                              f"{size} in the manifest")
+    if found != sha256:
+        raise TensorFileError(f"checksum mismatch: sha256 {found}, the manifest says {sha256}")
+    return _tensors_of(buf[:size])
+
+
+def _tensors_of(buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    if buf.numel() < 8:
+        raise TensorFileError("too short for a safetensors file")
+    (n,) = struct.unpack("<Q", bytes(buf[:8].numpy()))
+    if n > buf.numel() - 8:
+        raise TensorFileError(f"declares a {n}-byte header in a {buf.numel()}-byte file")
+    try:
+        header = json.loads(bytes(buf[8:8 + n].numpy()))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise TensorFileError(f"header is not JSON: {str(e)[:200]}") from None
+    if not isinstance(header, dict):
+        raise TensorFileError("header is not a JSON object")
+    data = buf[8 + n:]
+    out: dict[str, torch.Tensor] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = BY_CODE[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            start, end = (int(x) for x in info["data_offsets"])
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            count = 1
+            for d in shape:
+                count *= d
+            if not 0 <= start <= end <= data.numel() or count * itemsize != end - start or min(shape, default=0) < 0:
+                raise ValueError(f"range [{start}, {end}] and shape {shape} do not fit the data")
+            piece = data[start:end]
+            if (8 + n + start) % itemsize or end - start < _SMALL:
+                # Own storage for small tensors (some consumers, torch.set_rng_state among them, read
+                # the storage from its start) and for those whose offset is not aligned to their element.
+                piece = piece.clone()
+            out[key] = piece.view(dtype).reshape(shape)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise TensorFileError(f"tensor {key[:80]!r}: {e}") from None
+    return out

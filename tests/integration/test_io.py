@@ -1,0 +1,207 @@
+"""Bundle I/O at disk speed (issue 17) and bounded time on crafted archives (issue 19, item 2)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from rk_testing import record
+
+from reprokit import archive, pack, tensorfile
+from reprokit import bundle as B
+from reprokit.cli import main
+from reprokit.errors import BundleError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def nan_bundle(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "tests" / "projects"))
+    try:
+        import rk_mlp
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "projects"))
+    out = tmp_path_factory.mktemp("io")
+    _, exc = record(rk_mlp, {}, rk_mlp.batches({}, 6, poison_step=4), out / "repros", snapshot_every=3)
+    return Path(exc.bundle)
+
+
+# --- start-up -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_do_not_import_torch(flag):
+    code = textwrap.dedent(f"""
+        import sys
+        from reprokit.cli import main
+        try:
+            main([{flag!r}])
+        except SystemExit as e:
+            assert e.code == 0, e.code
+        loaded = sorted(m for m in ("torch", "numpy", "safetensors") if m in sys.modules)
+        assert not loaded, loaded
+        import reprokit
+        assert "torch" not in sys.modules
+        assert reprokit.Recorder.__name__ == "Recorder" and "torch" in sys.modules  # loaded on first use
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_lazy_names_match_the_public_api():
+    import reprokit
+
+    assert set(reprokit._LAZY) <= set(reprokit.__all__)
+    for name in reprokit.__all__:
+        assert getattr(reprokit, name) is not None
+    assert archive.MANIFEST == B.MANIFEST and archive.PACK_MANIFEST == pack.PACK_MANIFEST
+    assert "tensorfile.py" in pack.runtime_files() and "record.py" in pack.runtime_files()
+
+
+# --- the one tensor writer and reader ----------------------------------------------------
+
+def test_tensor_file_round_trip_is_exact_and_hashed_on_the_way(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = {
+        "odd": torch.arange(3, dtype=torch.uint8),  # puts the next tensor off 4-byte alignment
+        "big": torch.randn(300_000),  # > 1 MiB: a view of the read buffer, hashed in the helper thread
+        "t": base.t(),  # not contiguous
+        "view": base[1],  # shares storage with base
+        "base": base,
+        "bf16": torch.randn(5).to(torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "mask": torch.tensor([True, False]),
+    }
+    path = tmp_path / "x.safetensors"
+    sha, size = tensorfile.write_safetensors(path, tensors, chunk=1 << 20)
+    assert (sha, size) == (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_size)
+    back = tensorfile.read_verified(path, sha, size)
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+    from safetensors.torch import load_file  # the reference reader agrees
+
+    assert all(torch.equal(load_file(path)[k], t) for k, t in tensors.items())
+    with pytest.raises(tensorfile.TensorFileError, match="checksum mismatch"):
+        tensorfile.read_verified(path, "0" * 64, size)
+    with pytest.raises(tensorfile.TensorFileError, match="size mismatch"):
+        tensorfile.read_verified(path, sha, size - 1)
+
+
+def test_tampered_tensor_file_is_refused_when_loaded_packed_verified_and_replayed(nan_bundle, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(nan_bundle, bad)
+    state = bad / B.STATE_TENSORS
+    data = bytearray(state.read_bytes())
+    data[-1] ^= 0xFF  # same size, same header: only the digest can tell
+    state.write_bytes(bytes(data))
+    b = B.open_bundle(bad)  # JSON, code and sizes: fine
+    with pytest.raises(BundleError, match="checksum mismatch"):
+        b.state()
+    with pytest.raises(BundleError, match="does not match the bundle's manifest"):
+        pack.pack(bad, tmp_path / "out" / "r.tar")
+    assert list((tmp_path / "out").iterdir()) == [], "nothing packed, no temp file left"
+    assert any(p["problem"] == "checksum mismatch" for p in B.verify(bad))
+    r = CliRunner().invoke(main, ["replay", str(bad), "--json"])
+    assert r.exit_code == 3, r.output
+
+
+def test_inspect_does_not_hash_tensors_and_says_so(nan_bundle):
+    r = CliRunner().invoke(main, ["inspect", str(nan_bundle)])
+    assert r.exit_code == 0, r.output
+    assert "tensor files checked for size and header only, not hashed" in r.output
+
+
+def test_total_json_bytes_are_capped(nan_bundle, monkeypatch):
+    monkeypatch.setattr(B, "MAX_TOTAL_JSON_BYTES", 100)
+    problems = B.verify(nan_bundle)
+    assert len(problems) == 1 and "bytes of JSON files" in problems[0]["problem"], problems
+
+
+# --- the container ----------------------------------------------------------------------
+
+def test_pack_writes_a_plain_tar_that_tar_lists_and_reprokit_opens(nan_bundle, tmp_path, monkeypatch):
+    out = tmp_path / "repro.tar"
+    res = pack.pack(nan_bundle, out)
+    raw = out.read_bytes()
+    assert raw[:2] != b"\x1f\x8b" and raw[257:262] == b"ustar", "uncompressed POSIX tar"
+    assert res.sha256 == hashlib.sha256(raw).hexdigest()
+    assert (tmp_path / "repro.tar.sha256").read_text() == f"{res.sha256}  repro.tar\n"
+    if shutil.which("tar"):
+        listed = subprocess.run(["tar", "-tf", str(out)], capture_output=True, text=True, check=True).stdout.split()
+        assert f"{res.folder}/bundle/{B.STATE_TENSORS}" in listed
+    assert archive.is_archive(out)
+    v = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert v.exit_code == 0 and json.loads(v.output)["ok"], v.output
+    # same bundle in, same bytes out; a .tar.gz name still gets gzip (what earlier versions wrote)
+    assert pack.pack(nan_bundle, tmp_path / "again.tar").sha256 == res.sha256
+    gz = pack.pack(nan_bundle, tmp_path / "old.tar.gz")
+    assert gz.output.read_bytes()[:2] == b"\x1f\x8b" and gzip.decompress(gz.output.read_bytes())[:512] == raw[:512]
+    with archive.extracted(gz.output) as d:
+        assert B.verify(d) == []
+
+
+def test_truncated_plain_tar_is_refused(nan_bundle, tmp_path):
+    out = pack.pack(nan_bundle, tmp_path / "r.tar").output
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(out.read_bytes()[: out.stat().st_size // 2])
+    problems = archive.scan(cut, archive.Limits())
+    assert problems and "truncated" in problems[-1]["problem"], problems
+
+
+# --- bounded time on crafted archives (issue 19, item 2) -----------------------------------
+
+def _block(name: bytes, typ: bytes, size: int) -> bytes:
+    b = bytearray(512)
+    b[:len(name)] = name
+    b[100:108] = b"0000644\0"
+    b[108:116] = b[116:124] = b"0000000\0"
+    b[124:136] = b"%011o\0" % size
+    b[136:148] = b"00000000000\0"
+    b[156:157] = typ
+    b[257:263] = b"ustar\0"
+    b[263:265] = b"00"
+    b[148:156] = b" " * 8
+    b[148:156] = b"%06o\0 " % sum(b)
+    return bytes(b)
+
+
+def _pax_archive(path: Path, record: bytes, compress: bool) -> Path:
+    data = _block(b"PaxHeaders/x", b"x", len(record)) + record + bytes(-len(record) % 512)
+    data += _block(b"x", b"0", 1) + b"x" + bytes(511) + bytes(1024)
+    path.write_bytes(gzip.compress(data) if compress else data)
+    return path
+
+
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("case", ["200k-digit length", "200k-digit size, cap raised", "5000-digit size"])
+def test_crafted_pax_headers_are_refused_in_bounded_time(tmp_path, case, compress):
+    """CPython's tarfile takes 79-135 s on a 200,000-digit pax record; ours refuses at once."""
+    digits = b"9" * (5000 if case == "5000-digit size" else 200_000)
+    if case == "200k-digit length":
+        record = digits + b" path=x\n"
+    else:
+        body = b" size=" + digits + b"\n"
+        total = next(len(body) + d for d in range(1, 10) if len(str(len(body) + d)) == d)
+        record = b"%d" % total + body  # a well-formed record: only its value is hostile
+    path = _pax_archive(tmp_path / ("evil.tar.gz" if compress else "evil.tar"), record, compress)
+    limits = archive.Limits(max_header_bytes=1 << 20) if "raised" in case or "5000" in case else archive.Limits()
+    t0 = time.perf_counter()
+    problems = archive.scan(path, limits)
+    assert time.perf_counter() - t0 < 5.0
+    assert problems and any(w in problems[-1]["problem"] for w in ("max_header_bytes", "pax")), problems
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(main, ["verify", str(path), "--json"])
+    assert time.perf_counter() - t0 < 5.0
+    assert r.exit_code == 1 and not json.loads(r.output)["ok"], r.output
