@@ -1,0 +1,139 @@
+"""The Hugging Face Trainer, recorded by ``ReprokitCallback`` alone: bundle, bit-exact replay, shrink to the sample.
+
+A real ``Trainer`` (transformers, CPU, no downloads) trains a tiny GPT-2 made here on a synthetic
+dataset with one poisoned sample; dropout is on, so replay is bit-exact only if the RNG, the
+micro-batches and the Trainer's own step (loss scaling, clipping, AdamW, the LR schedule) are all
+replayed as they ran.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from reprokit import TrainingFailure  # noqa: E402
+from reprokit import bundle as B  # noqa: E402
+from reprokit.cli import main  # noqa: E402
+from reprokit.integrations.transformers import ReprokitCallback  # noqa: E402
+
+VOCAB = 48
+SEQ = 8
+
+
+class Tokens(torch.utils.data.Dataset):
+    """``n`` random token rows; sample ``bad`` has a token id past the vocabulary or no target at all."""
+
+    def __init__(self, n: int, bad: int, poison: str):
+        self.ids = torch.randint(1, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(0))
+        self.bad, self.poison = bad, poison
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.ids[i].clone()
+        labels = ids.clone()
+        if i == self.bad and self.poison == "token":
+            ids[3] = VOCAB + 5  # IndexError in the embedding
+        if i == self.bad and self.poison == "labels":
+            labels[:] = -100  # no target in the whole batch: 0 / 0 = NaN loss
+        return {"input_ids": ids, "labels": labels}
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def train(tmp_path, dataset, *, batch_size: int, max_steps: int, accumulate: int = 1, model=None, **callback):
+    """The user's script: a stock Trainer with the callback added, nothing else."""
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch_size,
+                             gradient_accumulation_steps=accumulate, max_steps=max_steps, seed=3, use_cpu=True,
+                             report_to=[], logging_strategy="no", save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model or tiny_gpt2(), args=args, train_dataset=dataset,
+                      callbacks=[ReprokitCallback(out_dir=tmp_path / "repros", **callback)])
+    trainer.train()
+
+
+def replay_json(bundle) -> dict:
+    result = CliRunner().invoke(main, ["replay", str(bundle), "--json"])
+    assert result.exit_code == 1, result.output
+    return json.loads(result.output)
+
+
+def shrink_json(bundle, out) -> dict:
+    result = CliRunner().invoke(main, ["shrink", str(bundle), "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_token_past_vocab_records_replays_bit_exact_and_shrinks_to_the_sample(tmp_path):
+    bad = 13
+    with pytest.raises(IndexError) as info:
+        train(tmp_path, Tokens(16, bad, "token"), batch_size=4, max_steps=8, snapshot_every=3)
+    note = next(n for n in info.value.__notes__ if "bundle written to" in n)
+    bundle = tmp_path / "repros" / note.rsplit(" ", 1)[-1].split("/")[-1]
+    assert B.verify(bundle) == []
+    run = json.loads((bundle / "run.json").read_text())
+    assert run["refs"]["build"] == {"module": "reprokit.integrations.transformers", "qualname": "build"}
+    assert not (bundle / "code").exists()  # stock GPT-2 and Trainer: nothing of the user's code is needed
+    assert run["config"]["model"]["config"]["n_layer"] == 2 and run["config"]["args"]["seed"] == 3
+    failed = json.loads((bundle / "failure.json").read_text())["step"]
+    assert failed >= 1, "the poisoned sample must come after a healthy step for the loss comparison to mean anything"
+    # The grad check ran in the optimizer's pre-hook on every healthy update of the window.
+    healthy = [h for h in run["history"] if h["step"] < failed]
+    assert healthy and all(h["grad_norm"] is not None and h["grad_norm"] > 0 for h in healthy)
+
+    d = replay_json(bundle)
+    assert d["verdict"] == "deterministic" and d["failure"]["exception_type"] == "IndexError"
+    assert d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] >= 1
+
+    s = shrink_json(bundle, tmp_path / "small")
+    assert s["steps_after"] == 1 and s["rows_after"] == 1 and s["dataset_indices"] == [bad]
+    assert replay_json(tmp_path / "small")["verdict"] == "deterministic"
+
+
+def test_all_ignored_labels_nan_loss_replays_bit_exact_and_shrinks_to_the_sample(tmp_path):
+    bad = 5
+    with pytest.raises(TrainingFailure) as info:
+        train(tmp_path, Tokens(8, bad, "labels"), batch_size=1, max_steps=8, snapshot_every=4)
+    bundle = info.value.bundle
+    assert info.value.failure.kind == "nonfinite_loss"
+    d = replay_json(bundle)
+    assert d["verdict"] == "deterministic" and d["failure"]["kind"] == "nonfinite_loss"
+    assert d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] >= 2
+    s = shrink_json(bundle, tmp_path / "small")
+    assert s["steps_after"] == 1 and s["dataset_indices"] == [bad]
+
+
+def test_gradient_accumulation_replays_every_micro_batch(tmp_path):
+    with pytest.raises(IndexError) as info:
+        train(tmp_path, Tokens(24, 17, "token"), batch_size=2, accumulate=3, max_steps=4, snapshot_every=4)
+    bundle = tmp_path / "repros" / next(n for n in info.value.__notes__ if "bundle written" in n).rsplit("/", 1)[-1]
+    step = json.loads((bundle / "steps" / f"{json.loads((bundle / 'run.json').read_text())['window']['start']:08d}"
+                                          ".json").read_text())
+    assert len(step["batch"]["micro"]) == 3
+    d = replay_json(bundle)
+    assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"]
+
+
+def test_grad_check_fires_inside_the_trainer(tmp_path):
+    model = tiny_gpt2()
+    model.transformer.h[1].mlp.c_fc.weight.register_hook(lambda g: g * float("inf"))  # finite loss, inf gradient
+    with pytest.raises(TrainingFailure) as info:
+        train(tmp_path, Tokens(8, -1, "token"), batch_size=2, max_steps=2, model=model)
+    assert info.value.failure.kind == "nonfinite_grad" and info.value.failure.step == 0
+    assert B.verify(info.value.bundle) == []
+
+
+def test_callback_refuses_a_build_of_its_own():
+    with pytest.raises(Exception, match="drop build="):
+        ReprokitCallback(out_dir="x", build=tiny_gpt2)
