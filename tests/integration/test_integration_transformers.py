@@ -8,7 +8,12 @@ replayed as they ran.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+import subprocess
+import sys
+import tarfile
 
 import pytest
 
@@ -112,6 +117,30 @@ def test_all_ignored_labels_nan_loss_replays_bit_exact_and_shrinks_to_the_sample
     assert d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] >= 2
     s = shrink_json(bundle, tmp_path / "small")
     assert s["steps_after"] == 1 and s["dataset_indices"] == [bad]
+
+
+def test_packed_trainer_repro_names_and_checks_transformers(tmp_path):
+    with pytest.raises(TrainingFailure) as info:
+        train(tmp_path, Tokens(8, 5, "labels"), batch_size=1, max_steps=8, snapshot_every=4)
+    env = json.loads((info.value.bundle / "env.json").read_text())
+    assert env["frameworks"]["transformers"] == transformers.__version__
+    assert env["frameworks"]["accelerate"] == importlib.metadata.version("accelerate")
+    out = tmp_path / "repro.tar.gz"
+    assert CliRunner().invoke(main, ["pack", str(info.value.bundle), "-o", str(out)]).exit_code == 0
+    with tarfile.open(out) as tf:
+        tf.extractall(tmp_path / "x", filter="data")
+    folder = next((tmp_path / "x").iterdir())
+    assert f"transformers {transformers.__version__}" in (folder / "README.md").read_text()
+    assert (folder / "reprokit" / "integrations" / "transformers.py").is_file()
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the vendored runtime, not this checkout
+    ok = subprocess.run([sys.executable, "repro.py"], cwd=folder, capture_output=True, text=True, env=clean)
+    assert ok.returncode == 1 and "REPRODUCED" in ok.stdout, ok.stderr
+    # Without transformers: a clear message and exit 125 (its code does not import here), not an ImportError.
+    hide = "import sys, runpy; sys.modules['transformers'] = None; runpy.run_path('repro.py', run_name='__main__')"
+    missing = subprocess.run([sys.executable, "-c", hide], cwd=folder, capture_output=True, text=True, env=clean)
+    assert missing.returncode == 125, missing.stderr
+    assert f"pip install transformers=={transformers.__version__}" in missing.stderr
+    assert "Traceback" not in missing.stderr
 
 
 def test_gradient_accumulation_replays_every_micro_batch(tmp_path):
