@@ -58,12 +58,13 @@ def tiny_gpt2() -> GPT2LMHeadModel:
                                       bos_token_id=0, eos_token_id=0))
 
 
-def train(tmp_path, dataset, *, batch_size: int, max_steps: int, accumulate: int = 1, model=None, **callback):
+def train(tmp_path, dataset, *, batch_size: int, max_steps: int, accumulate: int = 1, model=None, trainer_cls=Trainer,
+          **callback):
     """The user's script: a stock Trainer with the callback added, nothing else."""
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch_size,
                              gradient_accumulation_steps=accumulate, max_steps=max_steps, seed=3, use_cpu=True,
                              report_to=[], logging_strategy="no", save_strategy="no", disable_tqdm=True)
-    trainer = Trainer(model=model or tiny_gpt2(), args=args, train_dataset=dataset,
+    trainer = trainer_cls(model=model or tiny_gpt2(), args=args, train_dataset=dataset,
                       callbacks=[ReprokitCallback(out_dir=tmp_path / "repros", **callback)])
     trainer.train()
 
@@ -141,6 +142,24 @@ def test_packed_trainer_repro_names_and_checks_transformers(tmp_path):
     assert missing.returncode == 125, missing.stderr
     assert f"pip install transformers=={transformers.__version__}" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_project_model_and_trainer_classes_replay_from_the_code_snapshot(tmp_path, projects):
+    own = projects("rk_hf_model")
+    torch.manual_seed(0)
+    model = own.ScaledGPT2(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+    with pytest.raises(TrainingFailure) as info:
+        train(tmp_path, Tokens(8, 5, "labels"), batch_size=1, max_steps=8, snapshot_every=4, model=model,
+              trainer_cls=own.MaskedMeanTrainer)
+    bundle = info.value.bundle
+    config = json.loads((bundle / "run.json").read_text())["config"]
+    assert config["model"]["class"] == {"module": "rk_hf_model", "qualname": "ScaledGPT2"}
+    assert config["trainer"]["class"] == {"module": "rk_hf_model", "qualname": "MaskedMeanTrainer"}
+    assert (bundle / "code" / "rk_hf_model.py").is_file()
+    d = replay_json(bundle)
+    assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] >= 2
+    assert d["code"] == str(bundle / "code")
 
 
 def test_gradient_accumulation_replays_every_micro_batch(tmp_path):
