@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from reprokit import TrainingFailure  # noqa: E402
 from reprokit import bundle as B  # noqa: E402
 from reprokit.cli import main  # noqa: E402
+from reprokit.distributed.incident import free_port  # noqa: E402
 from reprokit.integrations.transformers import ReprokitCallback  # noqa: E402
 
 VOCAB = 48
@@ -185,3 +187,23 @@ def test_grad_check_fires_inside_the_trainer(tmp_path):
 def test_callback_refuses_a_build_of_its_own():
     with pytest.raises(Exception, match="drop build="):
         ReprokitCallback(out_dir="x", build=tiny_gpt2)
+
+
+def test_trainer_under_torchrun_records_every_rank_and_the_incident_replays(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                          "127.0.0.1", "--master_port", str(free_port()), str(root / "tests/projects/rk_hf_ddp.py"),
+                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode != 0, "rank 0's IndexError stops the run"
+    (incident,) = [p for p in (tmp_path / "repros").iterdir() if p.name.startswith("incident-")]
+    bundles = sorted(p.name.rsplit("-", 2)[-2:] for p in incident.iterdir() if p.name.startswith("bundle-"))
+    assert bundles == [["exception", "rank0of2"], ["peer", "rank1of2"]], run.stderr[-3000:]
+    # Sequential sampling, batch 2 over 2 ranks: rank 0 feeds samples 0,1 then 4,5; its own dataset indices are kept.
+    (failed,) = [B.open_bundle(p) for p in incident.iterdir() if p.name.endswith("exception-rank0of2")]
+    assert failed.failure.step == 1
+    assert failed.step(1)[0]["micro"][0]["index"].tolist() == [4, 5]
+    d = json.loads(CliRunner().invoke(main, ["replay", str(incident), "--nproc", "2", "--json"]).output)
+    assert d["verdict"] == "deterministic" and d["failing_rank"] == 0
+    rank0 = d["ranks"][0]
+    assert rank0["failure"]["exception_type"] == "IndexError" and rank0["fidelity"]["bit_exact"], rank0
