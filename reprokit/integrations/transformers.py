@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import shutil
+import tempfile
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -85,8 +87,12 @@ def build(config: dict[str, Any]) -> HFTrainState:
     config_cls = _import_class(config["model"]["config_class"], "model config")
     model_config = config_cls.from_dict(dict(config["model"]["config"]))
     model = model_cls(model_config).to(getattr(torch, config["model"]["dtype"]))
-    args = TrainingArguments(**_args_for_replay(config["args"]))
-    trainer = trainer_cls(model=model, args=args)
+    scratch = tempfile.mkdtemp(prefix="reprokit-trainer-")  # the Trainer makes its output_dir; replay writes nothing
+    try:
+        args = TrainingArguments(**{**_args_for_replay(config["args"]), "output_dir": scratch})
+        trainer = trainer_cls(model=model, args=args)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     trainer._prepare_for_training(int(config["max_steps"]), None, None)
     return _state_of(trainer)
 
@@ -169,6 +175,11 @@ def _args_to_record(args: TrainingArguments) -> dict[str, Any]:
     return out
 
 
+_HOOKED = ("get_batch_samples", "training_step", "_run_epoch", "_prepare_for_training", "_get_num_items_in_batch",
+           "_clip_grad_norm")
+"""Trainer methods the callback wraps (the first three) or replay calls."""
+
+
 # --- recording ----------------------------------------------------------------------------
 
 class _UpdateRecorder(Recorder):
@@ -185,6 +196,11 @@ class _UpdateRecorder(Recorder):
         with self._lock:
             self._current = self._record_step_start(k, batch)
         self.monitor._norms.clear()
+
+    def skip(self, message: str) -> None:
+        """An update that cannot be recorded: it still counts (steps stay the Trainer's), the window is dropped."""
+        self._drop_window("skip", message)
+        self.step_index += 1
 
     @property
     def active(self) -> bool:
@@ -284,12 +300,18 @@ class ReprokitCallback(TrainerCallback):
         if trainer is None:
             raise CaptureError("ReprokitCallback: on_train_begin was not called by a transformers Trainer; pass the "
                                "callback to Trainer(callbacks=[...])")
+        missing = [name for name in _HOOKED if not callable(getattr(trainer, name, None))]
+        if missing:
+            raise CaptureError(f"ReprokitCallback: this Trainer ({type(trainer).__qualname__}, transformers "
+                               f"{transformers.__version__}) has no {', '.join(missing)}; the callback follows the "
+                               "training loop of transformers 5 (tested with 5.24): upgrade transformers")
         if self.recorder is not None:
             self.recorder.close()
         self._trainer = trainer
         rec = _UpdateRecorder(_state_of(trainer), train_step, build=build, config=self._config(trainer, state),
                               out_dir=self.out_dir, **self.options)
         self._snapshot_project(rec, trainer)
+        rec.step_index = int(state.global_step)  # bundle steps are the Trainer's (a resumed run starts past 0)
         self.recorder = rec
         self._wrap(trainer, kwargs.get("train_dataloader"))
 
@@ -297,11 +319,16 @@ class ReprokitCallback(TrainerCallback):
         self._indices.clear()  # a new iterator over the loader: what the last epoch left unread is dropped
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.recorder is None or self._batch is None:
+        rec = self.recorder
+        if rec is None:
             return
         self._loss = None
-        self.recorder.begin(self._batch)
-        self._batch = None
+        batch, self._batch = self._batch, None
+        if batch is None:  # the update's micro-batches were not seen: it cannot be replayed, nor the window
+            rec.skip(f"reprokit: update {rec.step_index}'s micro-batches were not captured; no bundle until the "
+                     "next snapshot")
+            return
+        rec.begin(batch)
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         rec = self.recorder
@@ -349,7 +376,10 @@ class ReprokitCallback(TrainerCallback):
 
         def batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             samples, num_items = get_batch_samples(epoch_iterator, num_batches, device)
-            self._batch = self._update_batch(samples, num_items)
+            try:
+                self._batch = self._update_batch(samples, num_items)
+            except Exception:  # never let the recorder stop training: on_step_begin says the update is lost
+                self._batch = None
             return samples, num_items
 
         def step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -379,7 +409,7 @@ class ReprokitCallback(TrainerCallback):
     def _unwrap(self) -> None:
         trainer = self._trainer
         if trainer is not None:
-            for name in ("get_batch_samples", "training_step", "_run_epoch"):
+            for name in ("get_batch_samples", "training_step", "_run_epoch"):  # the instance attributes _wrap set
                 trainer.__dict__.pop(name, None)
         loader = getattr(self, "_loader", None)
         if loader is not None and isinstance(loader.batch_sampler, _IndexedBatches):

@@ -83,7 +83,7 @@ def shrink_json(bundle, out) -> dict:
     return json.loads(result.output)
 
 
-def test_token_past_vocab_records_replays_bit_exact_and_shrinks_to_the_sample(tmp_path):
+def test_token_past_vocab_records_replays_bit_exact_and_shrinks_to_the_sample(tmp_path, monkeypatch):
     bad = 13
     with pytest.raises(IndexError) as info:
         train(tmp_path, Tokens(16, bad, "token"), batch_size=4, max_steps=8, snapshot_every=3)
@@ -100,8 +100,11 @@ def test_token_past_vocab_records_replays_bit_exact_and_shrinks_to_the_sample(tm
     healthy = [h for h in run["history"] if h["step"] < failed]
     assert healthy and all(h["grad_norm"] is not None and h["grad_norm"] > 0 for h in healthy)
 
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     d = replay_json(bundle)
     assert d["verdict"] == "deterministic" and d["failure"]["exception_type"] == "IndexError"
+    assert list((tmp_path / "cwd").iterdir()) == [], "replay writes nothing (no trainer output_dir)"
     assert d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] >= 1
 
     s = shrink_json(bundle, tmp_path / "small")
