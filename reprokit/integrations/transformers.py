@@ -42,9 +42,8 @@ import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from reprokit.code import ref_of, snapshot_files
-from reprokit.errors import CaptureError, CodeLoadError, TrainingFailure
+from reprokit.errors import CaptureError, CodeLoadError
 from reprokit.record import Recorder
-from reprokit.signature import Failure, from_exception
 from reprokit.state import TrainState
 
 __all__ = ["ReprokitCallback", "build", "train_step"]
@@ -186,16 +185,13 @@ class _UpdateRecorder(Recorder):
     """A Recorder whose step is driven by the Trainer's events: :meth:`begin` before an update's first
     micro-batch, :meth:`end` after its ``zero_grad`` (or with the exception that stopped it)."""
 
+    _batch: Any = None
+    _current: Any = None
+
     def begin(self, batch: Any) -> None:
-        k = self.step_index
-        if self._in_step:
-            self._pending.clear()
-            self._drop_window("interrupted", f"reprokit: step {k - 1} was interrupted; no bundle until the next "
-                                             f"snapshot (step {self._next_snapshot(k)}).")
-        self._in_step = True
-        with self._lock:
-            self._current = self._record_step_start(k, batch)
-        self.monitor._norms.clear()
+        self._batch = batch
+        self._current = self._begin_step(batch)
+        self.monitor.begin()
 
     def skip(self, message: str) -> None:
         """An update that cannot be recorded: it still counts (steps stay the Trainer's), the window is dropped."""
@@ -210,38 +206,12 @@ class _UpdateRecorder(Recorder):
         """Read the update's loss and gradient norm, run the detectors, write a bundle on failure.
 
         Raises:
-            TrainingFailure: a detector fired (``exc`` is None). With ``exc`` the caller re-raises it.
+            ``exc`` itself (a note names the bundle), or TrainingFailure when a detector fired.
         """
-        k = self.step_index
         self._locked_after_step()
-        failure: Failure | None
-        if exc is not None:
-            self.monitor._join()
-            loss_f = grad_norm = None
-            failure = from_exception(exc, k)
-        else:
-            if isinstance(loss, torch.Tensor):
-                loss = loss.detach()
-            loss_f, grad_norm, param_norm = self.monitor._read(loss)
-            failure = self.monitor._check(k, loss_f, grad_norm, param_norm)
-        self.step_index += 1
-        self._in_step = False
-        try:
-            self._engine.check()
-        except Exception as e:
-            self._engine.broken = True
-            self._warn("check", f"reprokit: cannot check the snapshot copy ({e!r}); no bundle until the next snapshot")
-        if self._current is not None:
-            self._current.loss, self._current.grad_norm = loss_f, grad_norm
-        self._history.append((k, loss_f, grad_norm))
-        if failure is None:
-            return
-        path = self._dump(failure) if self._board is None else self._dump_incident(failure)
-        if exc is not None:
-            if hasattr(exc, "add_note"):  # python >= 3.11
-                exc.add_note(f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written")
-            return
-        raise TrainingFailure(failure, path)
+        result = self.monitor.conclude(self.step_index, loss, exc)
+        batch, self._batch = self._batch, None
+        self._finish_step(batch, self._current, result)
 
 
 class _IndexedBatches:
@@ -393,7 +363,7 @@ class ReprokitCallback(TrainerCallback):
             except Exception as e:
                 rec = self.recorder
                 if rec is not None and rec.active:
-                    rec.end(None, exc=e)
+                    rec.end(None, exc=e)  # writes the bundle, then raises e with a note naming it
                 raise
 
         trainer.get_batch_samples = batch_samples  # type: ignore[method-assign]
