@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import shutil
+import sysconfig
 import tempfile
 from collections import deque
 from collections.abc import Iterator
@@ -39,7 +41,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
 
 from reprokit.code import ref_of, snapshot_files
 from reprokit.errors import CaptureError, CodeLoadError
@@ -81,9 +83,9 @@ def build(config: dict[str, Any]) -> HFTrainState:
     ``config`` is what :class:`ReprokitCallback` recorded: ``trainer`` / ``model`` class refs, the
     model's config dict and dtype, ``args`` (``TrainingArguments`` fields) and ``max_steps``.
     """
-    model_cls = _import_class(config["model"]["class"], "model")
-    trainer_cls = _import_class(config["trainer"]["class"], "trainer")
-    config_cls = _import_class(config["model"]["config_class"], "model config")
+    model_cls = _import_class(config["model"]["class"], "model", torch.nn.Module)
+    trainer_cls = _import_class(config["trainer"]["class"], "trainer", Trainer)
+    config_cls = _import_class(config["model"]["config_class"], "model config", PretrainedConfig)
     model_config = config_cls.from_dict(dict(config["model"]["config"]))
     model = model_cls(model_config).to(getattr(torch, config["model"]["dtype"]))
     scratch = tempfile.mkdtemp(prefix="reprokit-trainer-")  # the Trainer makes its output_dir; replay writes nothing
@@ -111,18 +113,24 @@ def train_step(state: TrainState, batch: dict[str, Any]) -> torch.Tensor:
         trainer.accelerator.gradient_state._set_sync_gradients(i == len(micro) - 1)
         loss = trainer.training_step(model, inputs, num_items)
         total = loss if total is None else total + loss
-    if trainer.args.max_grad_norm > 0:
-        trainer._clip_grad_norm(model)
+    grad_norm = trainer._clip_grad_norm(model) if trainer.args.max_grad_norm > 0 else None
+    trainer._get_grad_norm(model, grad_norm=grad_norm)  # without clipping it still unscales fp16 gradients
     trainer.optimizer.step()
-    if not trainer.accelerator.optimizer_step_was_skipped and not isinstance(
-            trainer.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+    if not trainer.accelerator.optimizer_step_was_skipped and not isinstance(trainer.lr_scheduler, _METRIC_SCHEDULERS):
         trainer.lr_scheduler.step()
     model.zero_grad()
     assert total is not None, "an update without micro-batches"
     return total
 
 
-def _import_class(ref: dict[str, Any], what: str) -> Any:
+_GREEDY = getattr(importlib.import_module("transformers.optimization"), "GreedyLR", None)
+_METRIC_SCHEDULERS: tuple[type, ...] = (torch.optim.lr_scheduler.ReduceLROnPlateau,) + ((_GREEDY,) if _GREEDY else ())
+"""Schedulers the Trainer steps on evaluation metrics, not after each update."""
+_LIBRARY_ROOTS = tuple(os.path.realpath(p) + os.sep for p in {
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+
+
+def _import_class(ref: dict[str, Any], what: str, base: type) -> Any:
     """The class a recorded ref names: from transformers, or from the project's code (the bundle's snapshot,
     which replay puts first on ``sys.path``). Anything else installed is refused before it is imported."""
     module = str(ref.get("module", ""))
@@ -131,9 +139,9 @@ def _import_class(ref: dict[str, Any], what: str) -> Any:
         raise CodeLoadError(f"the recorded {what} class {ref.get('qualname')} was defined in the script "
                             f"{ref['script']}; move it into a module of the project so replay can import it")
     if top != "transformers":
-        spec = importlib.util.find_spec(top) if top else None
-        origin = getattr(spec, "origin", None) or ""
-        if not origin or "site-packages" in origin or "dist-packages" in origin or top == "reprokit":
+        spec = importlib.util.find_spec(top) if top.isidentifier() else None
+        origin = os.path.realpath(getattr(spec, "origin", None) or "/")
+        if not os.path.isfile(origin) or origin.startswith(_LIBRARY_ROOTS) or top == "reprokit":
             raise CodeLoadError(f"the bundle's {what} class names module {module!r}, which is neither "
                                 "transformers nor the project's own code; replay imports only those")
     try:
@@ -143,6 +151,9 @@ def _import_class(ref: dict[str, Any], what: str) -> Any:
     except Exception as e:
         raise CodeLoadError(f"cannot import the recorded {what} class {module}:{ref.get('qualname')}: "
                             f"{type(e).__name__}: {e}") from None
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise CodeLoadError(f"the bundle's {what} class {module}:{ref.get('qualname')} is not a subclass of "
+                            f"{base.__qualname__}; replay instantiates only those")
     return obj
 
 
@@ -175,7 +186,7 @@ def _args_to_record(args: TrainingArguments) -> dict[str, Any]:
 
 
 _HOOKED = ("get_batch_samples", "training_step", "_run_epoch", "_prepare_for_training", "_get_num_items_in_batch",
-           "_clip_grad_norm")
+           "_clip_grad_norm", "_get_grad_norm")
 """Trainer methods the callback wraps (the first three) or replay calls."""
 
 

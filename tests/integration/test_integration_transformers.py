@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -123,6 +124,27 @@ def test_all_ignored_labels_nan_loss_replays_bit_exact_and_shrinks_to_the_sample
     assert d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] >= 2
     s = shrink_json(bundle, tmp_path / "small")
     assert s["steps_after"] == 1 and s["dataset_indices"] == [bad]
+
+    # run.json's config comes from whoever sent the bundle: build() imports only transformers' or the project's
+    # classes of the expected kind, and instantiates nothing else.
+    for where, ref, why in [("model", {"module": "subprocess", "qualname": "Popen"}, "neither transformers nor"),
+                            ("trainer", {"module": "transformers", "qualname": "pipeline"}, "not a subclass of")]:
+        hostile = shutil.copytree(bundle, tmp_path / f"hostile-{where}")
+        reseal(hostile, where, ref)
+        r = CliRunner().invoke(main, ["replay", str(hostile)])
+        assert r.exit_code == 125 and why in r.output, r.output
+
+
+def reseal(bundle, where: str, ref: dict) -> None:
+    """Point run.json's recorded ``where`` class at ``ref`` and re-sign the manifest, as an attacker would."""
+    run = json.loads((bundle / B.RUN).read_text())
+    run["config"][where]["class"] = ref
+    (bundle / B.RUN).write_text(json.dumps(run))
+    m = json.loads((bundle / B.MANIFEST).read_text())
+    m["files"][B.RUN] = {"sha256": B.sha256_file(bundle / B.RUN), "size": (bundle / B.RUN).stat().st_size}
+    m["self_sha256"] = B._self_digest(m)
+    (bundle / B.MANIFEST).write_text(json.dumps(m))
+    assert B.verify(bundle) == []
 
 
 def test_packed_trainer_repro_names_and_checks_transformers(tmp_path):
