@@ -130,22 +130,38 @@ class PackResult:
 
 def frameworks_needed(b: Bundle) -> dict[str, str | None]:
     """Training frameworks (:data:`reprokit.env.FRAMEWORKS`) the bundle's replay imports, with the version recorded:
-    named by its refs (``reprokit.integrations.NAME``) or imported by a file of its code snapshot."""
+    named by its refs (``reprokit.integrations.NAME``), or imported by the code replay imports from its snapshot
+    (the refs' modules and, transitively, the snapshot's modules they import)."""
     refs = b.run.get("refs") or {}
-    names = {str(r.get("module", "")).removeprefix("reprokit.integrations.")
-             for r in (refs.get("build"), refs.get("step")) if isinstance(r, dict)}
-    for path in sorted(b.code_dir.rglob("*.py")) if b.code_dir else []:
+    roots = [r for r in (refs.get("build"), refs.get("step"), *refs.get("predicates", [])) if isinstance(r, dict)]
+    names = {str(r.get("module", "")).removeprefix("reprokit.integrations.") for r in roots}
+    code = b.code_dir
+    files = [] if code is None else [
+        [code / r["script"]] if "script" in r else _module_files(code, str(r.get("module", ""))) for r in roots]
+    todo, seen = [f for fs in files for f in fs], set()
+    while todo and code is not None:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
         try:
             tree = ast.parse(path.read_text())
         except (SyntaxError, UnicodeDecodeError, OSError):
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names.add(node.module.split(".")[0])
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for module in modules:
+                names.add(module.split(".")[0])
+                todo += _module_files(code, module)
     recorded = b.env.get("frameworks") or {}
     return {name: recorded.get(name) for name in FRAMEWORKS if name in names}
+
+
+def _module_files(code: Path, module: str) -> list[Path]:
+    """The snapshot's file for ``module`` (a module or a package), if it holds one."""
+    base = code.joinpath(*module.split("."))
+    return [p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()] if module else []
 
 
 def _needs_line(needs: dict[str, str | None]) -> str:

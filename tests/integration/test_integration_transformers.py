@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
+from rk_testing import bundle_of, record  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from reprokit import TrainingFailure  # noqa: E402
@@ -30,6 +31,7 @@ from reprokit import bundle as B  # noqa: E402
 from reprokit.cli import main  # noqa: E402
 from reprokit.distributed.incident import free_port  # noqa: E402
 from reprokit.integrations.transformers import ReprokitCallback  # noqa: E402
+from reprokit.pack import frameworks_needed  # noqa: E402
 
 VOCAB = 48
 SEQ = 8
@@ -187,6 +189,24 @@ def test_project_model_and_trainer_classes_replay_from_the_code_snapshot(tmp_pat
     d = replay_json(bundle)
     assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] >= 2
     assert d["code"] == str(bundle / "code")
+
+
+def test_pack_needs_only_what_replay_imports(tmp_path, projects, monkeypatch):
+    """A hand-written loop whose own module imports transformers needs it; one whose snapshot merely holds such a
+    file (imported elsewhere in the process) does not."""
+    projects("rk_hf_model")  # imports transformers; lands in every later snapshot of tests/projects
+    mlp = projects("rk_mlp")
+    _, exc = record(mlp, {}, mlp.batches({}, 4, poison_step=2), tmp_path / "mlp", snapshot_every=4)
+    plain = B.open_bundle(bundle_of(exc))
+    assert (plain.path / "code" / "rk_hf_model.py").is_file() and frameworks_needed(plain) == {}
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "rk_hf_loop.py").write_text(
+        "import rk_mlp\n\n\ndef build(config):\n    import transformers  # noqa: F401\n    return rk_mlp.build(config)\n"
+        "\n\ndef train_step(state, batch):\n    return rk_mlp.train_step(state, batch)\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "proj"))
+    loop = importlib.import_module("rk_hf_loop")
+    _, exc = record(loop, {}, mlp.batches({}, 4, poison_step=2), tmp_path / "loop", snapshot_every=4)
+    assert frameworks_needed(B.open_bundle(bundle_of(exc))) == {"transformers": transformers.__version__}
 
 
 def test_gradient_accumulation_replays_every_micro_batch(tmp_path):
