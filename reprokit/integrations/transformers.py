@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import shutil
-import sysconfig
 import tempfile
 from collections import deque
 from collections.abc import Iterator
@@ -43,7 +41,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
 
-from reprokit.code import ref_of, snapshot_files
+from reprokit.code import ref_label, ref_of, resolve_project, snapshot_files
 from reprokit.errors import CaptureError, CodeLoadError
 from reprokit.record import Recorder
 from reprokit.state import TrainState
@@ -126,34 +124,25 @@ def train_step(state: TrainState, batch: dict[str, Any]) -> torch.Tensor:
 _GREEDY = getattr(importlib.import_module("transformers.optimization"), "GreedyLR", None)
 _METRIC_SCHEDULERS: tuple[type, ...] = (torch.optim.lr_scheduler.ReduceLROnPlateau,) + ((_GREEDY,) if _GREEDY else ())
 """Schedulers the Trainer steps on evaluation metrics, not after each update."""
-_LIBRARY_ROOTS = tuple(os.path.realpath(p) + os.sep for p in {
-    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
 
 
 def _import_class(ref: dict[str, Any], what: str, base: type) -> Any:
-    """The class a recorded ref names: from transformers, or from the project's code (the bundle's snapshot,
-    which replay puts first on ``sys.path``). Anything else installed is refused before it is imported."""
-    module = str(ref.get("module", ""))
-    top = module.split(".")[0]
-    if "script" in ref:
-        raise CodeLoadError(f"the recorded {what} class {ref.get('qualname')} was defined in the script "
-                            f"{ref['script']}; move it into a module of the project so replay can import it")
-    if top != "transformers":
-        spec = importlib.util.find_spec(top) if top.isidentifier() else None
-        origin = os.path.realpath(getattr(spec, "origin", None) or "/")
-        if not os.path.isfile(origin) or origin.startswith(_LIBRARY_ROOTS) or top == "reprokit":
-            raise CodeLoadError(f"the bundle's {what} class names module {module!r}, which is neither "
-                                "transformers nor the project's own code; replay imports only those")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in str(ref["qualname"]).split("."):
-            obj = getattr(obj, part)
-    except Exception as e:
-        raise CodeLoadError(f"cannot import the recorded {what} class {module}:{ref.get('qualname')}: "
-                            f"{type(e).__name__}: {e}") from None
+    """The class a recorded ref names: one of transformers', or one of the project's (vetted and imported by
+    :func:`reprokit.code.resolve_project` from the code being replayed); only a subclass of ``base``."""
+    module = str(ref.get("module", "")) if isinstance(ref, dict) else ""
+    if module.split(".")[0] == "transformers" and all(p.isidentifier() for p in module.split(".")):
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in str(ref["qualname"]).split("."):
+                obj = getattr(obj, part)
+        except Exception as e:
+            raise CodeLoadError(f"cannot import the recorded {what} class {module}:{ref.get('qualname')}: "
+                                f"{type(e).__name__}: {e}") from None
+    else:
+        obj = resolve_project(ref, f"{what}.class")
     if not (isinstance(obj, type) and issubclass(obj, base)):
-        raise CodeLoadError(f"the bundle's {what} class {module}:{ref.get('qualname')} is not a subclass of "
-                            f"{base.__qualname__}; replay instantiates only those")
+        raise CodeLoadError(f"the bundle's {what} class {ref_label(ref)} is not a subclass of {base.__qualname__}; "
+                            "replay instantiates only those")
     return obj
 
 
@@ -340,13 +329,19 @@ class ReprokitCallback(TrainerCallback):
         }
 
     def _snapshot_project(self, rec: _UpdateRecorder, trainer: Any) -> None:
-        """A model or Trainer class of the user's project travels in the bundle's code snapshot."""
+        """A model, config or Trainer class of the user's project travels in the bundle's code snapshot (listed
+        under ``refs.objects``, so replay vets it before importing anything)."""
         for cls in (type(trainer.model), type(trainer), type(trainer.model.config)):
-            _, root = ref_of(cls, "class")
-            if root is not None and rec._root is None:
+            ref, root = ref_of(cls, "class")
+            if root is None:
+                continue
+            rec._refs.setdefault("objects", []).append(ref)
+            if rec._root is None:
                 rec._root = root
+            if "script" in ref:
+                rec._scripts.append(root / ref["script"])
         if rec._root is not None:
-            snapshot_files(rec._root)  # fail at attach time, not at dump time, if the project cannot be read
+            snapshot_files(rec._root, rec._scripts)  # fail at attach time, not at dump time, if it cannot be read
 
     # --- wrapping the Trainer instance -------------------------------------------------------
 
@@ -422,11 +417,11 @@ def _rows(inputs: Any) -> int | None:
 
 
 def _class_ref(cls: type, what: str) -> dict[str, Any]:
-    ref, _ = ref_of(cls, what)
-    if "script" in ref:
-        raise CaptureError(f"ReprokitCallback: the {what} class {cls.__qualname__} is defined in the script "
-                           f"{ref['script']} (__main__); replay rebuilds it by importing it, so move it into a module "
-                           "of your project (say model.py) and import it from there")
+    ref, root = ref_of(cls, what)
+    if root is None and str(ref.get("module", "")).split(".")[0] != "transformers":
+        raise CaptureError(f"ReprokitCallback: the {what} class {cls.__module__}.{cls.__qualname__} comes from an "
+                           "installed package other than transformers; replay rebuilds only transformers' classes "
+                           "and your project's own")
     return ref
 
 

@@ -129,7 +129,7 @@ def test_all_ignored_labels_nan_loss_replays_bit_exact_and_shrinks_to_the_sample
 
     # run.json's config comes from whoever sent the bundle: build() imports only transformers' or the project's
     # classes of the expected kind, and instantiates nothing else.
-    for where, ref, why in [("model", {"module": "subprocess", "qualname": "Popen"}, "neither transformers nor"),
+    for where, ref, why in [("model", {"module": "subprocess", "qualname": "Popen"}, "no code folder is being replayed"),
                             ("trainer", {"module": "transformers", "qualname": "pipeline"}, "not a subclass of")]:
         hostile = shutil.copytree(bundle, tmp_path / f"hostile-{where}")
         reseal(hostile, where, ref)
