@@ -29,7 +29,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 # reprokit's own modules a ref may name: the demo's build/step, and the integrations' build/step (which import the
 # project's own classes through :func:`resolve_project`). Nothing else of reprokit (its CLI would turn ``config``
 # into a command line) and nothing of the standard library or site-packages.
-OWN_MODULES = frozenset({"reprokit.demo", "reprokit.integrations.lightning"})
+OWN_MODULES = frozenset({"reprokit.demo", "reprokit.integrations.lightning", "reprokit.integrations.transformers"})
 MAX_CODE_BYTES = 20 * 1024 * 1024
 
 

@@ -229,19 +229,32 @@ class Monitor:
         still busy, and not when the caller drops it after the loss read: freeing a GPT-2
         graph (~650 nodes) takes ~0.2 ms of host time, all of it on the critical path there.
         """
-        self._norms.clear()
-        self._after_closure = False
+        self.begin()
         try:
             loss = step_fn(self.state, batch)
         except Exception as e:
             if after is not None:
                 after()
-            self._join()  # an optimizer step that raised never reached the post-hook
-            return StepResult(None, None, from_exception(e, step), e)
+            return self.conclude(step, exc=e)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss = loss.detach()
         if after is not None:
             after()
+        return self.conclude(step, loss)
+
+    def begin(self) -> None:
+        """A step starts: forget the last one's gradient norms. (:meth:`run` does this; a loop that a framework
+        drives calls ``begin`` and :meth:`conclude` around the step itself.)"""
+        self._norms.clear()
+        self._after_closure = False
+
+    def conclude(self, step: int, loss: Any = None, exc: BaseException | None = None) -> StepResult:
+        """Read the step's loss and gradient norms and run the detectors; with ``exc``, the step raised it."""
+        if exc is not None:
+            self._join()  # an optimizer step that raised never reached the post-hook
+            return StepResult(None, None, from_exception(exc, step), exc)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss = loss.detach()
         try:
             loss_f, grad_norm, param_norm = self._read(loss)
         except Exception as e:  # reprokit's own fault: the run goes on, unchecked for this step, and says so once

@@ -13,6 +13,8 @@ import torch
 from reprokit._version import __version__
 from reprokit.code import git_info
 
+FRAMEWORKS = ("transformers", "lightning", "pytorch_lightning", "accelerate")
+"""Training frameworks whose versions env.json records (under ``frameworks``) when they are installed."""
 _ENV_PREFIXES = ("CUDA_", "CUBLAS_", "CUDNN_", "TORCH_", "PYTORCH_", "NCCL_", "OMP_", "MKL_", "NVIDIA_TF32")
 
 
@@ -26,6 +28,7 @@ def capture_env(code_root: Path | None) -> dict[str, Any]:
         "torch": torch.__version__,
         "numpy": _version("numpy"),
         "safetensors": _version("safetensors"),
+        "frameworks": {name: v for name in FRAMEWORKS if (v := _version(name)) is not None},
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from reprokit.bundle import MANIFEST, Bundle, _self_digest, dumps, open_bundle, sha256_file
+from reprokit.env import FRAMEWORKS
 from reprokit.errors import BundleError
 
 # The archive's own manifest; reprokit.archive checks it.
@@ -49,9 +50,10 @@ _PACKAGE = Path(__file__).resolve().parent
 RUNTIME_ROOTS = ("__init__.py", "demo.py")
 
 
-def runtime_files() -> list[str]:
-    """Files of the reprokit package that ``import reprokit`` (and the demo) need, relative to it."""
-    todo, found = list(RUNTIME_ROOTS), set()
+def runtime_files(extra_roots: tuple[str, ...] = ()) -> list[str]:
+    """Files of the reprokit package that ``import reprokit`` (and the demo, and ``extra_roots``) need, relative
+    to it."""
+    todo, found = [*RUNTIME_ROOTS, *extra_roots], set()
     while todo:
         rel = todo.pop()
         if rel in found:
@@ -85,11 +87,20 @@ Needs only torch, numpy and safetensors. Exit codes: 1 the failure reproduces,
 failure, or at another step) or its code does not import here.
 """
 import argparse
+import importlib.util
 import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+NEEDS = {}  # training frameworks the bundle's code imports: name -> version it was recorded with
+missing = [f"{name} (recorded with {version})" if version else name for name, version in NEEDS.items()
+           if importlib.util.find_spec(name) is None]
+if missing:
+    pins = " ".join(f"{name}=={version}" if version else name for name, version in NEEDS.items())
+    print(f"Error: this repro needs {', '.join(missing)}, which is not installed here; "
+          f"install it (pip install {pins}) and run repro.py again.", file=sys.stderr)
+    sys.exit(125)
 sys.path.insert(0, HERE)  # the vendored runtime wins over any installed reprokit
 
 from reprokit.bundle import jsonable  # noqa: E402
@@ -132,7 +143,47 @@ class PackResult:
                 "sha256_file": str(self.output) + ".sha256", "folder": self.folder, "breakdown": self.breakdown}
 
 
-def _readme(b: Bundle) -> str:
+def frameworks_needed(b: Bundle) -> dict[str, str | None]:
+    """Training frameworks (:data:`reprokit.env.FRAMEWORKS`) the bundle's replay imports, with the version recorded:
+    named by its refs (``reprokit.integrations.NAME``), or imported by the code replay imports from its snapshot
+    (the refs' modules and, transitively, the snapshot's modules they import)."""
+    refs = b.run.get("refs") or {}
+    roots = [r for r in (refs.get("build"), refs.get("step"), *refs.get("predicates", [])) if isinstance(r, dict)]
+    names = {str(r.get("module", "")).removeprefix("reprokit.integrations.") for r in roots}
+    code = b.code_dir
+    files = [] if code is None else [
+        [code / r["script"]] if "script" in r else _module_files(code, str(r.get("module", ""))) for r in roots]
+    todo, seen = [f for fs in files for f in fs], set()
+    while todo and code is not None:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        try:
+            tree = ast.parse(path.read_text())
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in ast.walk(tree):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for module in modules:
+                names.add(module.split(".")[0])
+                todo += _module_files(code, module)
+    recorded = b.env.get("frameworks") or {}
+    return {name: recorded.get(name) for name in FRAMEWORKS if name in names}
+
+
+def _module_files(code: Path, module: str) -> list[Path]:
+    """The snapshot's file for ``module`` (a module or a package), if it holds one."""
+    base = code.joinpath(*module.split("."))
+    return [p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()] if module else []
+
+
+def _needs_line(needs: dict[str, str | None]) -> str:
+    return ", ".join(f"{name} {version}" if version else name for name, version in needs.items())
+
+
+def _readme(b: Bundle, needs: dict[str, str | None]) -> str:
     f, env, run = b.failure, b.env, b.run
     git = env.get("git") or {}
     return "\n".join([
@@ -149,7 +200,9 @@ def _readme(b: Bundle) -> str:
         "",
         "## Run it",
         "",
-        "Needs python >= 3.10 with torch, numpy and safetensors; nothing else.",
+        "Needs python >= 3.10 with torch, numpy and safetensors; nothing else." if not needs else
+        f"Needs python >= 3.10 with torch, numpy, safetensors and {_needs_line(needs)} (repro.py checks it first "
+        "and says what to install).",
         "",
         "`repro.py` runs code: it imports `build` and the step function from `bundle/code/` (the recording",
         "project's own source) and executes them. Read that folder, or run it in a sandbox, unless you trust",
@@ -220,8 +273,13 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
     top = "repro-" + sha256_file(b.path / MANIFEST)[:12]
     files: dict[str, Path | bytes] = {f"bundle/{p.relative_to(b.path).as_posix()}": p
                                       for p in sorted(b.path.rglob("*")) if p.is_file()}
-    runtime: dict[str, Path | bytes] = {f"reprokit/{name}": _PACKAGE / name for name in runtime_files()}
-    runtime |= {"repro.py": REPRO_PY.encode(), "README.md": _readme(b).encode()}
+    needs = frameworks_needed(b)
+    integrations = tuple(f"integrations/{name}.py" for name in needs if (_PACKAGE / "integrations" / f"{name}.py").is_file())
+    integrations += ("integrations/__init__.py",) if integrations else ()
+    runtime: dict[str, Path | bytes] = {f"reprokit/{name}": _PACKAGE / name
+                                        for name in runtime_files(integrations)}
+    repro_py = REPRO_PY.replace("NEEDS = {}", f"NEEDS = {needs!r}", 1)
+    runtime |= {"repro.py": repro_py.encode(), "README.md": _readme(b, needs).encode()}
     files |= runtime
     pack_manifest = files[PACK_MANIFEST] = _pack_manifest(b, files)
     dirs = {"/".join(name.split("/")[:i]) for name in files for i in range(1, name.count("/") + 1)}

@@ -42,7 +42,7 @@ import torch
 from reprokit import bundle as B
 from reprokit import pytree
 from reprokit.code import ref_of, relative, snapshot_files
-from reprokit.detect import DetectSettings, Monitor, Predicate
+from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info
 from reprokit.env import capture_env, determinism_flags
@@ -307,6 +307,13 @@ class Recorder:
             The step's own exception, unchanged (a note names the bundle).
             TrainingFailure: when a detector fires; ``.bundle`` is the bundle path.
         """
+        record = self._begin_step(batch)
+        result = self.monitor.run(self.train_step, batch, self.step_index, after=self._locked_after_step)
+        return self._finish_step(batch, record, result)
+
+    def _begin_step(self, batch: Any) -> _Step | None:
+        """Step start: copy the batch, read the RNG, snapshot when due (a framework integration that drives the step
+        itself calls this, then ``_finish_step``; see :mod:`reprokit.integrations.transformers`)."""
         k = self.step_index
         if self._in_step:  # the last step was interrupted (Ctrl-C): its partial updates are not replayable
             self._pending.clear()
@@ -314,8 +321,11 @@ class Recorder:
                                              f"snapshot (step {self._next_snapshot(k)}).")
         self._in_step = True
         with self._lock:
-            record = self._record_step_start(k, batch)
-        result = self.monitor.run(self.train_step, batch, k, after=self._locked_after_step)
+            return self._record_step_start(k, batch)
+
+    def _finish_step(self, batch: Any, record: _Step | None, result: StepResult) -> Any:
+        """The step is over (``result``): count it, and on a failure write the bundle and raise."""
+        k = self.step_index
         self.step_index += 1
         self._in_step = False
         try:

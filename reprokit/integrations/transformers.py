@@ -1,0 +1,440 @@
+"""Record a Hugging Face ``Trainer`` run: one callback, nothing else in the script changes.
+
+Example:
+    >>> from reprokit.integrations.transformers import ReprokitCallback        # doctest: +SKIP
+    >>> trainer = Trainer(model=model, args=args, train_dataset=ds,            # doctest: +SKIP
+    ...                   callbacks=[ReprokitCallback(out_dir="repros")])
+    >>> trainer.train()                                                        # doctest: +SKIP
+
+One recorded step is one optimizer update of the Trainer: its micro-batches (as the Trainer feeds
+them to ``training_step``, after collation), their forward and backward, gradient clipping, the
+optimizer step (GradScaler included), the LR scheduler step and ``zero_grad``. The bundle's
+``build`` and step function live here (:func:`build`, :func:`train_step`): replay makes a real
+``Trainer`` of the recorded class from the recorded ``TrainingArguments`` and model config (JSON,
+never a pickle), prepares it with the Trainer's own ``_prepare_for_training`` (accelerate,
+optimizer, scheduler), and runs the update with the Trainer's own ``training_step``,
+``_clip_grad_norm``, optimizer and scheduler. The user writes no ``build``; a model or Trainer
+class of the user's own project is imported from the bundle's code snapshot.
+
+How it hooks in (all from the callback, on the Trainer instance only): ``get_batch_samples``
+(to see each update's micro-batches), ``training_step`` (to sum the update's loss) and
+``_run_epoch`` (so that an exception anywhere in an update writes a bundle before it propagates)
+are wrapped; the train dataloader's batch sampler is wrapped to learn each micro-batch's dataset
+indices (kept in the bundle beside the batch, so ``reprokit shrink`` reports the offending sample's
+index). The grad check reads the gradients in a pre-hook of the (unwrapped) optimizer, as for a
+hand-written loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import shutil
+import tempfile
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
+
+from reprokit.code import ref_label, ref_of, resolve_project, snapshot_files
+from reprokit.errors import CaptureError, CodeLoadError
+from reprokit.record import Recorder
+from reprokit.state import TrainState
+
+__all__ = ["ReprokitCallback", "build", "train_step"]
+
+MICRO = "micro"
+"""Batch key: the update's micro-batches, each ``{"inputs": {...}, "index": LongTensor[rows]}``."""
+NUM_ITEMS = "num_items_in_batch"
+"""Batch key, multi-process recordings only: the token count the Trainer gathered over every rank."""
+
+
+@dataclass(kw_only=True)
+class HFTrainState(TrainState):
+    """A :class:`TrainState` that also holds the ``Trainer`` whose step replay runs (never snapshotted)."""
+
+    trainer: Any = None
+
+
+def _unwrap(obj: Any, attr: str) -> Any:
+    """accelerate's ``AcceleratedOptimizer`` / ``AcceleratedScheduler`` hold the torch object under ``attr``."""
+    inner = getattr(obj, attr, None)
+    return inner if inner is not None and type(obj).__module__.startswith("accelerate") else obj
+
+
+def _state_of(trainer: Any) -> HFTrainState:
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    return HFTrainState(model=trainer.model, optimizer=_unwrap(trainer.optimizer, "optimizer"),
+                        scheduler=_unwrap(trainer.lr_scheduler, "scheduler"), scaler=scaler, trainer=trainer)
+
+
+# --- replay: build and step ---------------------------------------------------------------
+
+def build(config: dict[str, Any]) -> HFTrainState:
+    """A Trainer as the recorded one was at train start: model from its config, args, optimizer, scheduler.
+
+    ``config`` is what :class:`ReprokitCallback` recorded: ``trainer`` / ``model`` class refs, the
+    model's config dict and dtype, ``args`` (``TrainingArguments`` fields) and ``max_steps``.
+    """
+    model_cls = _import_class(config["model"]["class"], "model", torch.nn.Module)
+    trainer_cls = _import_class(config["trainer"]["class"], "trainer", Trainer)
+    config_cls = _import_class(config["model"]["config_class"], "model config", PretrainedConfig)
+    model_config = config_cls.from_dict(dict(config["model"]["config"]))
+    model = model_cls(model_config).to(getattr(torch, config["model"]["dtype"]))
+    scratch = tempfile.mkdtemp(prefix="reprokit-trainer-")  # the Trainer makes its output_dir; replay writes nothing
+    try:
+        args = TrainingArguments(**{**_args_for_replay(config["args"]), "output_dir": scratch})
+        trainer = trainer_cls(model=model, args=args)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    trainer._prepare_for_training(int(config["max_steps"]), None, None)
+    return _state_of(trainer)
+
+
+def train_step(state: TrainState, batch: dict[str, Any]) -> torch.Tensor:
+    """One optimizer update as ``Trainer._run_epoch`` runs it; returns the sum of its micro-batch losses."""
+    trainer = state.trainer  # type: ignore[attr-defined]
+    micro = [m["inputs"] for m in batch[MICRO]]
+    if NUM_ITEMS in batch:
+        num_items = batch[NUM_ITEMS]
+    else:
+        num_items = trainer._get_num_items_in_batch(micro, trainer.args.device)
+    trainer.current_gradient_accumulation_steps = len(micro)
+    model = trainer.model_wrapped
+    total = None
+    for i, inputs in enumerate(micro):
+        trainer.accelerator.gradient_state._set_sync_gradients(i == len(micro) - 1)
+        loss = trainer.training_step(model, inputs, num_items)
+        total = loss if total is None else total + loss
+    grad_norm = trainer._clip_grad_norm(model) if trainer.args.max_grad_norm > 0 else None
+    trainer._get_grad_norm(model, grad_norm=grad_norm)  # without clipping it still unscales fp16 gradients
+    trainer.optimizer.step()
+    if not trainer.accelerator.optimizer_step_was_skipped and not isinstance(trainer.lr_scheduler, _METRIC_SCHEDULERS):
+        trainer.lr_scheduler.step()
+    model.zero_grad()
+    assert total is not None, "an update without micro-batches"
+    return total
+
+
+_GREEDY = getattr(importlib.import_module("transformers.optimization"), "GreedyLR", None)
+_METRIC_SCHEDULERS: tuple[type, ...] = (torch.optim.lr_scheduler.ReduceLROnPlateau,) + ((_GREEDY,) if _GREEDY else ())
+"""Schedulers the Trainer steps on evaluation metrics, not after each update."""
+
+
+def _import_class(ref: dict[str, Any], what: str, base: type) -> Any:
+    """The class a recorded ref names: one of transformers', or one of the project's (vetted and imported by
+    :func:`reprokit.code.resolve_project` from the code being replayed); only a subclass of ``base``."""
+    module = str(ref.get("module", "")) if isinstance(ref, dict) else ""
+    if module.split(".")[0] == "transformers" and all(p.isidentifier() for p in module.split(".")):
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in str(ref["qualname"]).split("."):
+                obj = getattr(obj, part)
+        except Exception as e:
+            raise CodeLoadError(f"cannot import the recorded {what} class {module}:{ref.get('qualname')}: "
+                                f"{type(e).__name__}: {e}") from None
+    else:
+        obj = resolve_project(ref, f"{what}.class")
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise CodeLoadError(f"the bundle's {what} class {ref_label(ref)} is not a subclass of {base.__qualname__}; "
+                            "replay instantiates only those")
+    return obj
+
+
+_NOT_REPLAYED: dict[str, Any] = {"output_dir": None, "report_to": [], "push_to_hub": False, "hub_token": None,
+                 "logging_dir": None, "save_strategy": "no", "eval_strategy": "no", "dataloader_num_workers": 0}
+"""Arguments that decide where a run writes or reports, never what a step computes: replay writes nowhere."""
+
+
+def _args_for_replay(recorded: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in TrainingArguments.__dataclass_fields__.values() if f.init}
+    out = {k: v for k, v in recorded.items() if k in names and not k.startswith("_")}
+    out.update({k: v for k, v in _NOT_REPLAYED.items() if k in names})
+    return out
+
+
+def _args_to_record(args: TrainingArguments) -> dict[str, Any]:
+    """The ``TrainingArguments`` fields, as JSON-able values (tokens left out)."""
+    out: dict[str, Any] = {}
+    for k, v in args.to_dict().items():
+        if "token" in k:
+            continue
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            out[k] = v
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, (str, int, float, bool)) for x in v):
+            out[k] = list(v)
+        elif isinstance(v, dict) and all(isinstance(x, (str, int, float, bool)) or x is None for x in v.values()):
+            out[k] = dict(v)
+        # anything else (callables, objects) stays at its default on replay
+    return out
+
+
+_HOOKED = ("get_batch_samples", "training_step", "_run_epoch", "_prepare_for_training", "_get_num_items_in_batch",
+           "_clip_grad_norm", "_get_grad_norm")
+"""Trainer methods the callback wraps (the first three) or replay calls."""
+
+
+# --- recording ----------------------------------------------------------------------------
+
+class _UpdateRecorder(Recorder):
+    """A Recorder whose step is driven by the Trainer's events: :meth:`begin` before an update's first
+    micro-batch, :meth:`end` after its ``zero_grad`` (or with the exception that stopped it)."""
+
+    _batch: Any = None
+    _current: Any = None
+
+    def begin(self, batch: Any) -> None:
+        self._batch = batch
+        self._current = self._begin_step(batch)
+        self.monitor.begin()
+
+    def skip(self, message: str) -> None:
+        """An update that cannot be recorded: it still counts (steps stay the Trainer's), the window is dropped."""
+        self._drop_window("skip", message)
+        self.step_index += 1
+
+    @property
+    def active(self) -> bool:
+        return self._in_step
+
+    def end(self, loss: Any, exc: BaseException | None = None) -> None:
+        """Read the update's loss and gradient norm, run the detectors, write a bundle on failure.
+
+        Raises:
+            ``exc`` itself (a note names the bundle), or TrainingFailure when a detector fired.
+        """
+        self._locked_after_step()
+        result = self.monitor.conclude(self.step_index, loss, exc)
+        batch, self._batch = self._batch, None
+        self._finish_step(batch, self._current, result)
+
+
+class _IndexedBatches:
+    """Stands in for a DataLoader's batch sampler: yields what it yields and queues each batch's indices."""
+
+    def __init__(self, inner: Any, queue: deque[list[int]]):
+        self._inner = inner
+        self._queue = queue
+
+    def __iter__(self) -> Iterator[Any]:
+        for indices in self._inner:
+            self._queue.append(list(indices) if isinstance(indices, (list, tuple)) else [])
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class ReprokitCallback(TrainerCallback):
+    """Record a ``Trainer`` run and write a replayable bundle when it fails.
+
+    Args:
+        out_dir: where bundles are written.
+        **recorder_options: any keyword of :class:`reprokit.Recorder` except ``build``/``config``
+            (``snapshot_every``, ``check_grads``, ``spike_factor``, ``host_memory_budget``...).
+
+    A failure (an exception in an update, a non-finite loss or gradient norm, a detector) writes a
+    bundle and stops training: the exception propagates out of ``trainer.train()`` with the bundle
+    path as a note, or :class:`reprokit.TrainingFailure` is raised (``.bundle``). Steps are
+    optimizer updates (``state.global_step`` counts the same way).
+
+    Example:
+        >>> trainer = Trainer(model=model, args=args, train_dataset=ds,            # doctest: +SKIP
+        ...                   callbacks=[ReprokitCallback(out_dir="repros")])
+    """
+
+    def __init__(self, out_dir: str | Path = "repros", **recorder_options: Any):
+        for key in ("build", "config", "train_step"):
+            if key in recorder_options:
+                raise CaptureError(f"ReprokitCallback makes {key} itself (the Trainer's own); drop {key}=")
+        self.out_dir = Path(out_dir)
+        self.options = recorder_options
+        self.recorder: _UpdateRecorder | None = None
+        self._trainer: Trainer | None = None
+        self._batch: dict[str, Any] | None = None
+        self._loss: torch.Tensor | None = None
+        self._indices: deque[list[int]] = deque()
+
+    # --- Trainer events ------------------------------------------------------------------
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = _calling_trainer()
+        if trainer is None:
+            raise CaptureError("ReprokitCallback: on_train_begin was not called by a transformers Trainer; pass the "
+                               "callback to Trainer(callbacks=[...])")
+        missing = [name for name in _HOOKED if not callable(getattr(trainer, name, None))]
+        if missing:
+            raise CaptureError(f"ReprokitCallback: this Trainer ({type(trainer).__qualname__}, transformers "
+                               f"{transformers.__version__}) has no {', '.join(missing)}; the callback follows the "
+                               "training loop of transformers 5 (tested with 5.24): upgrade transformers")
+        if self.recorder is not None:
+            self.recorder.close()
+        self._trainer = trainer
+        rec = _UpdateRecorder(_state_of(trainer), train_step, build=build, config=self._config(trainer, state),
+                              out_dir=self.out_dir, **self.options)
+        self._snapshot_project(rec, trainer)
+        rec.step_index = int(state.global_step)  # bundle steps are the Trainer's (a resumed run starts past 0)
+        self.recorder = rec
+        self._wrap(trainer, kwargs.get("train_dataloader"))
+
+    def on_epoch_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        self._indices.clear()  # a new iterator over the loader: what the last epoch left unread is dropped
+
+    def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        rec = self.recorder
+        if rec is None:
+            return
+        self._loss = None
+        batch, self._batch = self._batch, None
+        if batch is None:  # the update's micro-batches were not seen: it cannot be replayed, nor the window
+            rec.skip(f"reprokit: update {rec.step_index}'s micro-batches were not captured; no bundle until the "
+                     "next snapshot")
+            return
+        rec.begin(batch)
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        rec = self.recorder
+        if rec is None or not rec.active:
+            return
+        loss, self._loss = self._loss, None
+        rec.end(loss)
+
+    def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+        self._unwrap()
+
+    # --- what the bundle needs --------------------------------------------------------------
+
+    def _config(self, trainer: Any, state: Any) -> dict[str, Any]:
+        model = trainer.model
+        dtypes = {p.dtype for p in model.parameters()}
+        dtype = str(next(iter(dtypes)) if len(dtypes) == 1 else torch.float32).removeprefix("torch.")
+        return {
+            "transformers": transformers.__version__,
+            "trainer": {"class": _class_ref(type(trainer), "Trainer")},
+            "model": {"class": _class_ref(type(model), "model"), "config_class": _class_ref(type(model.config),
+                                                                                             "model config"),
+                      "config": model.config.to_dict(), "dtype": dtype},
+            "args": _args_to_record(trainer.args),
+            "max_steps": int(state.max_steps),
+        }
+
+    def _snapshot_project(self, rec: _UpdateRecorder, trainer: Any) -> None:
+        """A model, config or Trainer class of the user's project travels in the bundle's code snapshot (listed
+        under ``refs.objects``, so replay vets it before importing anything)."""
+        for cls in (type(trainer.model), type(trainer), type(trainer.model.config)):
+            ref, root = ref_of(cls, "class")
+            if root is None:
+                continue
+            rec._refs.setdefault("objects", []).append(ref)
+            if rec._root is None:
+                rec._root = root
+            if "script" in ref:
+                rec._scripts.append(root / ref["script"])
+        if rec._root is not None:
+            snapshot_files(rec._root, rec._scripts)  # fail at attach time, not at dump time, if it cannot be read
+
+    # --- wrapping the Trainer instance -------------------------------------------------------
+
+    def _wrap(self, trainer: Trainer, loader: Any) -> None:
+        self._unwrap()
+        get_batch_samples, training_step, run_epoch = (trainer.get_batch_samples, trainer.training_step,
+                                                       trainer._run_epoch)
+
+        def batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            samples, num_items = get_batch_samples(epoch_iterator, num_batches, device)
+            try:
+                self._batch = self._update_batch(samples, num_items)
+            except Exception:  # never let the recorder stop training: on_step_begin says the update is lost
+                self._batch = None
+            return samples, num_items
+
+        def step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            loss = training_step(model, inputs, num_items_in_batch)
+            self._loss = loss if self._loss is None else self._loss + loss
+            return loss
+
+        def epoch(*a: Any, **kw: Any) -> Any:
+            try:
+                return run_epoch(*a, **kw)
+            except Exception as e:
+                rec = self.recorder
+                if rec is not None and rec.active:
+                    rec.end(None, exc=e)  # writes the bundle, then raises e with a note naming it
+                raise
+
+        trainer.get_batch_samples = batch_samples  # type: ignore[method-assign]
+        trainer.training_step = step  # type: ignore[method-assign]
+        trainer._run_epoch = epoch  # type: ignore[method-assign]
+        loader = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderShard wraps the DataLoader
+        sampler = getattr(loader, "batch_sampler", None)
+        if sampler is not None and not isinstance(sampler, _IndexedBatches):
+            # DataLoader refuses a new batch_sampler after __init__ through setattr; its iterators read the attribute
+            object.__setattr__(loader, "batch_sampler", _IndexedBatches(sampler, self._indices))
+            self._loader = loader
+
+    def _unwrap(self) -> None:
+        trainer = self._trainer
+        if trainer is not None:
+            for name in ("get_batch_samples", "training_step", "_run_epoch"):  # the instance attributes _wrap set
+                trainer.__dict__.pop(name, None)
+        loader = getattr(self, "_loader", None)
+        if loader is not None and isinstance(loader.batch_sampler, _IndexedBatches):
+            object.__setattr__(loader, "batch_sampler", loader.batch_sampler._inner)
+        self._loader = None
+
+    def _update_batch(self, samples: list[Any], num_items: Any) -> dict[str, Any]:
+        micro = []
+        for inputs in samples:
+            entry: dict[str, Any] = {"inputs": inputs}
+            indices = self._indices.popleft() if self._indices else None
+            rows = _rows(inputs)
+            if indices is not None and rows is not None and len(indices) == rows:
+                entry["index"] = torch.tensor(indices, dtype=torch.long)
+            micro.append(entry)
+        batch: dict[str, Any] = {MICRO: micro}
+        trainer = self._trainer
+        if trainer is not None and trainer.accelerator.num_processes > 1 and num_items is not None:
+            batch[NUM_ITEMS] = num_items  # gathered over ranks: a single-process replay cannot count it again
+        return batch
+
+
+def _rows(inputs: Any) -> int | None:
+    if isinstance(inputs, dict):
+        for v in inputs.values():
+            if isinstance(v, torch.Tensor) and v.dim() >= 1:
+                return int(v.shape[0])
+    return None
+
+
+def _class_ref(cls: type, what: str) -> dict[str, Any]:
+    ref, root = ref_of(cls, what)
+    if root is None and str(ref.get("module", "")).split(".")[0] != "transformers":
+        raise CaptureError(f"ReprokitCallback: the {what} class {cls.__module__}.{cls.__qualname__} comes from an "
+                           "installed package other than transformers; replay rebuilds only transformers' classes "
+                           "and your project's own")
+    return ref
+
+
+def _calling_trainer() -> Trainer | None:
+    """The Trainer whose event is being handled: the nearest ``self`` up the stack that is one."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, Trainer):
+                return obj
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
