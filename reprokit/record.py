@@ -103,16 +103,19 @@ def _batch_bytes(batch: Any) -> tuple[int, int]:
 
 
 
-def _lr_and_scale(state: TrainState) -> tuple[float | None, float | None]:
+def _lr_and_scale(state: TrainState, read_scale: float | None = None) -> tuple[float | None, float | None]:
     """The first param group's LR and the GradScaler's scale after a step, for ``inspect --plot``.
 
-    Read only where it costs no device sync: a tensor LR or a scale on a GPU is left out (None).
+    Read only where it costs no device sync: a tensor LR is left out (None); a scale on a GPU is the one the
+    detector fetched with the loss this step (``read_scale``), else left out.
     """
     try:
         lr = state.optimizer.param_groups[0].get("lr")
         lr = float(lr) if isinstance(lr, (int, float)) else None
         scale = getattr(state.scaler, "_scale", None) if state.scaler_enabled() else None
-        return lr, float(scale) if isinstance(scale, torch.Tensor) and not scale.is_cuda else None
+        if isinstance(scale, torch.Tensor) and not scale.is_cuda:
+            return lr, float(scale)
+        return lr, read_scale if state.scaler_enabled() else None
     except Exception:  # never let a read for a plot stop the run
         return None, None
 
@@ -335,7 +338,7 @@ class Recorder:
             self._warn("check", f"reprokit: cannot check the snapshot copy ({e!r}); no bundle until the next snapshot")
         if record is not None:
             record.loss, record.grad_norm = result.loss, result.grad_norm
-        self._history.append((k, result.loss, result.grad_norm, *_lr_and_scale(self.state)))
+        self._history.append((k, result.loss, result.grad_norm, *_lr_and_scale(self.state, self.monitor.last_scale)))
         if result.failure is None:
             return result.value
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
