@@ -64,11 +64,12 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 
 
 def train(tmp_path, dataset, *, batch_size: int, max_steps: int, accumulate: int = 1, model=None, trainer_cls=Trainer,
-          **callback):
+          args_kw=None, **callback):
     """The user's script: a stock Trainer with the callback added, nothing else."""
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch_size,
-                             gradient_accumulation_steps=accumulate, max_steps=max_steps, seed=3, use_cpu=True,
-                             report_to=[], logging_strategy="no", save_strategy="no", disable_tqdm=True)
+                             gradient_accumulation_steps=accumulate, max_steps=max_steps, seed=3,
+                             report_to=[], logging_strategy="no", save_strategy="no", disable_tqdm=True,
+                             **(args_kw or {"use_cpu": True}))
     trainer = trainer_cls(model=model or tiny_gpt2(), args=args, train_dataset=dataset,
                       callbacks=[ReprokitCallback(out_dir=tmp_path / "repros", **callback)])
     trainer.train()
@@ -135,6 +136,25 @@ def test_all_ignored_labels_nan_loss_replays_bit_exact_and_shrinks_to_the_sample
         reseal(hostile, where, ref)
         r = CliRunner().invoke(main, ["replay", str(hostile)])
         assert r.exit_code == 125 and why in r.output, r.output
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_trainer_on_the_gpu_replays_with_its_scaler_and_autocast(tmp_path, precision):
+    """fp16 on CUDA: the Trainer's GradScaler and autocast are part of the step that replays (bf16: autocast alone)."""
+    bad = 5
+    with pytest.raises(TrainingFailure) as info:
+        train(tmp_path, Tokens(8, bad, "labels"), batch_size=1, max_steps=8, snapshot_every=4,
+              args_kw={precision: True})
+    bundle = info.value.bundle
+    assert info.value.failure.kind == "nonfinite_loss"
+    assert B.open_bundle(bundle).run["device"].startswith("cuda")
+    d = replay_json(bundle)
+    assert d["verdict"] == "deterministic" and d["device"].startswith("cuda"), d
+    assert d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] >= 2, d["fidelity"]
+    s = shrink_json(bundle, tmp_path / "small")
+    assert s["dataset_indices"] == [bad]
 
 
 def reseal(bundle, where: str, ref: dict) -> None:
