@@ -38,6 +38,7 @@ from typing import Any, TextIO
 
 import click
 
+from reprokit._version import __version__
 from reprokit.errors import ReprokitError
 
 # Import rule (issue 17: `reprokit --help` and `--version` answer in <= 0.3 s): at module level this
@@ -163,7 +164,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings=CONTEXT)
-@click.version_option(package_name="reprokit")
+@click.version_option(__version__, prog_name="reprokit")  # not package metadata: a checkout on PYTHONPATH has none
 def main() -> None:
     """reprokit: turn a failing training run into a small, portable repro.
 

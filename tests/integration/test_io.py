@@ -205,3 +205,19 @@ def test_crafted_pax_headers_are_refused_in_bounded_time(tmp_path, case, compres
     r = CliRunner().invoke(main, ["verify", str(path), "--json"])
     assert time.perf_counter() - t0 < 5.0
     assert r.exit_code == 1 and not json.loads(r.output)["ok"], r.output
+
+
+def test_version_works_from_a_checkout_that_is_not_installed(tmp_path):
+    """`python -m reprokit --version` from a plain copy on the path (no package metadata: the GPU machine's case)."""
+    import shutil
+
+    import click
+
+    from reprokit._version import __version__
+
+    shutil.copytree(ROOT / "reprokit", tmp_path / "reprokit", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(Path(click.__file__).parent, tmp_path / "click", ignore=shutil.ignore_patterns("__pycache__"))
+    # -S: no site-packages, so neither reprokit's nor anything's metadata is found
+    proc = subprocess.run([sys.executable, "-S", "-m", "reprokit", "--version"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and __version__ in proc.stdout, proc.stdout + proc.stderr
