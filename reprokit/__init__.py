@@ -7,6 +7,7 @@ Public API (everything else is internal and may change)::
     report = reprokit.replay("repros/bundle-...", times=3)
 """
 
+from reprokit import inject  # noqa: F401 - a public submodule (reprokit.inject); vendored with the runtime
 from reprokit._version import __version__
 from reprokit.bundle import Bundle, open_bundle, verify
 from reprokit.detect import DetectSettings

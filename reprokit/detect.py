@@ -18,6 +18,7 @@ import statistics
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from operator import attrgetter
 from typing import Any
@@ -33,6 +34,14 @@ _SKIPPED = -1.0
 """The grad norm of a step the GradScaler skipped on the device (norms are never negative)."""
 
 Predicate = Callable[[int, "float | None", TrainState], Any]
+
+_RUNNING: ContextVar[tuple[int, bool] | None] = ContextVar("reprokit_running_step", default=None)
+
+
+def current_step() -> tuple[int, bool] | None:
+    """``(step, replaying)`` of the step a :class:`Monitor` is running now (the recorder's during training,
+    a replay's during replay, shrink and bisect), or None outside one. Read by :mod:`reprokit.inject`."""
+    return _RUNNING.get()
 
 
 @dataclass(kw_only=True)
@@ -96,6 +105,8 @@ class Monitor:
         """Side streams with a norm queued that the training stream has not waited for yet."""
         self._hooks: tuple[Any, Any] | None = None
         self._hook_warned = False
+        self.replaying = False
+        """Set by replay: the steps this monitor runs re-execute recorded ones (see :func:`current_step`)."""
         self.attach()
 
     def close(self) -> None:
@@ -209,6 +220,7 @@ class Monitor:
         graph (~650 nodes) takes ~0.2 ms of host time, all of it on the critical path there.
         """
         self._norms.clear()
+        token = _RUNNING.set((step, self.replaying))
         try:
             loss = step_fn(self.state, batch)
         except Exception as e:
@@ -216,6 +228,8 @@ class Monitor:
                 after()
             self._join()  # an optimizer step that raised never reached the post-hook
             return StepResult(None, None, from_exception(e, step), e)
+        finally:
+            _RUNNING.reset(token)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss = loss.detach()
         if after is not None:
