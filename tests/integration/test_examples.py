@@ -57,3 +57,11 @@ def test_memory_budget_bench_quick_runs_and_stays_under_its_budget():
     report = _bench_json("memory_budget")
     small = report["variants"]["recorder (budget 2 MiB)"]
     assert small["early_snapshots"] >= 1 and small["peak_buffers_bytes"] <= small["budget_bytes"], small
+
+
+def test_soak_bench_quick_runs_without_leaking_file_handles():
+    report = _bench_json("soak")
+    assert report["steps"] == 1000 and report["samples_after_warmup"] >= 50
+    assert report["fds_last"] <= report["fds_first"], report  # nothing the recorder opens piles up
+    assert report["rss_growth_bytes"] < 64 << 20, report
+    assert report["out_dir_entries"] == [], "a healthy run writes no bundle"
