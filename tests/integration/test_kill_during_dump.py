@@ -111,4 +111,4 @@ def test_sigkill_at_random_points_of_a_dump_leaves_only_hidden_temp_folders_that
             assert _cli("inspect", str(tmp)) == 3, (k, ops[k - 1])
             assert _cli("replay", str(tmp)) == 3, (k, ops[k - 1])
         assert _cli("gc", str(out)) == 0 and list(out.iterdir()) == [], k
-    print(f"killed at {len(points)} of {len(dump)} dump operations: {points}")
+    print(f"{len(points)} kills over the {len(dump)} operations of the dump, at {points}")
