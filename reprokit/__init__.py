@@ -31,6 +31,7 @@ from reprokit.errors import (
 # `reprokit --help` stay fast. The TYPE_CHECKING block names them for type checkers and for
 # reprokit.pack.runtime_files, which vendors every module listed there.
 if TYPE_CHECKING:
+    from reprokit import inject  # noqa: F401 - a public submodule, imported on use; vendored with the runtime
     from reprokit.bundle import Bundle, open_bundle, verify
     from reprokit.detect import DetectSettings
     from reprokit.record import Recorder

@@ -234,7 +234,9 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, trus
     archive, or recorded on another host) gets a one-line note saying so on stderr.
 
     Verdicts: deterministic (every run reproduced), flaky (some did), different_failure
-    (none did, some failed with another signature or at another step), not_reproduced.
+    (none did, some failed with another signature or at another step), not_reproduced
+    (marked transient, not a fix, when the bundle's own code on the recording device was
+    bit-exact up to the failing step).
     Exit 1 deterministic or flaky, 0 not reproduced (fixed), 125 different failure
     (git bisect run skips it) or code that does not import, 3 invalid bundle.
     """

@@ -18,6 +18,7 @@ import statistics
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from operator import attrgetter
 from typing import Any
@@ -34,6 +35,14 @@ _SKIPPED = -1.0
 """The grad norm of a step the GradScaler skipped on the device (norms are never negative)."""
 
 Predicate = Callable[[int, "float | None", TrainState], Any]
+
+_RUNNING: ContextVar[tuple[int, bool] | None] = ContextVar("reprokit_running_step", default=None)
+
+
+def current_step() -> tuple[int, bool] | None:
+    """``(step, replaying)`` of the step a :class:`Monitor` is running now (the recorder's during training,
+    a replay's during replay, shrink and bisect), or None outside one. Read by :mod:`reprokit.inject`."""
+    return _RUNNING.get()
 
 
 @dataclass(kw_only=True)
@@ -101,6 +110,8 @@ class Monitor:
         self._hook_warned = False
         self._after_closure = False
         """Set by the pre-hook when step() was given a closure: the norm is read after the step."""
+        self.replaying = False
+        """Set by replay: the steps this monitor runs re-execute recorded ones (see :func:`current_step`)."""
         self.attach()
 
     def close(self) -> None:
@@ -230,12 +241,15 @@ class Monitor:
         graph (~650 nodes) takes ~0.2 ms of host time, all of it on the critical path there.
         """
         self.begin()
+        token = _RUNNING.set((step, self.replaying))
         try:
             loss = step_fn(self.state, batch)
         except Exception as e:
             if after is not None:
                 after()
             return self.conclude(step, exc=e)
+        finally:
+            _RUNNING.reset(token)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss = loss.detach()
         if after is not None:

@@ -93,6 +93,11 @@ VERDICT_EXIT_CODES = {"deterministic": 1, "flaky": 1, "different_failure": 125, 
 VERDICT_HEADLINES = {"deterministic": "REPRODUCED", "flaky": "REPRODUCED (flaky)",
                      "different_failure": "DIFFERENT FAILURE", "not_reproduced": "NOT REPRODUCED"}
 
+TRANSIENT_NOTE = (
+    "transient: the recorded code, state and batches replayed on the same kind of device, bit-exact up to the "
+    "failing step, and the failure did not recur. Nothing recorded explains it (a hardware fault, a data race, "
+    "or an input outside the recording): this is not a fix. Check the device and rerun the job.")
+
 NOT_BIT_EXACT_HINT = (
     "replayed on the device it was recorded on, losses should be bit-exact; common causes: a random generator "
     "outside state.extra (a torch.Generator, random.Random or numpy Generator your step draws from), training "
@@ -145,6 +150,17 @@ class ReplayReport:
     def exit_code(self) -> int:
         return VERDICT_EXIT_CODES[self.verdict]
 
+    @property
+    def transient(self) -> bool:
+        """Not reproduced, although the recorded code ran on the recorded kind of device from the recorded state
+        and batches, and every loss before the failing step was bit-exact: nothing recorded explains the failure
+        (a transient fault, a data race, or an input outside the recording). Not a fix."""
+        f = self.fidelity
+        if self.verdict != "not_reproduced" or not (f.get("same_device") and f.get("same_code")):
+            return False
+        first = f.get("first_diverging_step")
+        return first is None or first >= self.recorded.step
+
     def to_json(self) -> dict[str, Any]:
         first = next((r.failure for r in self.runs if r.same), None) or next(
             (r.failure for r in self.runs if r.failure), None)
@@ -156,6 +172,7 @@ class ReplayReport:
             "different_runs": self.different_runs,
             "verdict": self.verdict,
             "exit_code": self.exit_code,
+            "transient": self.transient,
             "failure": _failure_summary(first),
             "recorded_failure": _failure_summary(self.recorded),
             "fidelity": self.fidelity,
@@ -231,6 +248,7 @@ class Session:
         tree, tensors = self.bundle.state()
         self.snapshot = (tree, tensors)
         self.monitor = Monitor(state, DetectSettings(**run["recorder"]["detect"]), predicates)
+        self.monitor.replaying = True
         self._stack.callback(self.monitor.close)
 
     def __exit__(self, *exc: Any) -> None:
@@ -478,6 +496,8 @@ def format_report(d: dict[str, Any]) -> str:
     elif got:
         lines.append(f"  replayed: {fail_line(got)}")
     lines.append(f"  fidelity: {fidelity_line(d['fidelity'])}")
+    if d.get("transient"):
+        lines.append(f"  note: {TRANSIENT_NOTE}")
     if d["fidelity"].get("hint"):
         lines.append(f"  hint: {d['fidelity']['hint']}")
     if d["runs"] > 1:

@@ -553,11 +553,12 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
         if rel.endswith(".safetensors") and rel.split("/", 1)[0] in ("steps", "state", "extract"):
             keys[rel] = run(rel, lambda rel=rel: check_safetensors(path / rel, rel))
         elif rel.endswith(".json"):
-            docs[rel] = run(rel, lambda rel=rel: load_json(path / rel, rel))
+            docs[rel] = run(rel, lambda rel=rel: [load_json(path / rel, rel)])  # [doc]: a file may hold null
     checks = {"run.json": check_run, "failure.json": check_failure, "env.json": check_env}
-    for rel, doc in docs.items():
-        if doc is None:
+    for rel, loaded in docs.items():
+        if loaded is None:  # not strict JSON: reported already
             continue
+        doc = loaded[0]
         tensors = rel.removesuffix(".json") + ".safetensors"
         k = keys.get(tensors) if tensors not in skip else None
         m = STEP_FILE.fullmatch(rel)
@@ -569,7 +570,7 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
             run(rel, lambda doc=doc, k=k: check_state(doc, k))
         elif m:
             run(rel, lambda rel=rel, doc=doc, k=k, m=m: check_step(doc, int(m[1]), k, rel))
-    window = docs.get("run.json")
+    window = (docs.get("run.json") or [None])[0]
     if isinstance(window, dict) and not any(p["file"] == "run.json" for p in problems):
         for i, s in enumerate(window["window"]["steps"]):
             for ext in ("json", "safetensors"):

@@ -72,3 +72,11 @@ def test_io_bench_quick_runs():
     assert {"dump", "load", "verify", "pack", "open_archive"} <= report["figures"].keys()
     assert all(f["ratio"] > 0 and f["limit_Bps"] > 0 for f in report["figures"].values()), report["figures"]
     assert report["inspect_exit"] == 0 and report["archive"]["name"] == "repro.tar"
+
+
+def test_soak_bench_quick_runs_without_leaking_file_handles():
+    report = _bench_json("soak")
+    assert report["steps"] == 1000 and report["samples_after_warmup"] >= 50
+    assert report["fds_last"] <= report["fds_first"], report  # nothing the recorder opens piles up
+    assert report["rss_growth_bytes"] < 64 << 20, report
+    assert report["out_dir_entries"] == [], "a healthy run writes no bundle"

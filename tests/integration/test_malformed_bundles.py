@@ -201,3 +201,10 @@ def test_header_length_beyond_the_file(bundle):
     p.write_bytes(struct.pack("<Q", len(raw) * 4) + raw[8:])
     reseal(bundle)
     assert_refused(bundle, "state/state.safetensors", "declares a")
+
+
+@pytest.mark.parametrize("rel", ["env.json", "failure.json", "run.json", "state/state.json", "steps/00000005.json"])
+def test_a_json_file_holding_null_is_refused_not_skipped(bundle, rel):
+    """Found by tests/integration/test_fuzz.py: ``null`` was taken for "could not be read" and never checked."""
+    edit_json(bundle, rel, text=lambda s: "null")
+    assert_refused(bundle, rel, "<root> must be an object, got null")
