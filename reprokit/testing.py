@@ -46,8 +46,10 @@ class DifferentFailure(ReprokitError):
 def _describe(f: dict[str, Any] | None) -> str:
     if not f:
         return "no failure"
+    what = f"{f['exception_type']}: {f.get('message')}" if f.get("exception_type") else \
+        f"{f.get('kind')} ({f.get('message')})" if f.get("message") else str(f.get("kind"))
     where = f" in {f['frame']}" if f.get("frame") else ""
-    return f"{f.get('summary') or f.get('kind')}{where} at step {f.get('step')}"
+    return f"{what}{where} at step {f.get('step')}"
 
 
 def assert_fixed(bundle: str | Path, *, code: str | Path | None = None, times: int = 1,
@@ -187,10 +189,13 @@ if pytest is not None:
         if not folders:
             return
         code_opt = config.getoption("--reprokit-code") or config.getini("reprokit_code")
-        code = Path(code_opt).resolve() if code_opt else None
+        code = (config.rootpath / code_opt).resolve() if code_opt else None  # absolute paths stay as they are
         times = config.getoption("--reprokit-times") or int(config.getini("reprokit_times"))
         device = config.getoption("--reprokit-device")
-        for folder in folders:
-            for bundle in find_bundles(folder):
-                items.append(BundleItem.from_parent(session, name=f"reprokit::{bundle.name}", bundle=bundle,
-                                                    code=code, times=times, device=device))
+        try:
+            found = [b for folder in folders for b in find_bundles(folder)]
+        except ReprokitError as e:
+            raise pytest.UsageError(str(e)) from None
+        for bundle in found:
+            items.append(BundleItem.from_parent(session, name=f"reprokit::{bundle.name}", bundle=bundle,
+                                                code=code, times=times, device=device))
