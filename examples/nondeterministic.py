@@ -62,7 +62,7 @@ def main() -> int:
     args = parse(__doc__)
     config = {"seed": 0, "dim": 8, "lr": 1e-3}
     return run_example(args, build(config), train_step, build, config, batches(config, 3000), snapshot_every=25,
-                       replays=3, expect=lambda verdict: verdict != "deterministic")
+                       expect=lambda verdict: verdict != "deterministic")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def parse(doc: str) -> argparse.Namespace:
 
 
 def run_example(args: argparse.Namespace, state: reprokit.TrainState, train_step: Callable, build: Callable,
-                config: dict[str, Any], batches: Iterable[Any], *, replays: int = 2,
+                config: dict[str, Any], batches: Iterable[Any], *, replays: int = 3,
                 expect: Callable[[str], bool] = lambda verdict: verdict == "deterministic", **recorder: Any) -> int:
     """Train under a Recorder until it fails; print the failure and the bundle; replay it ``replays`` times.
 

@@ -56,8 +56,9 @@ CASES: list[tuple[str, list[str], str]] = [
      "The gradient norm exploded tens of steps before the NaN, at a constant LR of 0.16 from the first step. "
      "Restore the warmup (`warmup: 100` trains this model for 1500 steps without trouble) or lower the LR."),
     ("naive_softmax.py", ["replay {b} --times 3", "bisect layers {b}"],
-     "The first non-finite value is made inside `blocks.1.softmax` (a NaiveSoftmax), while the modules before "
-     "it are finite. Subtract the row max before `exp`, or use `torch.softmax`."),
+     "The first non-finite value is made inside `blocks.1.softmax` (a NaiveSoftmax), by the division's "
+     "backward (the sum of exp(x), squared, overflows), while everything before it is finite. Subtract the row "
+     "max before `exp`, or use `torch.softmax`."),
     ("nondeterministic.py", ["replay {b} --times 3"],
      "The recorded run failed; three replays from the same state and batches did not (or not at the same step). "
      "That is information, not a fix: the failure is not a function of the code, the data or the recorded "
@@ -67,8 +68,8 @@ CASES: list[tuple[str, list[str], str]] = [
      "and ordinary gradient norms. An optimizer problem would show in the gradients; this is the data. "
      "Shuffle inputs and labels with one permutation."),
     ("lr_x100.py", ["replay {b} --times 3", "bisect steps {b}"],
-     "The LR column jumps from 0.001 to 0.1 at step 60 and the loss spikes four steps later: the schedule, "
-     "not the data."),
+     "The LR column jumps from 0.001 to 0.1 at step 60; the gradient norm explodes two steps later and the "
+     "loss spikes at 64: the schedule, not the data."),
     ("missing_zero_grad.py", ["replay {b} --times 3", "bisect steps {b}"],
      "The gradient norm climbs at nearly every step (gradients are summed, never cleared) until it explodes. "
      "Call `optimizer.zero_grad()` after each step."),
