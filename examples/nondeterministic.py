@@ -4,9 +4,9 @@ Every so often a faulty device flips an exponent bit in an activation, turning
 it into inf, and the loss is NaN. The fault does not come from anything the
 recorder can capture: it is drawn from the operating system's entropy, like a
 real hardware fault. Replaying the bundle three times almost never fails at the
-recorded step: the verdict is "not_reproduced" (or "flaky"), never
-"deterministic" -- and never a false "fixed": it is information, the failure is
-not in the code, the data or the state.
+recorded step: the verdict is "not_reproduced", "different_failure" (the fault
+struck at another step) or "flaky", never "deterministic" -- and never a false
+"fixed": it is information, the failure is not in the code, the data or the state.
 
     python examples/nondeterministic.py [--quick]
 """

@@ -145,7 +145,8 @@ def test_naive_softmax_layers_names_the_module_and_the_op(tmp_path):
 def test_nondeterministic_failure_is_never_called_deterministic(tmp_path):
     bundle = record("nondeterministic.py", tmp_path)
     report = reprokit.replay(bundle, times=3)  # once more, beside the example's own 3
-    assert report.verdict in ("not_reproduced", "flaky"), report.to_json()
+    # The fault may strike earlier in the window (different_failure): anything but "deterministic".
+    assert report.verdict in ("not_reproduced", "flaky", "different_failure"), report.to_json()
 
 
 def test_shuffled_labels_steps_shows_a_flat_loss_and_healthy_gradients(tmp_path):
