@@ -61,7 +61,7 @@ def main() -> int:
     except reprokit.TrainingFailure as e:
         print(f"training failed: {e.failure.describe()}")
         print(f"bundle: {e.bundle}")
-        report = reprokit.replay(e.bundle, times=2)
+        report = reprokit.replay(e.bundle, times=3)
         print(f"replay: {report.verdict}, {report.failed_runs}/{len(report.runs)} runs failed the same way")
         return 0 if report.verdict == "deterministic" else 1
     print("training finished without failing (unexpected)")

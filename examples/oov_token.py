@@ -1,70 +1,55 @@
 """Token id >= vocab size: the tokenizer gained special tokens, the model was never resized.
 
-The failure is an `IndexError: index out of range in self` from nn.Embedding,
-raised only for the rare batch that contains the new token. The Recorder lets
-that exception through unchanged (with a note naming the bundle), and replay
-shows it is deterministic.
+A TinyLM built for a 64-token vocabulary is fed by a tokenizer that later got
+two special tokens (ids 64 and 65). The failure is `IndexError: index out of
+range in self` from the token embedding, raised only for the rare batch that
+contains a new token. The recorder lets the exception through unchanged (with a
+note naming the bundle); replay shows it is deterministic, and shrink cuts the
+batch to one row with the offending token kept.
 
     python examples/oov_token.py [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-
 import torch
-from torch import nn
 
 import reprokit
 
-VOCAB = 64          # what the model was built with
+from tinylm import TinyLM, lm_loss, parse, run_example
+
+VOCAB = 64           # what the model was built with
 TOKENIZER_SIZE = 66  # what the tokenizer emits after adding two special tokens
 
 
 def build(config):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB))
-    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    torch.manual_seed(config["seed"])
+    model = TinyLM(vocab=VOCAB, max_len=32)
+    return reprokit.TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=config["lr"]))
 
 
 def train_step(state, batch):
-    logits = state.model(batch["input_ids"][:, :-1])
-    loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch["input_ids"][:, 1:].flatten())
+    loss = lm_loss(state.model(batch["input_ids"]), batch["input_ids"])
     loss.backward()
     state.optimizer.step()
-    state.optimizer.zero_grad()
+    state.optimizer.zero_grad(set_to_none=True)
     return loss
 
 
 def batches(steps, rare_step):
     g = torch.Generator().manual_seed(3)
     for step in range(steps):
-        ids = torch.randint(0, VOCAB, (8, 32), generator=g)
+        ids = torch.randint(1, VOCAB, (8, 32), generator=g)
         if step == rare_step:
-            ids[2, 11] = TOKENIZER_SIZE - 1  # the special token shows up once
+            ids[2, 11] = TOKENIZER_SIZE - 1  # the new special token shows up once
         yield {"input_ids": ids}
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer steps, for the test suite")
-    args = ap.parse_args()
+    args = parse(__doc__)
     steps, rare = (40, 33) if args.quick else (2000, 1717)
-    rec = reprokit.Recorder(build({}), train_step, build=build, config={},
-                            out_dir=tempfile.mkdtemp(prefix="reprokit-example-"), snapshot_every=25)
-    try:
-        for batch in batches(steps, rare):
-            rec.step(batch)
-    except IndexError as e:
-        print(f"training raised: IndexError: {e}")
-        for note in getattr(e, "__notes__", []):
-            print(note)
-        report = reprokit.replay(rec.bundles[-1], times=2)
-        print(f"replay: {report.verdict}; failure in {report.runs[0].failure.frame} at step {report.runs[0].failure.step}")
-        return 0 if report.verdict == "deterministic" else 1
-    print("training finished without failing (unexpected)")
-    return 1
+    config = {"seed": 0, "lr": 1e-3}
+    return run_example(args, build(config), train_step, build, config, batches(steps, rare), snapshot_every=25)
 
 
 if __name__ == "__main__":

@@ -593,7 +593,7 @@ def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_p
               help="Where to write the bundle (default: a temporary directory).")
 @json_opt
 def demo(out: Path | None, as_json: bool) -> None:
-    """Train a tiny model until a poisoned sample kills it, then replay the bundle."""
+    """Train a tiny model until a poisoned sample kills it, then replay, shrink, localise, pack and verify the bundle."""
     from reprokit.demo_cli import run_demo
 
     out = out or Path(tempfile.mkdtemp(prefix="reprokit-demo-"))

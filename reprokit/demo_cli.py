@@ -1,4 +1,4 @@
-"""The story ``reprokit demo`` tells: train, fail, record, replay."""
+"""The story ``reprokit demo`` tells: train, fail, record, replay, shrink, localise, pack, verify."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from reprokit import demo
+from reprokit.archive import bundle_dir
+from reprokit.bisect import bisect_layers
+from reprokit.bundle import open_bundle
+from reprokit.bundle import verify as verify_bundle
 from reprokit.errors import ReprokitError, TrainingFailure
+from reprokit.pack import pack
 from reprokit.record import Recorder
 from reprokit.replay import replay
 from reprokit.shrink import shrink
@@ -45,6 +50,32 @@ def run_demo(out: Path, say: Callable[[str], None] = print, config: dict[str, An
         f"row {small.kept_rows} of the batch, dataset index {small.dataset_indices}, "
         f"{a['tokens']} non-zero value(s) left.")
     say(f"   wrote {small.output}")
-    say(f"Next: reprokit inspect {small.output}")
+    say("5. Localising: replaying the failing step with every module and op watched...")
+    layers = bisect_layers(open_bundle(small.output))
+    origin = layers.get("origin") or {}
+    first = layers.get("first_nonfinite") or {}
+    if first:
+        how = ("its input was already non-finite: the data brought it in" if first["inputs_already_nonfinite"]
+               else f"made by {first['op']}")
+        say(f"   first module with a non-finite value: {first['module']} ({first['class']}), {first['phase']}; {how}.")
+    else:
+        say(f"   origin: {origin.get('summary', 'not found')}")
+    say("6. Packing the shrunk bundle into one checksummed tarball...")
+    packed = pack(small.output, out / "repro.tar.gz")
+    say(f"   wrote {packed.output} ({packed.size / 1e3:.1f} kB), sha256 {packed.sha256[:16]}...")
+    say("7. Verifying the tarball (its sha256, every member, every file) and replaying it...")
+    with bundle_dir(packed.output) as folder:
+        problems = verify_bundle(folder)
+        again = replay(open_bundle(folder))
+    if problems:
+        raise ReprokitError(f"the demo's own tarball failed verification ({problems[0]}); please report this as a bug")
+    say(f"   ok: every file matches; the tarball replays {again.verdict} "
+        f"({again.failed_runs}/{len(again.runs)}), {fidelity_word(again.fidelity)}.")
+    say(f"Next: reprokit inspect {packed.output}, or send it: tar xzf repro.tar.gz && python {packed.folder}/repro.py")
     return {"bundle": str(failure.bundle), "failure": f.to_json(), "replay": report.to_json(),
-            "shrink": small.to_json()}
+            "shrink": small.to_json(), "layers": layers, "pack": packed.to_json(),
+            "verify": {"problems": problems, "replay": again.to_json()}}
+
+
+def fidelity_word(fid: dict[str, Any]) -> str:
+    return "losses bit-exact" if fid["bit_exact"] else f"losses within {fid['max_abs_diff']:.3g}"

@@ -117,6 +117,9 @@ def test_subprocess_demo(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "non-finite loss at step 250" in proc.stdout
     assert "reproduced 3/3, deterministic, losses bit-exact" in proc.stdout
+    assert "first module with a non-finite value: 0 (Linear), forward; its input was already non-finite" in proc.stdout
+    assert "ok: every file matches; the tarball replays deterministic (1/1)" in proc.stdout
+    assert (tmp_path / "repro.tar.gz").is_file() and (tmp_path / "repro.tar.gz.sha256").is_file()
     bundles = list(tmp_path.glob("bundle-*"))
     assert len(bundles) == 1
     assert run_cli("replay", str(bundles[0])).returncode == 1

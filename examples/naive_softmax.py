@@ -1,0 +1,58 @@
+"""A hand-written softmax without max-subtraction: attention overflows, the forward turns NaN.
+
+The attention of this TinyLM uses `exp(x) / exp(x).sum()` instead of
+`torch.softmax`. It is the same function on paper, until training (a learning
+rate on the high side) pushes an attention score past 88.7: `exp` overflows to
+its sum is inf, and the step turns non-finite (here first in the backward of the
+division, where the sum is squared). `bisect layers` names the module
+(`blocks.1.softmax`, a NaiveSoftmax) and the op that made the first inf.
+
+    python examples/naive_softmax.py [--quick]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import reprokit
+
+from tinylm import TinyLM, lm_loss, parse, run_example
+
+
+class NaiveSoftmax(nn.Module):
+    def forward(self, x):
+        e = torch.exp(x)  # no x - x.max(): overflows once a score passes ~88.7
+        return e / e.sum(dim=-1, keepdim=True)
+
+
+def build(config):
+    torch.manual_seed(config["seed"])
+    model = TinyLM(vocab=config["vocab"], softmax=NaiveSoftmax)
+    return reprokit.TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=config["lr"]))
+
+
+def train_step(state, batch):
+    loss = lm_loss(state.model(batch["input_ids"]), batch["input_ids"])
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def batches(config, steps):
+    g = torch.Generator().manual_seed(config["seed"] + 1)
+    for _ in range(steps):
+        half = torch.randint(1, config["vocab"], (16, 16), generator=g)
+        yield {"input_ids": torch.cat([half, half], 1)}  # a copy task: learn to attend to 16 tokens back
+
+
+def main() -> int:
+    args = parse(__doc__)
+    config = {"seed": 0, "vocab": 16, "lr": 2e-2}
+    return run_example(args, build(config), train_step, build, config, batches(config, 200 if args.quick else 5000),
+                       snapshot_every=25)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""Bundles as regression tests: reprokit.testing.assert_fixed and the pytest plugin, on examples/bad_batch.py.
+
+The bug: a batch whose labels are all ignore_index makes a mean cross-entropy 0/0. The fix
+(applied here to a copy of the example): sum the loss and divide by max(1, labelled tokens).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reprokit.pack import pack
+from reprokit.testing import DifferentFailure, StillFails, assert_fixed, find_bundles
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+BUGGY = 'loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)'
+FIXED = ('labels = batch["labels"].flatten()\n    loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels, '
+         'ignore_index=-100, reduction="sum") / (labels != -100).sum().clamp(min=1)')
+
+
+@pytest.fixture(scope="module")
+def regression(tmp_path_factory):
+    """A folder holding the bad_batch bundle and its packed tarball, plus fixed and broken checkouts."""
+    tmp = tmp_path_factory.mktemp("plugin")
+    out = tmp / "regressions"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "bad_batch.py"), "--quick", "--out", str(out)],
+                          cwd=tmp, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (bundle,) = out.glob("bundle-*")
+    pack(bundle, out / "bad_batch.tar.gz")
+    source = (ROOT / "examples" / "bad_batch.py").read_text()
+    assert BUGGY in source
+    checkouts = {}
+    for name, text in {"buggy": source, "fixed": source.replace(BUGGY, FIXED),
+                       "broken": source.replace("    logits = state.model", "    raise ValueError('a broken refactor')\n"
+                                                                          "    logits = state.model")}.items():
+        (tmp / name).mkdir()
+        (tmp / name / "bad_batch.py").write_text(text)
+        checkouts[name] = tmp / name
+    return out, bundle, checkouts
+
+
+def test_assert_fixed_passes_fails_and_errors(regression):
+    out, bundle, code = regression
+    assert assert_fixed(bundle, code=code["fixed"]).verdict == "not_reproduced"
+    with pytest.raises(StillFails, match="still fails with the code in .*nonfinite_loss .* at step 45"):
+        assert_fixed(bundle, code=code["buggy"])
+    with pytest.raises(StillFails):
+        assert_fixed(bundle)  # the bundle's own code snapshot still has the bug
+    with pytest.raises(DifferentFailure, match="ValueError: a broken refactor"):
+        assert_fixed(bundle, code=code["broken"])
+    assert find_bundles(out) == [out / "bad_batch.tar.gz", bundle]
+
+
+def _pytest(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "reprokit.testing", "-p", "no:cacheprovider",
+                           "-q", "-rA", *args], cwd=tmp, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_plugin_each_bundle_is_a_test_item(regression, tmp_path):
+    out, _, code = regression
+    fixed = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["fixed"]))
+    assert fixed.returncode == 0 and "2 passed" in fixed.stdout, fixed.stdout + fixed.stderr
+    buggy = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["buggy"]),
+                    "-k", "tar")
+    assert buggy.returncode == 1 and "1 failed, 1 deselected" in buggy.stdout, buggy.stdout + buggy.stderr
+    assert "still fails" in buggy.stdout
+    broken = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["broken"]),
+                     "-m", "reprokit_bundle", "-k", "not tar")
+    assert broken.returncode == 1 and "1 error" in broken.stdout and "fails differently" in broken.stdout, \
+        broken.stdout + broken.stderr
+
+
+def test_plugin_is_inert_without_bundles_and_refuses_a_missing_folder(tmp_path):
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
+    assert "1 passed" in _pytest(tmp_path).stdout
+    missing = _pytest(tmp_path, "--reprokit-bundles", str(tmp_path / "nope"))
+    assert missing.returncode == 4 and "no such folder" in missing.stderr, missing.stdout + missing.stderr
+
+
+def test_plugin_is_registered_as_a_pytest11_entry_point():
+    text = (ROOT / "pyproject.toml").read_text()  # (tomllib is 3.11+; reprokit supports 3.10)
+    section = text.split("[project.entry-points.pytest11]\n", 1)[1].split("\n[", 1)[0]
+    assert section.splitlines()[0].startswith('"reprokit.testing" = "reprokit.testing"'), section

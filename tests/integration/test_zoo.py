@@ -1,0 +1,191 @@
+"""The failure zoo, end to end: each example in examples/ records a bundle, and reprokit diagnoses it.
+
+Every example is run as a script (``--quick``): it records the bundle and replays it 3 times
+(``reprokit.replay(bundle, times=3)``, the journey's replay step; its verdict line is checked).
+A representative subset (oov_token, long_sample, fp16_overflow, lr_no_warmup) then goes through
+the rest of the journey: shrink -> the right bisect axis -> pack -> replay from the tarball in a
+subprocess (lr_no_warmup skips shrink: the steps before the NaN are its diagnosis). The others
+run the one step that makes their diagnosis, to keep the suite's time down.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from zoo_cases import ZOO
+
+import reprokit
+from reprokit.bisect import bisect_layers, bisect_precision, bisect_steps
+from reprokit.bundle import open_bundle
+from reprokit.pack import pack
+from reprokit.shrink import shrink
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def record(script: str, tmp_path: Path) -> Path:
+    """Run ``examples/SCRIPT --quick`` (train until it fails, replay twice); return the bundle it wrote."""
+    out = tmp_path / "repros"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--quick", "--out", str(out)],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ZOO[script]:
+        assert line in proc.stdout, proc.stdout
+    bundles = sorted(out.glob("bundle-*"))
+    assert len(bundles) == 1, bundles
+    return bundles[0]
+
+
+def packed_replay(small: Path, tmp_path: Path) -> dict:
+    """Pack the shrunk bundle and replay the tarball in a fresh process: it must still fail the same way."""
+    tar = tmp_path / "repro.tar.gz"
+    pack(small, tar)
+    proc = subprocess.run([sys.executable, "-m", "reprokit", "replay", str(tar), "--json", "--trust"], cwd=tmp_path,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["verdict"] == "deterministic", d
+    return d
+
+
+def batch_of(bundle: Path) -> dict[str, torch.Tensor]:
+    """The (only) step's batch of a shrunk bundle."""
+    with reprokit.Session(open_bundle(bundle)) as s:
+        (inp,) = s.inputs()
+        return inp.batch
+
+
+# --- full journeys --------------------------------------------------------------------------------
+
+def test_oov_token_shrinks_to_one_row_keeping_the_offending_token(tmp_path):
+    bundle = record("oov_token.py", tmp_path)
+    r = shrink(bundle, tmp_path / "small", budget=60, passes=["steps", "rows", "sequence"])
+    assert (r.after["steps"], r.after["rows"]) == (1, 1) and r.kept_rows == [2]
+    ids = batch_of(r.output)["input_ids"]
+    assert ids.shape[0] == 1 and (ids >= 64).sum() == 1 and int(ids.max()) == 65  # the new special token
+    layers = bisect_layers(open_bundle(r.output))
+    assert layers["raised_in"]["module"] == "tok" and layers["raised_in"]["class"] == "Embedding"
+    d = packed_replay(r.output, tmp_path)
+    assert d["failure"]["exception_type"] == "IndexError"
+
+
+def test_long_sample_shrinks_to_table_size_plus_one(tmp_path):
+    bundle = record("long_sample.py", tmp_path)
+    r = shrink(bundle, tmp_path / "small", budget=60, passes=["steps", "rows", "sequence"])
+    ids = batch_of(r.output)["input_ids"]
+    assert ids.shape == (1, 33)  # one row; the position table has 32 entries
+    # Any row will do: the batch is padded to its longest document, so every row is 40 positions long.
+    assert r.dataset_indices[0] in range(31 * 8, 32 * 8)
+    layers = bisect_layers(open_bundle(r.output))
+    assert layers["raised_in"]["module"] == "pos"
+    packed_replay(r.output, tmp_path)
+
+
+def test_fp16_overflow_passes_in_fp32_and_bf16(tmp_path):
+    bundle = record("fp16_overflow.py", tmp_path)
+    r = shrink(bundle, tmp_path / "small", budget=40, passes=["steps", "rows"])
+    assert r.after["steps"] == 1 and r.after["rows"] < r.before["rows"]
+    d = bisect_precision(open_bundle(r.output), variants=["recorded", "fp32", "bf16", "fp16"])
+    assert d["variants"] == {"recorded": "fail", "fp32": "pass", "bf16": "pass", "fp16": "fail"}
+    assert d["smallest_fix"] == "fp32"
+    packed_replay(r.output, tmp_path)
+
+
+def test_lr_no_warmup_steps_finds_the_explosion_before_the_nan(tmp_path):
+    bundle = record("lr_no_warmup.py", tmp_path)
+    d = bisect_steps(open_bundle(bundle))
+    assert d["failure_step"] == 95 and d["first_bad_step"] < 90
+    assert d["reason"].startswith("gradient norm exploded")
+    assert all(row["lr"] == [0.16] for row in d["per_step"])  # the full rate from the start: no warmup
+    packed_replay(bundle, tmp_path)
+
+
+# --- the decisive step for the others -------------------------------------------------------------
+
+def test_bad_batch_shrinks_to_one_sample_with_its_dataset_index(tmp_path):
+    bundle = record("bad_batch.py", tmp_path)
+    r = shrink(bundle, tmp_path / "small", budget=40, passes=["steps", "rows"])
+    assert (r.after["steps"], r.after["rows"]) == (1, 1)
+    assert r.dataset_indices[0] in range(45 * 16, 46 * 16)  # a sample of the poisoned batch
+    assert (batch_of(r.output)["labels"] == -100).all()
+
+
+def test_empty_document_shrink_keeps_the_empty_document(tmp_path):
+    bundle = record("empty_document.py", tmp_path)
+    r = shrink(bundle, tmp_path / "small", budget=40, passes=["steps", "rows"])
+    assert r.kept_rows == [3] and r.dataset_indices == [29 * 8 + 3]
+    assert int(batch_of(r.output)["mask"].sum()) == 0
+    assert r.origin is not None and r.origin.op.startswith("aten.div")
+
+
+def test_collate_dtype_shrinks_to_one_row_of_int32_labels(tmp_path):
+    bundle = record("collate_dtype.py", tmp_path)
+    r = shrink(bundle, tmp_path / "small", budget=30, passes=["steps", "rows"])
+    assert (r.after["steps"], r.after["rows"]) == (1, 1)
+    assert batch_of(r.output)["y"].dtype == torch.int32
+
+
+def test_naive_softmax_layers_names_the_module_and_the_op(tmp_path):
+    bundle = record("naive_softmax.py", tmp_path)
+    d = bisect_layers(open_bundle(bundle))
+    first = d["first_nonfinite"]
+    assert first["class"] == "NaiveSoftmax" and first["module"].endswith(".softmax"), first
+    assert first["op"] == "div" and first["phase"] == "backward", first  # exp(x).sum() squared overflows
+    assert "naive_softmax.py" in d["origin"]["summary"], d["origin"]
+
+
+def test_nondeterministic_failure_is_never_called_deterministic(tmp_path):
+    bundle = record("nondeterministic.py", tmp_path)
+    report = reprokit.replay(bundle, times=3)  # once more, beside the example's own 3
+    # The fault may strike earlier in the window (different_failure): anything but "deterministic".
+    assert report.verdict in ("not_reproduced", "flaky", "different_failure"), report.to_json()
+
+
+def test_shuffled_labels_steps_shows_a_flat_loss_and_healthy_gradients(tmp_path):
+    bundle = record("shuffled_labels.py", tmp_path)
+    d = bisect_steps(open_bundle(bundle))
+    assert d["first_bad_step"] == d["failure_step"] == 39  # nothing blew up before the predicate
+    assert all(abs(row["loss"] - math.log(4)) < 0.15 * math.log(4) for row in d["per_step"])  # chance, throughout
+    assert all(0 < row["grad_norm"] < 10 for row in d["per_step"])
+
+
+def test_lr_x100_steps_shows_the_lr_jump_before_the_spike(tmp_path):
+    bundle = record("lr_x100.py", tmp_path)
+    d = bisect_steps(open_bundle(bundle))
+    lrs = {row["step"]: row["lr"][0] for row in d["per_step"]}
+    assert lrs[59] == pytest.approx(1e-3) and lrs[60] == pytest.approx(0.1)
+    assert d["first_bad_step"] in range(61, 65), d["reason"]  # the grads explode, then the loss spikes at 64
+    assert d["failure_step"] == 64
+
+
+def test_missing_zero_grad_steps_shows_grad_norms_growing(tmp_path):
+    bundle = record("missing_zero_grad.py", tmp_path)
+    d = bisect_steps(open_bundle(bundle))
+    norms = [row["grad_norm"] for row in d["per_step"]]
+    rising = sum(b >= a for a, b in zip(norms, norms[1:]))
+    assert rising >= 0.7 * (len(norms) - 1) and norms[-2] > norms[0], norms  # the accumulated gradient grows
+    assert d["first_bad_step"] == 146 and "gradient norm exploded" in d["reason"]
+
+
+def test_sum_reduction_steps_shows_the_grad_norm_jump_at_the_batch_size_change(tmp_path):
+    bundle = record("sum_reduction.py", tmp_path)
+    d = bisect_steps(open_bundle(bundle))
+    rows = {row["step"]: row for row in d["per_step"]}
+    before = sorted(rows[s]["grad_norm"] for s in rows if s < 40)
+    assert rows[40]["grad_norm"] > 4 * before[len(before) // 2]  # 16x the rows, summed
+    assert len({tuple(row["lr"]) for row in d["per_step"]}) == 1  # the LR did not change: the batch did
+    assert d["first_bad_step"] == 40
+
+
+def test_autocast_no_scaler_passes_in_fp32_and_bf16(tmp_path):
+    bundle = record("autocast_no_scaler.py", tmp_path)
+    d = bisect_precision(open_bundle(bundle), variants=["recorded", "fp32", "bf16", "fp16"])
+    assert d["variants"] == {"recorded": "fail", "fp32": "pass", "bf16": "pass", "fp16": "fail"}
