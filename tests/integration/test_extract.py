@@ -77,7 +77,7 @@ def test_extract_replays_from_the_packed_extract_alone(projects, tmp_path, site,
 
     packed = tmp_path / "extract.tar.gz"
     pack(out, packed)
-    assert packed.stat().st_size < 100_000
+    assert packed.stat().st_size < 250_000, "the runtime (~100 kB gzipped) plus one module, not a model"
     unpacked = tmp_path / "colleague"
     unpacked.mkdir()
     with tarfile.open(packed) as tf:
