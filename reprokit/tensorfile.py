@@ -146,7 +146,16 @@ def _read_hashed(path: Path, pieces: Iterator[memoryview]) -> tuple[str, int]:
 
 
 def sha256_file(path: Path, chunk: int = CHUNK) -> tuple[str, int]:
-    """``(sha256, bytes)`` of a file, reading and hashing overlapped (two buffers in turn)."""
+    """``(sha256, bytes)`` of a file, reading and hashing overlapped (two buffers in turn).
+
+    A file that fits in one chunk (JSON, code, most step files) is read and hashed in one go: two chunk-sized
+    buffers and a hashing thread would cost more than the file.
+    """
+    with open(path, "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size < chunk:
+            data = f.read()  # to the end, whatever the size now (a file that grew is hashed as it is read)
+            if len(data) < chunk:
+                return hashlib.sha256(data).hexdigest(), len(data)
     bufs = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
 
     def turns() -> Iterator[memoryview]:
