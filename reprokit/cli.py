@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import sys
 import tempfile
 import time
@@ -347,21 +346,15 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     if is_archive(bundle) and origin is None:
         note = ("origin not checked: no --sha256 given and no .sha256 beside the archive; the manifests prove "
                 "it is consistent, not who made it. Compare with a sha256 you received separately.")
+    d: dict[str, Any] = {"bundle": str(bundle), "ok": not problems, "problems": problems}
+    if is_archive(bundle):
+        d |= {"origin_checked": origin is not None and not problems, "origin": origin, "note": note}
     if as_json:
-        d: dict[str, Any] = {"bundle": str(bundle), "ok": not problems, "problems": problems}
-        if is_archive(bundle):
-            d |= {"origin_checked": origin is not None and not problems, "origin": origin, "note": note}
         _emit(d)
-    elif problems:
-        click.echo(f"{bundle}: {len(problems)} problem(s)")
-        for p in problems:
-            extra = "".join(f", {k} {p[k]}" for k in ("expected", "found") if k in p)
-            click.echo(f"  {p['file']}: {p['problem']}{extra}")
     else:
-        click.echo(f"{bundle}: ok, every file matches the manifest"
-                   + (f"; archive sha256 matches {origin}" if origin else ""))
-    if note and not as_json:
-        click.echo(f"note: {note}")
+        from reprokit.report import format_verify
+
+        click.echo(format_verify(d))
     sys.exit(1 if problems else 0)
 
 
@@ -396,29 +389,10 @@ def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, is
         result = do_shrink(path, output, budget=budget, passes=[p.strip() for p in passes.split(",") if p.strip()],
                            pad_id=pad_id, isolate=isolate, timeout=timeout, device=device, code=code,
                            progress=lambda name, replays, size: update(replays, f"{name}, best: {size}"))
+    from reprokit.report import format_shrink
+
     d = result.to_json()
     _emit(d) if as_json else click.echo(format_shrink(d))
-
-
-def format_shrink(d: dict[str, Any]) -> str:
-    from reprokit.replay import fail_line
-
-    rows = [(k, d[f"{k}_before"], d[f"{k}_after"]) for k in ("steps", "rows", "seq", "tokens")]
-    lines = [f"shrunk in {d['replays']} replays ({d['seconds']:.1f}s)"
-             + (" - budget exhausted, result may not be minimal" if d["budget_exhausted"] else ""),
-             f"  {'':<8}{'before':>10}{'after':>10}"]
-    lines += [f"  {k:<8}{b if b is not None else '-':>10}{a if a is not None else '-':>10}" for k, b, a in rows]
-    if d["kept_rows"] is not None:
-        lines.append(f"  kept rows {d['kept_rows']} of the failing batch"
-                     + (f" (dataset indices {d['dataset_indices']})" if d["dataset_indices"] else ""))
-    if d["seq_window"]:
-        lines.append(f"  sequence window {d['seq_window'][0]}:{d['seq_window'][1]}")
-    lines.append("  passes: " + ", ".join(f"{k} {v['accepted']}/{v['runs']} accepted, {v['replays']} "
-                                          f"replay{'' if v['replays'] == 1 else 's'}"
-                                          for k, v in d["passes"].items()))
-    lines.append(f"  still fails: {fail_line(d['failure'])}")
-    lines.append(f"wrote {d['output']}")
-    return "\n".join(lines)
 
 
 @main.command()
@@ -440,14 +414,10 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
 
         raise BundleError(f"{bundle} is not a bundle folder; pack takes the folder the recorder wrote "
                           "(a .tar or .tar.gz is already packed: send it with its .sha256)")
+    from reprokit.report import format_pack
+
     r = do_pack(bundle, output).to_json()
-    if as_json:
-        _emit(r)
-        return
-    click.echo(f"wrote {r['output']} ({r['bytes'] / 1e6:.2f} MB), sha256 {r['sha256']}")
-    click.echo("  contents: " + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in r["breakdown"].items()))
-    flags = "xzf" if output.name.endswith((".tar.gz", ".tgz")) else "xf"
-    click.echo(f"  receiver: tar {flags} {shlex.quote(output.name)} && python {r['folder']}/repro.py")
+    _emit(r) if as_json else click.echo(format_pack(r, output.name))
 
 
 @main.command()
@@ -485,61 +455,81 @@ def bisect() -> None:
     """Localise a failure: over steps, layers/ops, precision and kernels, or git commits."""
 
 
-def _axis_command(axis: str, doc: str, extra: list[Any] | None = None) -> None:
-    def command(bundle: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
-        from reprokit.bisect import AXES
-        from reprokit.bisect.precision import VARIANTS as PRECISION_VARIANTS
-        from reprokit.bundle import open_bundle
-        from reprokit.replay import not_reproduced_note
+def _bisect_axis(axis: str, bundle: Path, device: str | None, code: Path | None, as_json: bool, kw: dict[str, Any],
+                 **opts: Any) -> None:
+    """Run one replay-based bisect axis, print its result, and exit 1 when the recorded failure did not reproduce
+    (what it printed then localises nothing, and it says so)."""
+    from reprokit.bisect import AXES
+    from reprokit.bundle import open_bundle
+    from reprokit.replay import not_reproduced_note
 
-        fn: Any = AXES[axis][0]
-        fmt: Any = AXES[axis][1]
-        opts = {k: kw.pop(k) for k in list(kw) if k in ("keep", "variants")}
-        if opts.get("variants"):
-            opts["variants"] = [v.strip() for v in opts["variants"].split(",") if v.strip()]
-        n = len(opts.get("variants") or ()) or len(PRECISION_VARIANTS)
-        with _progress(n, "bisect precision", enabled=axis == "precision" and not as_json) as update, \
-                _open(bundle, kw) as path:
-            if axis == "precision":
-                done: list[str] = []
-
-                def progress(name: str, verdict: str) -> None:
-                    done.append(name)
-                    update(len(done), f"{name}: {verdict}")
-
-                opts["progress"] = progress
-            opened = open_bundle(path)
-            d = fn(opened, device=device, code=code, **opts)
-        if d.get("reproduced") is False:
-            d["note"] = d.get("note") or not_reproduced_note(opened)
-        _emit(d) if as_json else click.echo(fmt(d))
-        if d.get("reproduced") is False:
-            if not as_json:
-                click.echo(d["note"])
-            sys.exit(1)
-
-    command.__doc__ = doc
-    opts: list[Any] = [
-        bundle_arg,
-        click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay."),
-        click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-                     help="Import build/step from this checkout instead of the bundle's code snapshot."),
-        *(extra or []), archive_opts, json_opt]
-    decorated: Any = command
-    for opt in reversed(opts):
-        decorated = opt(decorated)
-    bisect.command(axis)(decorated)
+    fn: Any = AXES[axis][0]
+    fmt: Any = AXES[axis][1]
+    with _open(bundle, kw) as path:
+        opened = open_bundle(path)
+        d = fn(opened, device=device, code=code, **opts)
+    if d.get("reproduced") is False:
+        d["note"] = d.get("note") or not_reproduced_note(opened)
+    _emit(d) if as_json else click.echo(fmt(d))
+    if d.get("reproduced") is False:
+        if not as_json:
+            click.echo(d["note"])
+        sys.exit(1)
 
 
-_axis_command("steps", """Replay step by step: the first step whose grads, params, optimizer state, scaler or loss
-    went bad (often before the failure fired), with loss, grad norm, top-5 grads, LR and scale per step.""")
-_axis_command("layers", """Replay the failing step with hooks on every module: the first module (and aten op inside
-    it) producing a non-finite value, or the module whose forward raised, with the frames before it.""",
-              [click.option("--keep", default=20, show_default=True, type=click.IntRange(1),
-                            help="How many module frames before the culprit to show.")])
-_axis_command("precision", """Replay under fp32 / bf16 / fp16 autocast, TF32 on/off, each SDPA backend and
-    deterministic algorithms: pass, fail, n/a or different_failure per variant, and the smallest fix.""",
-              [click.option("--variants", default=None, help="Comma-separated subset of variants to run.")])
+device_opt = click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
+code_opt = click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+                        help="Import build/step from this checkout instead of the bundle's code snapshot.")
+
+
+@bisect.command("steps")
+@bundle_arg
+@device_opt
+@code_opt
+@archive_opts
+@json_opt
+def bisect_steps(bundle: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
+    """Replay step by step: the first step whose grads, params, optimizer state, scaler or loss
+    went bad (often before the failure fired), with loss, grad norm, top-5 grads, LR and scale per step."""
+    _bisect_axis("steps", bundle, device, code, as_json, kw)
+
+
+@bisect.command("layers")
+@bundle_arg
+@device_opt
+@code_opt
+@click.option("--keep", default=20, show_default=True, type=click.IntRange(1),
+              help="How many module frames before the culprit to show.")
+@archive_opts
+@json_opt
+def bisect_layers(bundle: Path, device: str | None, code: Path | None, keep: int, as_json: bool, **kw: Any) -> None:
+    """Replay the failing step with hooks on every module: the first module (and aten op inside
+    it) producing a non-finite value, or the module whose forward raised, with the frames before it."""
+    _bisect_axis("layers", bundle, device, code, as_json, kw, keep=keep)
+
+
+@bisect.command("precision")
+@bundle_arg
+@device_opt
+@code_opt
+@click.option("--variants", default=None, help="Comma-separated subset of variants to run.")
+@archive_opts
+@json_opt
+def bisect_precision(bundle: Path, device: str | None, code: Path | None, variants: str | None, as_json: bool,
+                     **kw: Any) -> None:
+    """Replay under fp32 / bf16 / fp16 autocast, TF32 on/off, each SDPA backend and
+    deterministic algorithms: pass, fail, n/a or different_failure per variant, and the smallest fix."""
+    from reprokit.bisect.precision import VARIANTS
+
+    names = [v.strip() for v in variants.split(",") if v.strip()] if variants else None
+    with _progress(len(names or VARIANTS), "bisect precision", enabled=not as_json) as update:
+        done: list[str] = []
+
+        def progress(name: str, verdict: str) -> None:
+            done.append(name)
+            update(len(done), f"{name}: {verdict}")
+
+        _bisect_axis("precision", bundle, device, code, as_json, kw, variants=names, progress=progress)
 
 
 @bisect.command("commits")
@@ -594,7 +584,7 @@ def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_p
 @json_opt
 def demo(out: Path | None, as_json: bool) -> None:
     """Train a tiny model until a poisoned sample kills it, then replay, shrink, localise, pack and verify the bundle."""
-    from reprokit.demo_cli import run_demo
+    from reprokit.demo_story import run_demo
 
     out = out or Path(tempfile.mkdtemp(prefix="reprokit-demo-"))
     result = run_demo(out, say=(lambda s: None) if as_json else click.echo)

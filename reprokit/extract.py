@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
-from reprokit import bundle as B
 from reprokit import pytree
+from reprokit.bundle import MANIFEST, RUN, Bundle, BundleWriter, dumps, open_bundle, sha256_file
 from reprokit.errors import BundleError, DidNotReproduce, ReprokitError
 from reprokit.origin import OriginWatcher, watch_step
 from reprokit.replay import Session
@@ -212,7 +212,7 @@ def _plain(v: Any) -> bool:
 
 # --- the extract ----------------------------------------------------------------------------
 
-def extract(bundle: B.Bundle, output: str | Path, *, device: str | None = None, code: Any = None,
+def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, code: Any = None,
             source: str | Path | None = None) -> ExtractResult:
     """Cut the module that failed out of ``bundle`` into a new, small bundle at ``output``.
 
@@ -298,7 +298,7 @@ def _pick(calls: list[_Call], phase: str, located: dict[str, Any]) -> _Call:
     return next((c for c in calls if getattr(c, key)), calls[-1])
 
 
-def _nothing(bundle: B.Bundle, output: Path, located: dict[str, Any], watcher: _OpCapture) -> ExtractResult:
+def _nothing(bundle: Bundle, output: Path, located: dict[str, Any], watcher: _OpCapture) -> ExtractResult:
     origin = watcher.origin
     where = origin.describe() if origin is not None else "unknown (no op made a non-finite value)"
     first = located.get("first_nonfinite") or {}
@@ -320,11 +320,11 @@ def _nothing(bundle: B.Bundle, output: Path, located: dict[str, Any], watcher: _
 
 def _op_files(op: dict[str, Any]) -> dict[str, bytes]:
     doc = {k: op[k] for k in ("op", "args", "kwargs")}
-    return {OP_FILES[0]: B.dumps(doc), OP_FILES[1]: st_save(op["tensors"]) if op["tensors"] else st_save({}),
+    return {OP_FILES[0]: dumps(doc), OP_FILES[1]: st_save(op["tensors"]) if op["tensors"] else st_save({}),
             OP_FILES[2]: (Path(__file__).parent / "extract_op.py").read_bytes()}
 
 
-def _write(bundle: B.Bundle, output: Path, name: str, cls: str, phase: str, spec: dict[str, Any], call: _Call,
+def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: dict[str, Any], call: _Call,
            op: dict[str, Any] | None, code_dir: Path | None, cls_file: str | None, notes: list[str],
            source: Path) -> ExtractResult:
     """Record the module's one step with the recorder, then add ``extract`` to its run.json (and the op files)."""
@@ -363,12 +363,12 @@ def _write(bundle: B.Bundle, output: Path, name: str, cls: str, phase: str, spec
                                   "way (its failure may need state it does not hold); use the whole bundle, or "
                                   "`reprokit shrink` it instead")
         failure = f"{type(recorded).__name__}: {str(recorded).splitlines()[0][:300]}"
-        info = {"source_bundle": str(source), "source_manifest_sha256": B.sha256_file(bundle.path / B.MANIFEST),
+        info = {"source_bundle": str(source), "source_manifest_sha256": sha256_file(bundle.path / MANIFEST),
                 "source_step": bundle.failure.step, "source_failure": bundle.failure.describe(), "module": name,
                 "class": f"{spec['class']['module']}.{spec['class']['qualname']}", "phase": phase,
                 "op": op["op"] if op else None}
         path = _rewrite(rec.bundles[-1], output, info, op)
-    size = sum(int(m["size"]) for m in json.loads((path / B.MANIFEST).read_text())["files"].values())
+    size = sum(int(m["size"]) for m in json.loads((path / MANIFEST).read_text())["files"].values())
     return ExtractResult(output=path, source=source, module=name, cls=cls, phase=phase, failure=failure,
                          op=op["op"] if op else None, notes=notes, bytes=size)
 
@@ -380,13 +380,13 @@ def _library(path: str) -> bool:
 
 def _rewrite(recorded: Path, output: Path, info: dict[str, Any], op: dict[str, Any] | None) -> Path:
     """Copy the recorded bundle to ``output`` with ``run.json``'s ``extract`` set (and the op files added)."""
-    src = B.open_bundle(recorded)
+    src = open_bundle(recorded)
     if output.exists():
         output.rmdir()  # empty, checked above
-    w = B.BundleWriter(output.parent, output.name)
+    w = BundleWriter(output.parent, output.name)
     with w:
         for rel in sorted(src.manifest["files"]):
-            if rel == B.RUN:
+            if rel == RUN:
                 w.write_json(rel, {**src.run, "extract": info})
             else:
                 w.copy_file(rel, src.path / rel)

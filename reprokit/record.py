@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprokit import bundle as B
 from reprokit import pytree
+from reprokit.bundle import BundleWriter, StepRecord, find_leftovers, write_bundle
 from reprokit.code import ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
@@ -133,9 +133,9 @@ class _Step:
     loss: float | None = None
     grad_norm: float | None = None
 
-    def record(self) -> B.StepRecord:
+    def record(self) -> StepRecord:
         rng_tree, rng_tensors = encode_rng(self.rng)
-        return B.StepRecord(self.step, self.batch, {**self.tensors, **rng_tensors}, rng_tree, self.loss,
+        return StepRecord(self.step, self.batch, {**self.tensors, **rng_tensors}, rng_tree, self.loss,
                             self.grad_norm)
 
 
@@ -289,7 +289,7 @@ class Recorder:
     def _mention_leftovers(self) -> None:
         """Say, once at attach, when ``out_dir`` holds temp folders that killed writers left behind."""
         try:
-            left = [x for x in B.find_leftovers(self.out_dir) if x.removable]
+            left = [x for x in find_leftovers(self.out_dir) if x.removable]
         except Exception:
             return  # never let a look around the output folder stop the run
         if left:
@@ -671,7 +671,7 @@ class Recorder:
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
             tag = f"-{self.rank.tag}" if self.rank is not None else ""
             where = self.out_dir / incident if incident else self.out_dir
-            writer = B.BundleWriter(where, f"bundle-{stamp}-step{failure.step:08d}-{failure.kind}{tag}")
+            writer = BundleWriter(where, f"bundle-{stamp}-step{failure.step:08d}-{failure.kind}{tag}")
             path = self._write(writer, failure, ring, incident)
         except BaseException as e:  # Ctrl-C while writing must not leave a half-written folder behind either
             if writer is not None:
@@ -695,7 +695,7 @@ class Recorder:
             ring = ring[:-1]
         return ring
 
-    def _write(self, w: B.BundleWriter, failure: Failure, ring: list[_Step] | None = None,
+    def _write(self, w: BundleWriter, failure: Failure, ring: list[_Step] | None = None,
                incident: str | None = None) -> Path:
         snap = self._snapshot
         assert snap is not None
@@ -705,7 +705,7 @@ class Recorder:
         run = self._run_doc(snap, failure, ring)
         if self.rank is not None:
             run["distributed"] = {**self.rank.to_json(), "incident": incident}
-        return B.write_bundle(w, failure=failure.to_json(), run=run, env=capture_env(self._root),
+        return write_bundle(w, failure=failure.to_json(), run=run, env=capture_env(self._root),
                               state=(snap.tree, snap.tensors), steps=(r.record() for r in ring), code=code)
 
     def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from reprokit.bundle import STATE_TENSORS, Bundle, jsonable
 from reprokit.code import ref_label
 from reprokit.diagnose import findings
 from reprokit.errors import ReprokitError
+from reprokit.signature import summary_line
 
 
 def describe(bundle: Bundle) -> dict[str, Any]:
@@ -360,3 +361,49 @@ def format_incident(d: dict[str, Any]) -> str:
             what = f"{r.get('verdict')} (recorded {recorded}, replayed {got})"
         lines.append(f"  rank {r.get('rank')}: {what}")
     return "\n".join(lines)
+
+
+def format_verify(d: dict[str, Any]) -> str:
+    """``reprokit verify``'s text: every problem, or ok (and the archive digest it matched); the origin note."""
+    if d["problems"]:
+        lines = [f"{d['bundle']}: {len(d['problems'])} problem(s)"]
+        for p in d["problems"]:
+            extra = "".join(f", {k} {p[k]}" for k in ("expected", "found") if k in p)
+            lines.append(f"  {p['file']}: {p['problem']}{extra}")
+    else:
+        lines = [f"{d['bundle']}: ok, every file matches the manifest"
+                 + (f"; archive sha256 matches {d['origin']}" if d.get("origin") else "")]
+    if d.get("note"):
+        lines.append(f"note: {d['note']}")
+    return "\n".join(lines)
+
+
+def format_shrink(d: dict[str, Any]) -> str:
+    """``reprokit shrink``'s text: sizes before and after, kept rows and window, passes, the failure kept."""
+    rows = [(k, d[f"{k}_before"], d[f"{k}_after"]) for k in ("steps", "rows", "seq", "tokens")]
+    lines = [f"shrunk in {d['replays']} replays ({d['seconds']:.1f}s)"
+             + (" - budget exhausted, result may not be minimal" if d["budget_exhausted"] else ""),
+             f"  {'':<8}{'before':>10}{'after':>10}"]
+    lines += [f"  {k:<8}{b if b is not None else '-':>10}{a if a is not None else '-':>10}" for k, b, a in rows]
+    if d["kept_rows"] is not None:
+        lines.append(f"  kept rows {d['kept_rows']} of the failing batch"
+                     + (f" (dataset indices {d['dataset_indices']})" if d["dataset_indices"] else ""))
+    if d["seq_window"]:
+        lines.append(f"  sequence window {d['seq_window'][0]}:{d['seq_window'][1]}")
+    lines.append("  passes: " + ", ".join(f"{k} {v['accepted']}/{v['runs']} accepted, {v['replays']} "
+                                          f"replay{'' if v['replays'] == 1 else 's'}"
+                                          for k, v in d["passes"].items()))
+    lines.append(f"  still fails: {summary_line(d['failure'])}")
+    lines.append(f"wrote {d['output']}")
+    return "\n".join(lines)
+
+
+def format_pack(r: dict[str, Any], archive_name: str) -> str:
+    """``reprokit pack``'s text: what was written and the receiver's one command."""
+    import shlex
+
+    flags = "xzf" if archive_name.endswith((".tar.gz", ".tgz")) else "xf"
+    return "\n".join([
+        f"wrote {r['output']} ({r['bytes'] / 1e6:.2f} MB), sha256 {r['sha256']}",
+        "  contents: " + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in r["breakdown"].items()),
+        f"  receiver: tar {flags} {shlex.quote(archive_name)} && python {r['folder']}/repro.py"])

@@ -237,12 +237,12 @@ def format_layers(d: dict[str, Any]) -> str:
     lines.append(f"{'module':<{wm}}{'class':<{wc}}{'phase':<9}{'in |min|..|max| (nonfinite)':<34}"
                  "out |min|..|max| (nonfinite)")
     for fr in frames:
-        lines.append(f"{fr['module']:<{wm}}{fr['class']:<{wc}}{fr['phase']:<9}{_rng(fr['inputs']):<34}"
-                     f"{_rng(fr['outputs'])}")
+        lines.append(f"{fr['module']:<{wm}}{fr['class']:<{wc}}{fr['phase']:<9}{_span(fr['inputs']):<34}"
+                     f"{_span(fr['outputs'])}")
     return "\n".join(lines)
 
 
-def _rng(st: dict[str, Any] | None) -> str:
+def _span(st: dict[str, Any] | None) -> str:
     if not st:
         return "-"
     lo = "-" if st["abs_min"] is None else f"{st['abs_min']:.3g}"

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reprokit import bundle as B
 from reprokit import pytree
-from reprokit.bundle import Bundle, StepRecord, open_bundle
+from reprokit.bundle import MANIFEST, Bundle, BundleWriter, StepRecord, jsonable, open_bundle, sha256_file, write_bundle
 from reprokit.errors import DidNotReproduce, ReprokitError
 from reprokit.origin import Origin, same_origin, watch_step
 from reprokit.replay import RunOutcome, Session, StepInput, alone_hint
@@ -71,7 +70,7 @@ class ShrinkResult:
     origin_changed: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return B.jsonable({
+        return jsonable({
             "output": str(self.output),
             "replays": self.replays,
             **{f"{k}_before": v for k, v in self.before.items()},
@@ -294,7 +293,7 @@ def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: 
     code_dir = src.code_dir
     code = [(p.relative_to(code_dir).as_posix(), p) for p in sorted(code_dir.rglob("*")) if p.is_file()] \
         if code_dir else []
-    return B.write_bundle(B.BundleWriter(out_dir, name), failure=failure, run=run, env=src.env,
+    return write_bundle(BundleWriter(out_dir, name), failure=failure, run=run, env=src.env,
                           state=(snap_tree, snap_tensors), steps=records, code=code)
 
 
@@ -363,7 +362,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         window = list(best.seq) if best.seq else None
         provenance: dict[str, Any] = {
             "source_bundle": str(src.path),
-            "source_manifest_sha256": B.sha256_file(src.path / B.MANIFEST),
+            "source_manifest_sha256": sha256_file(src.path / MANIFEST),
             "passes": {k: vars(v) for k, v in stats.items()},
             "replays": sh.replays,
             "different_failures": sh.different_failures,

@@ -30,15 +30,30 @@ def _torchrun(out: Path, mode: str, device: str = "cpu") -> tuple[subprocess.Com
     return proc, time.monotonic() - t0
 
 
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory):
+    """One torchrun where rank 1 feeds a NaN at step 6 (shared by the tests that only read its incident)."""
+    out = tmp_path_factory.mktemp("nan") / "repros"
+    proc, seconds = _torchrun(out, "nan")
+    return out, proc, seconds
+
+
+@pytest.fixture(scope="module")
+def raise_run(tmp_path_factory):
+    """One torchrun where rank 1 raises in its step at step 6 while rank 0 waits in the all-reduce."""
+    out = tmp_path_factory.mktemp("raise") / "repros"
+    proc, seconds = _torchrun(out, "raise")
+    return out, proc, seconds
+
+
 def _incident(out: Path) -> tuple[Path, list[Path]]:
     folders = [p for p in out.iterdir() if p.is_dir() and p.name.startswith("incident-")]
     assert len(folders) == 1, list(out.iterdir())
     return folders[0], sorted(p for p in folders[0].iterdir() if p.name.startswith("bundle-"))
 
 
-def test_a_nan_on_one_rank_gives_one_incident_with_every_rank_s_bundle(tmp_path):
-    out = tmp_path / "repros"
-    proc, _ = _torchrun(out, "nan")
+def test_a_nan_on_one_rank_gives_one_incident_with_every_rank_s_bundle(tmp_path, nan_run):
+    out, proc, _ = nan_run
     assert proc.returncode != 0, "training failed"
     folder, bundles = _incident(out)
     assert [b.name.rsplit("-", 1)[-1] for b in bundles] == ["rank0of2", "rank1of2"], bundles
@@ -72,11 +87,10 @@ def test_a_nan_on_one_rank_gives_one_incident_with_every_rank_s_bundle(tmp_path)
     assert "no single variant" not in r.output and "fp32            pass" in r.output, r.output
 
 
-def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(tmp_path):
+def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(raise_run):
     """Rank 1 raises in its step; rank 0 waits in the all-reduce and never returns. Rank 0's watcher writes its
     window from host memory, long before the 60 s process-group timeout."""
-    out = tmp_path / "repros"
-    proc, seconds = _torchrun(out, "raise")
+    out, proc, seconds = raise_run
     assert proc.returncode != 0
     assert seconds < 45, f"torchrun took {seconds:.0f} s: the failing rank waited for the timeout"
     folder, bundles = _incident(out)
@@ -93,11 +107,10 @@ def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(tmp
     assert "did not fail itself" in json.loads(r.stdout)["error"]["message"]
 
 
-def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path):
+def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     """Replayed alone, rank 0 cannot reproduce (its NaN came from rank 1 through the all-reduce); replayed together,
     with the process group initialised before build(), both ranks fail as recorded."""
-    out = tmp_path / "repros"
-    _torchrun(out, "nan")
+    out = nan_run[0]
     folder, _ = _incident(out)
     r = CliRunner().invoke(cli, ["replay", str(folder), "--json"])
     d = json.loads(r.stdout)
@@ -114,15 +127,14 @@ def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path):
     # --code: every rank imports build/step from a checkout; one without the project is refused before any rank runs
     coded = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(ROOT / "tests" / "projects"), "--json"])
     assert coded.exit_code == 1 and json.loads(coded.stdout)["verdict"] == "deterministic", coded.output
-    empty = folder.parent / "empty-checkout"
+    empty = tmp_path / "empty-checkout"
     empty.mkdir()
     refused = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(empty)])
     assert refused.exit_code == 125 and "does not hold the bundle's code" in refused.output, refused.output
 
 
-def test_an_incident_whose_rank_raised_replays_with_the_peer_blocked(tmp_path):
-    out = tmp_path / "repros"
-    _torchrun(out, "raise")
+def test_an_incident_whose_rank_raised_replays_with_the_peer_blocked(raise_run):
+    out = raise_run[0]
     folder, _ = _incident(out)
     r = CliRunner().invoke(cli, ["replay", str(folder), "--json"])
     d = json.loads(r.stdout)
@@ -172,10 +184,8 @@ def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp
     assert "shards of a sharded (FSDP2) state" in alone.output and "--nproc 2" in alone.output
 
 
-@pytest.mark.parametrize("mode", ["nan"])
-def test_inspect_json_names_rank_world_and_incident(tmp_path, mode):
-    out = tmp_path / "repros"
-    _torchrun(out, mode)
+def test_inspect_json_names_rank_world_and_incident(nan_run):
+    out = nan_run[0]
     folder, bundles = _incident(out)
     d = json.loads(CliRunner().invoke(cli, ["inspect", str(bundles[1]), "--json"]).stdout)
     assert (d["rank"], d["world_size"], d["incident"]) == (1, 2, folder.name), d
