@@ -2,10 +2,10 @@
 
 Every example is run as a script (``--quick``): it records the bundle and replays it 3 times
 (``reprokit.replay(bundle, times=3)``, the journey's replay step; its verdict line is checked).
-A representative subset (oov_token, long_sample, fp16_overflow, lr_no_warmup) then goes through
-the rest of the journey: shrink -> the right bisect axis -> pack -> replay from the tarball in a
-subprocess (lr_no_warmup skips shrink: the steps before the NaN are its diagnosis). The others
-run the one step that makes their diagnosis, to keep the suite's time down.
+Then each goes on to the step that makes its diagnosis (shrink and the right bisect axis for the
+data faults; bisect steps for the silent ones, whose steps before the trigger are the diagnosis, so
+they are not shrunk), and every one but the non-deterministic example is packed and replayed from
+the tarball in a fresh process, which must fail the same way.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def record(script: str, tmp_path: Path) -> Path:
 
 def packed_replay(small: Path, tmp_path: Path) -> dict:
     """Pack the shrunk bundle and replay the tarball in a fresh process: it must still fail the same way."""
-    tar = tmp_path / "repro.tar.gz"
+    tar = tmp_path / "repro.tar"
     pack(small, tar)
     proc = subprocess.run([sys.executable, "-m", "reprokit", "replay", str(tar), "--json", "--trust"], cwd=tmp_path,
                           env=ENV, capture_output=True, text=True, timeout=300)
@@ -116,6 +116,7 @@ def test_bad_batch_shrinks_to_one_sample_with_its_dataset_index(tmp_path):
     assert (r.after["steps"], r.after["rows"]) == (1, 1)
     assert r.dataset_indices[0] in range(45 * 16, 46 * 16)  # a sample of the poisoned batch
     assert (batch_of(r.output)["labels"] == -100).all()
+    packed_replay(r.output, tmp_path)
 
 
 def test_empty_document_shrink_keeps_the_empty_document(tmp_path):
@@ -124,6 +125,7 @@ def test_empty_document_shrink_keeps_the_empty_document(tmp_path):
     assert r.kept_rows == [3] and r.dataset_indices == [29 * 8 + 3]
     assert int(batch_of(r.output)["mask"].sum()) == 0
     assert r.origin is not None and r.origin.op.startswith("aten.div")
+    packed_replay(r.output, tmp_path)
 
 
 def test_collate_dtype_shrinks_to_one_row_of_int32_labels(tmp_path):
@@ -131,6 +133,7 @@ def test_collate_dtype_shrinks_to_one_row_of_int32_labels(tmp_path):
     r = shrink(bundle, tmp_path / "small", budget=30, passes=["steps", "rows"])
     assert (r.after["steps"], r.after["rows"]) == (1, 1)
     assert batch_of(r.output)["y"].dtype == torch.int32
+    packed_replay(r.output, tmp_path)
 
 
 def test_naive_softmax_layers_names_the_module_and_the_op(tmp_path):
@@ -140,6 +143,7 @@ def test_naive_softmax_layers_names_the_module_and_the_op(tmp_path):
     assert first["class"] == "NaiveSoftmax" and first["module"].endswith(".softmax"), first
     assert first["op"] == "div" and first["phase"] == "backward", first  # exp(x).sum() squared overflows
     assert "naive_softmax.py" in d["origin"]["summary"], d["origin"]
+    packed_replay(bundle, tmp_path)
 
 
 def test_nondeterministic_failure_is_never_called_deterministic(tmp_path):
@@ -155,6 +159,7 @@ def test_shuffled_labels_steps_shows_a_flat_loss_and_healthy_gradients(tmp_path)
     assert d["first_bad_step"] == d["failure_step"] == 39  # nothing blew up before the predicate
     assert all(abs(row["loss"] - math.log(4)) < 0.15 * math.log(4) for row in d["per_step"])  # chance, throughout
     assert all(0 < row["grad_norm"] < 10 for row in d["per_step"])
+    packed_replay(bundle, tmp_path)
 
 
 def test_lr_x100_steps_shows_the_lr_jump_before_the_spike(tmp_path):
@@ -164,6 +169,7 @@ def test_lr_x100_steps_shows_the_lr_jump_before_the_spike(tmp_path):
     assert lrs[59] == pytest.approx(1e-3) and lrs[60] == pytest.approx(0.1)
     assert d["first_bad_step"] in range(61, 65), d["reason"]  # the grads explode, then the loss spikes at 64
     assert d["failure_step"] == 64
+    packed_replay(bundle, tmp_path)
 
 
 def test_missing_zero_grad_steps_shows_grad_norms_growing(tmp_path):
@@ -173,6 +179,7 @@ def test_missing_zero_grad_steps_shows_grad_norms_growing(tmp_path):
     rising = sum(b >= a for a, b in zip(norms, norms[1:]))
     assert rising >= 0.7 * (len(norms) - 1) and norms[-2] > norms[0], norms  # the accumulated gradient grows
     assert d["first_bad_step"] == 146 and "gradient norm exploded" in d["reason"]
+    packed_replay(bundle, tmp_path)
 
 
 def test_sum_reduction_steps_shows_the_grad_norm_jump_at_the_batch_size_change(tmp_path):
@@ -183,9 +190,11 @@ def test_sum_reduction_steps_shows_the_grad_norm_jump_at_the_batch_size_change(t
     assert rows[40]["grad_norm"] > 4 * before[len(before) // 2]  # 16x the rows, summed
     assert len({tuple(row["lr"]) for row in d["per_step"]}) == 1  # the LR did not change: the batch did
     assert d["first_bad_step"] == 40
+    packed_replay(bundle, tmp_path)
 
 
 def test_autocast_no_scaler_passes_in_fp32_and_bf16(tmp_path):
     bundle = record("autocast_no_scaler.py", tmp_path)
     d = bisect_precision(open_bundle(bundle), variants=["recorded", "fp32", "bf16", "fp16"])
     assert d["variants"] == {"recorded": "fail", "fp32": "pass", "bf16": "pass", "fp16": "fail"}
+    packed_replay(bundle, tmp_path)
