@@ -56,6 +56,15 @@ def packed_replay(small: Path, tmp_path: Path) -> dict:
     return d
 
 
+def shrunk_too(bundle: Path, tmp_path: Path) -> None:
+    """The journey's shrink step for an example whose diagnosis reads the whole window: the shrunk bundle is no
+    larger and still fails the same way (the diagnosis above was made on the full window)."""
+    r = shrink(bundle, tmp_path / "small", budget=25, passes=["steps", "rows"])
+    recorded = open_bundle(bundle).failure
+    assert all(r.after[k] <= r.before[k] for k in ("steps", "rows") if r.before[k] is not None), (r.before, r.after)
+    assert open_bundle(r.output).failure.same_as(recorded), r.to_json()["failure"]
+
+
 def batch_of(bundle: Path) -> dict[str, torch.Tensor]:
     """The (only) step's batch of a shrunk bundle."""
     with reprokit.Session(open_bundle(bundle)) as s:
@@ -105,6 +114,7 @@ def test_lr_no_warmup_steps_finds_the_explosion_before_the_nan(tmp_path):
     assert d["failure_step"] == 95 and d["first_bad_step"] < 90
     assert d["reason"].startswith("gradient norm exploded")
     assert all(row["lr"] == [0.16] for row in d["per_step"])  # the full rate from the start: no warmup
+    shrunk_too(bundle, tmp_path)
     packed_replay(bundle, tmp_path)
 
 
@@ -143,6 +153,7 @@ def test_naive_softmax_layers_names_the_module_and_the_op(tmp_path):
     assert first["class"] == "NaiveSoftmax" and first["module"].endswith(".softmax"), first
     assert first["op"] == "div" and first["phase"] == "backward", first  # exp(x).sum() squared overflows
     assert "naive_softmax.py" in d["origin"]["summary"], d["origin"]
+    shrunk_too(bundle, tmp_path)
     packed_replay(bundle, tmp_path)
 
 
@@ -159,6 +170,7 @@ def test_shuffled_labels_steps_shows_a_flat_loss_and_healthy_gradients(tmp_path)
     assert d["first_bad_step"] == d["failure_step"] == 39  # nothing blew up before the predicate
     assert all(abs(row["loss"] - math.log(4)) < 0.15 * math.log(4) for row in d["per_step"])  # chance, throughout
     assert all(0 < row["grad_norm"] < 10 for row in d["per_step"])
+    shrunk_too(bundle, tmp_path)
     packed_replay(bundle, tmp_path)
 
 
@@ -169,6 +181,7 @@ def test_lr_x100_steps_shows_the_lr_jump_before_the_spike(tmp_path):
     assert lrs[59] == pytest.approx(1e-3) and lrs[60] == pytest.approx(0.1)
     assert d["first_bad_step"] in range(61, 65), d["reason"]  # the grads explode, then the loss spikes at 64
     assert d["failure_step"] == 64
+    shrunk_too(bundle, tmp_path)
     packed_replay(bundle, tmp_path)
 
 
@@ -179,6 +192,7 @@ def test_missing_zero_grad_steps_shows_grad_norms_growing(tmp_path):
     rising = sum(b >= a for a, b in zip(norms, norms[1:]))
     assert rising >= 0.7 * (len(norms) - 1) and norms[-2] > norms[0], norms  # the accumulated gradient grows
     assert d["first_bad_step"] == 146 and "gradient norm exploded" in d["reason"]
+    shrunk_too(bundle, tmp_path)
     packed_replay(bundle, tmp_path)
 
 
@@ -190,6 +204,7 @@ def test_sum_reduction_steps_shows_the_grad_norm_jump_at_the_batch_size_change(t
     assert rows[40]["grad_norm"] > 4 * before[len(before) // 2]  # 16x the rows, summed
     assert len({tuple(row["lr"]) for row in d["per_step"]}) == 1  # the LR did not change: the batch did
     assert d["first_bad_step"] == 40
+    shrunk_too(bundle, tmp_path)
     packed_replay(bundle, tmp_path)
 
 
@@ -197,4 +212,5 @@ def test_autocast_no_scaler_passes_in_fp32_and_bf16(tmp_path):
     bundle = record("autocast_no_scaler.py", tmp_path)
     d = bisect_precision(open_bundle(bundle), variants=["recorded", "fp32", "bf16", "fp16"])
     assert d["variants"] == {"recorded": "fail", "fp32": "pass", "bf16": "pass", "fp16": "fail"}
+    shrunk_too(bundle, tmp_path)
     packed_replay(bundle, tmp_path)
