@@ -8,6 +8,7 @@ memory before each run. :func:`replay` is the one-call form behind
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import platform
@@ -241,8 +242,7 @@ class Session:
             state = build(config)
         except Exception as e:
             raise CodeLoadError(f"build(config) failed: {type(e).__name__}: {e}") from e
-        if not isinstance(state, TrainState):
-            raise CodeLoadError(f"build(config) must return a reprokit.TrainState, got {type(state).__qualname__}")
+        state = as_train_state(state)
         state.model.to(self.device)
         self.state = state
         tree, tensors = self.bundle.state()
@@ -438,6 +438,29 @@ def _refuse_peer(bundle: Bundle) -> None:
         f"rank did not fail itself, rank {doc.get('rank', '?')} did at step {doc.get('step', '?')} "
         f"({doc.get('what', '')}). Replay that rank's bundle, or the whole incident on as many ranks: "
         f"`reprokit replay {bundle.path.parent} --nproc {dist.get('world_size', 'N')}`.")
+
+
+def as_train_state(state: Any) -> TrainState:
+    """What ``build`` returned, as this reprokit's :class:`TrainState`.
+
+    A checkout can carry its own copy of reprokit (``bisect commits`` and ``--code`` replay the project's code, and
+    a project may vendor reprokit or be reprokit): its ``TrainState`` is another class with the same fields. That
+    one is taken over field by field; anything else is refused, naming what it was.
+
+    Raises:
+        CodeLoadError: ``state`` is not a TrainState of any copy of reprokit.
+    """
+    if isinstance(state, TrainState):
+        return state
+    cls = type(state)
+    names = [f.name for f in dataclasses.fields(TrainState)]
+    if cls.__name__ == "TrainState" and dataclasses.is_dataclass(state) and \
+            [f.name for f in dataclasses.fields(state)] == names:
+        return TrainState(**{n: getattr(state, n) for n in names})
+    raise CodeLoadError(
+        f"build(config) must return a reprokit.TrainState, got {cls.__module__}.{cls.__qualname__}"
+        + (" (a TrainState whose fields differ from this reprokit's: a copy of reprokit of another version; replay "
+           "with the reprokit the bundle was recorded with)" if cls.__name__ == "TrainState" else ""))
 
 
 def alone_hint(bundle: Bundle) -> str:
