@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
+import accelerate  # noqa: F401  the test extra installs it: a missing one must fail, not skip
 from click.testing import CliRunner
 from rk_testing import bundle_of, record
 
 from reprokit.bundle import open_bundle
 from reprokit.cli import main
-
-pytest.importorskip("accelerate")
 
 
 def test_a_prepared_loop_records_its_wrapped_optimizer_and_replays_bit_exact(projects, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import lightning  # noqa: F401  the test extra installs it: a missing one must fail, not skip
 import pytest
 from click.testing import CliRunner
 from rk_testing import bundle_of
@@ -13,8 +14,6 @@ from reprokit.bisect import bisect_layers
 from reprokit.bundle import open_bundle
 from reprokit.cli import main
 from reprokit.errors import CaptureError
-
-pytest.importorskip("lightning")
 
 pytestmark = [
     # Lightning's own warnings (a DataLoader without workers, its pytree shim on torch 2.13): not reprokit's.

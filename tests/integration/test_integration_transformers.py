@@ -18,20 +18,18 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
+import transformers  # the test extra installs it: a missing one must fail, not skip
+from click.testing import CliRunner
+from rk_testing import bundle_of, record
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-transformers = pytest.importorskip("transformers")
-
-import torch  # noqa: E402
-from click.testing import CliRunner  # noqa: E402
-from rk_testing import bundle_of, record  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
-
-from reprokit import TrainingFailure  # noqa: E402
-from reprokit import bundle as B  # noqa: E402
-from reprokit.cli import main  # noqa: E402
-from reprokit.distributed.incident import free_port  # noqa: E402
-from reprokit.integrations.transformers import ReprokitCallback  # noqa: E402
-from reprokit.pack import frameworks_needed  # noqa: E402
+from reprokit import TrainingFailure
+from reprokit import bundle as B
+from reprokit.cli import main
+from reprokit.distributed.incident import free_port
+from reprokit.integrations.transformers import ReprokitCallback
+from reprokit.pack import frameworks_needed
 
 VOCAB = 48
 SEQ = 8
