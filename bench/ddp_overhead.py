@@ -27,12 +27,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import reprokit
 
-from gpt import GPT, GPT2  # bench/gpt.py (bench/ is the script's folder)
+from gpt import GPT, GPT2, train_step  # bench/gpt.py (bench/ is the script's folder)
 
 QUICK = {"layers": 2, "d": 64, "heads": 4, "vocab": 256, "ctx": 32, "batch": 2}
 
@@ -45,17 +44,6 @@ def build(config):
         model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device == "cuda")
     return reprokit.TrainState(model=model, optimizer=opt)
-
-
-def train_step(state, batch):
-    idx, targets = batch["idx"], batch["targets"]
-    with torch.autocast(idx.device.type, dtype=torch.bfloat16):
-        logits = state.model(idx)
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    loss.backward()
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    return loss
 
 
 def rank_main(args: argparse.Namespace) -> None:

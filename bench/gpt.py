@@ -1,4 +1,5 @@
-"""The GPT-2-shaped model the GPU benchmarks train (one definition for recorder_overhead.py and ddp_overhead.py)."""
+"""The GPT-2-shaped model and the training step the GPU benchmarks time (one definition for recorder_overhead.py
+and ddp_overhead.py)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,14 @@ class GPT(nn.Module):
 
 GPT2 = {"layers": 12, "d": 768, "heads": 12, "vocab": 50304, "ctx": 1024, "batch": 8}
 """GPT-2-124M's shape and the bench batch (8 x 1024)."""
+
+
+def train_step(state, batch):
+    idx, targets = batch["idx"], batch["targets"]
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16):
+        logits = state.model(idx)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss

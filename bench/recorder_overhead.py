@@ -29,11 +29,10 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 import reprokit
 
-from gpt import GPT, GPT2  # bench/gpt.py (bench/ is the script's folder)
+from gpt import GPT, GPT2, train_step  # bench/gpt.py (bench/ is the script's folder)
 
 
 def cuda_bench_config() -> dict:
@@ -63,17 +62,6 @@ def build(config):
     fused = config["device"] == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=fused)
     return reprokit.TrainState(model=model, optimizer=opt)
-
-
-def train_step(state, batch):
-    idx, targets = batch["idx"], batch["targets"]
-    with torch.autocast(idx.device.type, dtype=torch.bfloat16):
-        logits = state.model(idx)
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    loss.backward()
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    return loss
 
 
 def make_batch(cfg, g):
