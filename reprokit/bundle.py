@@ -32,13 +32,14 @@ from reprokit.errors import BundleError, BundleVersionError
 from reprokit.signature import Failure
 
 FORMAT = "reprokit-bundle"
-VERSION = 1
+VERSION = 2
 MANIFEST = "manifest.json"
 FAILURE = "failure.json"
 RUN = "run.json"
 ENV = "env.json"
 STATE_JSON = "state/state.json"
 STATE_TENSORS = "state/state.safetensors"
+"""The state's tensors; a large state continues in ``state/state-1.safetensors``, ``state-2``, ... (version 2)."""
 STEPS = "steps"
 CODE = "code"
 # Every key a manifest may hold. The first release wrote LEGACY_KEYS (no self digest); every manifest
@@ -51,9 +52,27 @@ MAX_TOTAL_JSON_BYTES = 512 << 20
 limits, this bounds the time and memory any command spends parsing a bundle's metadata."""
 
 # Upgrades take a bundle's parsed JSON files ({"run.json": {...}, ...}) from
-# version v to v + 1. Version 1 is the first, so none exist yet; when the
-# format changes, bump VERSION and add `UPGRADES[1] = _upgrade_1_to_2`.
-UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+# version v to v + 1. Version 2 split large states over several files (STATE_TENSORS,
+# state/state-1.safetensors, ...); its JSON files are those of version 1, and a version 1
+# bundle is one whose state is one file. An older reprokit refuses version 2 by its number
+# instead of loading the first part of a state.
+UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: lambda docs: docs}
+
+
+def state_file_name(i: int) -> str:
+    """The bundle path of part ``i`` of the state's tensors."""
+    return STATE_TENSORS if i == 0 else f"state/state-{i}.safetensors"
+
+
+def state_files(files: dict[str, Any]) -> list[str]:
+    """The state's tensor files a manifest lists, in order; empty when they are not ``0..n-1`` without gaps
+    (a bundle missing a part of its state is refused, never loaded with part of its tensors)."""
+    found = {}
+    for rel in files:
+        m = schema.STATE_FILE.fullmatch(rel)
+        if m:
+            found[int(m.group(1) or 0)] = rel
+    return [found[i] for i in range(len(found))] if set(found) == set(range(len(found))) else []
 
 
 # --- JSON that stays strict (NaN/inf as strings) ------------------------------
@@ -161,6 +180,41 @@ class BundleWriter:
             raise self._vanished() from None
         self.files[rel] = {"sha256": sha, "size": size}
 
+    def write_state(self, tensors: dict[str, torch.Tensor] | tensorfile.WrittenFile) -> None:
+        """The state's tensors, in files of at most :data:`~reprokit.tensorfile.SHARD_BYTES` written several at once
+        (each hashed as it is written); a spilled snapshot already on disk is linked in (else copied)."""
+        if isinstance(tensors, tensorfile.WrittenFile):
+            self.link_file(STATE_TENSORS, tensors)
+            return
+        parts = tensorfile.shard(tensors)
+        targets = [self._target(state_file_name(i)) for i in range(len(parts))]
+        try:
+            with ThreadPoolExecutor(tensorfile.parallelism(len(parts)), thread_name_prefix="reprokit-write") as pool:
+                written = list(pool.map(tensorfile.write_safetensors, targets, parts))
+        except FileNotFoundError:
+            raise self._vanished() from None
+        for i, (sha, size) in enumerate(written):
+            self.files[state_file_name(i)] = {"sha256": sha, "size": size}
+
+    def link_file(self, rel: str, src: tensorfile.WrittenFile) -> None:
+        """A file whose digest is known (it was hashed as it was written): hard-linked in where the filesystem
+        allows (no second copy of a spilled state on disk, and no second read), else copied and checked."""
+        path = self._target(rel)
+        try:
+            os.link(src.path, path)
+        except FileNotFoundError:
+            if not path.parent.is_dir():
+                raise self._vanished() from None
+            raise
+        except OSError:  # another filesystem, or links not supported
+            self.copy_file(rel, src.path)
+            if self.files[rel] != {"sha256": src.sha256, "size": src.size}:
+                raise BundleError(f"{src.path} changed since it was written (sha256 {self.files[rel]['sha256']}, "
+                                  f"written as {src.sha256}); the snapshot on disk is damaged",
+                                  [{"file": rel, "problem": "checksum mismatch"}]) from None
+            return
+        self.files[rel] = {"sha256": src.sha256, "size": src.size}
+
     def copy_file(self, rel: str, src: Path) -> None:
         """Copy a file in, chunk by chunk (state files may be larger than memory)."""
         path = self._target(rel)
@@ -253,8 +307,8 @@ class StepRecord:
 
 
 def write_bundle(w: BundleWriter, *, failure: dict[str, Any], run: dict[str, Any], env: dict[str, Any],
-                 state: tuple[dict[str, Any], dict[str, torch.Tensor] | Path], steps: Iterable[StepRecord],
-                 code: Iterable[tuple[str, Path]] = ()) -> Path:
+                 state: tuple[dict[str, Any], dict[str, torch.Tensor] | tensorfile.WrittenFile],
+                 steps: Iterable[StepRecord], code: Iterable[tuple[str, Path]] = ()) -> Path:
     """Write every part of a bundle through ``w`` and commit it (manifest last).
 
     Any exception on the way, ``KeyboardInterrupt`` included, removes the temp dir before it propagates.
@@ -264,13 +318,13 @@ def write_bundle(w: BundleWriter, *, failure: dict[str, Any], run: dict[str, Any
 
 
 def _write_parts(w: BundleWriter, *, failure: dict[str, Any], run: dict[str, Any], env: dict[str, Any],
-                 state: tuple[dict[str, Any], dict[str, torch.Tensor] | Path], steps: Iterable[StepRecord],
-                 code: Iterable[tuple[str, Path]]) -> Path:
+                 state: tuple[dict[str, Any], dict[str, torch.Tensor] | tensorfile.WrittenFile],
+                 steps: Iterable[StepRecord], code: Iterable[tuple[str, Path]]) -> Path:
     w.write_json(FAILURE, failure)
     w.write_json(RUN, run)
     w.write_json(ENV, env)
     w.write_json(STATE_JSON, state[0])
-    w.write_tensors(STATE_TENSORS, state[1])
+    w.write_state(state[1])
     for rec in steps:
         name = f"{STEPS}/{step_name(rec.step)}"
         w.write_json(name + ".json", {"step": rec.step, "batch": rec.batch, "rng": rec.rng,
@@ -570,7 +624,24 @@ class Bundle:
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """``(tree, tensors)`` of the snapshot the window starts from."""
-        return self.state_tree(), self._tensors(STATE_TENSORS)
+        rels = state_files(self.manifest["files"])
+        if not rels:
+            raise BundleError(f"{self.path}: the manifest lists no complete set of state files "
+                              f"({STATE_TENSORS}, state/state-1.safetensors, ...); the bundle is incomplete. {_FIX}",
+                              [{"file": STATE_TENSORS, "problem": "missing"}])
+        if len(rels) == 1:
+            return self.state_tree(), self._tensors(rels[0])
+        with ThreadPoolExecutor(tensorfile.parallelism(len(rels)), thread_name_prefix="reprokit-read") as pool:
+            parts = list(pool.map(self._tensors, rels))  # each file hashed as it is read, several at once
+        tensors: dict[str, torch.Tensor] = {}
+        for rel, part in zip(rels, parts):
+            twice = tensors.keys() & part.keys()
+            if twice:
+                raise BundleError(f"{self.path}: {rel} holds {sorted(twice)[0]!r} again (already in an earlier "
+                                  f"state file); refusing an ambiguous state. {_FIX}",
+                                  [{"file": rel, "problem": "duplicate tensor"}])
+            tensors |= part
+        return self.state_tree(), tensors
 
     def state_tree(self) -> dict[str, Any]:
         """The snapshot's JSON alone (no tensor is read)."""

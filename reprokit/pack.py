@@ -31,7 +31,10 @@ import gzip
 import hashlib
 import io
 import os
+import queue
 import tarfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -229,14 +232,83 @@ def compressed_name(output: Path) -> bool:
     return output.name.endswith((".tar.gz", ".tgz"))
 
 
-class _Hashing(io.RawIOBase):
-    """A file wrapper that hashes every byte read from (or written to) it."""
+class _Ahead(io.RawIOBase):
+    """A file read one chunk ahead on a helper thread, each chunk hashed on another, in order.
 
-    def __init__(self, f: BinaryIO):
-        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+    Reading, hashing the source (checked against the bundle's manifest), writing and hashing the archive
+    each run on their own thread (:class:`_Behind` takes the writing side), so packing a state costs the
+    slowest of the four, not their sum: sha256 on one core is about as fast as a disk.
+    """
+
+    def __init__(self, f: BinaryIO, hashing: ThreadPoolExecutor, chunk: int = COPY_BYTES):
+        """``hashing`` must have one thread: the chunks are hashed in the order they were read."""
+        self.sha, self.n = hashlib.sha256(), 0
+        self._f, self._chunk, self._hashing = f, chunk, hashing
+        self._queue: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=2)
+        self._stop = threading.Event()
+        self._rest, self._eof = b"", False
+        self._pending: Future[None] | None = None
+        self._thread = threading.Thread(target=self._fill, name="reprokit-pack-read", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            while not self._stop.is_set():
+                data = self._f.read(self._chunk)
+                self._put(data)
+                if not data:
+                    return
+        except BaseException as e:  # handed to the reading thread, which raises it
+            self._put(e)
+
+    def _put(self, item: bytes | BaseException) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def readable(self) -> bool:
         return True
+
+    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
+        out = [self._rest] if self._rest else []
+        have = len(self._rest)
+        while (n < 0 or have < n) and not self._eof:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if not item:
+                self._eof = True
+                break
+            self._pending = self._hashing.submit(self.sha.update, item)  # one thread: chunks hashed in order
+            out.append(item)
+            have += len(item)
+        data = out[0] if len(out) == 1 else b"".join(out)
+        if 0 <= n < len(data):
+            data, self._rest = data[:n], data[n:]
+        else:
+            self._rest = b""
+        self.n += len(data)
+        return data
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._pending is not None:
+            self._pending.result()  # the digest is complete once the reader is closed
+        super().close()
+
+
+class _Behind(io.RawIOBase):
+    """The archive, written on a helper thread one piece behind, and hashed on another, in order."""
+
+    def __init__(self, f: BinaryIO, writing: ThreadPoolExecutor, hashing: ThreadPoolExecutor):
+        self.sha, self.n = hashlib.sha256(), 0
+        self._f, self._writing, self._hashing = f, writing, hashing
+        self._written: Future[None] | None = None
+        self._hashed: Future[None] | None = None
 
     def writable(self) -> bool:
         return True
@@ -244,17 +316,26 @@ class _Hashing(io.RawIOBase):
     def tell(self) -> int:
         return self.n
 
-    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
-        data = self.f.read(n)
-        self.sha.update(data)
-        self.n += len(data)
-        return data
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[self._f.write(view):]
 
     def write(self, data: Any) -> int:
-        n = self.f.write(data)
-        self.sha.update(memoryview(data)[:n])
-        self.n += n
-        return n
+        data = bytes(data) if not isinstance(data, bytes) else data  # the caller may reuse a mutable buffer
+        self.wait()  # at most one piece in flight: memory stays bounded, errors surface at the next write
+        self._written = self._writing.submit(self._write_all, data)
+        self._hashed = self._hashing.submit(self.sha.update, data)
+        self.n += len(data)
+        return len(data)
+
+    def wait(self) -> None:
+        for fut in (self._written, self._hashed):
+            if fut is not None:
+                fut.result()
+
+    def flush(self) -> None:
+        self.wait()
 
 
 def pack(bundle: str | Path, output: str | Path) -> PackResult:
@@ -287,18 +368,21 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as raw:
-            out = _Hashing(raw)  # the archive's sha256, as it is written
+        with open(tmp, "wb", buffering=0) as raw, \
+                ThreadPoolExecutor(1, thread_name_prefix="reprokit-pack-write") as writing, \
+                ThreadPoolExecutor(1, thread_name_prefix="reprokit-pack-hash") as hashing, \
+                ThreadPoolExecutor(1, thread_name_prefix="reprokit-pack-check") as checking:
+            out = _Behind(raw, writing, hashing)  # the archive's sha256, as it is written
             gz = gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=6) \
                 if compressed_name(output) else None
             with tarfile.open(fileobj=gz or out, mode="w", format=tarfile.PAX_FORMAT) as tf:
                 tf.copybufsize = COPY_BYTES  # type: ignore[attr-defined]  # (a TarFile attribute since 3.8)
                 tf.addfile(_info(top, 0, directory=True))
                 for name in sorted(dirs | files.keys()):
-                    _add(tf, top, name, files.get(name), b)
+                    _add(tf, top, name, files.get(name), b, checking)
             if gz is not None:
                 gz.close()
-            raw.flush()
+            out.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, output)
     finally:
@@ -311,7 +395,8 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
     return PackResult(output, digest, output.stat().st_size, breakdown, top)
 
 
-def _add(tf: tarfile.TarFile, top: str, name: str, src: Path | bytes | None, b: Bundle) -> None:
+def _add(tf: tarfile.TarFile, top: str, name: str, src: Path | bytes | None, b: Bundle,
+         checking: ThreadPoolExecutor) -> None:
     """One member; a bundle file is hashed while copied and checked against the bundle's manifest."""
     if src is None:
         tf.addfile(_info(f"{top}/{name}", 0, directory=True))
@@ -320,8 +405,11 @@ def _add(tf: tarfile.TarFile, top: str, name: str, src: Path | bytes | None, b: 
     else:
         with open(src, "rb", buffering=0) as fh:
             size = os.fstat(fh.fileno()).st_size
-            hashing = _Hashing(fh)  # type: ignore[arg-type]
-            tf.addfile(_info(f"{top}/{name}", size), hashing)
+            hashing = _Ahead(fh, checking)  # type: ignore[arg-type]
+            try:
+                tf.addfile(_info(f"{top}/{name}", size), hashing)
+            finally:
+                hashing.close()
         meta = b.manifest["files"].get(name.removeprefix("bundle/")) if name.startswith("bundle/") else None
         if meta is not None and (hashing.sha.hexdigest() != meta["sha256"] or hashing.n != meta["size"]):
             raise BundleError(f"{src} changed or is damaged: its sha256 does not match the bundle's manifest; "

@@ -53,6 +53,7 @@ from reprokit.rng import encode as encode_rng
 from reprokit.signature import Failure
 from reprokit.snapshot import SnapshotEngine, mib
 from reprokit.state import TrainState, capture_state
+from reprokit.tensorfile import WrittenFile
 
 StepFn = Callable[[TrainState, Any], Any]
 
@@ -143,8 +144,8 @@ class _Step:
 class _Snapshot:
     step: int
     tree: dict[str, Any]
-    tensors: dict[str, torch.Tensor] | Path
-    """In host memory, or the path of a safetensors file when spilling to disk."""
+    tensors: dict[str, torch.Tensor] | WrittenFile
+    """In host memory, or a safetensors file (with its digest) when spilling to disk."""
 
 
 class Recorder:

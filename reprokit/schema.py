@@ -528,6 +528,30 @@ def check_safetensors(path: Path, name: str) -> set[str]:
 # --- a whole bundle -----------------------------------------------------------------------
 
 STEP_FILE = re.compile(r"steps/(\d{8})\.(json|safetensors)")
+STATE_FILE = re.compile(r"state/state(?:-([1-9][0-9]*))?\.safetensors")
+"""The state's tensor files: ``state/state.safetensors``, then ``state/state-1.safetensors``, ... (format version 2)."""
+
+
+def _state_keys(files: dict[str, Any], keys: dict[str, set[str] | None], skip: set[str],
+                problems: list[dict[str, Any]]) -> set[str] | None:
+    """The tensor names of all the state's files together (None when one of them could not be read)."""
+    parts = {int(m.group(1) or 0): rel for rel in files if (m := STATE_FILE.fullmatch(rel))}
+    gaps = sorted(set(range(max(parts, default=-1) + 1)) - parts.keys())
+    if gaps:
+        name = "state/state.safetensors" if gaps[0] == 0 else f"state/state-{gaps[0]}.safetensors"
+        problems.append({"file": name, "problem": f"not in the manifest, which lists {len(parts)} other part(s) of "
+                                                  "the state: the state is incomplete"})
+        return None
+    union: set[str] = set()
+    for rel in (parts[i] for i in sorted(parts)):
+        k = keys.get(rel) if rel not in skip else None
+        if k is None:
+            return None
+        twice = union & k
+        if twice:
+            problems.append({"file": rel, "problem": f"tensor {sorted(twice)[0]!r} is also in another state file"})
+        union |= k
+    return union
 
 
 def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()) -> list[dict[str, Any]]:  # type: ignore[assignment]
@@ -567,6 +591,7 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
         elif rel == "extract/op.json":
             run(rel, lambda doc=doc, k=k: check_op(doc, k))
         elif rel == "state/state.json":
+            k = _state_keys(files, keys, skip, problems)
             run(rel, lambda doc=doc, k=k: check_state(doc, k))
         elif m:
             run(rel, lambda rel=rel, doc=doc, k=k, m=m: check_step(doc, int(m[1]), k, rel))

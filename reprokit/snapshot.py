@@ -41,7 +41,7 @@ import torch
 
 from reprokit.errors import RecorderWarning
 from reprokit.state import TrainState, capture_rng, capture_state
-from reprokit.tensorfile import write_safetensors
+from reprokit.tensorfile import WrittenFile, write_safetensors
 
 
 class SnapshotEngine:
@@ -221,10 +221,10 @@ class SnapshotEngine:
 
     # --- taking ------------------------------------------------------------------------
 
-    def take(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | Path]:
+    def take(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | WrittenFile]:
         t0 = time.perf_counter()
         if self.spill_dir is not None:
-            out: tuple[dict[str, Any], dict[str, torch.Tensor] | Path] = self._spill(extra_tree)
+            out: tuple[dict[str, Any], dict[str, torch.Tensor] | WrittenFile] = self._spill(extra_tree)
         else:
             out = self._in_memory(extra_tree)
         self.stats["snapshots"] += 1
@@ -280,7 +280,7 @@ class SnapshotEngine:
             layout.append((key, t, (buf, t.data_ptr() not in protected or key in self._volatile)))
         return tree, layout
 
-    def _in_memory(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | Path]:
+    def _in_memory(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | WrittenFile]:
         """Take the walk (prepared during the last step, or now); issue the copies from a thread.
 
         Device clones of unprotected tensors happen here; launching hundreds of device-to-host
@@ -419,8 +419,9 @@ class SnapshotEngine:
 
     # --- spilling to disk ----------------------------------------------------------------
 
-    def _spill(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], Path]:
-        """Stream the state through a bounded staging buffer into a safetensors file; returns its path."""
+    def _spill(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], WrittenFile]:
+        """Stream the state through a bounded staging buffer into a safetensors file; returns it with its sha256
+        (computed as it was written: a dump links the file into the bundle without reading it again)."""
         assert self.spill_dir is not None
         t0 = time.perf_counter()
         self.spill_dir.mkdir(parents=True, exist_ok=True)
@@ -429,11 +430,11 @@ class SnapshotEngine:
         tensors = {**tensors, **rng_tensors}
         path = self._spill_path()
         tmp = path.with_suffix(".tmp")
-        write_safetensors_streaming(tmp, tensors, self._staging_for, chunk=self.staging_bytes)
+        sha, size = write_safetensors(tmp, tensors, staging=self._staging_for, chunk=self.staging_bytes)
         os.replace(tmp, path)
         self.stats["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
         self.stats["spill_seconds"] = time.perf_counter() - t0
-        return {"state": tree, "rng": rng_tree, **extra_tree}, path
+        return {"state": tree, "rng": rng_tree, **extra_tree}, WrittenFile(path, sha, size)
 
     def _spill_path(self) -> Path:
         assert self.spill_dir is not None
@@ -455,10 +456,3 @@ def _free_cached_bytes() -> int:
     """Device memory the caching allocator holds but nothing uses (what a clone can take without cudaMalloc)."""
     stats = torch.cuda.memory_stats_as_nested_dict()
     return int(stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"])
-
-
-def write_safetensors_streaming(path: Path, tensors: dict[str, torch.Tensor], staging: Any,
-                                chunk: int = 256 << 20) -> None:
-    """Write a safetensors file chunk by chunk, never holding more than ``chunk`` bytes on the host
-    (the one tensor writer, :func:`reprokit.tensorfile.write_safetensors`)."""
-    write_safetensors(path, tensors, staging=staging, chunk=chunk)

@@ -20,6 +20,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -28,6 +29,12 @@ import torch
 CHUNK = 32 << 20
 """Bytes per write/read call and per hashed piece: large enough for disk speed, small enough to overlap."""
 _SMALL = 1 << 20  # pieces below this are hashed inline (a thread hand-off costs more than it saves)
+SHARD_BYTES = 256 << 20
+"""Most bytes of tensors per file of a large state (a tensor larger than this gets a file of its own).
+
+One file's sha256 is one sequential stream, about as fast as one disk, so a state in one file is written and
+read at most at one core's hash rate. Split in files of this size, several are written, read and hashed at
+once (:func:`parallelism`), and the layout depends only on the state, never on the machine."""
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -42,6 +49,41 @@ BY_CODE = {code: dtype for dtype, code in DTYPES.items()}
 
 Staging = Callable[[int], torch.Tensor]
 """``staging(n)``: a host uint8 buffer of ``n`` bytes to copy a device tensor's piece through."""
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A tensor file written earlier (a spilled snapshot) with the sha256 and size computed as it was written."""
+
+    path: Path
+    sha256: str
+    size: int
+
+
+def shard(tensors: dict[str, torch.Tensor], shard_bytes: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """``tensors`` split in key order into groups of at most ``shard_bytes`` (default :data:`SHARD_BYTES`; one
+    larger tensor stays whole); always at least one group (an empty state is one empty file)."""
+    shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in sorted(tensors.items()):
+        n = t.numel() * t.element_size()
+        if groups[-1] and size + n > shard_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][key] = t
+        size += n
+    return groups
+
+
+def parallelism(files: int) -> int:
+    """Files to write or read at once: each uses two threads (I/O and hashing), so half the usable cores,
+    at most 8 (past that the disk, not the hashing, is the limit)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(files, cores // 2, 8))
 
 
 class TensorFileError(ValueError):

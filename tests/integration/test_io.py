@@ -17,6 +17,7 @@ import torch
 from click.testing import CliRunner
 from rk_testing import record
 
+import reprokit
 from reprokit import archive, pack, tensorfile
 from reprokit import bundle as B
 from reprokit.cli import main
@@ -97,6 +98,75 @@ def test_tensor_file_round_trip_is_exact_and_hashed_on_the_way(tmp_path):
         tensorfile.read_verified(path, "0" * 64, size)
     with pytest.raises(tensorfile.TensorFileError, match="size mismatch"):
         tensorfile.read_verified(path, sha, size - 1)
+
+
+@pytest.fixture(scope="module")
+def sharded_bundle(tmp_path_factory):
+    """A bundle whose state is split over several files (files of at most 2 KiB instead of 256 MiB)."""
+    sys.path.insert(0, str(ROOT / "tests" / "projects"))
+    try:
+        import rk_mlp
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "projects"))
+    out = tmp_path_factory.mktemp("sharded")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tensorfile, "SHARD_BYTES", 2048)
+        _, exc = record(rk_mlp, {}, rk_mlp.batches({}, 6, poison_step=4), out / "repros", snapshot_every=3)
+    return Path(exc.bundle)
+
+
+def test_shards_keep_key_order_and_stay_under_the_size_unless_one_tensor_is_larger():
+    tensors = {f"t{i:02d}": torch.zeros(n) for i, n in enumerate([10, 300, 5, 1000, 1, 0, 40])}
+    parts = tensorfile.shard(tensors, shard_bytes=1204)
+    assert [k for p in parts for k in p] == sorted(tensors), "every tensor once, in key order"
+    for p in parts:
+        size = sum(t.numel() * 4 for t in p.values())
+        assert size <= 1204 or len(p) == 1, (list(p), size)
+    # 40 + 1200 bytes > 1204: t01 starts a part, and t02 the next (1200 + 20); t03 (4000 bytes) is a part alone
+    assert [list(p) for p in parts] == [["t00"], ["t01"], ["t02"], ["t03"], ["t04", "t05", "t06"]]
+    assert tensorfile.shard({}) == [{}], "an empty state is one (empty) file"
+
+
+def test_a_state_in_several_files_replays_packs_and_refuses_a_missing_part(sharded_bundle, tmp_path):
+    b = B.open_bundle(sharded_bundle)
+    names = B.state_files(b.manifest["files"])
+    assert len(names) >= 3 and names[0] == B.STATE_TENSORS and names[1] == "state/state-1.safetensors", names
+    assert b.manifest["version"] == 2
+    _, tensors = b.state()
+    parts = [tensorfile.read_verified(b.path / n, b.manifest["files"][n]["sha256"], b.manifest["files"][n]["size"])
+             for n in names]
+    assert sum(len(p) for p in parts) == len(tensors), "no tensor in two parts, none lost"
+    report = reprokit.replay(sharded_bundle, times=2)
+    assert report.reproduced and report.fidelity["bit_exact"], report.to_json()
+    r = CliRunner().invoke(main, ["pack", str(sharded_bundle), "-o", str(tmp_path / "r.tar"), "--json"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["replay", str(tmp_path / "r.tar"), "--json"])
+    assert r.exit_code == 1 and json.loads(r.stdout)["verdict"] == "deterministic", r.output
+
+    gap = tmp_path / "gap"  # a manifest (re-signed) that lost part 1 of the state: never loaded as a part state
+    shutil.copytree(sharded_bundle, gap)
+    m = json.loads((gap / B.MANIFEST).read_text())
+    del m["files"]["state/state-1.safetensors"]
+    m["self_sha256"] = B._self_digest(m)
+    (gap / B.MANIFEST).write_text(json.dumps(m))
+    (gap / "state/state-1.safetensors").unlink()
+    assert {"file": "state/state-1.safetensors", "problem": f"not in the manifest, which lists {len(names) - 1} other "
+            "part(s) of the state: the state is incomplete"} in B.verify(gap)
+    with pytest.raises(BundleError, match="state/state-1.safetensors: not in the manifest"):
+        B.open_bundle(gap)
+
+
+def test_a_tensor_in_two_state_files_is_refused(sharded_bundle, tmp_path):
+    twice = tmp_path / "twice"
+    shutil.copytree(sharded_bundle, twice)
+    first = twice / B.STATE_TENSORS
+    shutil.copy(first, twice / "state/state-1.safetensors")  # part 1 now repeats part 0's tensors
+    m = json.loads((twice / B.MANIFEST).read_text())
+    m["files"]["state/state-1.safetensors"] = dict(m["files"][B.STATE_TENSORS])
+    m["self_sha256"] = B._self_digest(m)
+    (twice / B.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="state/state-1.safetensors: tensor '.*' is also in another state file"):
+        B.open_bundle(twice)
 
 
 def test_tampered_tensor_file_is_refused_when_loaded_packed_verified_and_replayed(nan_bundle, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,7 +198,11 @@ def test_spill_to_disk_snapshots_replay_bit_exact(projects, tmp_path):
     rec, exc = record(mlp, cfg, mlp.batches(cfg, 30, poison_step=23), tmp_path / "out", snapshot_every=10,
                       spill_dir=tmp_path / "spill")
     assert isinstance(exc.bundle, os.PathLike) and rec.snapshot_stats["spill_seconds"] > 0
-    assert list((tmp_path / "spill").glob("*.safetensors")), "the snapshot lives on disk, not in RAM"
+    spilled = list((tmp_path / "spill").glob("*.safetensors"))
+    assert spilled, "the snapshot lives on disk, not in RAM"
+    state = Path(exc.bundle) / "state" / "state.safetensors"
+    assert state.stat().st_ino == spilled[0].stat().st_ino, "linked into the bundle, not copied a second time"
+    assert reprokit.verify(exc.bundle) == [], "the digest taken while spilling is the file's"
     report = reprokit.replay(exc.bundle, times=2)
     assert report.fidelity["bit_exact"] and report.fidelity["runs_bit_identical"] and report.reproduced
 
