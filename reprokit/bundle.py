@@ -180,11 +180,12 @@ class BundleWriter:
             raise self._vanished() from None
         self.files[rel] = {"sha256": sha, "size": size}
 
-    def write_state(self, tensors: dict[str, torch.Tensor] | tensorfile.WrittenFile) -> None:
+    def write_state(self, tensors: dict[str, torch.Tensor] | list[tensorfile.WrittenFile]) -> None:
         """The state's tensors, in files of at most :data:`~reprokit.tensorfile.SHARD_BYTES` written several at once
-        (each hashed as it is written); a spilled snapshot already on disk is linked in (else copied)."""
-        if isinstance(tensors, tensorfile.WrittenFile):
-            self.link_file(STATE_TENSORS, tensors)
+        (each hashed as it is written); a spilled snapshot's files, already on disk, are linked in (else copied)."""
+        if isinstance(tensors, list):
+            for i, part in enumerate(tensors):
+                self.link_file(state_file_name(i), part)
             return
         parts = tensorfile.shard(tensors)
         targets = [self._target(state_file_name(i)) for i in range(len(parts))]
@@ -307,7 +308,7 @@ class StepRecord:
 
 
 def write_bundle(w: BundleWriter, *, failure: dict[str, Any], run: dict[str, Any], env: dict[str, Any],
-                 state: tuple[dict[str, Any], dict[str, torch.Tensor] | tensorfile.WrittenFile],
+                 state: tuple[dict[str, Any], dict[str, torch.Tensor] | list[tensorfile.WrittenFile]],
                  steps: Iterable[StepRecord], code: Iterable[tuple[str, Path]] = ()) -> Path:
     """Write every part of a bundle through ``w`` and commit it (manifest last).
 
@@ -318,7 +319,7 @@ def write_bundle(w: BundleWriter, *, failure: dict[str, Any], run: dict[str, Any
 
 
 def _write_parts(w: BundleWriter, *, failure: dict[str, Any], run: dict[str, Any], env: dict[str, Any],
-                 state: tuple[dict[str, Any], dict[str, torch.Tensor] | tensorfile.WrittenFile],
+                 state: tuple[dict[str, Any], dict[str, torch.Tensor] | list[tensorfile.WrittenFile]],
                  steps: Iterable[StepRecord], code: Iterable[tuple[str, Path]]) -> Path:
     w.write_json(FAILURE, failure)
     w.write_json(RUN, run)

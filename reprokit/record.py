@@ -144,8 +144,8 @@ class _Step:
 class _Snapshot:
     step: int
     tree: dict[str, Any]
-    tensors: dict[str, torch.Tensor] | WrittenFile
-    """In host memory, or a safetensors file (with its digest) when spilling to disk."""
+    tensors: dict[str, torch.Tensor] | list[WrittenFile]
+    """In host memory, or safetensors files (with their digests) when spilling to disk."""
 
 
 class Recorder:

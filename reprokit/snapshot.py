@@ -31,9 +31,12 @@ measured by ``bench/recorder_overhead.py``.
 from __future__ import annotations
 
 import os
+import queue
+import shutil
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,7 @@ import torch
 
 from reprokit.errors import RecorderWarning
 from reprokit.state import TrainState, capture_rng, capture_state
-from reprokit.tensorfile import WrittenFile, write_safetensors
+from reprokit.tensorfile import WrittenFile, parallelism, shard, write_safetensors
 
 
 class SnapshotEngine:
@@ -70,6 +73,8 @@ class SnapshotEngine:
         self._stream: Any = None
         self._done: Any = None
         self._staging: torch.Tensor | None = None
+        self._spilled: Path | None = None  # the folder of the last snapshot spilled to disk
+        self._spills = 0
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._stop = threading.Event()
@@ -216,15 +221,16 @@ class SnapshotEngine:
         self._buffers.clear()
         self._staging = None
         self.stats["pinned_bytes"] = self.stats["pageable_bytes"] = 0
-        if self.spill_dir is not None:
-            self._spill_path().unlink(missing_ok=True)
+        if self._spilled is not None:
+            shutil.rmtree(self._spilled, ignore_errors=True)
+            self._spilled = None
 
     # --- taking ------------------------------------------------------------------------
 
-    def take(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | WrittenFile]:
+    def take(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | list[WrittenFile]]:
         t0 = time.perf_counter()
         if self.spill_dir is not None:
-            out: tuple[dict[str, Any], dict[str, torch.Tensor] | WrittenFile] = self._spill(extra_tree)
+            out: tuple[dict[str, Any], dict[str, torch.Tensor] | list[WrittenFile]] = self._spill(extra_tree)
         else:
             out = self._in_memory(extra_tree)
         self.stats["snapshots"] += 1
@@ -280,7 +286,7 @@ class SnapshotEngine:
             layout.append((key, t, (buf, t.data_ptr() not in protected or key in self._volatile)))
         return tree, layout
 
-    def _in_memory(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | WrittenFile]:
+    def _in_memory(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | list[WrittenFile]]:
         """Take the walk (prepared during the last step, or now); issue the copies from a thread.
 
         Device clones of unprotected tensors happen here; launching hundreds of device-to-host
@@ -419,30 +425,59 @@ class SnapshotEngine:
 
     # --- spilling to disk ----------------------------------------------------------------
 
-    def _spill(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], WrittenFile]:
-        """Stream the state through a bounded staging buffer into a safetensors file; returns it with its sha256
-        (computed as it was written: a dump links the file into the bundle without reading it again)."""
+    def _spill(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], list[WrittenFile]]:
+        """Stream the state through a bounded staging buffer into safetensors files (the bundle's parts, written
+        several at once); returns them with their sha256, computed as they were written: a dump links the files
+        into the bundle without reading them again."""
         assert self.spill_dir is not None
         t0 = time.perf_counter()
         self.spill_dir.mkdir(parents=True, exist_ok=True)
         tree, tensors = capture_state(self.state, copy=lambda t: t.detach())  # references, no copies
         rng_tree, rng_tensors = capture_rng(self.state.extra)
         tensors = {**tensors, **rng_tensors}
-        path = self._spill_path()
-        tmp = path.with_suffix(".tmp")
-        sha, size = write_safetensors(tmp, tensors, staging=self._staging_for, chunk=self.staging_bytes)
-        os.replace(tmp, path)
+        self._spills += 1
+        folder = self.spill_dir / f"{self._spill_stem()}-{self._spills}"
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        parts = shard(tensors)
+        workers = parallelism(len(parts))
+        chunk = max(64 << 10, self.staging_bytes // workers)  # one slice of the staging buffer per writer
+        staging = self._staging_for(workers * chunk) if any(t.is_cuda for t in tensors.values()) else None
+
+        slices: queue.SimpleQueue[int] = queue.SimpleQueue()  # a writer takes a slice, and gives it back when done
+        for w in range(workers):
+            slices.put(w * chunk)
+
+        def write(i: int) -> WrittenFile:
+            at = slices.get()
+            try:
+                path = tmp / f"part-{i}.safetensors"
+                sha, size = write_safetensors(path, parts[i], chunk=chunk,
+                                              staging=None if staging is None else lambda n: staging[at:at + n])
+            finally:
+                slices.put(at)
+            return WrittenFile(folder / path.name, sha, size)
+
+        with ThreadPoolExecutor(workers, thread_name_prefix="reprokit-spill") as pool:
+            written = list(pool.map(write, range(len(parts))))
+        os.replace(tmp, folder)
+        if self._spilled is not None:
+            shutil.rmtree(self._spilled, ignore_errors=True)  # the previous snapshot (a bundle holds links of its own)
+        self._spilled = folder
         self.stats["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
         self.stats["spill_seconds"] = time.perf_counter() - t0
-        return {"state": tree, "rng": rng_tree, **extra_tree}, WrittenFile(path, sha, size)
+        return {"state": tree, "rng": rng_tree, **extra_tree}, written
 
-    def _spill_path(self) -> Path:
-        assert self.spill_dir is not None
-        return self.spill_dir / f"snapshot-{os.getpid()}-{id(self)}.safetensors"
+    def _spill_stem(self) -> str:
+        return f"snapshot-{os.getpid()}-{id(self)}"
 
     def _staging_for(self, n: int) -> torch.Tensor:
+        if self._staging is not None and self._staging.numel() < n:
+            self._account(self._staging, -1)
+            self._staging = None
         if self._staging is None:
-            self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._staging = torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             self._account(self._staging, 1)
         return self._staging[:n]
 

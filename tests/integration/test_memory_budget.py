@@ -84,11 +84,11 @@ def test_a_state_bigger_than_the_budget_is_snapshotted_to_disk_and_said_once(pro
     assert "(0.44 MiB)" in spilled[0] and "snapshots are written to" in spilled[0], spilled
     assert peak <= budget
     assert rec.stats()["snapshots_spilled"] and rec.stats()["snapshot_bytes"] == 0
-    assert list((tmp_path / "out" / ".reprokit-spill").glob("*.safetensors"))
+    assert list((tmp_path / "out" / ".reprokit-spill").rglob("*.safetensors"))
     report = reprokit.replay(exc.bundle)
     assert report.reproduced and report.fidelity["bit_exact"]
     rec.close()
-    assert not list((tmp_path / "out" / ".reprokit-spill").glob("*.safetensors")), "close() removes the spill file"
+    assert not list((tmp_path / "out" / ".reprokit-spill").rglob("*")), "close() removes the spilled snapshot"
 
 
 def test_a_batch_that_cannot_fit_is_not_recorded_and_training_goes_on(projects, tmp_path):

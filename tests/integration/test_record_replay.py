@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from rk_testing import bundle_of, record
 
 import reprokit
+from reprokit import bundle as B
+from reprokit import tensorfile
 from reprokit.bundle import open_bundle
 
 
@@ -192,17 +193,25 @@ def test_bundle_written_atomically(projects, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == [], "the half-written temp dir is removed, nothing else appears"
 
 
-def test_spill_to_disk_snapshots_replay_bit_exact(projects, tmp_path):
+@pytest.mark.parametrize("part_bytes", [None, 1024])
+def test_spill_to_disk_snapshots_replay_bit_exact(projects, tmp_path, monkeypatch, part_bytes):
+    """Spilled snapshots (in one file, or several at 1 KiB a file) are linked into the bundle, not copied."""
+    if part_bytes:
+        monkeypatch.setattr(tensorfile, "SHARD_BYTES", part_bytes)
     mlp = projects("rk_mlp")
     cfg = {"optimizer": "adamw", "scheduler": "cosine", "steps": 30}
     rec, exc = record(mlp, cfg, mlp.batches(cfg, 30, poison_step=23), tmp_path / "out", snapshot_every=10,
                       spill_dir=tmp_path / "spill")
     assert isinstance(exc.bundle, os.PathLike) and rec.snapshot_stats["spill_seconds"] > 0
-    spilled = list((tmp_path / "spill").glob("*.safetensors"))
-    assert spilled, "the snapshot lives on disk, not in RAM"
-    state = Path(exc.bundle) / "state" / "state.safetensors"
-    assert state.stat().st_ino == spilled[0].stat().st_ino, "linked into the bundle, not copied a second time"
-    assert reprokit.verify(exc.bundle) == [], "the digest taken while spilling is the file's"
+    folders = list((tmp_path / "spill").iterdir())
+    assert len(folders) == 1, f"only the last of 3 spilled snapshots is kept: {folders}"
+    spilled = sorted(folders[0].glob("part-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
+    b = reprokit.open_bundle(exc.bundle)
+    names = B.state_files(b.manifest["files"])
+    assert len(names) == len(spilled) and (len(names) > 1) == bool(part_bytes), names
+    for name, part in zip(names, spilled):
+        assert (b.path / name).stat().st_ino == part.stat().st_ino, f"{name} is linked in, not copied a second time"
+    assert reprokit.verify(exc.bundle) == [], "the digests taken while spilling are the files'"
     report = reprokit.replay(exc.bundle, times=2)
     assert report.fidelity["bit_exact"] and report.fidelity["runs_bit_identical"] and report.reproduced
 
