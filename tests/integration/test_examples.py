@@ -75,6 +75,14 @@ def test_io_bench_quick_runs():
     assert report["inspect_exit"] == 0 and report["archive"]["name"] == "repro.tar"
 
 
+def test_spill_bench_quick_records_and_replays_a_spilled_state():
+    report = _bench_json("spill_bench")
+    s = report["summary"]
+    assert s["verdict"] == "deterministic" and report["replay"]["bit_exact"], report
+    assert s["state_GB"] > 0 and s["spill_GBps"] > 0 and s["replay_peak_rss_GB"] > 0, s
+    assert report["record"]["stats"]["snapshots_spilled"] is None, "spill_dir was asked for: not a budget fallback"
+
+
 def test_soak_bench_quick_runs_without_leaking_file_handles():
     report = _bench_json("soak")
     assert report["steps"] == 1000 and report["samples_after_warmup"] >= 50
