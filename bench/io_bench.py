@@ -284,6 +284,9 @@ def _dump(out: Path, state: reprokit.TrainState, config: dict[str, Any]) -> tupl
 
 
 def _commit() -> str:
+    """The checkout's commit; ``$BENCH_COMMIT`` where the copy that runs has no (or a stale) git history."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip() or "unknown"
