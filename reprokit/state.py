@@ -161,13 +161,22 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     except RuntimeError as e:
         raise StateMismatchError(f"the recorded model state does not fit the model that build() made: {e}") from None
     state.model.train(tree.get("training", True))
-    # Optimizers keep the tensors they are given (no copy when dtype and device match),
-    # so hand them clones: the snapshot must survive any number of restores.
-    tensors = {k: v.clone() for k, v in tensors.items() if not k.startswith(MODEL + "/")}
+    # The snapshot must survive any number of restores, and optimizers keep the tensors they are given when
+    # dtype and device match. So a tensor already on the model's device, and any scalar (Adam's CPU `step`), is
+    # handed over as a clone; a host tensor for a model on the GPU is not: the optimizer's own move to the
+    # parameter's device copies it (a host clone of a 20 GB optimizer state would hold it twice in memory).
+    given = {k: v.clone() if v.device == device or v.numel() <= 1 else v
+             for k, v in tensors.items() if k.startswith(OPTIMIZER + "/")}
+    shared = {v.data_ptr() for k, v in given.items() if v is tensors[k] and v.numel()}
+    tensors = {k: v.clone() for k, v in tensors.items() if not k.startswith((MODEL + "/", OPTIMIZER + "/"))} | given
     try:
         state.optimizer.load_state_dict(pytree.decode(tree[OPTIMIZER], tensors))
     except (ValueError, KeyError, RuntimeError) as e:
         raise StateMismatchError(f"the recorded optimizer state does not fit the optimizer that build() made: {e}") from None
+    for st in state.optimizer.state.values():  # one that kept a host tensor as given (a custom optimizer) gets a copy
+        for name, value in list(st.items()):
+            if isinstance(value, torch.Tensor) and value.numel() and value.data_ptr() in shared:
+                st[name] = value.clone()
     for name, obj in ((SCHEDULER, state.scheduler), (SCALER, state.scaler)):
         recorded = tree.get(name)
         if (recorded is None) != (obj is None):
