@@ -34,6 +34,8 @@ import reprokit
 from gpt import GPT, GPT2, train_step  # bench/gpt.py (bench/ is the script's folder)
 
 QUICK = {"layers": 2, "d": 64, "heads": 4, "vocab": 256, "ctx": 32, "batch": 2}
+EXTRA = {"recorder-no-grad-check": {"check_grads": False}, "recorder-no-snapshot": {"snapshot_every": 10**9}}
+"""Recorders with one part off (``--variants``), timed beside the full one to find where its cost goes."""
 
 
 def build(config):
@@ -59,15 +61,23 @@ def rank_main(args: argparse.Namespace) -> None:
     out_dir = Path(args.out)
     rec = reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out_dir, incident_wait_s=120)
     rec.detach()
+    recs = {"recorder": rec}
+    for name in args.variants.split(",") if args.variants else []:  # take the recorder apart, one part off at a time
+        if name not in EXTRA:
+            raise SystemExit(f"unknown variant {name!r}; known: {', '.join(EXTRA)}")
+        # Its own out_dir: its incident watcher never sees the main recorder's incident below.
+        recs[name] = reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out_dir / name,
+                                       incident_wait_s=120, **EXTRA[name])
+        recs[name].detach()
 
     def batch():
         idx = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["ctx"] + 1), device=cfg["device"], generator=g)
         return {"idx": idx[:, :-1], "targets": idx[:, 1:]}
 
     def block(name: str, n: int) -> list[float]:
-        recorded = name == "recorder"
-        if recorded:
-            rec.attach()
+        r = recs.get(name)
+        if r is not None:
+            r.attach()
         times = []
         try:
             for _ in range(n):
@@ -75,22 +85,22 @@ def rank_main(args: argparse.Namespace) -> None:
                 if cuda:
                     torch.cuda.current_stream().synchronize()
                 t0 = time.perf_counter()
-                loss = rec.step(b) if recorded else train_step(state, b)
+                loss = r.step(b) if r is not None else train_step(state, b)
                 loss.item()
                 times.append(time.perf_counter() - t0)
         finally:
-            if recorded:
-                rec.detach()
+            if r is not None:
+                r.detach()
         return times
 
     steps, rounds = (2, 2) if args.quick else (args.block, args.rounds)
-    for name in ("bare", "recorder"):
+    for name in ("bare", *recs):
         block(name, 3 if args.quick else 110)  # warm-up, the recorder's ring and first snapshot included
-    variants = ["bare", "recorder", "bare (A/A)"]
+    variants = ["bare", *recs, "bare (A/A)"]
     results: dict[str, list[float]] = {v: [] for v in variants}
     means: dict[str, list[float]] = {v: [] for v in variants}
     for i in range(rounds):
-        for v in variants[i % 3:] + variants[:i % 3]:
+        for v in variants[i % len(variants):] + variants[:i % len(variants)]:
             t = block("bare" if v == "bare (A/A)" else v, steps)
             results[v] += t
             means[v].append(statistics.mean(t))
@@ -158,6 +168,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs on this host, or 2 on the CPU)")
     ap.add_argument("--block", type=int, default=10, help="steps per block")
     ap.add_argument("--rounds", type=int, default=40, help="rounds of one block per variant")
+    ap.add_argument("--variants", default="", help=f"also time recorders with one part off: {', '.join(EXTRA)}")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--save", default=None, help="folder to write ddp_overhead_<device>_<commit>.json into")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -171,7 +182,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="reprokit-ddp-bench-") as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                "127.0.0.1", "--master_port", str(_free_port()), __file__, "--out", str(Path(tmp) / "repros"),
-               "--report", tmp, "--block", str(args.block), "--rounds", str(args.rounds)] + (["--quick"] if args.quick else [])
+               "--report", tmp, "--block", str(args.block), "--rounds", str(args.rounds),
+               "--variants", args.variants] + (["--quick"] if args.quick else [])
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         ranks = []
@@ -194,11 +206,11 @@ def main() -> None:
     cfg = report["config"]
     print(f"device {report['device']} x{nproc}, torch {report['torch']}, commit {report['commit']}, batch "
           f"{cfg['batch']}x{cfg['ctx']} per rank, {cfg['layers']} layers d={cfg['d']}")
-    print(f"{'rank':>4} {'variant':<12}{'mean ms':>10}{'median ms':>11}{'x bare':>8}{'95% CI (paired rounds)':>24}")
+    print(f"{'rank':>4} {'variant':<24}{'mean ms':>10}{'median ms':>11}{'x bare':>8}{'95% CI (paired rounds)':>24}")
     for r in ranks:
         for name, v in r["variants"].items():
             ci = "[{:.3f}, {:.3f}]".format(*v["ratio_ci95"]) if "ratio_ci95" in v else ""
-            print(f"{r['rank']:>4} {name:<12}{v['mean_ms']:>10.2f}{v['median_ms']:>11.2f}{v['ratio']:>8.3f}{ci:>24}")
+            print(f"{r['rank']:>4} {name:<24}{v['mean_ms']:>10.2f}{v['median_ms']:>11.2f}{v['ratio']:>8.3f}{ci:>24}")
     for r in ranks:
         dump = f"{r['dump_s']:.2f} s" if r["dump_s"] is not None else "no bundle"
         print(f"rank {r['rank']}: failure {r['failure']}, own window written in {dump} "
