@@ -22,14 +22,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from reprokit import pytree, schema, tensorfile
+from reprokit import pytree, schema
 from reprokit._version import __version__
 from reprokit.errors import BundleError, BundleVersionError
 from reprokit.signature import Failure
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and reprokit.tensorfile (whose dtype table needs torch) are imported only by the functions that
+# write or read tensors: opening and verifying a bundle (inspect) must not pay torch's import (issue 17).
 
 FORMAT = "reprokit-bundle"
 VERSION = 2
@@ -93,7 +97,17 @@ def dumps(obj: Any) -> bytes:
 
 
 def sha256_file(path: Path) -> str:
-    """The file's sha256 (reading and hashing overlapped)."""
+    """The file's sha256 (reading and hashing overlapped for tensor files)."""
+    if not path.name.endswith(".safetensors"):
+        # JSON and code: small, hashed in one stream here, so that opening a bundle (inspect) does
+        # not import tensorfile and torch with it.
+        with open(path, "rb") as f:
+            h = hashlib.sha256()
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+            return h.hexdigest()
+    from reprokit import tensorfile
+
     return tensorfile.sha256_file(path)[0]
 
 
@@ -171,6 +185,8 @@ class BundleWriter:
         """Write tensors as safetensors, streamed from their own memory and hashed while written
         (:func:`reprokit.tensorfile.write_safetensors`); a Path is an already-written safetensors
         file, copied in chunks."""
+        from reprokit import tensorfile
+
         if isinstance(tensors, Path):
             self.copy_file(rel, tensors)
             return
@@ -218,6 +234,8 @@ class BundleWriter:
 
     def copy_file(self, rel: str, src: Path) -> None:
         """Copy a file in, chunk by chunk (state files may be larger than memory)."""
+        from reprokit import tensorfile
+
         path = self._target(rel)
         h, size = hashlib.sha256(), 0
         with open(src, "rb") as fin:
@@ -663,6 +681,8 @@ class Bundle:
 
     def _tensors(self, rel: str) -> dict[str, torch.Tensor]:
         """The tensors of one file, read once: hashed while read, and made only once the digest matched."""
+        from reprokit import tensorfile
+
         meta = self.manifest["files"].get(rel)
         if meta is None:
             raise BundleError(f"{self.path}: {rel} is not in the manifest; the bundle is incomplete. {_FIX}",

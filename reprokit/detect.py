@@ -19,14 +19,15 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
 import torch
 
 from reprokit import pytree
-from reprokit.errors import ConfigError, RecorderWarning
+from reprokit.detect_settings import DetectSettings
+from reprokit.errors import RecorderWarning
 from reprokit.signature import Failure, from_exception
 from reprokit.state import TrainState
 
@@ -43,38 +44,6 @@ def current_step() -> tuple[int, bool] | None:
     """``(step, replaying)`` of the step a :class:`Monitor` is running now (the recorder's during training,
     a replay's during replay, shrink and bisect), or None outside one. Read by :mod:`reprokit.inject`."""
     return _RUNNING.get()
-
-
-@dataclass(kw_only=True)
-class DetectSettings:
-    """Which detectors run after every step (stored in the bundle's run.json)."""
-
-    check_loss: bool = True
-    """Fail on a NaN/inf loss."""
-    check_grads: bool = True
-    """Fail on a non-finite global gradient norm, read in an optimizer step pre-hook (in the post-hook when
-    ``step()`` is given a closure, which computes the step's gradients inside it: Lightning, LBFGS).
-    Steps a GradScaler skips (overflow) do not count, and the norm is of the unscaled
-    gradients, also with fused optimizers that unscale inside their own step."""
-    check_params: bool = False
-    """Fail on a non-finite parameter (reads every parameter each step)."""
-    scaler_patience: int = 25
-    """Fail after this many consecutive steps skipped by the GradScaler."""
-    spike_factor: float | None = None
-    """Opt-in: fail when loss > spike_factor x median of the last `spike_window` losses."""
-    spike_window: int = 50
-    """How many recent losses the spike median is taken over."""
-
-    def __post_init__(self) -> None:
-        if self.scaler_patience < 1:
-            raise ConfigError(f"scaler_patience must be >= 1, got {self.scaler_patience}")
-        if self.spike_factor is not None and self.spike_factor <= 1:
-            raise ConfigError(f"spike_factor must be > 1 (a multiple of the median loss), got {self.spike_factor}")
-        if self.spike_window < 2:
-            raise ConfigError(f"spike_window must be >= 2, got {self.spike_window}")
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

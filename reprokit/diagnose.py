@@ -24,10 +24,18 @@ Example:
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+# The checks run on numpy arrays: ``inspect`` reads the batch with safetensors' numpy backend and never
+# imports torch (issue 17). Torch tensors (the recorder's batch, or a step file holding bf16) are
+# turned into arrays first (:func:`_array`).
 
 IGNORE_INDEX = -100
 """The ignore index of ``cross_entropy`` (and of Hugging Face labels)."""
@@ -50,6 +58,8 @@ def model_tables(model: torch.nn.Module) -> dict[str, list[dict[str, Any]]]:
         >>> model_tables(torch.nn.Embedding(10, 4))["embeddings"][0]["num_embeddings"]
         10
     """
+    import torch
+
     embeddings: list[dict[str, Any]] = []
     positions: list[dict[str, Any]] = []
     owned: set[str] = set()
@@ -74,14 +84,29 @@ def _leaves(obj: Any, path: str = "") -> list[tuple[str, Any]]:
     return [(path or "<root>", obj)]
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[rows, -1]`` (a 0-d or 1-d tensor is one row)."""
-    return t.reshape(1, -1) if t.dim() <= 1 else t.reshape(t.shape[0], -1)
+def _array(leaf: Any) -> np.ndarray | None:
+    """A leaf as a numpy array: an array as it is, a dense torch tensor copied to the host, else None."""
+    if isinstance(leaf, np.ndarray):
+        return leaf
+    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported: never import it here
+    if torch is None or not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided:
+        return None
+    t = leaf.detach().cpu().resolve_conj().resolve_neg()
+    if t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
+        t = t.float()  # bf16 and float8 have no numpy dtype; float32 holds each of their values, NaN and inf
+    elif t.dtype == torch.complex32:
+        t = t.to(torch.complex64)
+    return t.numpy()
 
 
-def _where(t: torch.Tensor, flat: int) -> str:
+def _rows(t: np.ndarray) -> np.ndarray:
+    """``t`` as ``[rows, -1]`` (a 0-d or 1-d array is one row)."""
+    return t.reshape(1, -1) if t.ndim <= 1 else t.reshape(t.shape[0], -1)
+
+
+def _where(t: np.ndarray, flat: int) -> str:
     """``row R position P`` of a flat index into ``t``."""
-    if t.dim() == 0:
+    if t.ndim == 0:
         return ""
     idx = []
     for size in reversed(t.shape):
@@ -97,56 +122,58 @@ def _where(t: torch.Tensor, flat: int) -> str:
 def findings(batch: Any, tables: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """Every data fault found in ``batch``: ``[{"leaf", "row", "check", "message"}]``.
 
-    ``check`` is one of ``nonfinite``, ``id_range``, ``negative_id``, ``empty_mask``, ``all_ignored``,
-    ``sequence_length``. ``tables`` is :func:`model_tables`'s dict (or None: id checks are skipped).
+    Leaves may be numpy arrays or torch tensors. ``check`` is one of ``nonfinite``, ``id_range``,
+    ``negative_id``, ``empty_mask``, ``all_ignored``, ``sequence_length``. ``tables`` is
+    :func:`model_tables`'s dict (or None: id checks are skipped).
     """
     out: list[dict[str, Any]] = []
     tables = tables if isinstance(tables, Mapping) else {}
     embeddings = [e for e in tables.get("embeddings") or [] if isinstance(e, Mapping)]
     positions = [e for e in tables.get("positions") or [] if isinstance(e, Mapping)]
     for path, leaf in _leaves(batch):
-        if not isinstance(leaf, torch.Tensor) or leaf.numel() == 0 or leaf.layout != torch.strided:
-            continue
-        t = leaf.detach().cpu()
         try:
-            if t.is_floating_point() or t.is_complex():
+            t = _array(leaf)
+            if t is None or t.size == 0:
+                continue
+            kind = t.dtype.kind
+            if kind in "fc":
                 out += _nonfinite(path, t)
-            elif t.dtype != torch.bool and not _NOT_IDS.search(path):
+            elif kind in "iu" and not _NOT_IDS.search(path):
                 if _LABELS.search(path):
                     out += _all_ignored(path, t)
                 if not _MASK.search(path):
                     out += _ids(path, t, embeddings, positions)
-            if _MASK.search(path) and not t.is_floating_point():
+            if _MASK.search(path) and kind in "biuc":
                 out += _empty_masks(path, t)
         except (RuntimeError, TypeError, ValueError):
             continue  # an odd leaf (say, a dtype without comparisons): no finding rather than a crash
     return out
 
 
-def _nonfinite(path: str, t: torch.Tensor) -> list[dict[str, Any]]:
-    bad = ~torch.isfinite(t)
-    if not bool(bad.any()):
+def _nonfinite(path: str, t: np.ndarray) -> list[dict[str, Any]]:
+    bad = ~np.isfinite(t)
+    if not bad.any():
         return []
     rows = _rows(bad)
-    nan = _rows(torch.isnan(t))
+    nan = _rows(np.isnan(t))
     out = []
-    for r in torch.nonzero(rows.any(dim=1)).flatten().tolist():
+    for r in np.flatnonzero(rows.any(axis=1)).tolist():
         n_nan, n_all = int(nan[r].sum()), int(rows[r].sum())
-        first = int(torch.nonzero(rows[r])[0])
-        where = f" row {r}" if t.dim() > 1 else ""
-        at = f", first at position {first}" if t.dim() > 1 else f" at position {first}"
-        out.append({"leaf": path, "row": r if t.dim() > 1 else None, "check": "nonfinite",
+        first = int(np.flatnonzero(rows[r])[0])
+        where = f" row {r}" if t.ndim > 1 else ""
+        at = f", first at position {first}" if t.ndim > 1 else f" at position {first}"
+        out.append({"leaf": path, "row": r if t.ndim > 1 else None, "check": "nonfinite",
                     "message": f"{path}{where}: {n_nan} NaN and {n_all - n_nan} inf value(s){at}"})
     return out
 
 
-def _ids(path: str, t: torch.Tensor, embeddings: list[Mapping[str, Any]],
+def _ids(path: str, t: np.ndarray, embeddings: list[Mapping[str, Any]],
          positions: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out = []
-    flat = t.reshape(-1).long()
+    flat = t.reshape(-1).astype(np.int64)
     negative = (flat < 0) & (flat != IGNORE_INDEX)
-    if bool(negative.any()):
-        i = int(torch.nonzero(negative)[0])
+    if negative.any():
+        i = int(np.flatnonzero(negative)[0])
         out.append({"leaf": path, "row": _row(t, i), "check": "negative_id",
                     "message": f"{path}{_where(t, i)} = {int(flat[i])} < 0 (an embedding lookup raises IndexError; "
                                f"only {IGNORE_INDEX} is the usual ignore index)"})
@@ -154,14 +181,14 @@ def _ids(path: str, t: torch.Tensor, embeddings: list[Mapping[str, Any]],
         table = max(embeddings, key=lambda e: int(e.get("num_embeddings", 0)))
         size = int(table.get("num_embeddings", 0))
         over = flat >= size
-        for i in torch.nonzero(over).flatten().tolist()[:5]:
+        for i in np.flatnonzero(over)[:5].tolist():
             out.append({"leaf": path, "row": _row(t, i), "check": "id_range",
                         "message": f"{path}{_where(t, i)} = {int(flat[i])} >= num_embeddings {size} of "
                                    f"{table.get('name')}"})
         if int(over.sum()) > 5:
             out.append({"leaf": path, "row": None, "check": "id_range",
                         "message": f"{path}: {int(over.sum())} ids >= {size} in all (first 5 listed)"})
-    if positions and t.dim() >= 2 and not _LABELS.search(path):
+    if positions and t.ndim >= 2 and not _LABELS.search(path):
         length = int(t.shape[-1])
         for table in positions:
             size = int(table.get("num_embeddings", 0))
@@ -172,29 +199,29 @@ def _ids(path: str, t: torch.Tensor, embeddings: list[Mapping[str, Any]],
     return out
 
 
-def _row(t: torch.Tensor, flat: int) -> int | None:
-    if t.dim() < 2:
+def _row(t: np.ndarray, flat: int) -> int | None:
+    if t.ndim < 2:
         return None
-    return flat // max(1, t[0].numel())
+    return flat // max(1, t[0].size)
 
 
-def _all_ignored(path: str, t: torch.Tensor) -> list[dict[str, Any]]:
-    if t.dim() < 2:
+def _all_ignored(path: str, t: np.ndarray) -> list[dict[str, Any]]:
+    if t.ndim < 2:
         return []
-    ignored = (_rows(t) == IGNORE_INDEX).all(dim=1)
+    ignored = (_rows(t).astype(np.int64) == IGNORE_INDEX).all(axis=1)
     return [{"leaf": path, "row": r, "check": "all_ignored",
              "message": f"{path} row {r}: every label is the ignore index {IGNORE_INDEX} (its loss is 0/0 = NaN "
                         "under a mean over the row)"}
-            for r in torch.nonzero(ignored).flatten().tolist()]
+            for r in np.flatnonzero(ignored).tolist()]
 
 
-def _empty_masks(path: str, t: torch.Tensor) -> list[dict[str, Any]]:
-    if t.dim() < 2:
+def _empty_masks(path: str, t: np.ndarray) -> list[dict[str, Any]]:
+    if t.ndim < 2:
         return []
-    empty = ~(_rows(t) != 0).any(dim=1)
+    empty = ~(_rows(t) != 0).any(axis=1)
     return [{"leaf": path, "row": r, "check": "empty_mask",
              "message": f"{path} row {r}: the mask is all 0 (a softmax over no position is NaN)"}
-            for r in torch.nonzero(empty).flatten().tolist()]
+            for r in np.flatnonzero(empty).tolist()]
 
 
 def summary(found: list[dict[str, Any]], limit: int = MAX_FINDINGS) -> list[str]:

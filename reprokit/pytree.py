@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from reprokit.errors import CaptureError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that make tensors (encode), not here: decoding a tree whose tensors
+# were read as numpy arrays (``reprokit inspect``) must not pay torch's import (issue 17).
 
 TENSOR = "__rk_tensor__"
 NDARRAY = "__rk_ndarray__"
@@ -25,7 +30,7 @@ DICT = "__rk_dict__"
 FLOAT = "__rk_float__"
 TAGS = (TENSOR, NDARRAY, TUPLE, DICT, FLOAT)
 
-TensorCopy = Callable[[torch.Tensor], torch.Tensor]
+TensorCopy = Callable[["torch.Tensor"], "torch.Tensor"]
 
 
 def _default_copy(t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +77,8 @@ def encode(
 
 
 def _enc(obj: Any, path: str, out: dict, copy: TensorCopy, skip: bool, shards: dict | None = None) -> Any:
+    import torch  # already loaded wherever a tree is encoded: ~0.1 us a leaf
+
     if isinstance(obj, torch.Tensor):  # first: state dicts are mostly tensors (snapshots walk ~1000 leaves)
         if obj.layout != torch.strided:
             raise CaptureError(f"{path or '<root>'}: sparse tensors are not supported; make it dense with `.to_dense()`")
@@ -132,8 +139,8 @@ def shard_spec(t: Any) -> dict[str, Any]:
             "local_shape": list(t.to_local().shape), "mesh_shape": list(t.device_mesh.shape)}
 
 
-def decode(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`encode`."""
+def decode(tree: Any, tensors: Mapping[str, Any]) -> Any:
+    """Inverse of :func:`encode`. ``tensors`` may hold torch tensors or numpy arrays (read without torch)."""
     if isinstance(tree, list):
         return [decode(v, tensors) for v in tree]
     if not isinstance(tree, dict):
@@ -143,7 +150,8 @@ def decode(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         if tag == TENSOR:
             return tensors[val]
         if tag == NDARRAY:
-            return tensors[val].numpy()
+            t = tensors[val]
+            return t if isinstance(t, np.ndarray) else t.numpy()
         if tag == TUPLE:
             return tuple(decode(v, tensors) for v in val)
         if tag == DICT:
@@ -168,6 +176,8 @@ def leaves(obj: Any, path: str = "") -> list[tuple[str, Any]]:
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Apply ``fn`` to every tensor leaf of a decoded tree, keeping its shape."""
+    import torch
+
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, Mapping):

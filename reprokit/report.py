@@ -1,19 +1,30 @@
-"""Human and JSON descriptions of a bundle (``reprokit inspect``)."""
+"""Human and JSON descriptions of a bundle (``reprokit inspect``).
+
+``inspect`` answers in well under a second whatever the state's size, without importing torch
+(issue 17): it reads the JSON files, the state files' safetensors headers (not their tensors), and
+the failing step's batch through safetensors' numpy backend, after hashing that file.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import math
+import re
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
-
-from reprokit import pytree
-from reprokit.bundle import STATE_TENSORS, Bundle, jsonable
+from reprokit import pytree, schema
+from reprokit.bundle import STEPS, Bundle, jsonable, step_name
 from reprokit.code import ref_label
 from reprokit.diagnose import findings
-from reprokit.errors import ReprokitError
+from reprokit.errors import BundleError, ReprokitError
 from reprokit.signature import summary_line
+
+STATE_FILE = re.compile(r"state/state(-[1-9][0-9]*)?\.safetensors")
+"""The state's tensor files: ``state/state.safetensors``, or the parts ``state/state-1.safetensors``, ... ."""
+NUMPY_DTYPES = frozenset(schema.ITEMSIZE) - {"BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
+"""Safetensors dtypes numpy has (what ``safetensors.numpy`` loads)."""
 
 
 def describe(bundle: Bundle) -> dict[str, Any]:
@@ -57,7 +68,7 @@ def diagnosis(bundle: Bundle) -> dict[str, Any]:
     step = failing_step(bundle)
     if step is None:
         return {"step": None, "findings": [], "tables": None}
-    batch = bundle.step(step)[0]
+    batch = step_batch(bundle, step)
     tables = bundle.run.get("model")
     return {"step": step, "findings": findings(batch, tables), "tables": tables}
 
@@ -67,15 +78,15 @@ def batch_dump(bundle: Bundle, rows: list[int] | None = None, width: int = 64) -
     step = failing_step(bundle)
     if step is None:
         return {"step": None, "leaves": {}}
-    batch = bundle.step(step)[0]
+    batch = step_batch(bundle, step)
     leaves: dict[str, Any] = {}
     for path, leaf in pytree.leaves(batch):
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             leaves[path] = {"value": leaf if isinstance(leaf, (int, float, str, bool)) or leaf is None else repr(leaf)}
             continue
-        t = leaf.detach().cpu()
+        t = leaf.detach().cpu() if hasattr(leaf, "detach") else leaf  # a numpy array, or a torch tensor (bf16)
         entry: dict[str, Any] = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
-        if t.dim() == 0:
+        if t.ndim == 0:
             entry["value"] = t.item()
         else:
             n = t.shape[0]
@@ -90,7 +101,7 @@ def batch_dump(bundle: Bundle, rows: list[int] | None = None, width: int = 64) -
 def _row_values(t: Any, width: int) -> dict[str, Any]:
     flat = t.reshape(-1)
     values = flat[:width].tolist()
-    return {"shape": list(t.shape), "values": values, "truncated": flat.numel() > width}
+    return {"shape": list(t.shape), "values": values, "truncated": len(flat) > width}
 
 
 def parse_rows(text: str) -> list[int]:
@@ -130,9 +141,62 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def step_batch(bundle: Bundle, step: int) -> Any:
+    """The batch recorded for ``step``, its tensors as numpy arrays, read without importing torch.
+
+    The step's tensor file is read once and hashed; its tensors are made (by ``safetensors.numpy``)
+    from those same bytes only after the digest matched the manifest's.
+
+    Raises:
+        BundleError: the file is missing from the manifest, unreadable, or not what the manifest says.
+    """
+    rel = f"{STEPS}/{step_name(step)}"
+    data = _verified_bytes(bundle, rel + ".safetensors")
+    header, _ = schema.safetensors_header(io.BytesIO(data), len(data), rel + ".safetensors")
+    dtypes = {info.get("dtype") for key, info in header.items() if key != "__metadata__" and isinstance(info, dict)}
+    if not dtypes <= NUMPY_DTYPES:
+        # bf16 and float8 have no numpy dtype: this one file goes through torch (Bundle.step, which
+        # hashes it again); diagnose and batch_dump take torch tensors as well as arrays.
+        return bundle.step(step)[0]
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    try:
+        tensors = load(data)
+    except (SafetensorError, ValueError, KeyError) as e:
+        raise BundleError(f"{bundle.path}: {rel}.safetensors: {str(e)[:300]}; refusing to load it. {_FIX}",
+                          [{"file": f"{rel}.safetensors", "problem": str(e)[:300]}]) from None
+    return pytree.decode(schema.load_json(bundle.path / f"{rel}.json", f"{rel}.json")["batch"], tensors)
+
+
+_FIX = "Ask the sender for an intact copy, or run `reprokit verify` for details."
+
+
+def _verified_bytes(bundle: Bundle, rel: str) -> bytes:
+    """The bytes of one listed file, refused unless their size and sha256 are the manifest's."""
+    meta = bundle.manifest["files"].get(rel)
+    if meta is None:
+        raise BundleError(f"{bundle.path}: {rel} is not in the manifest; the bundle is incomplete. {_FIX}",
+                          [{"file": rel, "problem": "missing"}])
+    try:
+        with open(bundle.path / rel, "rb") as f:
+            data = f.read(meta["size"] + 1)  # one byte more: a longer file shows as a size mismatch
+    except OSError as e:
+        raise BundleError(f"{bundle.path}: {rel} cannot be read ({e.strerror or e}). {_FIX}",
+                          [{"file": rel, "problem": f"cannot be read: {e.strerror or e}"}]) from None
+    found = hashlib.sha256(data).hexdigest()
+    if len(data) != meta["size"]:
+        why = f"size mismatch: {len(data) if len(data) <= meta['size'] else 'more than ' + str(meta['size'])} " \
+              f"bytes on disk, {meta['size']} in the manifest"
+    elif found != meta["sha256"]:
+        why = f"checksum mismatch: sha256 {found}, the manifest says {meta['sha256']}"
+    else:
+        return data
+    raise BundleError(f"{bundle.path}: {rel}: {why}; refusing to load it. {_FIX}", [{"file": rel, "problem": why}])
+
+
 def _batch_structure(bundle: Bundle, step: int) -> dict[str, Any]:
-    doc, tensors = bundle.step_doc(step)
-    batch = pytree.decode(doc["batch"], tensors)
+    batch = step_batch(bundle, step)
     out: dict[str, Any] = {}
     for path, leaf in pytree.leaves(batch):
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
@@ -143,25 +207,23 @@ def _batch_structure(bundle: Bundle, step: int) -> dict[str, Any]:
 
 
 def _state_sizes(bundle: Bundle) -> dict[str, int]:
+    """Bytes of the state's tensors per top-level key (model, optimizer, ...), summed over every state
+    file the manifest lists, from their headers alone (checked against each file by ``open_bundle``)."""
     sizes: dict[str, int] = {}
-    with safe_open(str(bundle.path / STATE_TENSORS), framework="pt") as f:
-        for key in f.keys():
-            sl = f.get_slice(key)
-            n = 1
-            for d in sl.get_shape():
-                n *= d
-            top = key.split("/", 1)[0]
-            sizes[top] = sizes.get(top, 0) + n * _itemsize(sl.get_dtype())
+    for rel in sorted(r for r in bundle.manifest["files"] if STATE_FILE.fullmatch(r)):
+        path = bundle.path / rel
+        try:
+            with open(path, "rb") as f:
+                header, _ = schema.safetensors_header(f, path.stat().st_size, rel)
+        except OSError as e:
+            raise BundleError(f"{bundle.path}: {rel} cannot be read ({e.strerror or e}). {_FIX}",
+                              [{"file": rel, "problem": f"cannot be read: {e.strerror or e}"}]) from None
+        for key, info in header.items():
+            if key != "__metadata__":
+                start, end = info["data_offsets"]
+                top = key.split("/", 1)[0]
+                sizes[top] = sizes.get(top, 0) + end - start
     return sizes
-
-
-# Bytes per element of each safetensors dtype code (parsing digits out of "F8_E4M3" gave 105).
-_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def _itemsize(dtype: str) -> int:
-    return _ITEMSIZE[dtype]
 
 
 def _git_summary(git: dict[str, Any] | None) -> dict[str, Any] | None:

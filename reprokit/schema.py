@@ -18,7 +18,7 @@ import re
 import struct
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from reprokit.errors import BundleError
 
@@ -313,7 +313,7 @@ def check_failure(d: Any, name: str = "failure.json") -> None:
 
 
 def _detect_fields() -> dict[str, Any]:
-    from reprokit.detect import DetectSettings
+    from reprokit.detect_settings import DetectSettings
 
     return {x.name: x.type for x in dataclasses.fields(DetectSettings)}
 
@@ -465,6 +465,25 @@ def check_step(d: Any, step: int | None, keys: set[str] | None, name: str) -> No
 
 # --- safetensors --------------------------------------------------------------------------
 
+def safetensors_header(fh: BinaryIO, size: int, name: str) -> tuple[dict[str, Any], int]:
+    """``(header, where the data starts)`` of a safetensors file open as ``fh`` (at its start; ``size``
+    bytes in all), parsed as strict JSON. Only the header is read (``inspect`` sums tensor sizes from it
+    without reading, or importing anything to read, the tensors); :func:`check_safetensors` checks the rest.
+
+    Raises:
+        SchemaError: for a header length that does not fit the file, or a header that is not a JSON object.
+    """
+    f = _File(name)
+    head = fh.read(8)
+    if len(head) < 8:
+        raise f.fail("", f"is {size} bytes, too short for a safetensors file (an 8-byte header length)")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8 or n > MAX_HEADER_BYTES:
+        raise f.fail("", f"declares a {n}-byte header, but the file holds {size - 8} bytes after the "
+                         f"length (and headers are at most {MAX_HEADER_BYTES})")
+    return f.obj(parse_json(fh.read(n), f"{name} (header)"), "header"), 8 + n
+
+
 def check_safetensors(path: Path, name: str) -> set[str]:
     """Check a safetensors file's header against the file; returns its tensor names.
 
@@ -476,18 +495,10 @@ def check_safetensors(path: Path, name: str) -> set[str]:
     try:
         size = path.stat().st_size
         with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise f.fail("", f"is {size} bytes, too short for a safetensors file (an 8-byte header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > MAX_HEADER_BYTES:
-                raise f.fail("", f"declares a {n}-byte header, but the file holds {size - 8} bytes after the "
-                                 f"length (and headers are at most {MAX_HEADER_BYTES})")
-            header = fh.read(n)
+            doc, data_start = safetensors_header(fh, size, name)
     except OSError as e:
         raise f.fail("", f"cannot be read: {e.strerror or e}") from None
-    doc = f.obj(parse_json(header, f"{name} (header)"), "header")
-    data_len = size - 8 - n
+    data_len = size - data_start
     ranges = []
     for key, info in doc.items():
         field = f"header[{key[:80]!r}]"

@@ -10,6 +10,7 @@ the same signature at another step is a different failure.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sysconfig
@@ -18,17 +19,21 @@ from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import Any
 
-import torch
-
 KINDS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "scaler_collapse", "exception", "loss_spike",
          "predicate", "peer")
 """``peer``: this rank did not fail; another rank of the same run did, and this is this rank's window (see
 :mod:`reprokit.distributed`)."""
 
+def _torch_dir() -> str:
+    """torch's folder, found without importing torch (``inspect`` reads failures and never needs it)."""
+    spec = importlib.util.find_spec("torch")
+    return os.path.dirname(spec.origin) if spec is not None and spec.origin else sysconfig.get_paths()["purelib"]
+
+
 _LIBRARY_ROOTS = tuple(
     os.path.realpath(p) + os.sep
     for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-              os.path.dirname(torch.__file__), os.path.dirname(__file__)}
+              _torch_dir(), os.path.dirname(__file__)}
 )
 
 
