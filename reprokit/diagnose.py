@@ -16,6 +16,7 @@ no table at all is out of range whichever table it feeds. Leaves named like data
 on odd input (a finding that cannot be computed is left out).
 
 Example:
+    >>> import torch
     >>> tables = {"embeddings": [{"name": "wte", "num_embeddings": 64, "padding_idx": None}], "positions": []}
     >>> [f["message"] for f in findings({"input_ids": torch.tensor([[1, 64]])}, tables)]
     ['input_ids row 0 position 1 = 64 >= num_embeddings 64 of wte']
@@ -55,6 +56,7 @@ def model_tables(model: torch.nn.Module) -> dict[str, list[dict[str, Any]]]:
     ``wpe`` or ``position``; its first dimension is the longest sequence it serves.
 
     Example:
+        >>> import torch
         >>> model_tables(torch.nn.Embedding(10, 4))["embeddings"][0]["num_embeddings"]
         10
     """

@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from reprokit._version import __version__
 from reprokit.code import git_info
 
@@ -19,6 +17,9 @@ _ENV_PREFIXES = ("CUDA_", "CUBLAS_", "CUDNN_", "TORCH_", "PYTORCH_", "NCCL_", "O
 
 
 def capture_env(code_root: Path | None) -> dict[str, Any]:
+    import torch  # here, not at module level: reprokit.pack imports FRAMEWORKS, and opening an archive
+    # (inspect) must not import torch (issue 17)
+
     cuda = torch.cuda.is_available()
     return {
         "python": sys.version.split()[0],
@@ -40,6 +41,8 @@ def capture_env(code_root: Path | None) -> dict[str, Any]:
 
 def determinism_flags() -> dict[str, Any]:
     """Global switches that change numerics; recorded, and applied again on replay."""
+    import torch
+
     return {
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
@@ -51,6 +54,8 @@ def determinism_flags() -> dict[str, Any]:
 
 def apply_determinism_flags(flags: dict[str, Any]) -> dict[str, Any]:
     """Set the flags; returns the previous ones so the caller can put them back."""
+    import torch
+
     before = determinism_flags()
     torch.use_deterministic_algorithms(bool(flags.get("deterministic_algorithms", False)))
     torch.backends.cudnn.deterministic = bool(flags.get("cudnn_deterministic", False))

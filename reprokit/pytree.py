@@ -68,6 +68,7 @@ def encode(
             naming its path.
 
     Example:
+        >>> import torch
         >>> tree, ts = encode({"x": torch.ones(2), "n": 3})
         >>> decode(tree, ts)["n"]
         3

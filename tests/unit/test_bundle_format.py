@@ -110,8 +110,22 @@ def test_inspect_state_sizes_count_bytes_per_dtype(tmp_path):
         tensors["optimizer/d"] = torch.zeros(10, dtype=torch.float8_e4m3fn)
     w.write_tensors(B.STATE_TENSORS, tensors)
     path = w.commit()
-    sizes = _state_sizes(B.Bundle(path=path, manifest={}))
+    sizes = _state_sizes(B.Bundle(path=path, manifest=json.loads((path / B.MANIFEST).read_text())))
     assert sizes == {"model": 60, "optimizer": 10 + (10 if "optimizer/d" in tensors else 0)}
+
+
+def test_inspect_state_sizes_sum_every_state_file(tmp_path):
+    """A state split over state-1.safetensors, state-2.safetensors, ... is summed over every part the
+    manifest lists (read from the headers: the tensors are not read)."""
+    from reprokit.report import _state_sizes
+
+    w = B.BundleWriter(tmp_path, "b")
+    w.write_tensors("state/state-1.safetensors", {"model/a": torch.zeros(10), "optimizer/m": torch.zeros(3)})
+    w.write_tensors("state/state-2.safetensors", {"model/b": torch.zeros(5, dtype=torch.float16)})
+    w.write_tensors("steps/00000001.safetensors", {"x": torch.zeros(100)})  # a batch, not the state
+    path = w.commit()
+    sizes = _state_sizes(B.Bundle(path=path, manifest=json.loads((path / B.MANIFEST).read_text())))
+    assert sizes == {"model": 40 + 10, "optimizer": 12}
 
 
 def test_one_renamed_byte_does_not_switch_the_self_digest_off(tmp_path):
