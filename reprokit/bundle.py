@@ -32,6 +32,8 @@ from reprokit.signature import Failure
 if TYPE_CHECKING:
     import torch
 
+    from reprokit import tensorfile
+
 # torch and reprokit.tensorfile (whose dtype table needs torch) are imported only by the functions that
 # write or read tensors: opening and verifying a bundle (inspect) must not pay torch's import (issue 17).
 
@@ -199,6 +201,8 @@ class BundleWriter:
     def write_state(self, tensors: dict[str, torch.Tensor] | list[tensorfile.WrittenFile]) -> None:
         """The state's tensors, in files of at most :data:`~reprokit.tensorfile.SHARD_BYTES` written several at once
         (each hashed as it is written); a spilled snapshot's files, already on disk, are linked in (else copied)."""
+        from reprokit import tensorfile
+
         if isinstance(tensors, list):
             for i, part in enumerate(tensors):
                 self.link_file(state_file_name(i), part)
@@ -643,6 +647,8 @@ class Bundle:
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """``(tree, tensors)`` of the snapshot the window starts from."""
+        from reprokit import tensorfile
+
         rels = state_files(self.manifest["files"])
         if not rels:
             raise BundleError(f"{self.path}: the manifest lists no complete set of state files "

@@ -10,19 +10,16 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 from reprokit import pytree, schema
-from reprokit.bundle import STEPS, Bundle, jsonable, step_name
+from reprokit.bundle import STEPS, Bundle, jsonable, state_files, step_name
 from reprokit.code import ref_label
 from reprokit.diagnose import findings
 from reprokit.errors import BundleError, ReprokitError
 from reprokit.signature import summary_line
 
-STATE_FILE = re.compile(r"state/state(-[1-9][0-9]*)?\.safetensors")
-"""The state's tensor files: ``state/state.safetensors``, or the parts ``state/state-1.safetensors``, ... ."""
 NUMPY_DTYPES = frozenset(schema.ITEMSIZE) - {"BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
 """Safetensors dtypes numpy has (what ``safetensors.numpy`` loads)."""
 
@@ -210,7 +207,7 @@ def _state_sizes(bundle: Bundle) -> dict[str, int]:
     """Bytes of the state's tensors per top-level key (model, optimizer, ...), summed over every state
     file the manifest lists, from their headers alone (checked against each file by ``open_bundle``)."""
     sizes: dict[str, int] = {}
-    for rel in sorted(r for r in bundle.manifest["files"] if STATE_FILE.fullmatch(r)):
+    for rel in state_files(bundle.manifest["files"]):
         path = bundle.path / rel
         try:
             with open(path, "rb") as f:

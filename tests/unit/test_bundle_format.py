@@ -115,13 +115,13 @@ def test_inspect_state_sizes_count_bytes_per_dtype(tmp_path):
 
 
 def test_inspect_state_sizes_sum_every_state_file(tmp_path):
-    """A state split over state-1.safetensors, state-2.safetensors, ... is summed over every part the
-    manifest lists (read from the headers: the tensors are not read)."""
+    """A state split over state.safetensors, state-1.safetensors, ... (format version 2) is summed over
+    every part the manifest lists (read from the headers: the tensors are not read)."""
     from reprokit.report import _state_sizes
 
     w = B.BundleWriter(tmp_path, "b")
-    w.write_tensors("state/state-1.safetensors", {"model/a": torch.zeros(10), "optimizer/m": torch.zeros(3)})
-    w.write_tensors("state/state-2.safetensors", {"model/b": torch.zeros(5, dtype=torch.float16)})
+    w.write_tensors(B.STATE_TENSORS, {"model/a": torch.zeros(10), "optimizer/m": torch.zeros(3)})
+    w.write_tensors("state/state-1.safetensors", {"model/b": torch.zeros(5, dtype=torch.float16)})
     w.write_tensors("steps/00000001.safetensors", {"x": torch.zeros(100)})  # a batch, not the state
     path = w.commit()
     sizes = _state_sizes(B.Bundle(path=path, manifest=json.loads((path / B.MANIFEST).read_text())))
