@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from rk_testing import bundle_of, record
@@ -42,12 +43,14 @@ def _run_inspect(*args: str) -> tuple[str, list[str]]:
     return proc.stdout, json.loads(loaded.replace("'", '"'))
 
 
-def _lm_batches(lm, cfg, bf16_nan: bool):
+def _lm_batches(lm, cfg, odd_leaves: bool):
     for s, b in enumerate(lm.batches(cfg, 6, oov_step=4)):
-        if bf16_nan:  # a leaf the step ignores, in a dtype numpy lacks
+        if odd_leaves:  # leaves the step ignores: a dtype numpy lacks, and a numpy array
             b["weights"] = torch.ones(8, dtype=torch.bfloat16)
+            b["np_w"] = np.ones((8, 2), dtype=np.float32)
             if s == 4:
                 b["weights"][3] = float("nan")
+                b["np_w"][1, 1] = np.inf
         yield b
 
 
@@ -108,3 +111,13 @@ def test_a_bf16_batch_is_read_through_torch_and_diagnosed_the_same(oov_bundle):
     assert FINDING in messages and "weights: 1 NaN and 0 inf value(s) at position 3" in messages
     values = d["batch_values"]["leaves"]["weights"]
     assert values["dtype"] == "bfloat16" and values["rows"]["3"]["values"] == ["nan"]
+
+
+def test_numpy_leaves_are_diagnosed_and_printed(oov_bundle):
+    """A batch leaf recorded as a numpy array is checked like a tensor (it used to be skipped) and
+    `--batch` prints it (it used to fail with an internal error)."""
+    out, _ = _run_inspect(str(oov_bundle[1]), "--json", "--batch", "--rows", "1")
+    d = json.loads(out)
+    assert "np_w row 1: 0 NaN and 1 inf value(s), first at position 1" in [f["message"] for f in d["diagnosis"]["findings"]]
+    leaf = d["batch_values"]["leaves"]["np_w"]
+    assert leaf["dtype"] == "float32" and leaf["rows"]["1"]["values"] == [1.0, "inf"]
