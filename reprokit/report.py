@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from reprokit import pytree, schema
-from reprokit.bundle import STEPS, Bundle, jsonable, state_files, step_name
+from reprokit.bundle import _FIX, STEPS, Bundle, jsonable, state_files, step_name
 from reprokit.code import ref_label
 from reprokit.diagnose import findings
 from reprokit.errors import BundleError, ReprokitError
@@ -28,12 +28,14 @@ def describe(bundle: Bundle) -> dict[str, Any]:
     """Everything ``inspect`` shows, as one JSON-able dict."""
     run, f = bundle.run, bundle.failure
     steps = bundle.steps
+    failing = failing_step(bundle)
+    batches = {s: step_batch(bundle, s) for s in {steps[-1] if steps else None, failing} if s is not None}
     return jsonable({
         "bundle": str(bundle.path),
         "format_version": bundle.manifest["version"],
         "failure": {**f.summary(), "signature": f.signature()},
         "window": {"start": run["window"]["start"], "end": run["window"]["end"], "steps": len(steps)},
-        "batch": _batch_structure(bundle, steps[-1]) if steps else {},
+        "batch": _batch_structure(batches[steps[-1]]) if steps else {},
         "state": _state_sizes(bundle),
         "sizes": bundle.sizes(),
         "refs": run["refs"],
@@ -43,7 +45,7 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "env": {k: v for k, v in bundle.env.items() if k != "git"} | {"git": _git_summary(bundle.env.get("git"))},
         "losses": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in run["history"]],
         "provenance": run.get("provenance"),
-        "diagnosis": diagnosis(bundle),
+        "diagnosis": diagnosis(bundle, batches[failing] if failing is not None else None),
         "checked": CHECKED,
     })
 
@@ -60,12 +62,13 @@ def failing_step(bundle: Bundle) -> int | None:
     return bundle.failure.step if bundle.failure.step in steps else steps[-1]
 
 
-def diagnosis(bundle: Bundle) -> dict[str, Any]:
-    """The failing step's batch checked for data faults (``reprokit.diagnose``), from tensors alone."""
+def diagnosis(bundle: Bundle, batch: Any = None) -> dict[str, Any]:
+    """The failing step's batch checked for data faults (``reprokit.diagnose``), from tensors alone
+    (``batch``: that step's batch when the caller has read it already)."""
     step = failing_step(bundle)
     if step is None:
         return {"step": None, "findings": [], "tables": None}
-    batch = step_batch(bundle, step)
+    batch = step_batch(bundle, step) if batch is None else batch
     tables = bundle.run.get("model")
     return {"step": step, "findings": findings(batch, tables), "tables": tables}
 
@@ -166,7 +169,9 @@ def step_batch(bundle: Bundle, step: int) -> Any:
     return pytree.decode(schema.load_json(bundle.path / f"{rel}.json", f"{rel}.json")["batch"], tensors)
 
 
-_FIX = "Ask the sender for an intact copy, or run `reprokit verify` for details."
+def _unreadable(bundle: Bundle, rel: str, e: OSError) -> BundleError:
+    return BundleError(f"{bundle.path}: {rel} cannot be read ({e.strerror or e}). {_FIX}",
+                       [{"file": rel, "problem": f"cannot be read: {e.strerror or e}"}])
 
 
 def _verified_bytes(bundle: Bundle, rel: str) -> bytes:
@@ -179,8 +184,7 @@ def _verified_bytes(bundle: Bundle, rel: str) -> bytes:
         with open(bundle.path / rel, "rb") as f:
             data = f.read(meta["size"] + 1)  # one byte more: a longer file shows as a size mismatch
     except OSError as e:
-        raise BundleError(f"{bundle.path}: {rel} cannot be read ({e.strerror or e}). {_FIX}",
-                          [{"file": rel, "problem": f"cannot be read: {e.strerror or e}"}]) from None
+        raise _unreadable(bundle, rel, e) from None
     found = hashlib.sha256(data).hexdigest()
     if len(data) != meta["size"]:
         why = f"size mismatch: {len(data) if len(data) <= meta['size'] else 'more than ' + str(meta['size'])} " \
@@ -192,8 +196,7 @@ def _verified_bytes(bundle: Bundle, rel: str) -> bytes:
     raise BundleError(f"{bundle.path}: {rel}: {why}; refusing to load it. {_FIX}", [{"file": rel, "problem": why}])
 
 
-def _batch_structure(bundle: Bundle, step: int) -> dict[str, Any]:
-    batch = step_batch(bundle, step)
+def _batch_structure(batch: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for path, leaf in pytree.leaves(batch):
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
@@ -213,8 +216,7 @@ def _state_sizes(bundle: Bundle) -> dict[str, int]:
             with open(path, "rb") as f:
                 header, _ = schema.safetensors_header(f, path.stat().st_size, rel)
         except OSError as e:
-            raise BundleError(f"{bundle.path}: {rel} cannot be read ({e.strerror or e}). {_FIX}",
-                              [{"file": rel, "problem": f"cannot be read: {e.strerror or e}"}]) from None
+            raise _unreadable(bundle, rel, e) from None
         for key, info in header.items():
             if key != "__metadata__":
                 start, end = info["data_offsets"]
