@@ -8,6 +8,7 @@ safetensors' torch backend was imported: a future module-level `import torch` on
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from rk_testing import bundle_of, record
 
+from reprokit.cli import main
 from reprokit.pack import pack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,3 +124,18 @@ def test_numpy_leaves_are_diagnosed_and_printed(oov_bundle):
     assert "np_w row 1: 0 NaN and 1 inf value(s), first at position 1" in [f["message"] for f in d["diagnosis"]["findings"]]
     leaf = d["batch_values"]["leaves"]["np_w"]
     assert leaf["dtype"] == "float32" and leaf["rows"]["1"]["values"] == [1.0, "inf"]
+
+
+def test_a_tampered_batch_file_is_refused_before_its_tensors_are_read(oov_bundle, tmp_path):
+    """The numpy path hashes the step file first: one flipped byte of tensor data (header intact, size the
+    same) is a checksum mismatch, exit 3, never a diagnosis of altered values."""
+    bundle = tmp_path / "b"
+    shutil.copytree(oov_bundle[0], bundle)
+    step_file = bundle / "steps" / "00000004.safetensors"
+    raw = bytearray(step_file.read_bytes())
+    raw[-1] ^= 1
+    step_file.write_bytes(bytes(raw))
+    r = CliRunner().invoke(main, ["inspect", str(bundle), "--json"])
+    assert r.exit_code == 3, r.output
+    error = json.loads(r.stdout)["error"]
+    assert "steps/00000004.safetensors: checksum mismatch" in error["message"], error
