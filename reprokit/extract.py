@@ -264,7 +264,8 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
         skipped: list[str] = []
         spec = _module_spec(mod, skipped)
         cls_file = getattr(sys.modules.get(type(mod).__module__), "__file__", None)
-        if spec["class"]["module"] == "__main__" and cls_file:  # a class of the training script itself
+        if cls_file and (spec["class"]["module"] == "__main__" or spec["class"]["module"].startswith(
+                "_reprokit_script_")):  # a class of the training script itself (as run, or as replay loads it)
             spec["class"]["module"] = Path(cls_file).stem
         op = watcher.op if watcher.origin is not None and watcher.origin.created and _inside(
             watcher.origin.module, name) else None
@@ -279,6 +280,11 @@ def _target(located: dict[str, Any]) -> tuple[str, str] | None:
         return located["raised_in"]["module"], "forward"
     first = located.get("first_nonfinite")
     origin = located.get("origin") or {}
+    if origin.get("created") and origin.get("module") and origin.get("phase") in ("forward", "backward"):
+        # The innermost module running the op that made the value. The module hooks may first see it
+        # at a child that only carried it (post hooks fire innermost first: attention's NaN from a
+        # functional softmax shows first at its output projection, whose inputs were already NaN).
+        return origin["module"], origin["phase"]
     if first is None or first.get("inputs_already_nonfinite") or (origin and origin.get("module") is None):
         return None
     return first["module"], first["phase"]
