@@ -48,6 +48,13 @@ def test_shrink_bench_quick_runs():
     assert len(rows) == 4 and all(r["after"]["rows"] <= r["before"]["rows"] for r in rows)
 
 
+def test_extract_size_bench_quick_runs_and_replays_standalone():
+    report = _bench_json("extract_size")
+    assert report["extract"]["module"] == "blocks.0.attn" and report["extract"]["op"] == "aten._softmax.default"
+    assert report["replays_standalone"] and report["op_repro"]["exit"] == 1, report
+    assert report["packed_extract_bytes"] < report["bundle_bytes"], report
+
+
 def test_recorder_overhead_bench_quick_runs():
     report = _bench_json("recorder_overhead")
     assert {"bare", "recorder", "recorder+checks", "detect_anomaly"} <= report["variants"].keys()

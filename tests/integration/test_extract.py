@@ -27,11 +27,8 @@ def _cli(*args):
 
 
 def _record(projects, tmp_path, case):
-    if case == "softmax":
-        m, cfg = projects("rk_extract_zoo"), {}
-        batches = m.batches(cfg, 6, poison_step=4)
-    elif case == "fp16":
-        m, cfg = projects("rk_extract_zoo"), {"model": "fp16"}
+    if case != "embedding":
+        m, cfg = projects("rk_extract_zoo"), {} if case == "softmax" else {"model": case}
         batches = m.batches(cfg, 6, poison_step=4)
     else:
         m, cfg = projects("rk_lm"), {"vocab": 64, "max_len": 32}
@@ -50,10 +47,16 @@ def _hand_off(tmp_path, site, folder, script, *args):
 
 
 CASES = {
-    # case: module, class, phase, exception type of the extract, op that made the value
+    # case: module, class, phase, exception type of the extract, op that made the value (or raised)
     "softmax": ("attn", "UnstableSoftmax", "forward", "FloatingPointError", "aten.exp.default"),
     "fp16": ("1", "Linear", "backward", "FloatingPointError", "aten.mm.default"),
-    "embedding": ("tok", "Embedding", "forward", "IndexError", None),
+    "embedding": ("tok", "Embedding", "forward", "IndexError", "aten.embedding.default"),
+    # a functional softmax inside MaskedMix made the NaN; the hooks first see it at its child proj
+    "masked": ("0", "MaskedMix", "forward", "FloatingPointError", "aten._softmax.default"),
+    # a custom Function's backward forgets a transpose: aten.mm raises a shape error in backward
+    "bad_backward": ("1", "HandLinear", "backward", "RuntimeError", "aten.mm.default"),
+    # a custom Function's backward raises ValueError itself: no aten op to cut out, and extract says so
+    "guarded": ("1", "Guarded", "backward", "ValueError", None),
 }
 
 
@@ -89,9 +92,18 @@ def test_extract_replays_from_the_packed_extract_alone(projects, tmp_path, site,
     assert got["verdict"] == "deterministic" and got["failure"]["exception_type"] == exc_type, got
     if op is not None:
         one = _hand_off(tmp_path, site, top, "bundle/extract/op_repro.py")
-        assert one.returncode == 1 and f"{op}: " in one.stdout and "REPRODUCED" in one.stdout, one.stdout + one.stderr
+        lines = one.stdout.strip().splitlines()
+        assert one.returncode == 1 and lines[-1] == "REPRODUCED", one.stdout + one.stderr
+        if exc_type == "FloatingPointError":
+            assert f"{op}: " in one.stdout and "non-finite value(s) in its output" in one.stdout, one.stdout
+        else:  # the same exception, type and message, as the whole bundle's
+            assert f"{op}: raised {d['failure']}" in one.stdout, one.stdout
     else:
         assert not (top / "bundle" / "extract").exists()
+    assert d["op_raised"] == (op is not None and exc_type != "FloatingPointError")
+    if case == "guarded":
+        assert any("no aten op raised ValueError: Python code raised it (rk_extract_zoo.py:backward)" in n
+                   for n in d["notes"]), d["notes"]
 
 
 def test_extract_into_a_folder_that_holds_files_is_refused(projects, tmp_path):
@@ -127,3 +139,31 @@ def test_a_nan_from_the_batch_is_no_module_fault(projects, tmp_path):
     assert r.exit_code == 1
     msg = json.loads(r.stdout)["error"]["message"]
     assert "no module to blame" in msg and "already held it" in msg, msg
+
+
+def test_an_exception_raised_outside_every_module_gets_the_op_alone(projects, tmp_path):
+    bundle = _record(projects, tmp_path, "loss_view")
+    out = tmp_path / "x"
+    r = _cli("extract", bundle, "-o", out, "--json")
+    assert r.exit_code == 1
+    msg = json.loads(r.stdout)["error"]["message"]
+    assert "no module to blame" in msg and "RuntimeError was raised outside every module" in msg, msg
+    assert "aten.view.default raised it" in msg, msg
+    one = subprocess.run([sys.executable, str(out / "op_repro.py")], capture_output=True, text=True, timeout=120)
+    assert one.returncode == 1 and one.stdout.strip().splitlines()[-1] == "REPRODUCED", one.stdout + one.stderr
+    assert "aten.view.default: raised RuntimeError: shape '[3, -1]' is invalid" in one.stdout, one.stdout
+
+
+def test_an_op_that_does_not_fail_alone_is_not_written_as_a_repro():
+    import torch
+
+    from reprokit.extract import _checked
+
+    notes: list[str] = []
+    finite = {"op": "aten.add.Tensor", "args": [{"tensor": "t0"}, {"tensor": "t1"}], "kwargs": {},
+              "tensors": {"t0": torch.ones(3), "t1": torch.ones(3)}}
+    assert _checked(finite, notes) is None and "does not show the failure again" in notes[0]
+    quiet = {**finite, "raises": {"type": "RuntimeError", "message": "boom"}}
+    assert _checked(quiet, notes) is None and len(notes) == 2
+    overflow = {**finite, "tensors": {"t0": torch.full((3,), 3e38), "t1": torch.full((3,), 3e38)}}
+    assert _checked(overflow, notes) is overflow and len(notes) == 2
