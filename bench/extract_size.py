@@ -148,6 +148,16 @@ def _size(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _parts(extract: Path) -> dict:
+    """Bytes of the extract per top folder (state/: the module's weights; steps/: its inputs; code/; extract/: the
+    one-op repro), from its manifest."""
+    parts: dict = {}
+    for rel, m in json.loads((extract / "manifest.json").read_text())["files"].items():
+        top = rel.split("/")[0] if "/" in rel else "(top)"
+        parts[top] = parts.get(top, 0) + int(m["size"])
+    return dict(sorted(parts.items()))
+
+
 def run(cfg: dict, tmp: Path) -> dict:
     import reprokit
     from reprokit.bundle import open_bundle
@@ -197,6 +207,8 @@ def run(cfg: dict, tmp: Path) -> dict:
         "failure": str(failure).splitlines()[0],
         "bundle_bytes": _size(bundle), "shrunk_bytes": _size(shrunk.output), "extract_bytes": _size(ex.output),
         "packed_extract_bytes": packed.stat().st_size,
+        "extract_parts_bytes": _parts(ex.output),
+        "shrunk": {"before": shrunk.before, "after": shrunk.after},
         "extract": {"module": ex.module, "class": ex.cls, "phase": ex.phase, "op": ex.op, "failure": ex.failure},
         "not_importable_in_replay_env": probes,
         "standalone_replay": {"exit": replay.returncode, "verdict": got.get("verdict"),
@@ -241,6 +253,9 @@ def main() -> None:
     for name, key in (("full bundle (folder)", "bundle_bytes"), ("shrunk bundle (folder)", "shrunk_bytes"),
                       ("extract (folder)", "extract_bytes"), ("packed extract (.tar.gz)", "packed_extract_bytes")):
         print(f"  {name:<28}{res[key] / mb:>12.2f} MB")
+    print("  extract parts: " + ", ".join(f"{k} {v / mb:.2f} MB" for k, v in res["extract_parts_bytes"].items()))
+    b, a = res["shrunk"]["before"], res["shrunk"]["after"]
+    print(f"  shrink (steps, rows): {b['steps']} steps x {b['rows']} rows -> {a['steps']} x {a['rows']}")
     r = res["standalone_replay"]
     print(f"packed repro.py with only torch/numpy/safetensors: exit {r['exit']}, verdict {r['verdict']} "
           f"({r['exception_type']}); reprokit/click/git not importable there: {res['not_importable_in_replay_env']}")
