@@ -76,12 +76,25 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
-class GPT(gpt.GPT):
-    """bench/gpt.py's GPT-2, its blocks holding the padding-aware attention."""
+class InlineBlock(gpt.Block):
+    """gpt.py's Block (attention written inline, no submodule of its own), masking padding keys."""
 
-    def __init__(self, layers: int, d: int, heads: int, vocab: int, ctx: int):
+    def forward(self, x, keep):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(d, 2))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~(causal & keep[:, None, None, :]), float("-inf"))
+        x = x + self.proj((F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(gpt.GPT):
+    """bench/gpt.py's GPT-2, its blocks holding the padding-aware attention (a submodule, or inline)."""
+
+    def __init__(self, layers: int, d: int, heads: int, vocab: int, ctx: int, inline: bool = False):
         super().__init__(0, d, heads, vocab, ctx)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList((InlineBlock if inline else Block)(d, heads) for _ in range(layers))
 
     def forward(self, idx):
         keep = idx != PAD
@@ -95,7 +108,7 @@ def build(config):
     import reprokit
 
     torch.manual_seed(0)
-    model = GPT(*(config[k] for k in ("layers", "d", "heads", "vocab", "ctx")))
+    model = GPT(*(config[k] for k in ("layers", "d", "heads", "vocab", "ctx")), inline=config.get("inline", False))
     return reprokit.TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=6e-4))
 
 
@@ -209,7 +222,8 @@ def run(cfg: dict, tmp: Path) -> dict:
         "packed_extract_bytes": packed.stat().st_size,
         "extract_parts_bytes": _parts(ex.output),
         "shrunk": {"before": shrunk.before, "after": shrunk.after},
-        "extract": {"module": ex.module, "class": ex.cls, "phase": ex.phase, "op": ex.op, "failure": ex.failure},
+        "extract": {"level": ex.level, "module": ex.module, "class": ex.cls, "phase": ex.phase, "op": ex.op,
+                    "failure": ex.failure, "notes": ex.notes},
         "not_importable_in_replay_env": probes,
         "standalone_replay": {"exit": replay.returncode, "verdict": got.get("verdict"),
                               "exception_type": (got.get("failure") or {}).get("exception_type"),
@@ -220,6 +234,10 @@ def run(cfg: dict, tmp: Path) -> dict:
     }
 
 
+VARIANTS = {"attention module": False, "attention inline": True}
+"""Attention as its own submodule (nanoGPT's layout), or written inline in the block (gpt.py's layout)."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a tiny GPT instead of GPT-2 124M (smoke run)")
@@ -227,32 +245,43 @@ def main() -> None:
     ap.add_argument("--save", type=Path, help="also write the results (with commit and device) to this JSON file")
     args = ap.parse_args()
     cfg = QUICK if args.quick else FULL
-    with tempfile.TemporaryDirectory(prefix="extract-size-") as tmp:
-        res = run(cfg, Path(tmp))
+    variants = {}
+    for name, inline in VARIANTS.items():
+        with tempfile.TemporaryDirectory(prefix="extract-size-") as tmp:
+            res = run({**cfg, "inline": inline}, Path(tmp))
+        res["fits_10MB"] = res["packed_extract_bytes"] <= 10_000_000
+        res["replays_standalone"] = res["standalone_replay"]["exit"] == 1 and res["standalone_replay"]["verdict"] == \
+            "deterministic" and all(res["not_importable_in_replay_env"].values())
+        variants[name] = res
     here = Path(__file__).resolve().parent
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
                             text=True).stdout.strip()
     params = sum(p.numel() for p in GPT(*(cfg[k] for k in ("layers", "d", "heads", "vocab", "ctx"))).parameters())
     report = {"commit": commit, "device": f"cpu ({platform.processor() or platform.machine()}, "
               f"{torch.get_num_threads()} threads)", "torch": torch.__version__, "config": cfg,
-              "parameters": params, **res,
-              "fits_10MB": res["packed_extract_bytes"] <= 10_000_000,
-              "replays_standalone": res["standalone_replay"]["exit"] == 1
-              and res["standalone_replay"]["verdict"] == "deterministic" and all(res["not_importable_in_replay_env"].values())}
+              "parameters": params, "variants": variants}
     if args.save:
         args.save.write_text(json.dumps(report, indent=1) + "\n")
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    mb = 1e6
     print(f"reprokit extract size - GPT ({params / 1e6:.1f}M parameters), batch {cfg['batch']} x {cfg['seq']} tokens, "
           f"{report['device']}, torch {torch.__version__}, commit {commit}")
-    print(f"failure: {res['failure']}")
+    for name, res in variants.items():
+        _show(name, res)
+
+
+def _show(name: str, res: dict) -> None:
+    mb = 1e6
+    print(f"\n[{name}] failure: {res['failure']}")
     e = res["extract"]
-    print(f"extract: module {e['module']} ({e['class']}), {e['phase']}, op {e['op']}; alone: {e['failure']}")
-    for name, key in (("full bundle (folder)", "bundle_bytes"), ("shrunk bundle (folder)", "shrunk_bytes"),
-                      ("extract (folder)", "extract_bytes"), ("packed extract (.tar.gz)", "packed_extract_bytes")):
-        print(f"  {name:<28}{res[key] / mb:>12.2f} MB")
+    print(f"extract ({e['level']}): module {e['module']} ({e['class']}), {e['phase']}, op {e['op']}; "
+          f"alone: {e['failure']}")
+    for note in e["notes"]:
+        print(f"  note: {note}")
+    for label, key in (("full bundle (folder)", "bundle_bytes"), ("shrunk bundle (folder)", "shrunk_bytes"),
+                       ("extract (folder)", "extract_bytes"), ("packed extract (.tar.gz)", "packed_extract_bytes")):
+        print(f"  {label:<28}{res[key] / mb:>12.2f} MB")
     print("  extract parts: " + ", ".join(f"{k} {v / mb:.2f} MB" for k, v in res["extract_parts_bytes"].items()))
     b, a = res["shrunk"]["before"], res["shrunk"]["after"]
     print(f"  shrink (steps, rows): {b['steps']} steps x {b['rows']} rows -> {a['steps']} x {a['rows']}")
@@ -262,7 +291,7 @@ def main() -> None:
     if res["op_repro"]:
         print(f"op_repro.py: exit {res['op_repro']['exit']}, {res['op_repro']['last_line']}")
     print("seconds: " + ", ".join(f"{k} {v}" for k, v in res["seconds"].items()))
-    print(f"packed extract <= 10 MB: {report['fits_10MB']}; replays standalone: {report['replays_standalone']}")
+    print(f"packed extract <= 10 MB: {res['fits_10MB']}; replays standalone: {res['replays_standalone']}")
 
 
 if __name__ == "__main__":

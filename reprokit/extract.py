@@ -44,6 +44,8 @@ from reprokit.replay import Session
 from reprokit.shrink.case import batch_size
 from reprokit.signature import Failure
 
+MAX_MODULE_BYTES = 10_000_000
+"""Above this many bytes of weights, a module is narrowed to its one op where that op shows the failure alone."""
 EXTRACT_MODULE = "rk_extract"
 """Name of the generated step module in an extract's code snapshot."""
 OP_FILES = ("extract/op.json", "extract/op.safetensors", "extract/op_repro.py")
@@ -71,10 +73,13 @@ class ExtractResult:
     bytes: int = 0
     op_raised: bool = False
     """True: ``op`` raised the failure's exception (else it made the first non-finite value)."""
+    level: str = "module"
+    """``module``: the extract runs the module; ``op``: it runs only ``op`` (the module was too large)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"output": str(self.output), "source": str(self.source), "module": self.module, "class": self.cls,
                 "phase": self.phase, "failure": self.failure, "op": self.op, "op_raised": self.op_raised,
+                "level": self.level,
                 "notes": self.notes, "bytes": self.bytes}
 
 
@@ -266,11 +271,13 @@ def _plain(v: Any) -> bool:
 # --- the extract ----------------------------------------------------------------------------
 
 def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, code: Any = None,
-            source: str | Path | None = None) -> ExtractResult:
+            source: str | Path | None = None, max_module_bytes: int | None = MAX_MODULE_BYTES) -> ExtractResult:
     """Cut the module that failed out of ``bundle`` into a new, small bundle at ``output``.
 
     ``source`` names the bundle in the extract's ``run.json`` (default: its folder; the CLI passes
-    the archive's path for a ``.tar.gz``, whose folder is a temporary one).
+    the archive's path for a ``.tar.gz``, whose folder is a temporary one). A module whose parameters
+    and buffers hold more than ``max_module_bytes`` (None: no limit) is narrowed to the one aten op
+    that made the value or raised, where that op alone shows the failure (``level`` is then ``op``).
 
     Raises:
         DidNotReproduce: the bundle does not fail when replayed, or the module alone does not.
@@ -338,9 +345,32 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
                 watcher.origin.module, name) else None
         op = _checked(op, notes)
         code_dir = s.code_dir
+    source = Path(source) if source is not None else bundle.path
+    weights = sum(t.numel() * t.element_size() for t in call.params.values())
+    if max_module_bytes is not None and weights > max_module_bytes:
+        if op is not None:
+            notes.append(f"module {name} ({type(mod).__qualname__}) holds {weights / 1e6:.1f} MB of weights, over "
+                         f"{max_module_bytes / 1e6:g} MB: the extract is the one op that "
+                         f"{'raised' if 'raises' in op else 'made'} it, {op['op']}, on its saved inputs")
+            return _write(bundle, output, name, type(mod).__qualname__, phase, _op_spec(op), _op_call(op), op, None,
+                          None, notes, source, level="op")
+        notes.append(f"module {name} ({type(mod).__qualname__}) holds {weights / 1e6:.1f} MB of weights, over "
+                     f"{max_module_bytes / 1e6:g} MB, and no one op shows the failure alone: the extract carries them")
     notes += [f"attributes not carried (not plain data): {', '.join(skipped)}"] if skipped else []
     return _write(bundle, output, name, type(mod).__qualname__, phase, spec, call, op, code_dir, cls_file, notes,
-                  Path(source) if source is not None else bundle.path)
+                  source)
+
+
+def _op_spec(op: dict[str, Any]) -> dict[str, Any]:
+    """The module spec of :class:`reprokit.extract_repro.AtenOp` running ``op`` (its arguments as JSON)."""
+    call = json.dumps({"args": op["args"], "kwargs": op["kwargs"]}, sort_keys=True)
+    return {"class": {"module": EXTRACT_MODULE, "qualname": "AtenOp"}, "attrs": {"op": op["op"], "call": call},
+            "params": {}, "buffers": {}, "children": {}}
+
+
+def _op_call(op: dict[str, Any]) -> _Call:
+    """The op's tensors, in the order ``AtenOp.forward`` takes them (``t0``, ``t1``, ...)."""
+    return _Call(args=[op["tensors"][f"t{i}"] for i in range(len(op["tensors"]))], kwargs={}, params={})
 
 
 def _raise_notes(raised: _Raised | None, failure: Failure) -> list[str]:
@@ -454,13 +484,15 @@ def _op_files(op: dict[str, Any]) -> dict[str, bytes]:
 
 def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: dict[str, Any], call: _Call,
            op: dict[str, Any] | None, code_dir: Path | None, cls_file: str | None, notes: list[str],
-           source: Path) -> ExtractResult:
-    """Record the module's one step with the recorder, then add ``extract`` to its run.json (and the op files)."""
+           source: Path, level: str = "module") -> ExtractResult:
+    """Record the module's (or, ``level="op"``, the op's) one step with the recorder, then add ``extract`` to its
+    run.json (and the op files)."""
     import reprokit
     from reprokit.code import imported
 
-    batch: dict[str, Any] = {"phase": phase, "args": call.args, "kwargs": call.kwargs}
-    if phase == "backward":
+    run_phase = phase if level == "module" else "forward"  # an op runs forward, whichever pass it came from
+    batch: dict[str, Any] = {"phase": run_phase, "args": call.args, "kwargs": call.kwargs}
+    if run_phase == "backward":
         batch["grad_outputs"] = call.grad_outputs or []
     config = {"module": spec}
     with tempfile.TemporaryDirectory(prefix="reprokit-extract-") as tmp:
@@ -486,23 +518,25 @@ def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: 
                 recorded = e
             finally:
                 rec.close()
+        what = f"module {name} ({cls})" if level == "module" else f"op {spec['attrs']['op']}"
         if recorded is None or not rec.bundles:
-            raise DidNotReproduce(f"module {name} ({cls}) alone, on the inputs it received, does not fail the same "
+            raise DidNotReproduce(f"{what} alone, on the inputs it received, does not fail the same "
                                   "way (its failure may need state it does not hold); use the whole bundle, or "
                                   "`reprokit shrink` it instead")
         if bundle.failure.kind == "exception" and type(recorded).__qualname__ != bundle.failure.exc_type:
-            raise DidNotReproduce(f"module {name} ({cls}) alone raises {type(recorded).__qualname__}, not the "
+            raise DidNotReproduce(f"{what} alone raises {type(recorded).__qualname__}, not the "
                                   f"bundle's {bundle.failure.exc_type}: it does not fail the same way alone; use the "
                                   "whole bundle, or `reprokit shrink` it instead")
         failure = f"{type(recorded).__name__}: {str(recorded).splitlines()[0][:300]}"
         info = {"source_bundle": str(source), "source_manifest_sha256": sha256_file(bundle.path / MANIFEST),
                 "source_step": bundle.failure.step, "source_failure": bundle.failure.describe(), "module": name,
-                "class": f"{spec['class']['module']}.{spec['class']['qualname']}", "phase": phase,
-                "op": op["op"] if op else None}
+                "class": f"{spec['class']['module']}.{spec['class']['qualname']}" if level == "module" else cls,
+                "phase": phase, "op": op["op"] if op else None, "level": level}
         path = _rewrite(rec.bundles[-1], output, info, op)
     size = sum(int(m["size"]) for m in json.loads((path / MANIFEST).read_text())["files"].values())
     return ExtractResult(output=path, source=source, module=name, cls=cls, phase=phase, failure=failure,
-                         op=op["op"] if op else None, notes=notes, bytes=size, op_raised=bool(op and "raises" in op))
+                         op=op["op"] if op else None, notes=notes, bytes=size, op_raised=bool(op and "raises" in op),
+                         level=level)
 
 
 def _library(path: str) -> bool:
@@ -531,7 +565,9 @@ def _rewrite(recorded: Path, output: Path, info: dict[str, Any], op: dict[str, A
 
 
 def format_extract(d: dict[str, Any]) -> str:
-    lines = [f"extracted module {d['module']} ({d['class']}), {d['phase']}, from {d['source']}",
+    head = f"extracted module {d['module']} ({d['class']})" if d.get("level", "module") == "module" else \
+        f"extracted op {d['op']} alone (of module {d['module']}, {d['class']})"
+    lines = [f"{head}, {d['phase']}, from {d['source']}",
              f"  it fails alone: {d['failure']}"]
     if d.get("op"):
         what = "raised by one op" if d.get("op_raised") else "first bad value made by one op"

@@ -50,9 +50,11 @@ def test_shrink_bench_quick_runs():
 
 def test_extract_size_bench_quick_runs_and_replays_standalone():
     report = _bench_json("extract_size")
-    assert report["extract"]["module"] == "blocks.0.attn" and report["extract"]["op"] == "aten._softmax.default"
-    assert report["replays_standalone"] and report["op_repro"]["exit"] == 1, report
-    assert report["packed_extract_bytes"] < report["bundle_bytes"], report
+    for name, module in (("attention module", "blocks.0.attn"), ("attention inline", "blocks.0")):
+        res = report["variants"][name]
+        assert res["extract"]["module"] == module and res["extract"]["op"] == "aten._softmax.default", res
+        assert res["replays_standalone"] and res["op_repro"]["exit"] == 1, res
+        assert res["packed_extract_bytes"] < res["bundle_bytes"], res
 
 
 def test_recorder_overhead_bench_quick_runs():

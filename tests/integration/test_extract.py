@@ -167,3 +167,37 @@ def test_an_op_that_does_not_fail_alone_is_not_written_as_a_repro():
     assert _checked(quiet, notes) is None and len(notes) == 2
     overflow = {**finite, "tensors": {"t0": torch.full((3,), 3e38), "t1": torch.full((3,), 3e38)}}
     assert _checked(overflow, notes) is overflow and len(notes) == 2
+
+
+@pytest.mark.parametrize("case", ["masked", "bad_backward"])
+def test_a_module_over_the_size_limit_is_narrowed_to_its_one_op(projects, tmp_path, site, case):
+    from reprokit.bundle import open_bundle
+    from reprokit.extract import extract
+
+    module, cls, phase, exc_type, op = CASES[case]
+    out = tmp_path / "extract"
+    r = extract(open_bundle(_record(projects, tmp_path, case)), out, max_module_bytes=0)
+    assert (r.level, r.module, r.cls, r.phase, r.op) == ("op", module, cls, phase, op)
+    assert r.failure.startswith(exc_type) and any("the extract is the one op" in n for n in r.notes), r
+    assert sorted(p.name for p in (out / "code").iterdir()) == ["rk_extract.py"], "no project code is needed"
+    rep = _cli("replay", out, "--json")
+    assert rep.exit_code == 1 and json.loads(rep.stdout)["failure"]["exception_type"] == exc_type, rep.output
+    packed = tmp_path / "extract.tar.gz"
+    pack(out, packed)
+    unpacked = tmp_path / "colleague"
+    unpacked.mkdir()
+    with tarfile.open(packed) as tf:
+        tf.extractall(unpacked, filter="data")
+    (top,) = list(unpacked.iterdir())
+    proc = _hand_off(tmp_path, site, top, "repro.py", "--json")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["failure"]["exception_type"] == exc_type
+
+
+def test_a_module_over_the_size_limit_without_one_op_is_carried_whole(projects, tmp_path):
+    from reprokit.bundle import open_bundle
+    from reprokit.extract import extract
+
+    r = extract(open_bundle(_record(projects, tmp_path, "guarded")), tmp_path / "x", max_module_bytes=0)
+    assert r.level == "module" and r.module == "1" and r.op is None
+    assert any("no one op shows the failure alone: the extract carries them" in n for n in r.notes), r.notes

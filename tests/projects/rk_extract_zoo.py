@@ -53,19 +53,24 @@ class HandLinear(nn.Module):
 
 class _GradGuard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, limit):
+        ctx.limit = float(limit)
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        if float(g.abs().max()) > 1e3:
+        if float(g.abs().max()) > ctx.limit:
             raise ValueError("gradient too large for the guarded layer")
-        return g
+        return g, None
 
 
 class Guarded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("limit", torch.tensor(1e3))
+
     def forward(self, x):
-        return _GradGuard.apply(x)
+        return _GradGuard.apply(x, self.limit)
 
 
 class MaskedMix(nn.Module):
