@@ -119,7 +119,8 @@ def train_step(state: reprokit.TrainState, batch: dict[str, Any]) -> torch.Tenso
         out = model(*args, **kwargs)
     outs = _tensors(out)
     if phase == "forward":
-        _check("the module's output", [(f"[{i}]", t) for i, t in enumerate(outs)])
+        _check("the op's output" if isinstance(model, AtenOp) else "the module's output",
+               [(f"[{i}]", t) for i, t in enumerate(outs)])
         return torch.zeros(())
     pairs = [(o, g) for o, g in zip(outs, batch["grad_outputs"]) if g is not None and o.requires_grad]
     torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])

@@ -201,3 +201,10 @@ def test_a_module_over_the_size_limit_without_one_op_is_carried_whole(projects, 
     r = extract(open_bundle(_record(projects, tmp_path, "guarded")), tmp_path / "x", max_module_bytes=0)
     assert r.level == "module" and r.module == "1" and r.op is None
     assert any("no one op shows the failure alone: the extract carries them" in n for n in r.notes), r.notes
+
+
+def test_bisect_layers_names_the_module_whose_backward_raised(projects, tmp_path):
+    r = _cli("bisect", "layers", _record(projects, tmp_path, "guarded"))
+    assert r.exit_code == 0, r.output
+    assert "raised in module 1 (Guarded) in backward: ValueError: gradient too large" in r.output, r.output
+    assert "the gradient it received: 0: float32[4, 16]" in r.output, r.output
