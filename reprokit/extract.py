@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_map
 from reprokit import pytree
 from reprokit.bundle import MANIFEST, RUN, Bundle, BundleWriter, dumps, open_bundle, sha256_file
 from reprokit.errors import BundleError, DidNotReproduce, ReprokitError
-from reprokit.origin import _KEY, OriginWatcher, _meta, watch_step
+from reprokit.origin import OriginWatcher, stamped_module, watch_step
 from reprokit.replay import Session
 from reprokit.shrink.case import batch_size
 from reprokit.signature import Failure
@@ -188,8 +188,9 @@ class _RaiseCapture(OriginWatcher):
         try:
             return func(*args, **kwargs)
         except Exception as e:
-            node = torch._C._current_autograd_node()
-            module = _meta(node).get(_KEY, (None, None))[0] if node is not None else \
+            current = getattr(torch._C, "_current_autograd_node", None)  # the backward node running now, if any
+            node = current() if current is not None else None
+            module = stamped_module(node) if node is not None else \
                 (self.stack[-1] if self.stack else None)
             saved_args, saved_kwargs = tree_map(
                 lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, (args, kwargs))
