@@ -33,15 +33,18 @@ def train_step(state, batch):
     return loss
 
 
-def main(out_dir: str, mode: str, device: str = "cpu", fail_step: int = 6) -> None:
+def main(out_dir: str, mode: str, device: str = "cpu", replicated: str = "auto", rank1_budget: str = "",
+         fail_step: int = 6) -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     config = {"device": device}
     state = build(config)
+    budget = int(rank1_budget) if rank1_budget and rank == 1 else None  # a small budget on rank 1 only
     rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir, snapshot_every=4,
-                            incident_wait_s=30)
+                            incident_wait_s=30, host_memory_budget=budget,
+                            replicated_state={"auto": "auto", "1": True, "0": False}[replicated])
     g = torch.Generator().manual_seed(rank)
     for step in range(12):
         x = torch.randn(8, 8, generator=g)
@@ -56,4 +59,4 @@ def main(out_dir: str, mode: str, device: str = "cpu", fail_step: int = 6) -> No
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:6])
