@@ -325,6 +325,8 @@ class Recorder:
                                "a state that is the same on every rank (a DistributedDataParallel model, no DTensor "
                                "parameters); pass replicated_state=\"auto\" or False")
         on = mode is True or (mode == "auto" and self.rank is not None and self.rank.world_size > 1 and layout)
+        self._owns = on and self.rank is not None and self.rank.rank == replicated.OWNER_RANK
+        """This rank snapshots the state the others reference."""
         return on and self.rank is not None and self.rank.rank != replicated.OWNER_RANK
 
     def _mention_leftovers(self) -> None:
@@ -550,6 +552,8 @@ class Recorder:
             fits = self._projected(position, need) <= self.budget
         if fits and early:
             self._mem["early_snapshots"] += 1
+            if self._owns and self._board is not None and self._mem["early_snapshots"] == 1:
+                replicated.mark_owner_early(self._board.path, k)  # the other ranks take their own snapshots
             window = self.held_bytes() - self._engine.held_bytes
             steps = k - self._snapshot.step if self._snapshot else 0
             self._warn("early", f"reprokit: the window reached the host-memory budget ({mib(self.budget)}: snapshot "
@@ -640,6 +644,9 @@ class Recorder:
         extra = {"monitor": self.monitor.state_dict(), "step": k}
         if self._refer and any(p.grad is not None for p in self.state.model.parameters()):
             self._leave_replication(k, "gradients are not empty at a snapshot step (they differ per rank)")
+        if self._refer and self._board is not None and replicated.owner_went_early(self._board.path):
+            self._leave_replication(k, f"rank {replicated.OWNER_RANK} takes early snapshots (its host-memory budget), "
+                                       "so its snapshots no longer fall on this rank's")
         if self._refer:  # rank 0 snapshots the state; this rank keeps its own RNG and detector state only
             rng_tree, rng_tensors = encode_rng(capture_rng(self.state.extra))
             self._snapshot = _Snapshot(k, {"rng": rng_tree, **extra}, rng_tensors, referenced=True)

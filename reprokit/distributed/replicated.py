@@ -53,6 +53,22 @@ def owner_name_pattern(world_size: int, rank: int = OWNER_RANK) -> re.Pattern[st
     return re.compile(rf"bundle-.*-rank{rank:0{width}d}of{world_size}(-\d+)?")
 
 
+def mark_owner_early(incident_file: Path, step: int) -> None:
+    """The owner took an early snapshot (its budget): its snapshots no longer fall on the schedule the other ranks
+    keep, so they take their own from their next snapshot step on (a file beside the run's incident file: no
+    collective). A window of theirs already running cannot reference the owner's snapshot any more: if it is dumped,
+    :func:`find_owner` sees the owner's window start at another step and the bundle says so."""
+    try:
+        incident_file.parent.mkdir(parents=True, exist_ok=True)
+        incident_file.with_suffix(".owner-early").write_text(str(step))
+    except OSError:
+        pass
+
+
+def owner_went_early(incident_file: Path) -> bool:
+    return incident_file.with_suffix(".owner-early").exists()
+
+
 def find_owner(folder: Path, *, world_size: int, incident: str, step: int, timeout_s: float,
                done: Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Wait (bounded) for the owner's bundle of ``incident`` in ``folder``; returns ``(reference, owner state tree)``.

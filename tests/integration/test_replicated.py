@@ -178,11 +178,17 @@ def test_an_owner_that_never_writes_its_bundle_is_reported_not_waited_for_foreve
         replicated._owner_dir(tmp_path / "bundle-x", ref)
 
 
+def test_an_owner_window_that_starts_elsewhere_is_never_referenced(incident):
+    folder, _ = incident
+    ref, _ = replicated.find_owner(folder, world_size=2, incident=folder.name, step=3, timeout_s=5)
+    assert ref["files"] == {} and "starts at step 4" in ref["problem"], ref
+
+
 def test_a_non_owner_over_its_budget_falls_back_to_a_self_contained_bundle(tmp_path):
     """Rank 1's budget holds about two steps (each holds ~41 KB of RNG state), fewer than snapshot_every=4: rather
     than restart its window on its own (it would no longer start at rank 0's snapshot), it takes its own snapshots."""
     out = tmp_path / "repros"
-    proc = _torchrun(out, "nan", "cpu", "auto", str(100 << 10))
+    proc = _torchrun(out, "nan", "cpu", "auto", f"1:{100 << 10}")
     assert proc.returncode != 0 and "TrainingFailure" in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count("takes its own state snapshots from now on") == 1, proc.stderr[-3000:]
     _, ranks = _by_rank(out)
@@ -193,3 +199,18 @@ def test_a_non_owner_over_its_budget_falls_back_to_a_self_contained_bundle(tmp_p
     assert mine.run["window"]["start"] != 4  # its own early snapshot, not rank 0's
     r = CliRunner().invoke(cli, ["replay", str(ranks[1])])
     assert r.exit_code == 1, r.output
+
+
+def test_when_the_owner_snapshots_early_the_other_ranks_take_their_own(tmp_path):
+    """Rank 0's budget forces early snapshots (at step 2): rank 1, at its next snapshot step (4), sees it and takes
+    its own snapshot; its window (4..6) then stands alone instead of referencing a snapshot rank 0 never took."""
+    out = tmp_path / "repros"
+    proc = _torchrun(out, "nan", "cpu", "auto", f"0:{100 << 10}")
+    assert proc.returncode != 0 and "TrainingFailure" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 1: rank 0 takes early snapshots" in proc.stderr, proc.stderr[-3000:]
+    _, ranks = _by_rank(out)
+    owner, mine = open_bundle(ranks[0]), open_bundle(ranks[1])
+    assert owner.run["recorder"]["memory"]["early_snapshots"] >= 1 and owner.run["window"]["start"] != 4
+    assert REPLICATED not in mine.manifest["files"] and mine.run["window"]["start"] == 4
+    assert mine.run["recorder"]["memory"]["state"] == "snapshotted"
+    assert CliRunner().invoke(cli, ["replay", str(ranks[1])]).exit_code == 1

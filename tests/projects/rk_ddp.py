@@ -33,7 +33,7 @@ def train_step(state, batch):
     return loss
 
 
-def main(out_dir: str, mode: str, device: str = "cpu", replicated: str = "auto", rank1_budget: str = "",
+def main(out_dir: str, mode: str, device: str = "cpu", replicated: str = "auto", budget: str = "",
          fail_step: int = 6) -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -41,9 +41,10 @@ def main(out_dir: str, mode: str, device: str = "cpu", replicated: str = "auto",
     rank = dist.get_rank()
     config = {"device": device}
     state = build(config)
-    budget = int(rank1_budget) if rank1_budget and rank == 1 else None  # a small budget on rank 1 only
+    small = budget.split(":") if budget else None  # "RANK:BYTES": a small host-memory budget on that rank only
+    bytes_ = int(small[1]) if small and int(small[0]) == rank else None
     rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir, snapshot_every=4,
-                            incident_wait_s=30, host_memory_budget=budget,
+                            incident_wait_s=30, host_memory_budget=bytes_,
                             replicated_state={"auto": "auto", "1": True, "0": False}[replicated])
     g = torch.Generator().manual_seed(rank)
     for step in range(12):
