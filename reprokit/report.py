@@ -387,6 +387,7 @@ def format_verify(d: dict[str, Any]) -> str:
     else:
         lines = [f"{d['bundle']}: ok, every file matches the manifest"
                  + (f"; archive sha256 matches {d['origin']}" if d.get("origin") else "")]
+    lines += [f"  referenced {x['file']}: {x['status']}" for x in d.get("referenced") or []]
     if d.get("note"):
         lines.append(f"note: {d['note']}")
     return "\n".join(lines)

@@ -219,7 +219,7 @@ def describe(bundle: Any) -> dict[str, Any] | None:
     from reprokit.bundle import REPLICATED, STATE_TENSORS
     from reprokit.errors import BundleError
 
-    if REPLICATED not in bundle.manifest["files"]:
+    if REPLICATED not in bundle.manifest.get("files", {}):
         return None
     ref = bundle._json(REPLICATED)
     owner = ref.get("owner") or {}
@@ -236,3 +236,18 @@ def describe(bundle: Any) -> dict[str, Any] | None:
     else:
         out["problem"] = f"{first} is missing"
     return out
+
+
+def referenced(path: Path) -> list[dict[str, Any]] | None:
+    """For ``verify``: each state file a bundle folder references (``{"file", "status": ok|missing|mismatch}``), or
+    None when it references none (or is no bundle folder, or its reference cannot be read: verify reports that)."""
+    from reprokit import schema
+    from reprokit.bundle import REPLICATED
+
+    try:
+        ref = schema.load_json(path / REPLICATED, REPLICATED)
+        schema.check_replicated(ref)
+    except Exception:
+        return None
+    return [{"file": x["file"].removesuffix(" (referenced)"), "status": x["status"]}
+            for x in check(path, ref, hash_tensors=True)]

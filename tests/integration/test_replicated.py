@@ -90,7 +90,9 @@ def test_rank_1_references_rank_0_s_state_and_both_replay_bit_exact(incident, tm
     assert json.loads(CliRunner().invoke(cli, ["inspect", str(ranks[1]), "--json"]).stdout)["state"]["model"] > 0
     assert replicated.check(ranks[1], ref, hash_tensors=True) == [
         {"file": f"{ranks[0].name}/state/state.safetensors (referenced)", "status": "ok"}]
-    assert CliRunner().invoke(cli, ["verify", str(ranks[1])]).exit_code == 0
+    checked = CliRunner().invoke(cli, ["verify", str(ranks[1])])
+    assert checked.exit_code == 0, checked.output
+    assert f"referenced {ranks[0].name}/state/state.safetensors: ok" in checked.stdout, checked.output
     # shrink's output bundle holds the state itself
     shrunk = CliRunner().invoke(cli, ["shrink", str(ranks[1]), "-o", str(tmp_path / "s1"), "--json"])
     assert shrunk.exit_code == 0, shrunk.output
@@ -129,6 +131,7 @@ def test_a_tampered_referenced_file_is_refused(incident, tmp_path):
     state.write_bytes(bytes(data))
     r = CliRunner().invoke(cli, ["verify", str(ranks[1]), "--json"])
     assert r.exit_code == 1, r.output
+    assert [x["status"] for x in json.loads(r.stdout)["referenced"]] == ["mismatch"]
     assert {"file": f"{ranks[0].name}/state/state.safetensors (referenced)", "problem": "checksum mismatch"}.items() \
         <= json.loads(r.stdout)["problems"][0].items(), r.output
     replayed = CliRunner().invoke(cli, ["replay", str(ranks[1])])
