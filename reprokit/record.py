@@ -192,11 +192,12 @@ class Recorder:
         replicated_state: under a process group, whether model and optimizer state are the same on every rank, so
             that only global rank 0 (the owner) snapshots them and the other ranks' bundles reference its state files
             by digest (each rank still records its own batches, RNG and detector state). ``"auto"`` (the default):
-            when the model is a ``DistributedDataParallel``, the world size is above one and no parameter is a
-            DTensor (FSDP2 and tensor parallel state differs per rank). This saves the state's host memory (and its
+            when the model is a ``DistributedDataParallel``, the world size is above one, no parameter is a
+            DTensor (FSDP2 and tensor parallel state differs per rank) and ``state.extra`` holds only generators
+            (anything else there may differ per rank). This saves the state's host memory (and its
             disk) on every rank but one. A non-owner whose window cannot fit its budget, or whose gradients are not
             empty at a snapshot step (accumulation), takes its own snapshot instead (said once). ``True`` insists
-            (refused without a process group or with sharded parameters); ``False`` snapshots on every rank.
+            (refused where ``"auto"`` would not apply); ``False`` snapshots on every rank.
         snapshot_sync: copy CUDA state on the training stream (a stall of the state's size over
             the PCIe bandwidth at every snapshot: ~30 ms for GPT-2-124M with AdamW). By default the
             copy overlaps the forward and backward; a parameter written in place outside
@@ -308,7 +309,11 @@ class Recorder:
         if self.rank is not None:
             self._lock = threading.RLock()  # the incident watcher writes the window from another thread
             self._board = IncidentBoard(self.out_dir, self.rank)
-        self._refer = self._replication(replicated_state)
+        try:
+            self._refer = self._replication(replicated_state)
+        except CaptureError:
+            self.close()  # no hooks left on the optimizer by a Recorder that was refused
+            raise
         """This rank references the owner's state instead of snapshotting its own (a non-owner in replicated mode)."""
         self._saved = 0
         """Bytes of state this rank did not copy at its last snapshot step (rank 0's are referenced instead)."""
@@ -319,11 +324,11 @@ class Recorder:
         """Whether this rank references rank 0's state (see ``replicated_state``)."""
         if mode not in ("auto", True, False):
             raise CaptureError(f"replicated_state must be \"auto\", True or False, got {mode!r}")
-        layout = replicated.is_replicated_layout(self.state.model)
+        layout = replicated.is_replicated_layout(self.state.model, self.state.extra)
         if mode is True and (self.rank is None or self.rank.world_size < 2 or not layout):
             raise CaptureError("replicated_state=True needs an initialised process group of two or more ranks and "
                                "a state that is the same on every rank (a DistributedDataParallel model, no DTensor "
-                               "parameters); pass replicated_state=\"auto\" or False")
+                               "parameters, nothing but generators in state.extra); pass replicated_state=\"auto\" or False")
         on = mode is True or (mode == "auto" and self.rank is not None and self.rank.world_size > 1 and layout)
         self._owns = on and self.rank is not None and self.rank.rank == replicated.OWNER_RANK
         """This rank snapshots the state the others reference."""

@@ -33,15 +33,25 @@ OWNER_RANK = 0
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
-def is_replicated_layout(model: Any) -> bool:
-    """``replicated_state="auto"``: the model is a DistributedDataParallel and no parameter is a DTensor (FSDP2/TP
-    shards differ per rank). Every DDP rank starts from rank 0's broadcast parameters and applies the same all-reduced
-    gradients, so model and optimizer state are the same on every rank at step start."""
+def is_replicated_layout(model: Any, extra: dict[str, Any]) -> bool:
+    """``replicated_state="auto"``: the model is a DistributedDataParallel, no parameter is a DTensor (FSDP2/TP
+    shards differ per rank), and ``state.extra`` holds nothing but generators (their states are each rank's own and
+    recorded as such; anything else there may differ per rank). Every DDP rank starts from rank 0's broadcast
+    parameters and applies the same all-reduced gradients, so model and optimizer state are the same on every rank
+    at step start."""
     from torch.nn.parallel import DistributedDataParallel
 
     from reprokit.pytree import is_dtensor
+    from reprokit.rng import kind_of
 
-    if not isinstance(model, DistributedDataParallel):
+    def generators_only(obj: Any) -> bool:
+        if isinstance(obj, dict):
+            return all(generators_only(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return all(generators_only(v) for v in obj)
+        return kind_of(obj) is not None
+
+    if not isinstance(model, DistributedDataParallel) or not generators_only(extra):
         return False
     if getattr(model, "broadcast_buffers", True) is False and any(True for _ in model.buffers()):
         return False  # buffers (BatchNorm statistics) then drift apart per rank
@@ -97,7 +107,7 @@ def find_owner(folder: Path, *, world_size: int, incident: str, step: int, timeo
                 continue
             if b.run["window"]["start"] != step:
                 return {**ref, "problem": f"rank {OWNER_RANK}'s bundle {name} starts at step "
-                                          f"{b.run['window']['start']} (an early snapshot of that rank's), this "
+                                          f"{b.run['window']['start']} (an early or retaken snapshot of that rank's), this "
                                           f"rank's window at step {step}: there is no snapshot of step {step} to "
                                           "reference"}, {}
             files = {rel: dict(b.manifest["files"][rel]) for rel in state_files(b.manifest["files"])}
