@@ -107,9 +107,9 @@ def find_owner(folder: Path, *, world_size: int, incident: str, step: int, timeo
                 continue
             if b.run["window"]["start"] != step:
                 return {**ref, "problem": f"rank {OWNER_RANK}'s bundle {name} starts at step "
-                                          f"{b.run['window']['start']} (an early or retaken snapshot of that rank's), this "
-                                          f"rank's window at step {step}: there is no snapshot of step {step} to "
-                                          "reference"}, {}
+                                          f"{b.run['window']['start']} (an early or retaken snapshot of that "
+                                          f"rank's), this rank's window at step {step}: there is no snapshot of step "
+                                          f"{step} to reference"}, {}
             files = {rel: dict(b.manifest["files"][rel]) for rel in state_files(b.manifest["files"])}
             ref["owner"]["bundle"] = name
             return {**ref, "files": files}, b.state_tree().get("state", {})
@@ -185,6 +185,11 @@ def state(bundle: Any) -> dict[str, torch.Tensor]:
 
     ref = bundle._json(REFERENCE)
     owner = _owner_dir(bundle.path, ref)
+    if ref["owner"]["step"] != bundle.run["window"]["start"]:
+        raise BundleError(f"{bundle.path}: its window starts at step {bundle.run['window']['start']}, but it references "
+                          f"rank {OWNER_RANK}'s snapshot of step {ref['owner']['step']}; refusing a state the window "
+                          "does not start from. Re-record, or run `reprokit verify`.",
+                          [{"file": REFERENCE, "problem": "references a snapshot of another step"}])
     tensors: dict[str, torch.Tensor] = {}
     parts = sorted(ref["files"], key=lambda rel: int(schema.STATE_FILE.fullmatch(rel)[1] or 0))  # type: ignore[index]
     for rel in parts:
