@@ -164,8 +164,10 @@ def check(bundle_path: Path, ref: dict[str, Any], *, hash_tensors: bool) -> list
     for rel, meta in sorted(ref["files"].items()):
         path, label = owner / rel, _label(ref, rel)
         if path.is_symlink() or not path.is_file():
-            out.append({"file": label, "status": "missing", "problem": f"missing (rank {OWNER_RANK}'s bundle holds "
-                                                                       "the state this bundle references)"})
+            out.append({"file": label, "status": "missing", "problem": (
+                f"missing: this bundle's model and optimizer state is in rank {OWNER_RANK}'s bundle of the same "
+                "incident; copy that bundle beside this one, or replay the incident folder, or `reprokit pack` this "
+                "bundle where it was written (the archive then holds the state)")})
         elif path.stat().st_size != meta["size"]:
             out.append({"file": label, "status": "mismatch", "problem": "size mismatch", "expected": meta["size"],
                         "found": path.stat().st_size})

@@ -167,9 +167,10 @@ def test_without_the_owner_bundle_replay_says_so_and_exits_3(incident, tmp_path)
     shutil.copytree(ranks[1], alone)  # rank 1's bundle copied away from its incident folder
     r = CliRunner().invoke(cli, ["replay", str(alone)])
     assert r.exit_code == 3, r.output
-    assert "references" in r.output and "rank 0" in r.output, r.output
-    shown = CliRunner().invoke(cli, ["inspect", str(alone)])
-    assert shown.exit_code != 0 or "referenced from rank 0" in shown.stdout
+    assert "(referenced): missing: this bundle's model and optimizer state is in rank 0's bundle" in r.output, r.output
+    assert "reprokit pack" in r.output
+    checked = CliRunner().invoke(cli, ["verify", str(alone), "--json"])
+    assert checked.exit_code == 1 and [x["status"] for x in json.loads(checked.stdout)["referenced"]] == ["missing"]
 
 
 def test_an_owner_that_never_writes_its_bundle_is_reported_not_waited_for_forever(tmp_path):
