@@ -23,9 +23,10 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # inspect and verify read references without importing torch
+    import torch
 
 REFERENCE = "state/replicated.json"
 LOCAL_RNG = "state/rng.safetensors"
@@ -39,6 +40,7 @@ def is_replicated_layout(model: Any, extra: dict[str, Any]) -> bool:
     recorded as such; anything else there may differ per rank). Every DDP rank starts from rank 0's broadcast
     parameters and applies the same all-reduced gradients, so model and optimizer state are the same on every rank
     at step start."""
+    import torch
     from torch.nn.parallel import DistributedDataParallel
 
     from reprokit.pytree import is_dtensor
@@ -134,7 +136,7 @@ def _owner_dir(bundle_path: Path, ref: dict[str, Any]) -> Path:
         raise BundleError(f"{bundle_path}: this rank's bundle references the state of rank {OWNER_RANK}'s bundle, "
                           f"which was not available when it was written ({problem}); it cannot replay alone. "
                           "Replay the incident's other bundles, or re-record.",
-                          [{"file": REFERENCE, "problem": f"no referenced state: {problem}"}])
+                          [{"file": REFERENCE, "problem": f"no referenced state, so this bundle cannot replay: {problem}"}])
     if not _NAME.fullmatch(name) or name in (".", ".."):
         raise BundleError(f"{bundle_path}: {REFERENCE} names {name[:80]!r} as the owner bundle; only a plain folder "
                           "name beside this bundle is allowed. Refusing it.",

@@ -237,3 +237,21 @@ def test_replicated_state_true_without_a_process_group_is_refused_at_attach(tmp_
     rec = reprokit.Recorder(state, rk_ddp.train_step, build=rk_ddp.build, config={}, out_dir=tmp_path)
     assert rec.stats()["state"] == "snapshotted" and rec.stats()["state_bytes_saved"] == 0  # one process: auto is off
     rec.close()
+
+
+def test_an_owner_without_a_bundle_leaves_a_bundle_that_says_it_cannot_replay(tmp_path):
+    """Rank 0's budget (1 KB) holds no step, so it records nothing and writes no bundle: rank 1 stops waiting when rank
+    0 marks the incident done, and writes its batches with a reference that says why there is no state, loudly."""
+    out = tmp_path / "repros"
+    t0 = time.monotonic()
+    proc = _torchrun(out, "nan", "cpu", "auto", "0:1024")
+    assert proc.returncode != 0 and time.monotonic() - t0 < 25, proc.stderr[-3000:]  # not the 30 s incident wait
+    assert "cannot replay alone" in proc.stderr and "without writing one" in proc.stderr, proc.stderr[-3000:]
+    (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
+    (mine,) = [p for p in folder.iterdir() if p.name.startswith("bundle-")]
+    ref = json.loads((mine / REPLICATED).read_text())
+    assert ref["owner"]["bundle"] is None and ref["files"] == {} and "rank 0" in ref["problem"], ref
+    assert [p["file"] for p in verify(mine)] == [REPLICATED]
+    r = CliRunner().invoke(cli, ["replay", str(mine)])
+    assert r.exit_code == 3, r.output
+    assert "no referenced state, so this bundle cannot replay: rank 0, which holds the state" in r.output, r.output
