@@ -310,11 +310,11 @@ class Recorder:
             self._lock = threading.RLock()  # the incident watcher writes the window from another thread
             self._board = IncidentBoard(self.out_dir, self.rank)
         try:
+            # This rank references the owner's state instead of snapshotting its own (a non-owner, replicated).
             self._refer = self._replication(replicated_state)
         except CaptureError:
             self.close()  # no hooks left on the optimizer by a Recorder that was refused
             raise
-        """This rank references the owner's state instead of snapshotting its own (a non-owner in replicated mode)."""
         self._saved = 0
         """Bytes of state this rank did not copy at its last snapshot step (rank 0's are referenced instead)."""
         if self._board is not None:

@@ -622,6 +622,9 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
             run(rel, lambda doc=doc, k=k: check_state(doc, k))
         elif rel == "state/replicated.json":
             run(rel, lambda doc=doc: check_replicated(doc))
+            if any(STATE_FILE.fullmatch(x) for x in files):
+                problems.append({"file": rel, "problem": "references another rank's state, but the bundle also lists "
+                                                         "state files of its own: ambiguous, refused"})
         elif m:
             run(rel, lambda rel=rel, doc=doc, k=k, m=m: check_step(doc, int(m[1]), k, rel))
     window = (docs.get("run.json") or [None])[0]
