@@ -27,6 +27,7 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "window": {"start": run["window"]["start"], "end": run["window"]["end"], "steps": len(steps)},
         "batch": _batch_structure(bundle, steps[-1]) if steps else {},
         "state": _state_sizes(bundle),
+        "state_reference": _state_reference(bundle),
         "sizes": bundle.sizes(),
         "refs": run["refs"],
         "rank": (run.get("distributed") or {}).get("rank"),
@@ -142,9 +143,19 @@ def _batch_structure(bundle: Bundle, step: int) -> dict[str, Any]:
     return out
 
 
+def _state_reference(bundle: Bundle) -> dict[str, Any] | None:
+    """Where the state of a bundle that references rank 0's lives (replicated DDP state), else None."""
+    from reprokit.distributed import replicated
+
+    return replicated.describe(bundle)
+
+
 def _state_sizes(bundle: Bundle) -> dict[str, int]:
     sizes: dict[str, int] = {}
-    with safe_open(str(bundle.path / STATE_TENSORS), framework="pt") as f:
+    ref = _state_reference(bundle)
+    if ref is not None and ref["path"] is None:
+        return sizes
+    with safe_open(ref["path"] if ref else str(bundle.path / STATE_TENSORS), framework="pt") as f:
         for key in f.keys():
             sl = f.get_slice(key)
             n = 1
@@ -184,7 +195,10 @@ def format_describe(d: dict[str, Any]) -> str:
     lines.append("batch    " + ("; ".join(f"{k}: {v.get('dtype', v.get('type'))}{v.get('shape', '')}"
                                            for k, v in d["batch"].items()) or "(empty)"))
     lines.append("refs     " + _refs_line(d.get("refs")))
-    lines.append("state    " + ", ".join(f"{k} {_mb(v)}" for k, v in d["state"].items()))
+    ref = d.get("state_reference")
+    lines.append("state    " + (f"referenced from rank {ref['rank']}'s bundle {ref['bundle']} (snapshot at step "
+                                f"{ref['step']}{'; ' + ref['problem'] if ref['problem'] else ''}): " if ref else "")
+                 + ", ".join(f"{k} {_mb(v)}" for k, v in d["state"].items()))
     lines.append("on disk  " + ", ".join(f"{k} {_mb(v)}" for k, v in d["sizes"].items()))
     e = d["env"]
     git = e.get("git") or {}
@@ -373,6 +387,7 @@ def format_verify(d: dict[str, Any]) -> str:
     else:
         lines = [f"{d['bundle']}: ok, every file matches the manifest"
                  + (f"; archive sha256 matches {d['origin']}" if d.get("origin") else "")]
+    lines += [f"  referenced {x['file']}: {x['status']}" for x in d.get("referenced") or []]
     if d.get("note"):
         lines.append(f"note: {d['note']}")
     return "\n".join(lines)
