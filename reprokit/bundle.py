@@ -46,6 +46,8 @@ ENV = "env.json"
 STATE_JSON = "state/state.json"
 STATE_TENSORS = "state/state.safetensors"
 """The state's tensors; a large state continues in ``state/state-1.safetensors``, ``state-2``, ... (version 2)."""
+REPLICATED = "state/replicated.json"
+"""A reference to another rank's state files (replicated DDP state, written once): reprokit.distributed.replicated."""
 STEPS = "steps"
 CODE = "code"
 # Every key a manifest may hold. The first release wrote LEGACY_KEYS (no self digest); every manifest
@@ -563,6 +565,12 @@ def verify(path: Path, *, hash_tensors: bool = True) -> list[dict[str, Any]]:
     # Consistent is not well-formed: hold every JSON file and safetensors header to its schema too
     # (files reported above are not read again).
     problems += schema.check_bundle(path, listed, skip={p["file"] for p in problems})
+    if REPLICATED in listed and not any(p["file"] == REPLICATED for p in problems):
+        from reprokit.distributed import replicated
+
+        ref = schema.load_json(path / REPLICATED, REPLICATED)
+        problems += [{k: v for k, v in x.items() if k != "status"}
+                     for x in replicated.check(path, ref, hash_tensors=hash_tensors) if x["status"] != "ok"]
     return problems
 
 
@@ -646,9 +654,14 @@ class Bundle:
         return d if d.is_dir() else None
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """``(tree, tensors)`` of the snapshot the window starts from."""
+        """``(tree, tensors)`` of the snapshot the window starts from (a state another rank's bundle holds, for a bundle
+        that references it: see :mod:`reprokit.distributed.replicated`)."""
         from reprokit import tensorfile
 
+        if REPLICATED in self.manifest["files"]:
+            from reprokit.distributed import replicated
+
+            return self.state_tree(), replicated.state(self)
         rels = state_files(self.manifest["files"])
         if not rels:
             raise BundleError(f"{self.path}: the manifest lists no complete set of state files "

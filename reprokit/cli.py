@@ -347,6 +347,10 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
         note = ("origin not checked: no --sha256 given and no .sha256 beside the archive; the manifests prove "
                 "it is consistent, not who made it. Compare with a sha256 you received separately.")
     d: dict[str, Any] = {"bundle": str(bundle), "ok": not problems, "problems": problems}
+    if bundle.is_dir():
+        from reprokit.distributed.replicated import referenced
+
+        d["referenced"] = referenced(bundle)
     if is_archive(bundle):
         d |= {"origin_checked": origin is not None and not problems, "origin": origin, "note": note}
     if as_json:

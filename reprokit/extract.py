@@ -34,14 +34,18 @@ from typing import Any
 
 import torch
 from safetensors.torch import save as st_save
+from torch.utils._pytree import tree_map
 
 from reprokit import pytree
 from reprokit.bundle import MANIFEST, RUN, Bundle, BundleWriter, dumps, open_bundle, sha256_file
 from reprokit.errors import BundleError, DidNotReproduce, ReprokitError
-from reprokit.origin import OriginWatcher, watch_step
+from reprokit.origin import OriginWatcher, stamped_module, watch_step
 from reprokit.replay import Session
 from reprokit.shrink.case import batch_size
+from reprokit.signature import Failure
 
+MAX_MODULE_BYTES = 10_000_000
+"""Above this many bytes of weights, a module is narrowed to its one op where that op shows the failure alone."""
 EXTRACT_MODULE = "rk_extract"
 """Name of the generated step module in an extract's code snapshot."""
 OP_FILES = ("extract/op.json", "extract/op.safetensors", "extract/op_repro.py")
@@ -67,11 +71,16 @@ class ExtractResult:
     op: str | None
     notes: list[str] = field(default_factory=list)
     bytes: int = 0
+    op_raised: bool = False
+    """True: ``op`` raised the failure's exception (else it made the first non-finite value)."""
+    level: str = "module"
+    """``module``: the extract runs the module; ``op``: it runs only ``op`` (the module was too large)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"output": str(self.output), "source": str(self.source), "module": self.module, "class": self.cls,
-                "phase": self.phase, "failure": self.failure, "op": self.op, "notes": self.notes,
-                "bytes": self.bytes}
+                "phase": self.phase, "failure": self.failure, "op": self.op, "op_raised": self.op_raised,
+                "level": self.level,
+                "notes": self.notes, "bytes": self.bytes}
 
 
 # --- locating the culprit ---------------------------------------------------------------
@@ -150,6 +159,56 @@ class _OpCapture(OriginWatcher):
         return None if func._schema.is_mutable else _encode_op(func, args, kwargs)
 
 
+@dataclass
+class _Raised:
+    """An aten op that raised while the step ran: its inputs (copied), the error, and where it ran."""
+
+    func: Any
+    args: Any
+    kwargs: Any
+    error: BaseException
+    phase: str
+    module: str | None
+    node: str | None
+
+
+class _RaiseCapture(OriginWatcher):
+    """Records every aten op that raises while the step runs (the watcher's own checks stay off).
+
+    Run through :func:`watch_step`, so that autograd nodes carry the module whose forward made them:
+    an op raising in backward is placed by its node.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(active=False)
+        self.raised: list[_Raised] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except Exception as e:
+            current = getattr(torch._C, "_current_autograd_node", None)  # the backward node running now, if any
+            node = current() if current is not None else None
+            module = stamped_module(node) if node is not None else \
+                (self.stack[-1] if self.stack else None)
+            saved_args, saved_kwargs = tree_map(
+                lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+            self.raised.append(_Raised(func, saved_args, saved_kwargs, e, "backward" if node is not None else "forward",
+                                       module, node.name() if node is not None else None))
+            raise
+
+    def matching(self, failure: Failure | None) -> _Raised | None:
+        """The last op whose error is the step's failure (same type, same first line), if any op raised it."""
+        if failure is None or failure.kind != "exception":
+            return None
+        for r in reversed(self.raised):
+            msg = str(r.error).splitlines()[0][:500] if str(r.error) else ""
+            if type(r.error).__qualname__ == failure.exc_type and msg == failure.message:
+                return r
+        return None
+
+
 def _encode_op(func: Any, args: Any, kwargs: Any) -> dict[str, Any] | None:
     """``{"op", "args", "kwargs", "tensors"}`` for a one-op repro; None for arguments JSON cannot hold."""
     tensors: dict[str, torch.Tensor] = {}
@@ -213,11 +272,13 @@ def _plain(v: Any) -> bool:
 # --- the extract ----------------------------------------------------------------------------
 
 def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, code: Any = None,
-            source: str | Path | None = None) -> ExtractResult:
+            source: str | Path | None = None, max_module_bytes: int | None = MAX_MODULE_BYTES) -> ExtractResult:
     """Cut the module that failed out of ``bundle`` into a new, small bundle at ``output``.
 
     ``source`` names the bundle in the extract's ``run.json`` (default: its folder; the CLI passes
-    the archive's path for a ``.tar.gz``, whose folder is a temporary one).
+    the archive's path for a ``.tar.gz``, whose folder is a temporary one). A module whose parameters
+    and buffers hold more than ``max_module_bytes`` (None: no limit) is narrowed to the one aten op
+    that made the value or raised, where that op alone shows the failure (``level`` is then ``op``).
 
     Raises:
         DidNotReproduce: the bundle does not fail when replayed, or the module alone does not.
@@ -246,10 +307,17 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
             raise DidNotReproduce(f"{bundle.path}: the window failed before its last step; replay or shrink it "
                                   "first (`reprokit replay`), then extract")
         watcher = _OpCapture(batch_size(inputs[-1].batch))
-        if target is None or located["raised_in"] is None:
+        raised, notes = None, []
+        if bundle.failure.kind == "exception":
+            raiser = _RaiseCapture()
+            raised = raiser.matching(watch_step(s, inputs[-1], before, None, raiser)[0].failure)
+            notes += _raise_notes(raised, bundle.failure)
+            if raised is not None and raised.module is not None:
+                target = raised.module, raised.phase  # the module that ran the op, placed by its autograd node
+        elif target is None or located["raised_in"] is None:
             watch_step(s, inputs[-1], before, watcher.rows, watcher)
         if target is None:
-            return _nothing(bundle, output, located, watcher)
+            return _nothing(bundle, output, located, watcher, raised)
         name, phase = target
         assert s.state is not None
         mod = s.state.model if name == "<model>" else s.state.model.get_submodule(name)
@@ -260,25 +328,70 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
                 s.run(inputs[-1:], before)
         finally:
             cap.close()
-        call = _pick(cap.calls, phase, located)
+        call = _pick(cap, phase, bundle.failure.kind == "exception")
         skipped: list[str] = []
         spec = _module_spec(mod, skipped)
         cls_file = getattr(sys.modules.get(type(mod).__module__), "__file__", None)
-        if spec["class"]["module"] == "__main__" and cls_file:  # a class of the training script itself
+        if cls_file and (spec["class"]["module"] == "__main__" or spec["class"]["module"].startswith(
+                "_reprokit_script_")):  # a class of the training script itself (as run, or as replay loads it)
             spec["class"]["module"] = Path(cls_file).stem
-        op = watcher.op if watcher.origin is not None and watcher.origin.created and _inside(
-            watcher.origin.module, name) else None
+        if raised is not None:
+            op = _encode_op(raised.func, raised.args, raised.kwargs)
+            if op is None:
+                notes.append(f"{raised.func} raised it, but its arguments cannot be saved: no one-op repro")
+            else:
+                op["raises"] = {"type": type(raised.error).__qualname__, "message": bundle.failure.message}
+        else:
+            op = watcher.op if watcher.origin is not None and watcher.origin.created and _inside(
+                watcher.origin.module, name) else None
+        op = _checked(op, notes)
         code_dir = s.code_dir
-    notes = [f"attributes not carried (not plain data): {', '.join(skipped)}"] if skipped else []
+    source = Path(source) if source is not None else bundle.path
+    weights = sum(t.numel() * t.element_size() for t in call.params.values())
+    if max_module_bytes is not None and weights > max_module_bytes:
+        if op is not None:
+            notes.append(f"module {name} ({type(mod).__qualname__}) holds {weights / 1e6:.1f} MB of weights, over "
+                         f"{max_module_bytes / 1e6:g} MB: the extract is the one op that "
+                         f"{'raised' if 'raises' in op else 'made'} it, {op['op']}, on its saved inputs")
+            return _write(bundle, output, name, type(mod).__qualname__, phase, _op_spec(op), _op_call(op), op, None,
+                          None, notes, source, level="op")
+        notes.append(f"module {name} ({type(mod).__qualname__}) holds {weights / 1e6:.1f} MB of weights, over "
+                     f"{max_module_bytes / 1e6:g} MB, and no one op shows the failure alone: the extract carries them")
+    notes += [f"attributes not carried (not plain data): {', '.join(skipped)}"] if skipped else []
     return _write(bundle, output, name, type(mod).__qualname__, phase, spec, call, op, code_dir, cls_file, notes,
-                  Path(source) if source is not None else bundle.path)
+                  source)
+
+
+def _op_spec(op: dict[str, Any]) -> dict[str, Any]:
+    """The module spec of :class:`reprokit.extract_repro.AtenOp` running ``op`` (its arguments as JSON)."""
+    call = json.dumps({"args": op["args"], "kwargs": op["kwargs"]}, sort_keys=True)
+    return {"class": {"module": EXTRACT_MODULE, "qualname": "AtenOp"}, "attrs": {"op": op["op"], "call": call},
+            "params": {}, "buffers": {}, "children": {}}
+
+
+def _op_call(op: dict[str, Any]) -> _Call:
+    """The op's tensors, in the order ``AtenOp.forward`` takes them (``t0``, ``t1``, ...)."""
+    return _Call(args=[op["tensors"][f"t{i}"] for i in range(len(op["tensors"]))], kwargs={}, params={})
+
+
+def _raise_notes(raised: _Raised | None, failure: Failure) -> list[str]:
+    if raised is not None:
+        return []
+    where = f" ({failure.frame})" if failure.frame else ""
+    return [f"no aten op raised {failure.exc_type}: Python code raised it{where}, so there is no one-op repro; the "
+            "module-level repro shows it"]
 
 
 def _target(located: dict[str, Any]) -> tuple[str, str] | None:
     if located.get("raised_in"):
-        return located["raised_in"]["module"], "forward"
+        return located["raised_in"]["module"], located["raised_in"].get("phase", "forward")
     first = located.get("first_nonfinite")
     origin = located.get("origin") or {}
+    if origin.get("created") and origin.get("module") and origin.get("phase") in ("forward", "backward"):
+        # The innermost module running the op that made the value. The module hooks may first see it
+        # at a child that only carried it (post hooks fire innermost first: attention's NaN from a
+        # functional softmax shows first at its output projection, whose inputs were already NaN).
+        return origin["module"], origin["phase"]
     if first is None or first.get("inputs_already_nonfinite") or (origin and origin.get("module") is None):
         return None
     return first["module"], first["phase"]
@@ -288,17 +401,22 @@ def _inside(module: str | None, name: str) -> bool:
     return module is not None and (name == "<model>" or module == name or module.startswith(name + "."))
 
 
-def _pick(calls: list[_Call], phase: str, located: dict[str, Any]) -> _Call:
+def _pick(cap: _Capture, phase: str, exception: bool) -> _Call:
+    calls = cap.calls
     if not calls:
         raise DidNotReproduce("the module was not called when the failing step ran again; it may be skipped "
                               "depending on the data. Replay the bundle to check it still fails the same way")
-    if located.get("raised_in"):
-        return calls[-1]
+    if exception:
+        # An exception: in forward, the last call raised; in backward, the call whose backward was running.
+        return calls[cap._current] if phase == "backward" and 0 <= cap._current < len(calls) else calls[-1]
     key = "grad_bad" if phase == "backward" else "output_bad"
     return next((c for c in calls if getattr(c, key)), calls[-1])
 
 
-def _nothing(bundle: Bundle, output: Path, located: dict[str, Any], watcher: _OpCapture) -> ExtractResult:
+def _nothing(bundle: Bundle, output: Path, located: dict[str, Any], watcher: _OpCapture,
+             raised: _Raised | None) -> ExtractResult:
+    if bundle.failure.kind == "exception":
+        return _nothing_raised(bundle, output, raised)
     origin = watcher.origin
     where = origin.describe() if origin is not None else "unknown (no op made a non-finite value)"
     first = located.get("first_nonfinite") or {}
@@ -309,30 +427,73 @@ def _nothing(bundle: Bundle, output: Path, located: dict[str, Any], watcher: _Op
     else:
         why = f"first seen in {first.get('module')} with inputs already non-finite: {where}"
     msg = f"no module to blame, so no module-level extract: {why}."
-    if watcher.op is not None:
+    notes: list[str] = []
+    op = _checked(watcher.op, notes)
+    if op is not None:
         output.mkdir(parents=True, exist_ok=True)
-        for rel, data in _op_files(watcher.op).items():
+        for rel, data in _op_files(op).items():
             (output / Path(rel).name).write_bytes(data)
-        msg += (f" The inputs of {watcher.op['op']} are saved in {output}: `python {output / 'op_repro.py'}` "
+        msg += (f" The inputs of {op['op']} are saved in {output}: `python {output / 'op_repro.py'}` "
                 "runs that op alone.")
-    raise NothingToExtract(msg)
+    raise NothingToExtract(" ".join([msg, *notes]))
+
+
+def _nothing_raised(bundle: Bundle, output: Path, raised: _Raised | None) -> ExtractResult:
+    f = bundle.failure
+    where = f" ({f.frame})" if f.frame else ""
+    msg = f"no module to blame, so no module-level extract: {f.exc_type} was raised outside every module{where}."
+    op = _encode_op(raised.func, raised.args, raised.kwargs) if raised is not None else None
+    notes: list[str] = []
+    if op is not None and raised is not None:
+        op["raises"] = {"type": type(raised.error).__qualname__, "message": f.message}
+        op = _checked(op, notes)
+    if op is not None:
+        output.mkdir(parents=True, exist_ok=True)
+        for rel, data in _op_files(op).items():
+            (output / Path(rel).name).write_bytes(data)
+        msg += (f" {op['op']} raised it; its inputs are saved in {output}: `python {output / 'op_repro.py'}` runs "
+                "that op alone.")
+    elif raised is None:
+        msg += " No aten op raised it (Python code did), so there is no one-op repro either."
+    elif not notes:
+        msg += f" {raised.func} raised it, but its arguments cannot be saved: no one-op repro."
+    raise NothingToExtract(" ".join([msg, *notes]))
+
+
+def _checked(op: dict[str, Any] | None, notes: list[str]) -> dict[str, Any] | None:
+    """``op`` when running it alone on the CPU, on its saved inputs, shows the bug again; else None, said in
+    ``notes`` (a one-op repro that does not reproduce would be a wrong repro)."""
+    if op is None:
+        return None
+    from reprokit.extract_op import run as run_op
+
+    try:
+        ok = run_op(op, {k: v.clone() for k, v in op["tensors"].items()}, "cpu", say=lambda _: None)
+    except Exception:  # noqa: BLE001 - an op that fails otherwise alone does not reproduce it either
+        ok = False
+    if not ok:
+        notes.append(f"{op['op']} alone, on the inputs it received, run on the CPU, does not show the failure again "
+                     "(it may need the original device or state): no one-op repro written")
+    return op if ok else None
 
 
 def _op_files(op: dict[str, Any]) -> dict[str, bytes]:
-    doc = {k: op[k] for k in ("op", "args", "kwargs")}
+    doc = {k: op[k] for k in ("op", "args", "kwargs", "raises") if k in op}
     return {OP_FILES[0]: dumps(doc), OP_FILES[1]: st_save(op["tensors"]) if op["tensors"] else st_save({}),
             OP_FILES[2]: (Path(__file__).parent / "extract_op.py").read_bytes()}
 
 
 def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: dict[str, Any], call: _Call,
            op: dict[str, Any] | None, code_dir: Path | None, cls_file: str | None, notes: list[str],
-           source: Path) -> ExtractResult:
-    """Record the module's one step with the recorder, then add ``extract`` to its run.json (and the op files)."""
+           source: Path, level: str = "module") -> ExtractResult:
+    """Record the module's (or, ``level="op"``, the op's) one step with the recorder, then add ``extract`` to its
+    run.json (and the op files)."""
     import reprokit
     from reprokit.code import imported
 
-    batch: dict[str, Any] = {"phase": phase, "args": call.args, "kwargs": call.kwargs}
-    if phase == "backward":
+    run_phase = phase if level == "module" else "forward"  # an op runs forward, whichever pass it came from
+    batch: dict[str, Any] = {"phase": run_phase, "args": call.args, "kwargs": call.kwargs}
+    if run_phase == "backward":
         batch["grad_outputs"] = call.grad_outputs or []
     config = {"module": spec}
     with tempfile.TemporaryDirectory(prefix="reprokit-extract-") as tmp:
@@ -358,19 +519,25 @@ def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: 
                 recorded = e
             finally:
                 rec.close()
+        what = f"module {name} ({cls})" if level == "module" else f"op {spec['attrs']['op']}"
         if recorded is None or not rec.bundles:
-            raise DidNotReproduce(f"module {name} ({cls}) alone, on the inputs it received, does not fail the same "
+            raise DidNotReproduce(f"{what} alone, on the inputs it received, does not fail the same "
                                   "way (its failure may need state it does not hold); use the whole bundle, or "
                                   "`reprokit shrink` it instead")
+        if bundle.failure.kind == "exception" and type(recorded).__qualname__ != bundle.failure.exc_type:
+            raise DidNotReproduce(f"{what} alone raises {type(recorded).__qualname__}, not the "
+                                  f"bundle's {bundle.failure.exc_type}: it does not fail the same way alone; use the "
+                                  "whole bundle, or `reprokit shrink` it instead")
         failure = f"{type(recorded).__name__}: {str(recorded).splitlines()[0][:300]}"
         info = {"source_bundle": str(source), "source_manifest_sha256": sha256_file(bundle.path / MANIFEST),
                 "source_step": bundle.failure.step, "source_failure": bundle.failure.describe(), "module": name,
-                "class": f"{spec['class']['module']}.{spec['class']['qualname']}", "phase": phase,
-                "op": op["op"] if op else None}
+                "class": f"{spec['class']['module']}.{spec['class']['qualname']}" if level == "module" else cls,
+                "phase": phase, "op": op["op"] if op else None, "level": level}
         path = _rewrite(rec.bundles[-1], output, info, op)
     size = sum(int(m["size"]) for m in json.loads((path / MANIFEST).read_text())["files"].values())
     return ExtractResult(output=path, source=source, module=name, cls=cls, phase=phase, failure=failure,
-                         op=op["op"] if op else None, notes=notes, bytes=size)
+                         op=op["op"] if op else None, notes=notes, bytes=size, op_raised=bool(op and "raises" in op),
+                         level=level)
 
 
 def _library(path: str) -> bool:
@@ -399,10 +566,13 @@ def _rewrite(recorded: Path, output: Path, info: dict[str, Any], op: dict[str, A
 
 
 def format_extract(d: dict[str, Any]) -> str:
-    lines = [f"extracted module {d['module']} ({d['class']}), {d['phase']}, from {d['source']}",
+    head = f"extracted module {d['module']} ({d['class']})" if d.get("level", "module") == "module" else \
+        f"extracted op {d['op']} alone (of module {d['module']}, {d['class']})"
+    lines = [f"{head}, {d['phase']}, from {d['source']}",
              f"  it fails alone: {d['failure']}"]
     if d.get("op"):
-        lines.append(f"  first bad value made by one op, {d['op']}: python {d['output']}/extract/op_repro.py")
+        what = "raised by one op" if d.get("op_raised") else "first bad value made by one op"
+        lines.append(f"  {what}, {d['op']}: python {d['output']}/extract/op_repro.py")
     lines += [f"  note: {n}" for n in d.get("notes") or []]
     lines.append(f"wrote {d['output']} ({d['bytes'] / 1e3:.1f} kB); `reprokit replay {d['output']}` exits 1 while "
                  "it fails, `reprokit pack` ships it")

@@ -6,12 +6,14 @@ and ``train_step`` from it like from any project. ``build(config)`` makes the mo
 plain attributes, parameters and buffers are set from ``config`` and the snapshot fills in their
 values. ``train_step`` runs the module's forward on the recorded inputs (and, for a backward
 failure, backward with the recorded gradient) and raises ``FloatingPointError`` naming the first
-non-finite value, or lets the module's own exception through.
+non-finite value, or lets the module's own exception through. An extract narrowed to one op (its
+module was too large to carry) runs :class:`AtenOp`, that op on its saved inputs.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 from typing import Any
 
 import torch
@@ -40,6 +42,41 @@ def _make(spec: dict[str, Any]) -> torch.nn.Module:
     for name, child in spec["children"].items():
         mod._modules[name] = None if child is None else _make(child)
     return mod
+
+
+def _decode(v: Any, tensors: dict[str, torch.Tensor], device: torch.device) -> Any:
+    if isinstance(v, list):
+        return [_decode(x, tensors, device) for x in v]
+    if isinstance(v, dict):
+        if "tensor" in v:
+            return tensors[v["tensor"]]
+        if "float" in v:
+            return float(v["float"])
+        if "dtype" in v:
+            return getattr(torch, v["dtype"])
+        if "device" in v:
+            return device
+    return v
+
+
+class AtenOp(torch.nn.Module):
+    """One aten op as a module: an extract narrowed to the op that made the value (or raised).
+
+    ``op`` names the overload (``aten._softmax.default``); ``call`` holds its arguments as JSON, where
+    ``{"tensor": "tK"}`` stands for the K-th tensor given to ``forward``.
+    """
+
+    op: str
+    call: str
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        spec = json.loads(self.call)
+        named = {f"t{i}": t for i, t in enumerate(tensors)}
+        device = tensors[0].device if tensors else torch.device("cpu")
+        ns, name, overload = (self.op.split(".") + ["default"])[:3]
+        fn = getattr(getattr(getattr(torch.ops, ns), name), overload)
+        return fn(*_decode(spec["args"], named, device),
+                  **{k: _decode(v, named, device) for k, v in spec["kwargs"].items()})
 
 
 def build(config: dict[str, Any]) -> reprokit.TrainState:
@@ -82,7 +119,8 @@ def train_step(state: reprokit.TrainState, batch: dict[str, Any]) -> torch.Tenso
         out = model(*args, **kwargs)
     outs = _tensors(out)
     if phase == "forward":
-        _check("the module's output", [(f"[{i}]", t) for i, t in enumerate(outs)])
+        _check("the op's output" if isinstance(model, AtenOp) else "the module's output",
+               [(f"[{i}]", t) for i, t in enumerate(outs)])
         return torch.zeros(())
     pairs = [(o, g) for o, g in zip(outs, batch["grad_outputs"]) if g is not None and o.requires_grad]
     torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])

@@ -258,6 +258,11 @@ def _meta(node: Any) -> dict[str, Any]:
     return node.metadata  # type: ignore[no-any-return]
 
 
+def stamped_module(node: Any) -> Any:
+    """The module whose forward made autograd node ``node`` (stamped by an :class:`OriginWatcher`), or None."""
+    return _meta(node).get(_KEY, (None, None))[0]
+
+
 class _Stamp(TorchFunctionMode):
     """Stamps every new autograd node with the module and user-code line of the forward call that made it."""
 

@@ -33,13 +33,14 @@ import io
 import os
 import queue
 import tarfile
+import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from reprokit.bundle import MANIFEST, Bundle, _self_digest, dumps, open_bundle, sha256_file
+from reprokit.bundle import MANIFEST, REPLICATED, Bundle, _self_digest, dumps, open_bundle, sha256_file
 from reprokit.env import FRAMEWORKS
 from reprokit.errors import BundleError
 
@@ -351,6 +352,18 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
         >>> r.sha256                                                   # doctest: +SKIP
     """
     b = open_bundle(Path(bundle))  # JSON, code and sizes now; tensor files hashed as they are copied below
+    if REPLICATED in b.manifest["files"]:
+        # A rank's bundle that references rank 0's state: the archive must stand alone, so the state is written
+        # into a self-contained copy (digests checked as it is read) and that copy is packed.
+        from reprokit.distributed import replicated
+
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".reprokit-materialise-", dir=Path(output).parent) as tmp:
+            return _pack(open_bundle(replicated.materialise(b, Path(tmp), b.path.name)), Path(output))
+    return _pack(b, Path(output))
+
+
+def _pack(b: Bundle, output: Path) -> PackResult:
     top = "repro-" + sha256_file(b.path / MANIFEST)[:12]
     files: dict[str, Path | bytes] = {f"bundle/{p.relative_to(b.path).as_posix()}": p
                                       for p in sorted(b.path.rglob("*")) if p.is_file()}

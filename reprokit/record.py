@@ -40,11 +40,23 @@ import numpy as np
 import torch
 
 from reprokit import pytree
-from reprokit.bundle import BundleWriter, StepRecord, find_leftovers, write_bundle
+from reprokit.bundle import (
+    CODE,
+    ENV,
+    FAILURE,
+    RUN,
+    STATE_JSON,
+    STEPS,
+    BundleWriter,
+    StepRecord,
+    find_leftovers,
+    step_name,
+    write_bundle,
+)
 from reprokit.code import ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
-from reprokit.distributed import IncidentBoard, rank_info
+from reprokit.distributed import IncidentBoard, rank_info, replicated
 from reprokit.env import capture_env, determinism_flags
 from reprokit.errors import CaptureError, RecorderWarning, TrainingFailure
 from reprokit.rng import RNGState, check_generators
@@ -146,6 +158,8 @@ class _Snapshot:
     tree: dict[str, Any]
     tensors: dict[str, torch.Tensor] | list[WrittenFile]
     """In host memory, or safetensors files (with their digests) when spilling to disk."""
+    referenced: bool = False
+    """Only this rank's RNG and detector state: model and optimizer state are rank 0's (replicated_state)."""
 
 
 class Recorder:
@@ -175,6 +189,15 @@ class Recorder:
         incident_wait_s: under a process group (torchrun), how long a rank that failed waits for the other ranks
             to write their windows into the incident folder before its error is raised (see
             :mod:`reprokit.distributed`).
+        replicated_state: under a process group, whether model and optimizer state are the same on every rank, so
+            that only global rank 0 (the owner) snapshots them and the other ranks' bundles reference its state files
+            by digest (each rank still records its own batches, RNG and detector state). ``"auto"`` (the default):
+            when the model is a ``DistributedDataParallel``, the world size is above one, no parameter is a
+            DTensor (FSDP2 and tensor parallel state differs per rank) and ``state.extra`` holds only generators
+            (anything else there may differ per rank). This saves the state's host memory (and its
+            disk) on every rank but one. A non-owner whose window cannot fit its budget, or whose gradients are not
+            empty at a snapshot step (accumulation), takes its own snapshot instead (said once). ``True`` insists
+            (refused where ``"auto"`` would not apply); ``False`` snapshots on every rank.
         snapshot_sync: copy CUDA state on the training stream (a stall of the state's size over
             the PCIe bandwidth at every snapshot: ~30 ms for GPT-2-124M with AdamW). By default the
             copy overlaps the forward and backward; a parameter written in place outside
@@ -214,6 +237,7 @@ class Recorder:
         host_memory_budget: int | None = None,
         snapshot_sync: bool = False,
         incident_wait_s: float = 60.0,
+        replicated_state: str | bool = "auto",
     ):
         if snapshot_every < 1:
             raise CaptureError(f"snapshot_every must be >= 1, got {snapshot_every}")
@@ -285,7 +309,30 @@ class Recorder:
         if self.rank is not None:
             self._lock = threading.RLock()  # the incident watcher writes the window from another thread
             self._board = IncidentBoard(self.out_dir, self.rank)
+        try:
+            # This rank references the owner's state instead of snapshotting its own (a non-owner, replicated).
+            self._refer = self._replication(replicated_state)
+        except CaptureError:
+            self.close()  # no hooks left on the optimizer by a Recorder that was refused
+            raise
+        self._saved = 0
+        """Bytes of state this rank did not copy at its last snapshot step (rank 0's are referenced instead)."""
+        if self._board is not None:
             self._board.watch(self._on_incident)
+
+    def _replication(self, mode: str | bool) -> bool:
+        """Whether this rank references rank 0's state (see ``replicated_state``)."""
+        if mode not in ("auto", True, False):
+            raise CaptureError(f"replicated_state must be \"auto\", True or False, got {mode!r}")
+        layout = replicated.is_replicated_layout(self.state.model, self.state.extra)
+        if mode is True and (self.rank is None or self.rank.world_size < 2 or not layout):
+            raise CaptureError("replicated_state=True needs an initialised process group of two or more ranks and "
+                               "a state that is the same on every rank (a DistributedDataParallel model, no DTensor "
+                               "parameters, nothing but generators in state.extra); pass replicated_state=\"auto\" or False")
+        on = mode is True or (mode == "auto" and self.rank is not None and self.rank.world_size > 1 and layout)
+        self._owns = on and self.rank is not None and self.rank.rank == replicated.OWNER_RANK
+        """This rank snapshots the state the others reference."""
+        return on and self.rank is not None and self.rank.rank != replicated.OWNER_RANK
 
     def _mention_leftovers(self) -> None:
         """Say, once at attach, when ``out_dir`` holds temp folders that killed writers left behind."""
@@ -377,6 +424,8 @@ class Recorder:
             need = batch_bytes + other
             position = 0 if due else k - self._snapshot.step  # type: ignore[union-attr]
             if not self._fits(k, position, need):
+                if self._refer and not due and position > 0:
+                    self._leave_replication(k, "its window reached the host-memory budget")
                 if due or position == 0 or not self._fits(k, 0, need, early=True):
                     self._engine.discard_prepared()
                     self._skip(k, need, due)
@@ -488,7 +537,7 @@ class Recorder:
             finally:
                 self._pending.clear()
         snap = self._snapshot
-        if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every:
+        if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every and not self._refer:
             self._engine.prepare()
 
     # --- the host-memory budget ------------------------------------------------------
@@ -508,6 +557,8 @@ class Recorder:
             fits = self._projected(position, need) <= self.budget
         if fits and early:
             self._mem["early_snapshots"] += 1
+            if self._owns and self._board is not None and self._mem["early_snapshots"] == 1:
+                replicated.mark_owner_early(self._board.path, k)  # the other ranks take their own snapshots
             window = self.held_bytes() - self._engine.held_bytes
             steps = k - self._snapshot.step if self._snapshot else 0
             self._warn("early", f"reprokit: the window reached the host-memory budget ({mib(self.budget)}: snapshot "
@@ -569,7 +620,9 @@ class Recorder:
             (the snapshot, the batch-buffer pool and the window's RNG states); ``snapshot_bytes``;
             ``window_steps`` and ``window_bytes`` (batches and RNG of the current window);
             ``early_snapshots`` (taken before ``snapshot_every`` to stay in the budget);
-            ``unrecorded_steps``; ``snapshots_spilled`` (why snapshots go to disk, or None).
+            ``unrecorded_steps``; ``snapshots_spilled`` (why snapshots go to disk, or None); ``state``:
+            ``"snapshotted"``, or ``"referenced"`` on a rank whose bundles reference rank 0's state
+            (``replicated_state``), with ``state_bytes_saved``, the state bytes it did not copy.
 
         Example:
             >>> rec.stats()["peak_pinned_bytes"]                             # doctest: +SKIP
@@ -578,7 +631,8 @@ class Recorder:
         window = sum(t.numel() * t.element_size() for key, t in self._slots.items() if key[0] < len(self._ring))
         return {"budget_bytes": self.budget, "held_bytes": self.held_bytes(), **self._mem,
                 "snapshot_bytes": self._engine.held_bytes, "window_steps": len(self._ring),
-                "window_bytes": window + self._ring_other, "snapshots_spilled": self._engine.spilled_for_memory}
+                "window_bytes": window + self._ring_other, "snapshots_spilled": self._engine.spilled_for_memory,
+                "state": "referenced" if self._refer else "snapshotted", "state_bytes_saved": self._saved}
 
     def _drop_window(self, key: str, message: str) -> None:
         """The window cannot be replayed any more: forget it until the next snapshot, and say so (once per key)."""
@@ -592,12 +646,35 @@ class Recorder:
         self._ring_other = 0
         self._snapshot = None  # free the old one before copying the new one
         self._window_ok = False
-        tree, tensors = self._engine.take({"monitor": self.monitor.state_dict(), "step": k})
+        extra = {"monitor": self.monitor.state_dict(), "step": k}
+        if self._refer and any(p.grad is not None for p in self.state.model.parameters()):
+            self._leave_replication(k, "gradients are not empty at a snapshot step (they differ per rank)")
+        if self._refer and self._board is not None and replicated.owner_went_early(self._board.path):
+            self._leave_replication(k, f"rank {replicated.OWNER_RANK} takes early snapshots (its host-memory budget), "
+                                       "so its snapshots no longer fall on this rank's")
+        if self._refer:  # rank 0 snapshots the state; this rank keeps its own RNG and detector state only
+            rng_tree, rng_tensors = encode_rng(capture_rng(self.state.extra))
+            self._snapshot = _Snapshot(k, {"rng": rng_tree, **extra}, rng_tensors, referenced=True)
+            self._saved = sum(t.numel() * t.element_size()
+                                                 for t in capture_state(self.state, copy=lambda t: t)[1].values())
+            self._window_ok = True
+            self._note_peak()
+            return
+        tree, tensors = self._engine.take(extra)
         self._snapshot = _Snapshot(k, tree, tensors)
         self._window_ok = True
         if self._engine.spilled_for_memory:
             self._warn("spill", f"reprokit: {self._engine.spilled_for_memory}.")
         self._note_peak()
+
+    def _leave_replication(self, k: int, why: str) -> None:
+        """From step ``k`` on, this rank snapshots its own state (its bundles stand alone): a window that cannot start
+        at rank 0's snapshot must never reference it."""
+        self._refer = False
+        self._saved = 0
+        self._warn("replicated", f"reprokit: rank {self.rank.rank if self.rank else '?'}: {why} at step {k}; this rank "
+                                 "takes its own state snapshots from now on (its bundles stand alone and hold the "
+                                 "state) instead of referencing rank 0's.")
 
     def _next_snapshot(self, k: int) -> int:
         start = self._snapshot.step if self._snapshot else k
@@ -706,8 +783,40 @@ class Recorder:
         run = self._run_doc(snap, failure, ring)
         if self.rank is not None:
             run["distributed"] = {**self.rank.to_json(), "incident": incident}
+        if snap.referenced:
+            return self._write_referencing(w, failure, run, snap, ring, code, incident)
         return write_bundle(w, failure=failure.to_json(), run=run, env=capture_env(self._root),
                               state=(snap.tree, snap.tensors), steps=(r.record() for r in ring), code=code)
+
+    def _write_referencing(self, w: BundleWriter, failure: Failure, run: dict[str, Any], snap: _Snapshot,
+                           ring: list[_Step], code: list[tuple[str, Path]], incident: str | None) -> Path:
+        """A bundle whose state is rank 0's: wait (bounded) for rank 0's bundle of this incident and reference its
+        state files by digest; if there is none, the bundle says why (it cannot replay alone) and so does a warning."""
+        assert self.rank is not None and isinstance(snap.tensors, dict)
+        board = self._board
+        ref, owner_tree = replicated.find_owner(
+            w.out_dir, world_size=self.rank.world_size, incident=incident or "", step=snap.step,
+            timeout_s=self.incident_wait_s,
+            done=board._done_path(replicated.OWNER_RANK) if board is not None else None)
+        if ref.get("problem"):
+            self._warn("", f"reprokit: rank {self.rank.rank}'s bundle references rank {replicated.OWNER_RANK}'s state,"
+                           f" but {ref['problem']}. It is written without a state and cannot replay alone; replay "
+                           "the incident's other bundles, or record with replicated_state=False.")
+        tree = {**snap.tree, "state": owner_tree}
+        with w:
+            for rel, doc in ((FAILURE, failure.to_json()), (RUN, run), (ENV, capture_env(self._root)),
+                             (STATE_JSON, tree), (replicated.REFERENCE, ref)):
+                w.write_json(rel, doc)
+            w.write_tensors(replicated.LOCAL_RNG, snap.tensors)
+            for rec in ring:
+                r = rec.record()
+                name = f"{STEPS}/{step_name(r.step)}"
+                w.write_json(name + ".json", {"step": r.step, "batch": r.batch, "rng": r.rng, "loss": r.loss,
+                                              "grad_norm": r.grad_norm})
+                w.write_tensors(name + ".safetensors", r.tensors)
+            for rel, src in code:
+                w.copy_file(f"{CODE}/{rel}", src)
+            return w.commit()
 
     def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None) -> dict[str, Any]:
         ring = self._ring if ring is None else ring

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from reprokit import pytree, schema
-from reprokit.bundle import _FIX, STEPS, Bundle, jsonable, state_files, step_name
+from reprokit.bundle import _FIX, REPLICATED, STEPS, Bundle, jsonable, state_files, step_name
 from reprokit.code import ref_label
 from reprokit.diagnose import findings
 from reprokit.errors import BundleError, ReprokitError
@@ -37,6 +37,7 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "window": {"start": run["window"]["start"], "end": run["window"]["end"], "steps": len(steps)},
         "batch": _batch_structure(batches[steps[-1]]) if steps else {},
         "state": _state_sizes(bundle),
+        "state_reference": _state_reference(bundle),
         "sizes": bundle.sizes(),
         "refs": run["refs"],
         "rank": (run.get("distributed") or {}).get("rank"),
@@ -206,12 +207,31 @@ def _batch_structure(batch: Any) -> dict[str, Any]:
     return out
 
 
+def _state_reference(bundle: Bundle) -> dict[str, Any] | None:
+    """Where the state of a bundle that references rank 0's lives (replicated DDP state), else None."""
+    from reprokit.distributed import replicated
+
+    return replicated.describe(bundle)
+
+
 def _state_sizes(bundle: Bundle) -> dict[str, int]:
     """Bytes of the state's tensors per top-level key (model, optimizer, ...), summed over every state
-    file the manifest lists, from their headers alone (checked against each file by ``open_bundle``)."""
+    file the manifest lists (or, for a bundle that references rank 0's state, every file the reference
+    lists in that bundle), from their headers alone (checked against each file by ``open_bundle``)."""
     sizes: dict[str, int] = {}
-    for rel in state_files(bundle.manifest["files"]):
-        path = bundle.path / rel
+    ref = _state_reference(bundle)
+    if ref is None:
+        root, rels = bundle.path, state_files(bundle.manifest["files"])
+    elif ref["path"] is None:
+        return sizes
+    else:  # ref["path"] is the owner bundle's state/state.safetensors
+        root, rels = Path(ref["path"]).parents[1], state_files(bundle._json(REPLICATED)["files"])
+        if not all((root / rel).is_file() and not (root / rel).is_symlink() for rel in rels):
+            return sizes  # a part is missing: `verify` lists it
+        for rel in rels:  # another bundle's files: their headers were not checked with this one
+            schema.check_safetensors(root / rel, rel)
+    for rel in rels:
+        path = root / rel
         try:
             with open(path, "rb") as f:
                 header, _ = schema.safetensors_header(f, path.stat().st_size, rel)
@@ -245,7 +265,10 @@ def format_describe(d: dict[str, Any]) -> str:
     lines.append("batch    " + ("; ".join(f"{k}: {v.get('dtype', v.get('type'))}{v.get('shape', '')}"
                                            for k, v in d["batch"].items()) or "(empty)"))
     lines.append("refs     " + _refs_line(d.get("refs")))
-    lines.append("state    " + ", ".join(f"{k} {_mb(v)}" for k, v in d["state"].items()))
+    ref = d.get("state_reference")
+    lines.append("state    " + (f"referenced from rank {ref['rank']}'s bundle {ref['bundle']} (snapshot at step "
+                                f"{ref['step']}{'; ' + ref['problem'] if ref['problem'] else ''}): " if ref else "")
+                 + ", ".join(f"{k} {_mb(v)}" for k, v in d["state"].items()))
     lines.append("on disk  " + ", ".join(f"{k} {_mb(v)}" for k, v in d["sizes"].items()))
     e = d["env"]
     git = e.get("git") or {}
@@ -434,6 +457,7 @@ def format_verify(d: dict[str, Any]) -> str:
     else:
         lines = [f"{d['bundle']}: ok, every file matches the manifest"
                  + (f"; archive sha256 matches {d['origin']}" if d.get("origin") else "")]
+    lines += [f"  referenced {x['file']}: {x['status']}" for x in d.get("referenced") or []]
     if d.get("note"):
         lines.append(f"note: {d['note']}")
     return "\n".join(lines)

@@ -451,6 +451,31 @@ def check_state(d: Any, keys: set[str] | None, name: str = "state/state.json") -
         f.integer(d["step"], "step")
 
 
+_BUNDLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+def check_replicated(d: Any, name: str = "state/replicated.json") -> None:
+    """A reference to another rank's state (:mod:`reprokit.distributed.replicated`): the owner bundle is one plain
+    folder name beside this bundle (no separators, no ``..``), and the files are that bundle's state files."""
+    f = _File(name)
+    f.obj(d, "", ("owner", "files"))
+    owner = f.obj(d["owner"], "owner", ("rank", "bundle", "step"))
+    f.integer(owner["rank"], "owner.rank")
+    f.integer(owner["step"], "owner.step")
+    f.string(owner["bundle"], "owner.bundle", null=True)
+    if owner["bundle"] is not None and (not _BUNDLE_NAME.fullmatch(owner["bundle"]) or owner["bundle"] == ".."):
+        raise f.fail("owner.bundle", f"must be a plain folder name beside this bundle, got {owner['bundle'][:80]!r}")
+    files = f.obj(d["files"], "files")
+    for rel in files:
+        if not STATE_FILE.fullmatch(rel):
+            raise f.fail(f"files[{rel[:80]!r}]", "must be a state file (state/state.safetensors, state/state-1...)")
+    check_manifest_files(files, name)
+    if "problem" in d:
+        f.string(d["problem"], "problem", null=True)
+    if owner["bundle"] is None and not d.get("problem"):
+        raise f.fail("problem", "must say why no owner bundle is named")
+
+
 def check_step(d: Any, step: int | None, keys: set[str] | None, name: str) -> None:
     f = _File(name)
     f.obj(d, "", ("step", "batch", "rng"))
@@ -602,8 +627,15 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
         elif rel == "extract/op.json":
             run(rel, lambda doc=doc, k=k: check_op(doc, k))
         elif rel == "state/state.json":
-            k = _state_keys(files, keys, skip, problems)
+            # A state referenced from another rank's bundle: its tensor names are known once those files are read
+            # (Bundle.state() checks them then).
+            k = _state_keys(files, keys, skip, problems) if "state/replicated.json" not in files else None
             run(rel, lambda doc=doc, k=k: check_state(doc, k))
+        elif rel == "state/replicated.json":
+            run(rel, lambda doc=doc: check_replicated(doc))
+            if any(STATE_FILE.fullmatch(x) for x in files):
+                problems.append({"file": rel, "problem": "references another rank's state, but the bundle also lists "
+                                                         "state files of its own: ambiguous, refused"})
         elif m:
             run(rel, lambda rel=rel, doc=doc, k=k, m=m: check_step(doc, int(m[1]), k, rel))
     window = (docs.get("run.json") or [None])[0]

@@ -55,6 +55,8 @@ class _Tracer:
     frames: deque = field(default_factory=lambda: deque(maxlen=400))
     first: dict[str, Any] | None = None
     stack: list[tuple[str, list[str]]] = field(default_factory=list)
+    backward: list[tuple[str, list[str]]] = field(default_factory=list)
+    """Modules whose backward is running: their backward pre hook fired, their backward hook not yet."""
     handles: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -62,6 +64,7 @@ class _Tracer:
             name = name or "<model>"
             self.handles.append(mod.register_forward_pre_hook(self._pre(name)))
             self.handles.append(mod.register_forward_hook(self._post(name)))
+            self.handles.append(mod.register_full_backward_pre_hook(self._back_pre(name)))
             self.handles.append(mod.register_full_backward_hook(self._back(name)))
 
     def _pre(self, name: str) -> Any:
@@ -76,8 +79,17 @@ class _Tracer:
             self._record(name, mod, "forward", inputs, output)
         return hook
 
+    def _back_pre(self, name: str) -> Any:
+        def hook(mod: torch.nn.Module, grad_output: Any) -> None:
+            self.backward.append((name, _shapes(grad_output)))
+        return hook
+
     def _back(self, name: str) -> Any:
         def hook(mod: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+            for i in range(len(self.backward) - 1, -1, -1):
+                if self.backward[i][0] == name:
+                    del self.backward[i]
+                    break
             self._record(name, mod, "backward", grad_output, grad_input)
         return hook
 
@@ -155,10 +167,13 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
         tracer.close()
     result: dict[str, Any] = {"failure": out.failure.describe() if out.failure else None, "reproduced": out.same,
                               "first_nonfinite": None, "frames": [], "raised_in": None, "origin": None}
-    if out.failure is not None and out.failure.kind == "exception" and tracer.stack:
-        name, shapes = tracer.stack[-1]
+    if out.failure is not None and out.failure.kind == "exception" and (tracer.stack or tracer.backward):
+        # Raised in a module's forward, else in a module's backward (innermost first; a module whose
+        # inputs need no grad has its backward hook fire early, so it is not seen there).
+        phase = "forward" if tracer.stack else "backward"
+        name, shapes = (tracer.stack or tracer.backward)[-1]
         result["raised_in"] = {"module": name, "class": type(s.state.model.get_submodule(
-            "" if name == "<model>" else name)).__name__, "received": shapes,
+            "" if name == "<model>" else name)).__name__, "phase": phase, "received": shapes,
             "exception": f"{out.failure.exc_type}: {out.failure.message}"}
         result["frames"] = list(tracer.frames)[-keep:]
         return result
@@ -215,8 +230,10 @@ def format_layers(d: dict[str, Any]) -> str:
         lines.append(f"origin: {d['origin']['summary']}")
     if d.get("raised_in"):
         r = d["raised_in"]
-        lines.append(f"raised in module {r['module']} ({r['class']}): {r['exception']}")
-        lines.append("  it received: " + "; ".join(r["received"]))
+        back = r.get("phase") == "backward"
+        lines.append(f"raised in module {r['module']} ({r['class']}){' in backward' if back else ''}: "
+                     f"{r['exception']}")
+        lines.append(("  the gradient it received: " if back else "  it received: ") + "; ".join(r["received"]))
     elif d.get("outside_every_module"):
         o, f = d["outside_every_module"], d["first_nonfinite"]
         lines.append(f"first non-finite: made by the step function, outside every module, at {o['site'] or '?'} "

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 INCIDENTS_DIR = ".reprokit-incidents"
 
 
@@ -58,6 +56,7 @@ def rank_info() -> RankInfo | None:
 
     Collective: with a process group, every rank must call it (it broadcasts rank 0's run key).
     """
+    import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):

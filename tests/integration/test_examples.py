@@ -48,6 +48,15 @@ def test_shrink_bench_quick_runs():
     assert len(rows) == 4 and all(r["after"]["rows"] <= r["before"]["rows"] for r in rows)
 
 
+def test_extract_size_bench_quick_runs_and_replays_standalone():
+    report = _bench_json("extract_size")
+    for name, module in (("attention module", "blocks.0.attn"), ("attention inline", "blocks.0")):
+        res = report["variants"][name]
+        assert res["extract"]["module"] == module and res["extract"]["op"] == "aten._softmax.default", res
+        assert res["replays_standalone"] and res["op_repro"]["exit"] == 1, res
+        assert res["packed_extract_bytes"] < res["bundle_bytes"], res
+
+
 def test_recorder_overhead_bench_quick_runs():
     report = _bench_json("recorder_overhead")
     assert {"bare", "recorder", "recorder+checks", "detect_anomaly"} <= report["variants"].keys()

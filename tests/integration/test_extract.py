@@ -27,11 +27,8 @@ def _cli(*args):
 
 
 def _record(projects, tmp_path, case):
-    if case == "softmax":
-        m, cfg = projects("rk_extract_zoo"), {}
-        batches = m.batches(cfg, 6, poison_step=4)
-    elif case == "fp16":
-        m, cfg = projects("rk_extract_zoo"), {"model": "fp16"}
+    if case != "embedding":
+        m, cfg = projects("rk_extract_zoo"), {} if case == "softmax" else {"model": case}
         batches = m.batches(cfg, 6, poison_step=4)
     else:
         m, cfg = projects("rk_lm"), {"vocab": 64, "max_len": 32}
@@ -50,10 +47,16 @@ def _hand_off(tmp_path, site, folder, script, *args):
 
 
 CASES = {
-    # case: module, class, phase, exception type of the extract, op that made the value
+    # case: module, class, phase, exception type of the extract, op that made the value (or raised)
     "softmax": ("attn", "UnstableSoftmax", "forward", "FloatingPointError", "aten.exp.default"),
     "fp16": ("1", "Linear", "backward", "FloatingPointError", "aten.mm.default"),
-    "embedding": ("tok", "Embedding", "forward", "IndexError", None),
+    "embedding": ("tok", "Embedding", "forward", "IndexError", "aten.embedding.default"),
+    # a functional softmax inside MaskedMix made the NaN; the hooks first see it at its child proj
+    "masked": ("0", "MaskedMix", "forward", "FloatingPointError", "aten._softmax.default"),
+    # a custom Function's backward forgets a transpose: aten.mm raises a shape error in backward
+    "bad_backward": ("1", "HandLinear", "backward", "RuntimeError", "aten.mm.default"),
+    # a custom Function's backward raises ValueError itself: no aten op to cut out, and extract says so
+    "guarded": ("1", "Guarded", "backward", "ValueError", None),
 }
 
 
@@ -89,9 +92,18 @@ def test_extract_replays_from_the_packed_extract_alone(projects, tmp_path, site,
     assert got["verdict"] == "deterministic" and got["failure"]["exception_type"] == exc_type, got
     if op is not None:
         one = _hand_off(tmp_path, site, top, "bundle/extract/op_repro.py")
-        assert one.returncode == 1 and f"{op}: " in one.stdout and "REPRODUCED" in one.stdout, one.stdout + one.stderr
+        lines = one.stdout.strip().splitlines()
+        assert one.returncode == 1 and lines[-1] == "REPRODUCED", one.stdout + one.stderr
+        if exc_type == "FloatingPointError":
+            assert f"{op}: " in one.stdout and "non-finite value(s) in its output" in one.stdout, one.stdout
+        else:  # the same exception, type and message, as the whole bundle's
+            assert f"{op}: raised {d['failure']}" in one.stdout, one.stdout
     else:
         assert not (top / "bundle" / "extract").exists()
+    assert d["op_raised"] == (op is not None and exc_type != "FloatingPointError")
+    if case == "guarded":
+        assert any("no aten op raised ValueError: Python code raised it (rk_extract_zoo.py:backward)" in n
+                   for n in d["notes"]), d["notes"]
 
 
 def test_extract_into_a_folder_that_holds_files_is_refused(projects, tmp_path):
@@ -127,3 +139,72 @@ def test_a_nan_from_the_batch_is_no_module_fault(projects, tmp_path):
     assert r.exit_code == 1
     msg = json.loads(r.stdout)["error"]["message"]
     assert "no module to blame" in msg and "already held it" in msg, msg
+
+
+def test_an_exception_raised_outside_every_module_gets_the_op_alone(projects, tmp_path):
+    bundle = _record(projects, tmp_path, "loss_view")
+    out = tmp_path / "x"
+    r = _cli("extract", bundle, "-o", out, "--json")
+    assert r.exit_code == 1
+    msg = json.loads(r.stdout)["error"]["message"]
+    assert "no module to blame" in msg and "RuntimeError was raised outside every module" in msg, msg
+    assert "aten.view.default raised it" in msg, msg
+    one = subprocess.run([sys.executable, str(out / "op_repro.py")], capture_output=True, text=True, timeout=120)
+    assert one.returncode == 1 and one.stdout.strip().splitlines()[-1] == "REPRODUCED", one.stdout + one.stderr
+    assert "aten.view.default: raised RuntimeError: shape '[3, -1]' is invalid" in one.stdout, one.stdout
+
+
+def test_an_op_that_does_not_fail_alone_is_not_written_as_a_repro():
+    import torch
+
+    from reprokit.extract import _checked
+
+    notes: list[str] = []
+    finite = {"op": "aten.add.Tensor", "args": [{"tensor": "t0"}, {"tensor": "t1"}], "kwargs": {},
+              "tensors": {"t0": torch.ones(3), "t1": torch.ones(3)}}
+    assert _checked(finite, notes) is None and "does not show the failure again" in notes[0]
+    quiet = {**finite, "raises": {"type": "RuntimeError", "message": "boom"}}
+    assert _checked(quiet, notes) is None and len(notes) == 2
+    overflow = {**finite, "tensors": {"t0": torch.full((3,), 3e38), "t1": torch.full((3,), 3e38)}}
+    assert _checked(overflow, notes) is overflow and len(notes) == 2
+
+
+@pytest.mark.parametrize("case", ["masked", "bad_backward"])
+def test_a_module_over_the_size_limit_is_narrowed_to_its_one_op(projects, tmp_path, site, case):
+    from reprokit.bundle import open_bundle
+    from reprokit.extract import extract
+
+    module, cls, phase, exc_type, op = CASES[case]
+    out = tmp_path / "extract"
+    r = extract(open_bundle(_record(projects, tmp_path, case)), out, max_module_bytes=0)
+    assert (r.level, r.module, r.cls, r.phase, r.op) == ("op", module, cls, phase, op)
+    assert r.failure.startswith(exc_type) and any("the extract is the one op" in n for n in r.notes), r
+    assert sorted(p.name for p in (out / "code").iterdir()) == ["rk_extract.py"], "no project code is needed"
+    rep = _cli("replay", out, "--json")
+    assert rep.exit_code == 1 and json.loads(rep.stdout)["failure"]["exception_type"] == exc_type, rep.output
+    packed = tmp_path / "extract.tar.gz"
+    pack(out, packed)
+    unpacked = tmp_path / "colleague"
+    unpacked.mkdir()
+    with tarfile.open(packed) as tf:
+        tf.extractall(unpacked, filter="data")
+    (top,) = list(unpacked.iterdir())
+    proc = _hand_off(tmp_path, site, top, "repro.py", "--json")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["failure"]["exception_type"] == exc_type
+
+
+def test_a_module_over_the_size_limit_without_one_op_is_carried_whole(projects, tmp_path):
+    from reprokit.bundle import open_bundle
+    from reprokit.extract import extract
+
+    r = extract(open_bundle(_record(projects, tmp_path, "guarded")), tmp_path / "x", max_module_bytes=0)
+    assert r.level == "module" and r.module == "1" and r.op is None
+    assert any("no one op shows the failure alone: the extract carries them" in n for n in r.notes), r.notes
+
+
+def test_bisect_layers_names_the_module_whose_backward_raised(projects, tmp_path):
+    r = _cli("bisect", "layers", _record(projects, tmp_path, "guarded"))
+    assert r.exit_code == 0, r.output
+    assert "raised in module 1 (Guarded) in backward: ValueError: gradient too large" in r.output, r.output
+    assert "the gradient it received: 0: float32[4, 16]" in r.output, r.output

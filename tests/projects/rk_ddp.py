@@ -33,15 +33,19 @@ def train_step(state, batch):
     return loss
 
 
-def main(out_dir: str, mode: str, device: str = "cpu", fail_step: int = 6) -> None:
+def main(out_dir: str, mode: str, device: str = "cpu", replicated: str = "auto", budget: str = "",
+         fail_step: int = 6) -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     config = {"device": device}
     state = build(config)
+    small = budget.split(":") if budget else None  # "RANK:BYTES": a small host-memory budget on that rank only
+    bytes_ = int(small[1]) if small and int(small[0]) == rank else None
     rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir, snapshot_every=4,
-                            incident_wait_s=30)
+                            incident_wait_s=30, host_memory_budget=bytes_,
+                            replicated_state={"auto": "auto", "1": True, "0": False}[replicated])
     g = torch.Generator().manual_seed(rank)
     for step in range(12):
         x = torch.randn(8, 8, generator=g)
@@ -56,4 +60,4 @@ def main(out_dir: str, mode: str, device: str = "cpu", fail_step: int = 6) -> No
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:6])
