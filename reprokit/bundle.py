@@ -24,7 +24,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reprokit import pytree, schema
+from reprokit import hashing, pytree, schema
 from reprokit._version import __version__
 from reprokit.errors import BundleError, BundleVersionError
 from reprokit.signature import Failure
@@ -101,18 +101,8 @@ def dumps(obj: Any) -> bytes:
 
 
 def sha256_file(path: Path) -> str:
-    """The file's sha256 (reading and hashing overlapped for tensor files)."""
-    if not path.name.endswith(".safetensors"):
-        # JSON and code: small, hashed in one stream here, so that opening a bundle (inspect) does
-        # not import tensorfile and torch with it.
-        with open(path, "rb") as f:
-            h = hashlib.sha256()
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-            return h.hexdigest()
-    from reprokit import tensorfile
-
-    return tensorfile.sha256_file(path)[0]
+    """The file's sha256 (reading and hashing overlapped; :mod:`reprokit.hashing` imports no torch)."""
+    return hashing.sha256_file(path)[0]
 
 
 def step_name(step: int) -> str:
@@ -250,7 +240,7 @@ class BundleWriter:
             except FileNotFoundError:
                 raise self._vanished() from None
             with fout:
-                for chunk in iter(lambda: fin.read(tensorfile.CHUNK), b""):
+                for chunk in iter(lambda: fin.read(hashing.CHUNK), b""):
                     h.update(chunk)
                     fout.write(chunk)
                     size += len(chunk)

@@ -19,15 +19,15 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 import torch
 
-CHUNK = 32 << 20
-"""Bytes per write/read call and per hashed piece: large enough for disk speed, small enough to overlap."""
+from reprokit.hashing import CHUNK, read_hashed
+
 _SMALL = 1 << 20  # pieces below this are hashed inline (a thread hand-off costs more than it saves)
 SHARD_BYTES = 256 << 20
 """Most bytes of tensors per file of a large state (a tensor larger than this gets a file of its own).
@@ -164,51 +164,6 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], *, staging: 
     return h.hexdigest(), size
 
 
-def _read_hashed(path: Path, pieces: Iterator[memoryview]) -> tuple[str, int]:
-    """Read ``path`` into the buffers ``pieces`` yields, hashing piece i while piece i + 1 is read."""
-    h = hashlib.sha256()
-    total = 0
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="reprokit-hash") as pool:
-        pending: Future[None] | None = None
-        for buf in pieces:
-            n = 0
-            while n < len(buf) and (k := f.readinto(buf[n:])):
-                n += k
-            if pending is not None:
-                pending.result()
-            if not n:
-                break
-            pending = pool.submit(h.update, buf[:n])
-            total += n
-            if n < len(buf):
-                break
-        if pending is not None:
-            pending.result()
-    return h.hexdigest(), total
-
-
-def sha256_file(path: Path, chunk: int = CHUNK) -> tuple[str, int]:
-    """``(sha256, bytes)`` of a file, reading and hashing overlapped (two buffers in turn).
-
-    A file that fits in one chunk (JSON, code, most step files) is read and hashed in one go: two chunk-sized
-    buffers and a hashing thread would cost more than the file.
-    """
-    with open(path, "rb", buffering=0) as f:
-        if os.fstat(f.fileno()).st_size < chunk:
-            data = f.read()  # to the end, whatever the size now (a file that grew is hashed as it is read)
-            if len(data) < chunk:
-                return hashlib.sha256(data).hexdigest(), len(data)
-    bufs = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
-
-    def turns() -> Iterator[memoryview]:
-        i = 0
-        while True:
-            yield bufs[i % 2]
-            i += 1
-
-    return _read_hashed(path, turns())
-
-
 def read_verified(path: Path, sha256: str, size: int, chunk: int = CHUNK) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file whose bytes hash to ``sha256`` (one read, hashed on the way).
 
@@ -221,7 +176,7 @@ def read_verified(path: Path, sha256: str, size: int, chunk: int = CHUNK) -> dic
     """
     buf = torch.empty(size + 1, dtype=torch.uint8)  # one byte more: a longer file shows as a size mismatch
     whole = memoryview(cast(Any, buf.numpy())).cast("B")
-    found, n = _read_hashed(path, (whole[a:a + chunk] for a in range(0, size + 1, chunk)))
+    found, n = read_hashed(path, (whole[a:a + chunk] for a in range(0, size + 1, chunk)))
     if n != size:
         raise TensorFileError(f"size mismatch: {n if n <= size else 'more than ' + str(size)} bytes on disk, "
                               f"{size} in the manifest")
