@@ -350,7 +350,9 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     if bundle.is_dir():
         from reprokit.distributed.replicated import referenced
 
-        d["referenced"] = referenced(bundle)
+        refs = referenced(bundle)
+        if refs is not None:  # a bundle that holds another rank's state by reference
+            d["referenced"] = refs
     if is_archive(bundle):
         d |= {"origin_checked": origin is not None and not problems, "origin": origin, "note": note}
     if as_json:
