@@ -230,7 +230,6 @@ class BundleWriter:
 
     def copy_file(self, rel: str, src: Path) -> None:
         """Copy a file in, chunk by chunk (state files may be larger than memory)."""
-        from reprokit import tensorfile
 
         path = self._target(rel)
         h, size = hashlib.sha256(), 0

@@ -290,7 +290,9 @@ class Recorder:
         """Bytes of the batch buffers per position in the window."""
         self._ring_other = 0
         """Bytes the window holds outside the pool: RNG states, numpy leaves of batches."""
-        self._mem = {"peak_pinned_bytes": 0, "peak_pageable_bytes": 0, "early_snapshots": 0, "unrecorded_steps": 0}
+        self._mem = {"peak_pinned_bytes": 0, "peak_pageable_bytes": 0, "early_snapshots": 0, "unrecorded_steps": 0,
+                     "deferred_snapshot_steps": 0}
+        self._snapshotted = False  # any snapshot yet (the first one waits for its pinned buffers on a GPU)
         self.step_index = 0
         self.bundles: list[Path] = []
         self._snapshot: _Snapshot | None = None
@@ -317,6 +319,11 @@ class Recorder:
             raise
         self._saved = 0
         """Bytes of state this rank did not copy at its last snapshot step (rank 0's are referenced instead)."""
+        if not self._refer:
+            try:  # pinning host memory at step 0 would cost the first window several percent on a GPU
+                self._engine.pin_ahead()
+            except Exception as e:  # never a reason to refuse the run: the first snapshot pins what it needs
+                self._warn("pin", f"reprokit: could not pin snapshot buffers ahead ({e!r}); the first snapshot will")
         if self._board is not None:
             self._board.watch(self._on_incident)
 
@@ -414,6 +421,14 @@ class Recorder:
                                           f" is not the state that step started from ({torn}); a new one is taken at "
                                           f"step {k}, with those tensors copied in stream order from now on.")
             due = bool(torn) or self._snapshot is None or k - self._snapshot.step >= self.snapshot_every
+            if due and not self._refer and not self._engine.ready():
+                # Its pinned host buffers are being allocated off this thread (SnapshotEngine.ready): the snapshot
+                # waits a few steps. The current window goes on meanwhile; before the first one, nothing is recorded.
+                self._mem["deferred_snapshot_steps"] += 1
+                if self._snapshot is None or torn or not self._window_ok:
+                    self._mem["unrecorded_steps"] += 1
+                    return None
+                due = False
             if not due:
                 self._engine.discard_prepared()  # prepared for a snapshot that is not taken now: stale later
             if not due and not self._window_ok:
@@ -620,7 +635,8 @@ class Recorder:
             (the snapshot, the batch-buffer pool and the window's RNG states); ``snapshot_bytes``;
             ``window_steps`` and ``window_bytes`` (batches and RNG of the current window);
             ``early_snapshots`` (taken before ``snapshot_every`` to stay in the budget);
-            ``unrecorded_steps``; ``snapshots_spilled`` (why snapshots go to disk, or None); ``state``:
+            ``unrecorded_steps``; ``deferred_snapshot_steps`` (steps a due snapshot waited for its pinned buffers,
+            allocated off the training thread); ``snapshots_spilled`` (why snapshots go to disk, or None); ``state``:
             ``"snapshotted"``, or ``"referenced"`` on a rank whose bundles reference rank 0's state
             (``replicated_state``), with ``state_bytes_saved``, the state bytes it did not copy.
 
@@ -662,6 +678,7 @@ class Recorder:
             return
         tree, tensors = self._engine.take(extra)
         self._snapshot = _Snapshot(k, tree, tensors)
+        self._snapshotted = True
         self._window_ok = True
         if self._engine.spilled_for_memory:
             self._warn("spill", f"reprokit: {self._engine.spilled_for_memory}.")
@@ -741,6 +758,11 @@ class Recorder:
             except Exception as e:
                 self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
                 return None
+        if self._snapshot is None and not self._snapshotted and self._mem["deferred_snapshot_steps"]:
+            self._warn("", f"reprokit: {failure.describe()}, before the first snapshot (its host buffers were still "
+                           "being pinned, which takes a few steps on a GPU); no bundle. A failure this early "
+                           "reproduces by running the job again from its start.")
+            return None
         if not self._window_ok or self._snapshot is None or self._engine.broken or self._engine.torn or not ring:
             self._warn("", f"reprokit: {failure.describe()}, but the recorded window is incomplete; no bundle")
             return None

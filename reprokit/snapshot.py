@@ -80,6 +80,9 @@ class SnapshotEngine:
         self._stop = threading.Event()
         self._plan: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         self._prepared: tuple[tuple, tuple[dict[str, Any], list[tuple[str, torch.Tensor, Any]]]] | None = None
+        self._pinning: threading.Thread | None = None  # allocates missing pinned buffers off the training thread
+        self._pinned: dict[str, torch.Tensor] = {}  # what it allocated, adopted by ready()
+        self._pin_error: BaseException | None = None
         self._issued = 0
         """How many plan entries the helper thread has issued (it advances them chunk by chunk)."""
         self._issued_event: Any = None
@@ -218,6 +221,10 @@ class SnapshotEngine:
     def close(self) -> None:
         self.detach()
         self.wait()
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+        self._pinned = {}
         self._buffers.clear()
         self._staging = None
         self.stats["pinned_bytes"] = self.stats["pageable_bytes"] = 0
@@ -251,7 +258,13 @@ class SnapshotEngine:
         if self.spill_dir is not None or self._stream is None:
             return  # CPU state is cloned in take(); nothing to overlap with
         try:
-            self._prepared = (self._fingerprint(), self._walk())
+            fingerprint = self._fingerprint()
+            walked = self._walk(allocate=False)
+            missing = self._missing(walked[1])
+            if sum(t.numel() * t.element_size() for _, t in missing) > self.pin_inline_bytes:
+                self._prepared = None  # ready() pins them off this thread, then the snapshot is taken
+                return
+            self._prepared = (fingerprint, self._walk() if missing else walked)
         except Exception:
             self._prepared = None  # take() walks again and reports any error there
 
@@ -267,9 +280,101 @@ class SnapshotEngine:
                 None if self.state.scheduler is None else getattr(self.state.scheduler, "last_epoch", None),
                 len(self.state.extra), tuple(id(p.grad) for p in self.state.model.parameters()))
 
-    def _walk(self) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor, Any]]]:
+    pin_inline_bytes = 64 << 20
+    """Missing pinned buffers up to this size are allocated by the snapshot itself (a few ms); more are pinned
+    off the training thread and the snapshot waits for them (:meth:`ready`)."""
+
+    def pin_ahead(self) -> None:
+        """Pin the host buffers of the state as it is now, before training starts (the Recorder calls this when it is
+        made), so that the first snapshot's copies do not wait for the CUDA driver to pin memory at step 0."""
+        plan = self._pin_plan()
+        if plan is not None and plan[1]:
+            self._pin(plan[1])
+            self._adopt_pinned()
+
+    def ready(self) -> bool:
+        """Whether a snapshot taken now finds a pinned host buffer for every CUDA tensor of the state.
+
+        Pinning host memory costs about 0.3 s per GB of CUDA driver time. Buffers missing at a snapshot (optimizer
+        state that appeared after the recorder pinned the rest: AdamW's moments, after the first step) and larger
+        than :attr:`pin_inline_bytes` are pinned by a helper thread instead, and this returns False until they are:
+        the recorder defers the snapshot by a few steps while the window it has goes on. CPU states,
+        ``snapshot_sync``, spilling, and states the budget cannot hold in memory are always ready (``take()``
+        handles them as before).
+        """
+        if self._pinning is not None:
+            if self._pinning.is_alive():
+                return False
+            self._pinning.join()
+            self._pinning = None
+            self._adopt_pinned()
+        plan = self._pin_plan()
+        if plan is None or not plan[1]:
+            return True
+        walked, missing = plan
+        if sum(t.numel() * t.element_size() for _, t in missing) <= self.pin_inline_bytes:
+            return True
+        self._pinning = threading.Thread(target=self._pin, args=(missing,), name="reprokit-pin", daemon=True)
+        self._pinning.start()
+        return False
+
+    def _pin_plan(self) -> tuple[tuple[dict[str, Any], list[tuple[str, torch.Tensor, Any]]],
+                             list[tuple[str, torch.Tensor]]] | None:
+        """The walk without allocating and the CUDA tensors that lack a pinned buffer; None where pinning ahead does
+        not apply (no CUDA, spilling, synchronous copies, a state larger than the budget's room, a walk that fails).
+        A walk with nothing missing is kept as prepared for the snapshot about to be taken."""
+        if self.spill_dir is not None or self.sync or not torch.cuda.is_available():
+            return None
+        try:
+            fingerprint = self._fingerprint()
+            walked = self._walk(allocate=False)
+        except Exception:
+            return None  # take() walks again and reports the error
+        missing = self._missing(walked[1])
+        if not missing:
+            self._prepared = (fingerprint, walked)
+            return walked, missing
+        need = sum(t.numel() * t.element_size() for _, t, _ in walked[1] if t.is_cuda)
+        if self.limit is not None and need > self._room():
+            return None  # take() makes room or spills, as before
+        return walked, missing
+
+    @staticmethod
+    def _missing(layout: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor]]:
+        """The tensors without a buffer yet, tied ones once (the walk after pinning lists the others as "same")."""
+        out, seen = [], set()
+        for key, t, how in layout:
+            ident = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if how is None and ident not in seen:
+                seen.add(ident)
+                out.append((key, t))
+        return out
+
+    def _pin(self, missing: list[tuple[str, torch.Tensor]]) -> None:
+        """Allocate pinned buffers like ``missing``'s tensors (run on a helper thread; torch.empty releases the GIL)."""
+        try:
+            for key, t in missing:
+                self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        except BaseException as e:  # handed to ready(): take() then allocates what is still missing
+            self._pin_error = e
+
+    def _adopt_pinned(self) -> None:
+        for key, buf in self._pinned.items():
+            old = self._buffers.get(key)
+            if old is not None:
+                self._account(old, -1)
+            self._buffers[key] = buf
+            self._account(buf, 1)
+        self._pinned = {}
+        if self._pin_error is not None:
+            warnings.warn(f"reprokit: pinning snapshot buffers in the background failed ({self._pin_error!r}); the "
+                          "snapshot allocates them itself", RecorderWarning, stacklevel=3)
+            self._pin_error = None
+
+    def _walk(self, allocate: bool = True) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor, Any]]]:
         """The state's tree (references, no copies) and what to do with each tensor: a CPU clone, the
-        pinned buffer of an identical tensor already listed (tied weights), or a copy into a pinned buffer."""
+        pinned buffer of an identical tensor already listed (tied weights), or a copy into a pinned buffer
+        (without ``allocate``: None where that buffer does not exist yet)."""
         tree, refs = capture_state(self.state, copy=lambda t: t.detach())
         protected = self._protected() if any(t.is_cuda for t in refs.values()) else set()
         layout: list[tuple[str, torch.Tensor, Any]] = []
@@ -281,6 +386,9 @@ class SnapshotEngine:
             ident = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
             if ident in seen:  # tied weights: one copy (the bundle writer un-shares them)
                 layout.append((key, seen[ident], "same"))
+                continue
+            if not allocate and not self._has_buffer(key, t):
+                layout.append((key, t, None))
                 continue
             buf = seen[ident] = self._buffer(key, t)
             layout.append((key, t, (buf, t.data_ptr() not in protected or key in self._volatile)))
@@ -294,6 +402,10 @@ class SnapshotEngine:
         forward. The optimizer pre-hook stops that thread before the parameters change.
         """
         self.wait()  # the buffers are about to be reused
+        if self._pinning is not None:  # a snapshot that cannot wait (an early one, for the budget): adopt them now
+            self._pinning.join()
+            self._pinning = None
+            self._adopt_pinned()
         self.broken = False
         self.torn = None
         prepared, self._prepared = self._prepared, None
@@ -382,6 +494,10 @@ class SnapshotEngine:
         for st in self.state.optimizer.state.values():
             ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
         return ptrs
+
+    def _has_buffer(self, key: str, t: torch.Tensor) -> bool:
+        buf = self._buffers.get(key)
+        return buf is not None and buf.shape == t.shape and buf.dtype == t.dtype
 
     def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """The host buffer snapshot after snapshot copies ``t`` into: pinned for a CUDA tensor, pageable for a CPU one.

@@ -200,6 +200,42 @@ def test_snapshot_walk_is_prepared_during_the_previous_step(projects, tmp_path):
     assert rec._snapshot.tree["state"]["optimizer"]["param_groups"][0]["lr"] == 0.5
 
 
+def test_snapshot_buffers_are_pinned_when_the_recorder_is_made(projects, tmp_path):
+    """Step 0's snapshot finds its pinned buffers ready: the CUDA driver's pinning is not on the first window."""
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    state = gpu.build(cfg)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path, snapshot_every=4)
+    params = sum(p.numel() * p.element_size() for p in state.model.parameters())
+    buffers = dict(rec._engine._buffers)
+    assert rec._engine.held_bytes >= params and all(b.is_pinned() for b in buffers.values()), rec._engine.held_bytes
+    rec.step(next(iter(gpu.batches(1, None, "cuda"))))
+    assert rec._snapshot.step == 0
+    assert all(rec._engine._buffers[k] is b for k, b in buffers.items()), "step 0 reused the buffers pinned ahead"
+
+
+def test_state_that_appears_later_is_pinned_aside_and_the_snapshot_waits_for_it(projects, tmp_path):
+    """AdamW's moments appear after step 0: pinned by a helper thread while the window from step 0 goes on."""
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    state = gpu.build(cfg)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path / "out",
+                            snapshot_every=3)
+    rec._engine.pin_inline_bytes = 0  # every missing buffer goes through the helper thread (64 MiB by default)
+    snapshots = []
+    with pytest.raises(reprokit.TrainingFailure) as info:
+        for b in gpu.batches(40, 12, "cuda"):
+            rec.step(b)
+            if not snapshots or snapshots[-1] != rec._snapshot.step:
+                snapshots.append(rec._snapshot.step)
+    assert rec.stats()["deferred_snapshot_steps"] >= 1 and snapshots[0] == 0 and snapshots[1] > 3, snapshots
+    assert rec.stats()["unrecorded_steps"] == 0, "a deferred snapshot loses no step: the window goes on"
+    b = open_bundle(info.value.bundle)
+    assert b.steps[-1] == 12
+    report = reprokit.replay(b, times=2)
+    assert report.verdict == "deterministic" and report.fidelity["bit_exact"], report.fidelity
+
+
 def test_precision_matrix_on_the_gpu(projects, tmp_path):
     from reprokit.bisect import bisect_precision
 

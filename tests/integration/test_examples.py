@@ -92,6 +92,12 @@ def test_spill_bench_quick_records_and_replays_a_spilled_state():
     assert report["record"]["stats"]["snapshots_spilled"] is None, "spill_dir was asked for: not a budget fallback"
 
 
+def test_first_window_bench_quick_times_both_kinds_in_fresh_processes():
+    report = _bench_json("first_window")
+    assert len(report["bare_window_s"]) == len(report["recorder_window_s"]) == 1 and report["ratio"] > 0, report
+    assert report["recorder_stats"]["window_steps"] == report["steps"], report["recorder_stats"]
+
+
 def test_soak_bench_quick_runs_without_leaking_file_handles():
     report = _bench_json("soak")
     assert report["steps"] == 1000 and report["samples_after_warmup"] >= 50
