@@ -290,9 +290,8 @@ class Recorder:
         """Bytes of the batch buffers per position in the window."""
         self._ring_other = 0
         """Bytes the window holds outside the pool: RNG states, numpy leaves of batches."""
-        self._mem = {"peak_pinned_bytes": 0, "peak_pageable_bytes": 0, "early_snapshots": 0, "unrecorded_steps": 0,
-                     "deferred_snapshot_steps": 0}
-        self._snapshotted = False  # any snapshot yet (the first one waits for its pinned buffers on a GPU)
+        self._mem = {"peak_pinned_bytes": 0, "peak_pageable_bytes": 0, "early_snapshots": 0, "unrecorded_steps": 0}
+        self._opt_entries = -1  # len(optimizer.state) when buffers were last pinned aside for it
         self.step_index = 0
         self.bundles: list[Path] = []
         self._snapshot: _Snapshot | None = None
@@ -421,14 +420,6 @@ class Recorder:
                                           f" is not the state that step started from ({torn}); a new one is taken at "
                                           f"step {k}, with those tensors copied in stream order from now on.")
             due = bool(torn) or self._snapshot is None or k - self._snapshot.step >= self.snapshot_every
-            if due and not self._refer and not self._engine.ready():
-                # Its pinned host buffers are being allocated off this thread (SnapshotEngine.ready): the snapshot
-                # waits a few steps. The current window goes on meanwhile; before the first one, nothing is recorded.
-                self._mem["deferred_snapshot_steps"] += 1
-                if self._snapshot is None or torn or not self._window_ok:
-                    self._mem["unrecorded_steps"] += 1
-                    return None
-                due = False
             if not due:
                 self._engine.discard_prepared()  # prepared for a snapshot that is not taken now: stale later
             if not due and not self._window_ok:
@@ -551,6 +542,14 @@ class Recorder:
                                              "can be written until the next snapshot. Training continues.")
             finally:
                 self._pending.clear()
+        if len(self.state.optimizer.state) != self._opt_entries and not self._refer:
+            # Optimizer state appeared (AdamW's moments, after the first step): pin its snapshot buffers on a helper
+            # thread now, snapshot_every steps before the next snapshot needs them.
+            self._opt_entries = len(self.state.optimizer.state)
+            try:
+                self._engine.pin_aside()
+            except Exception as e:
+                self._warn("pin", f"reprokit: could not pin snapshot buffers aside ({e!r}); the next snapshot will")
         snap = self._snapshot
         if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every and not self._refer:
             self._engine.prepare()
@@ -635,8 +634,7 @@ class Recorder:
             (the snapshot, the batch-buffer pool and the window's RNG states); ``snapshot_bytes``;
             ``window_steps`` and ``window_bytes`` (batches and RNG of the current window);
             ``early_snapshots`` (taken before ``snapshot_every`` to stay in the budget);
-            ``unrecorded_steps``; ``deferred_snapshot_steps`` (steps a due snapshot waited for its pinned buffers,
-            allocated off the training thread); ``snapshots_spilled`` (why snapshots go to disk, or None); ``state``:
+            ``unrecorded_steps``; ``snapshots_spilled`` (why snapshots go to disk, or None); ``state``:
             ``"snapshotted"``, or ``"referenced"`` on a rank whose bundles reference rank 0's state
             (``replicated_state``), with ``state_bytes_saved``, the state bytes it did not copy.
 
@@ -678,7 +676,6 @@ class Recorder:
             return
         tree, tensors = self._engine.take(extra)
         self._snapshot = _Snapshot(k, tree, tensors)
-        self._snapshotted = True
         self._window_ok = True
         if self._engine.spilled_for_memory:
             self._warn("spill", f"reprokit: {self._engine.spilled_for_memory}.")
@@ -758,11 +755,6 @@ class Recorder:
             except Exception as e:
                 self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
                 return None
-        if self._snapshot is None and not self._snapshotted and self._mem["deferred_snapshot_steps"]:
-            self._warn("", f"reprokit: {failure.describe()}, before the first snapshot (its host buffers were still "
-                           "being pinned, which takes a few steps on a GPU); no bundle. A failure this early "
-                           "reproduces by running the job again from its start.")
-            return None
         if not self._window_ok or self._snapshot is None or self._engine.broken or self._engine.torn or not ring:
             self._warn("", f"reprokit: {failure.describe()}, but the recorded window is incomplete; no bundle")
             return None

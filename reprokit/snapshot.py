@@ -81,7 +81,7 @@ class SnapshotEngine:
         self._plan: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         self._prepared: tuple[tuple, tuple[dict[str, Any], list[tuple[str, torch.Tensor, Any]]]] | None = None
         self._pinning: threading.Thread | None = None  # allocates missing pinned buffers off the training thread
-        self._pinned: dict[str, torch.Tensor] = {}  # what it allocated, adopted by ready()
+        self._pinned: dict[str, torch.Tensor] = {}  # what it allocated, adopted once it is done
         self._pin_error: BaseException | None = None
         self._issued = 0
         """How many plan entries the helper thread has issued (it advances them chunk by chunk)."""
@@ -221,10 +221,7 @@ class SnapshotEngine:
     def close(self) -> None:
         self.detach()
         self.wait()
-        if self._pinning is not None:
-            self._pinning.join()
-            self._pinning = None
-        self._pinned = {}
+        self._collect_pinned()
         self._buffers.clear()
         self._staging = None
         self.stats["pinned_bytes"] = self.stats["pageable_bytes"] = 0
@@ -258,13 +255,8 @@ class SnapshotEngine:
         if self.spill_dir is not None or self._stream is None:
             return  # CPU state is cloned in take(); nothing to overlap with
         try:
-            fingerprint = self._fingerprint()
-            walked = self._walk(allocate=False)
-            missing = self._missing(walked[1])
-            if sum(t.numel() * t.element_size() for _, t in missing) > self.pin_inline_bytes:
-                self._prepared = None  # ready() pins them off this thread, then the snapshot is taken
-                return
-            self._prepared = (fingerprint, self._walk() if missing else walked)
+            self._collect_pinned()  # a thread pinning buffers for this snapshot: wait for it (it had the window)
+            self._prepared = (self._fingerprint(), self._walk())
         except Exception:
             self._prepared = None  # take() walks again and reports any error there
 
@@ -280,64 +272,49 @@ class SnapshotEngine:
                 None if self.state.scheduler is None else getattr(self.state.scheduler, "last_epoch", None),
                 len(self.state.extra), tuple(id(p.grad) for p in self.state.model.parameters()))
 
-    pin_inline_bytes = 64 << 20
-    """Missing pinned buffers up to this size are allocated by the snapshot itself (a few ms); more are pinned
-    off the training thread and the snapshot waits for them (:meth:`ready`)."""
-
     def pin_ahead(self) -> None:
         """Pin the host buffers of the state as it is now, before training starts (the Recorder calls this when it is
         made), so that the first snapshot's copies do not wait for the CUDA driver to pin memory at step 0."""
-        plan = self._pin_plan()
-        if plan is not None and plan[1]:
-            self._pin(plan[1])
+        missing = self._pin_plan()
+        if missing:
+            self._pin(missing)
             self._adopt_pinned()
 
-    def ready(self) -> bool:
-        """Whether a snapshot taken now finds a pinned host buffer for every CUDA tensor of the state.
+    def pin_aside(self) -> None:
+        """Pin the buffers of state that appeared since (AdamW's moments, after the first step) on a helper thread.
 
-        Pinning host memory costs about 0.3 s per GB of CUDA driver time. Buffers missing at a snapshot (optimizer
-        state that appeared after the recorder pinned the rest: AdamW's moments, after the first step) and larger
-        than :attr:`pin_inline_bytes` are pinned by a helper thread instead, and this returns False until they are:
-        the recorder defers the snapshot by a few steps while the window it has goes on. CPU states,
-        ``snapshot_sync``, spilling, and states the budget cannot hold in memory are always ready (``take()``
-        handles them as before).
+        Pinning host memory costs the CUDA driver about 0.3 s per GB. The recorder calls this when the optimizer's
+        state grows; by the next snapshot (``snapshot_every`` steps later) the buffers are there, and a snapshot
+        that comes first waits for the thread (:meth:`_in_memory`), so snapshot steps never move.
         """
+        if self._pinning is not None and self._pinning.is_alive():
+            return
+        self._collect_pinned()
+        missing = self._pin_plan()
+        if missing:
+            self._pinning = threading.Thread(target=self._pin, args=(missing,), name="reprokit-pin", daemon=True)
+            self._pinning.start()
+
+    def _collect_pinned(self) -> None:
         if self._pinning is not None:
-            if self._pinning.is_alive():
-                return False
             self._pinning.join()
             self._pinning = None
             self._adopt_pinned()
-        plan = self._pin_plan()
-        if plan is None or not plan[1]:
-            return True
-        walked, missing = plan
-        if sum(t.numel() * t.element_size() for _, t in missing) <= self.pin_inline_bytes:
-            return True
-        self._pinning = threading.Thread(target=self._pin, args=(missing,), name="reprokit-pin", daemon=True)
-        self._pinning.start()
-        return False
 
-    def _pin_plan(self) -> tuple[tuple[dict[str, Any], list[tuple[str, torch.Tensor, Any]]],
-                             list[tuple[str, torch.Tensor]]] | None:
-        """The walk without allocating and the CUDA tensors that lack a pinned buffer; None where pinning ahead does
-        not apply (no CUDA, spilling, synchronous copies, a state larger than the budget's room, a walk that fails).
-        A walk with nothing missing is kept as prepared for the snapshot about to be taken."""
+    def _pin_plan(self) -> list[tuple[str, torch.Tensor]]:
+        """The CUDA tensors of the state that lack a pinned buffer; none where pinning ahead does not apply (no CUDA,
+        spilling, synchronous copies, a state larger than the budget's room, a walk that fails: take() handles
+        those as before)."""
         if self.spill_dir is not None or self.sync or not torch.cuda.is_available():
-            return None
+            return []
         try:
-            fingerprint = self._fingerprint()
             walked = self._walk(allocate=False)
         except Exception:
-            return None  # take() walks again and reports the error
-        missing = self._missing(walked[1])
-        if not missing:
-            self._prepared = (fingerprint, walked)
-            return walked, missing
+            return []  # take() walks again and reports the error
         need = sum(t.numel() * t.element_size() for _, t, _ in walked[1] if t.is_cuda)
         if self.limit is not None and need > self._room():
-            return None  # take() makes room or spills, as before
-        return walked, missing
+            return []  # take() makes room or spills, as before
+        return self._missing(walked[1])
 
     @staticmethod
     def _missing(layout: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor]]:
@@ -355,7 +332,7 @@ class SnapshotEngine:
         try:
             for key, t in missing:
                 self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        except BaseException as e:  # handed to ready(): take() then allocates what is still missing
+        except BaseException as e:  # said when adopted: take() then allocates what is still missing
             self._pin_error = e
 
     def _adopt_pinned(self) -> None:
@@ -402,10 +379,7 @@ class SnapshotEngine:
         forward. The optimizer pre-hook stops that thread before the parameters change.
         """
         self.wait()  # the buffers are about to be reused
-        if self._pinning is not None:  # a snapshot that cannot wait (an early one, for the budget): adopt them now
-            self._pinning.join()
-            self._pinning = None
-            self._adopt_pinned()
+        self._collect_pinned()  # buffers being pinned aside (an early snapshot came first): wait for them
         self.broken = False
         self.torn = None
         prepared, self._prepared = self._prepared, None
