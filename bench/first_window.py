@@ -8,8 +8,8 @@ Steady-state overhead (``recorder_overhead.py``) leaves out what a recorder pays
 allocator keeps pinned blocks once freed, so a second recorder in the same process would find them for free:
 every run here is a new process. Each builds the model, runs ``--warmup`` bare steps (kernels, allocator), then
 times ``--steps`` steps: bare, or through a Recorder made right then (``snapshot_every`` = the steps timed,
-so the window is exactly the first one). Making the Recorder is timed apart: it pins the state's buffers ahead
-(one-time setup, like building the model). Runs alternate bare / recorder for ``--rounds`` rounds.
+so the window is exactly the first one). Making the Recorder is timed apart (one-time setup, like building
+the model). Runs alternate bare / recorder for ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def main() -> None:
           f"{res['rounds']} rounds, a fresh process each")
     print(f"  bare window      {', '.join(f'{t:.3f}' for t in res['bare_window_s'])} s")
     print(f"  recorder window  {', '.join(f'{t:.3f}' for t in res['recorder_window_s'])} s")
-    print(f"  first window / bare: {res['ratio']:.3f}   (making the Recorder, pinning ahead: {res['recorder_made_s']:.3f} s)")
+    print(f"  first window / bare: {res['ratio']:.3f}   (making the Recorder: {res['recorder_made_s']:.3f} s)")
     print(f"  first steps ms: {res['first_steps_ms']}")
 
 

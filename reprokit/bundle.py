@@ -202,8 +202,11 @@ class BundleWriter:
         parts = tensorfile.shard(tensors)
         targets = [self._target(state_file_name(i)) for i in range(len(parts))]
         try:
-            with ThreadPoolExecutor(tensorfile.parallelism(len(parts)), thread_name_prefix="reprokit-write") as pool:
-                written = list(pool.map(tensorfile.write_safetensors, targets, parts))
+            if len(parts) == 1:  # one file: written here, as every other file is
+                written = [tensorfile.write_safetensors(targets[0], parts[0])]
+            else:
+                with ThreadPoolExecutor(tensorfile.parallelism(len(parts)), thread_name_prefix="reprokit-write") as pool:
+                    written = list(pool.map(tensorfile.write_safetensors, targets, parts))
         except FileNotFoundError:
             raise self._vanished() from None
         for i, (sha, size) in enumerate(written):

@@ -144,6 +144,10 @@ def capture_state(state: TrainState, copy: pytree.TensorCopy | None = None) -> t
     return tree, tensors
 
 
+UNCLONED_BYTES = 1 << 30
+"""Optimizer state from this size up is not cloned on the host before a GPU model's optimizer copies it to the device."""
+
+
 def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Load a snapshot made by :func:`capture_state` into ``state`` in place.
 
@@ -162,11 +166,13 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
         raise StateMismatchError(f"the recorded model state does not fit the model that build() made: {e}") from None
     state.model.train(tree.get("training", True))
     # The snapshot must survive any number of restores, and optimizers keep the tensors they are given when
-    # dtype and device match. So a tensor already on the model's device, and any scalar (Adam's CPU `step`), is
-    # handed over as a clone; a host tensor for a model on the GPU is not: the optimizer's own move to the
-    # parameter's device copies it (a host clone of a 20 GB optimizer state would hold it twice in memory).
-    given = {k: v.clone() if v.device == device or v.numel() <= 1 else v
-             for k, v in tensors.items() if k.startswith(OPTIMIZER + "/")}
+    # dtype and device match: they get clones. Except for a large optimizer state on the host for a model on
+    # the GPU (1 GiB or more: a host clone of a 20 GB state would hold it twice in memory): its tensors are
+    # handed over as they are, since the optimizer's own move to the parameter's device copies them; scalars
+    # (Adam's CPU `step`, kept as given) are still cloned, and anything kept as given is copied below.
+    opt = {k: v for k, v in tensors.items() if k.startswith(OPTIMIZER + "/")}
+    large = device.type != "cpu" and sum(v.numel() * v.element_size() for v in opt.values()) >= UNCLONED_BYTES
+    given = {k: v if large and v.device != device and v.numel() > 1 else v.clone() for k, v in opt.items()}
     shared = {v.data_ptr() for k, v in given.items() if v is tensors[k] and v.numel()}
     tensors = {k: v.clone() for k, v in tensors.items() if not k.startswith((MODEL + "/", OPTIMIZER + "/"))} | given
     try:
