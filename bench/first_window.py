@@ -31,7 +31,7 @@ import torch
 import reprokit
 
 sys.path.insert(0, str(Path(__file__).parent))
-from io_bench import _commit  # noqa: E402
+from io_bench import _commit, save_and_print  # noqa: E402
 from recorder_overhead import build, make_batch  # noqa: E402
 
 from gpt import GPT2, train_step  # noqa: E402
@@ -120,11 +120,7 @@ def main() -> None:
         print(json.dumps(phase(args.phase, args.steps, args.warmup, args.quick)))
         return
     res = run(args)
-    if args.save:
-        args.save.parent.mkdir(parents=True, exist_ok=True)
-        args.save.write_text(json.dumps(res, indent=1))
-    if args.json:
-        print(json.dumps(res))
+    if save_and_print(res, args.save, args.json):
         return
     print(f"{res['device']}, commit {res['commit']}: {res['steps']} steps after {res['warmup']} warm-up steps, "
           f"{res['rounds']} rounds, a fresh process each")

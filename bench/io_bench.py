@@ -283,6 +283,16 @@ def _dump(out: Path, state: reprokit.TrainState, config: dict[str, Any]) -> tupl
     raise AssertionError("the NaN loss was not detected")
 
 
+def save_and_print(res: dict[str, Any], save: Path | None, as_json: bool) -> bool:
+    """Write ``res`` to ``save`` (when given) and print it as JSON when asked; True when the caller prints nothing else."""
+    if save:
+        save.parent.mkdir(parents=True, exist_ok=True)
+        save.write_text(json.dumps(res, indent=1) + "\n")
+    if as_json:
+        print(json.dumps(res))
+    return as_json
+
+
 def _commit() -> str:
     """The checkout's commit; ``$BENCH_COMMIT`` where the copy that runs has no (or a stale) git history."""
     if os.environ.get("BENCH_COMMIT"):
@@ -331,9 +341,8 @@ def main() -> None:
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON result here")
     args = ap.parse_args()
     res = run(args)
-    if args.save:
-        args.save.write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps(res, indent=1) if args.json else _fmt(res))
+    if not save_and_print(res, args.save, args.json):
+        print(_fmt(res))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from torch import nn
 import reprokit
 
 sys.path.insert(0, str(Path(__file__).parent))
-from io_bench import _commit, disk_read, disk_write, drop_cache, files_under  # noqa: E402
+from io_bench import _commit, disk_read, disk_write, drop_cache, files_under, save_and_print  # noqa: E402
 
 GiB = 1 << 30
 
@@ -170,11 +170,7 @@ def main() -> None:
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON result here")
     args = ap.parse_args()
     res = run(args)
-    if args.save:
-        args.save.parent.mkdir(parents=True, exist_ok=True)
-        args.save.write_text(json.dumps(res, indent=1))
-    if args.json:
-        print(json.dumps(res))
+    if save_and_print(res, args.save, args.json):
         return
     s = res["summary"]
     print(f"{res['device']}, commit {res['commit']}: state {s['state_GB']:.2f} GB")

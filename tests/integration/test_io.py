@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from rk_testing import record
+from rk_testing import record_mlp_nan
 
 import reprokit
 from reprokit import archive, pack, tensorfile
@@ -28,14 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def nan_bundle(tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "tests" / "projects"))
-    try:
-        import rk_mlp
-    finally:
-        sys.path.remove(str(ROOT / "tests" / "projects"))
-    out = tmp_path_factory.mktemp("io")
-    _, exc = record(rk_mlp, {}, rk_mlp.batches({}, 6, poison_step=4), out / "repros", snapshot_every=3)
-    return Path(exc.bundle)
+    return record_mlp_nan(tmp_path_factory.mktemp("io") / "repros", steps=6, poison_step=4, snapshot_every=3)
 
 
 # --- start-up -------------------------------------------------------------------------
@@ -103,16 +96,9 @@ def test_tensor_file_round_trip_is_exact_and_hashed_on_the_way(tmp_path):
 @pytest.fixture(scope="module")
 def sharded_bundle(tmp_path_factory):
     """A bundle whose state is split over several files (files of at most 2 KiB instead of 256 MiB)."""
-    sys.path.insert(0, str(ROOT / "tests" / "projects"))
-    try:
-        import rk_mlp
-    finally:
-        sys.path.remove(str(ROOT / "tests" / "projects"))
-    out = tmp_path_factory.mktemp("sharded")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tensorfile, "SHARD_BYTES", 2048)
-        _, exc = record(rk_mlp, {}, rk_mlp.batches({}, 6, poison_step=4), out / "repros", snapshot_every=3)
-    return Path(exc.bundle)
+        return record_mlp_nan(tmp_path_factory.mktemp("sharded") / "repros", steps=6, poison_step=4, snapshot_every=3)
 
 
 def test_shards_keep_key_order_and_stay_under_the_size_unless_one_tensor_is_larger():
