@@ -283,7 +283,6 @@ class _Ahead(io.RawIOBase):
             if not item:
                 self._eof = True
                 break
-            self._pending = self._hashing.submit(self.sha.update, item)  # one thread: chunks hashed in order
             out.append(item)
             have += len(item)
         data = out[0] if len(out) == 1 else b"".join(out)
@@ -291,6 +290,8 @@ class _Ahead(io.RawIOBase):
             data, self._rest = data[:n], data[n:]
         else:
             self._rest = b""
+        if data:  # exactly the bytes handed to the archive, in order (one hashing thread)
+            self._pending = self._hashing.submit(self.sha.update, data)
         self.n += len(data)
         return data
 

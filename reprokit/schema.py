@@ -572,9 +572,10 @@ def _state_keys(files: dict[str, Any], keys: dict[str, set[str] | None], skip: s
                 problems: list[dict[str, Any]]) -> set[str] | None:
     """The tensor names of all the state's files together (None when one of them could not be read)."""
     parts = {int(m.group(1) or 0): rel for rel in files if (m := STATE_FILE.fullmatch(rel))}
-    gaps = sorted(set(range(max(parts, default=-1) + 1)) - parts.keys())
-    if gaps:
-        name = "state/state.safetensors" if gaps[0] == 0 else f"state/state-{gaps[0]}.safetensors"
+    expected = range(len(parts))  # never sized by a part number: the manifest could name state-999999999999
+    if any(i not in parts for i in expected):
+        first = next(i for i in expected if i not in parts)
+        name = "state/state.safetensors" if first == 0 else f"state/state-{first}.safetensors"
         problems.append({"file": name, "problem": f"not in the manifest, which lists {len(parts)} other part(s) of "
                                                   "the state: the state is incomplete"})
         return None

@@ -459,9 +459,17 @@ class SnapshotEngine:
                 slices.put(at)
             return WrittenFile(folder / path.name, sha, size)
 
-        with ThreadPoolExecutor(workers, thread_name_prefix="reprokit-spill") as pool:
-            written = list(pool.map(write, range(len(parts))))
-        os.replace(tmp, folder)
+        # The parts are copied from the device on the writers' threads, whose current stream is not the training
+        # stream: wait here for everything queued on the state's devices (the spill is synchronous anyway).
+        for device in {t.device for t in tensors.values() if t.is_cuda}:
+            torch.cuda.synchronize(device)
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="reprokit-spill") as pool:
+                written = list(pool.map(write, range(len(parts))))
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed spill (disk full) leaves no partial parts behind
+            raise
         if self._spilled is not None:
             shutil.rmtree(self._spilled, ignore_errors=True)  # the previous snapshot (a bundle holds links of its own)
         self._spilled = folder

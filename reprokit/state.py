@@ -179,10 +179,21 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
         state.optimizer.load_state_dict(pytree.decode(tree[OPTIMIZER], tensors))
     except (ValueError, KeyError, RuntimeError) as e:
         raise StateMismatchError(f"the recorded optimizer state does not fit the optimizer that build() made: {e}") from None
-    for st in state.optimizer.state.values():  # one that kept a host tensor as given (a custom optimizer) gets a copy
-        for name, value in list(st.items()):
-            if isinstance(value, torch.Tensor) and value.numel() and value.data_ptr() in shared:
-                st[name] = value.clone()
+    if shared:  # a tensor the optimizer kept as given (a custom optimizer, nested state) gets a copy of its own
+        kept: list[bool] = []
+
+        def own(v: torch.Tensor) -> torch.Tensor:
+            if v.numel() and v.data_ptr() in shared:
+                kept.append(True)
+                return v.clone()
+            return v
+
+        for st in state.optimizer.state.values():
+            for name, value in list(st.items()):
+                kept.clear()
+                copied = pytree.map_tensors(value, own)
+                if kept:  # replaced only where something was kept: containers stay as the optimizer made them
+                    st[name] = copied
     for name, obj in ((SCHEDULER, state.scheduler), (SCALER, state.scaler)):
         recorded = tree.get(name)
         if (recorded is None) != (obj is None):

@@ -194,12 +194,24 @@ def state(bundle: Any) -> dict[str, torch.Tensor]:
                           f"rank {OWNER_RANK}'s snapshot of step {ref['owner']['step']}; refusing a state the window "
                           "does not start from. Re-record, or run `reprokit verify`.",
                           [{"file": REFERENCE, "problem": "references a snapshot of another step"}])
+    from reprokit.bundle import state_files
+
+    parts = state_files(ref["files"])
+    if not parts or len(parts) != len(ref["files"]):
+        raise BundleError(f"{bundle.path}: {REFERENCE} does not list a complete set of state files "
+                          "(state.safetensors, state-1.safetensors, ...); "
+                          "refusing a state with parts missing. Re-record, or run `reprokit verify`.",
+                          [{"file": REFERENCE, "problem": "incomplete set of referenced state files"}])
     tensors: dict[str, torch.Tensor] = {}
-    parts = sorted(ref["files"], key=lambda rel: int(schema.STATE_FILE.fullmatch(rel)[1] or 0))  # type: ignore[index]
     for rel in parts:
         meta = ref["files"][rel]
+        path = owner / rel
+        if path.is_symlink() or not path.is_file() or path.parent.is_symlink():
+            raise BundleError(f"{bundle.path}: the referenced state file {path} is missing, a link or not a regular "
+                              f"file; refusing it. Re-copy rank {OWNER_RANK}'s bundle, or run `reprokit verify`.",
+                              [{"file": _label(ref, rel), "problem": "missing or not a regular file"}])
         try:
-            part = tensorfile.read_verified(owner / rel, meta["sha256"], meta["size"])
+            part = tensorfile.read_verified(path, meta["sha256"], meta["size"])
         except (tensorfile.TensorFileError, OSError) as e:
             raise BundleError(f"{bundle.path}: the referenced state file {owner / rel}: {e}; refusing to load it. "
                               f"Re-copy rank {OWNER_RANK}'s bundle from the incident folder, or run `reprokit verify`.",
@@ -209,7 +221,14 @@ def state(bundle: Any) -> dict[str, torch.Tensor]:
             raise BundleError(f"{bundle.path}: {owner / rel} holds a tensor of an earlier state file again; refusing "
                               "an ambiguous state.", [{"file": _label(ref, rel), "problem": "duplicate tensor"}])
         tensors |= part
-    return tensors | bundle._tensors(LOCAL_RNG)
+    tensors |= bundle._tensors(LOCAL_RNG)
+    try:  # every tensor the state's tree names is there (the check verify makes for a bundle's own state files)
+        schema.check_state(bundle.state_tree(), set(tensors))
+    except BundleError as e:
+        raise BundleError(f"{bundle.path}: the referenced state does not hold what the state's tree needs ({e}); "
+                          "refusing it. Re-record, or run `reprokit verify`.",
+                          [{"file": REFERENCE, "problem": "the referenced state lacks tensors the tree names"}]) from None
+    return tensors
 
 
 def materialise(bundle: Any, out_dir: Path, name: str) -> Path:

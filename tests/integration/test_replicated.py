@@ -155,6 +155,24 @@ def test_a_reference_out_of_the_incident_folder_is_refused(incident, tmp_path):
     assert CliRunner().invoke(cli, ["replay", str(ranks[1])]).exit_code == 3
 
 
+def test_a_reference_that_lists_no_state_file_is_refused_before_any_tensor_is_used(incident, tmp_path):
+    """A crafted reference (re-signed manifest) naming the owner but no state file: never a half-restored state."""
+    _copy(incident[0], tmp_path)
+    _, ranks = _by_rank(tmp_path)
+    ref_path = ranks[1] / REPLICATED
+    ref = json.loads(ref_path.read_text())
+    ref["files"] = {}
+    ref_path.write_bytes(dumps(ref))
+    manifest = json.loads((ranks[1] / MANIFEST).read_text())
+    manifest["files"][REPLICATED] = {"sha256": replicated_sha(ref_path), "size": ref_path.stat().st_size}
+    manifest["self_sha256"] = _self_digest(manifest)
+    (ranks[1] / MANIFEST).write_bytes(dumps(manifest))
+    with pytest.raises(BundleError, match="complete set of state files"):
+        open_bundle(ranks[1]).state()
+    r = CliRunner().invoke(cli, ["replay", str(ranks[1])])
+    assert r.exit_code == 3 and "complete set of state files" in r.output, r.output
+
+
 def replicated_sha(path: Path) -> str:
     import hashlib
 

@@ -213,3 +213,19 @@ def test_leftovers_are_judged_by_owner_and_age(tmp_path):
     removed = [x.path.name for x in B.remove_leftovers(tmp_path) if x.removed]
     assert removed == [old.name] and not old.exists() and live.tmp.exists() and recent.exists()
     live.abort()
+
+
+def test_a_state_part_numbered_past_the_parts_listed_costs_nothing_and_is_refused(tmp_path):
+    """The check for gaps is sized by how many parts the manifest lists, never by a part's number."""
+    w = B.BundleWriter(tmp_path, "b")
+    w.write_json(B.STATE_JSON, {"state": {}, "rng": {}})
+    path = w.commit()
+    m = json.loads((path / B.MANIFEST).read_text())
+    m["files"]["state/state-999999999999.safetensors"] = {"sha256": "0" * 64, "size": 1}
+    m["self_sha256"] = B._self_digest(m)
+    (path / B.MANIFEST).write_text(json.dumps(m))
+    problems = B.verify(path)
+    assert {"file": B.STATE_TENSORS, "problem": "not in the manifest, which lists 1 other part(s) of the state: the "
+            "state is incomplete"} in problems, problems
+    with pytest.raises(reprokit.BundleError, match="state is incomplete"):
+        B.open_bundle(path)
