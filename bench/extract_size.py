@@ -21,13 +21,11 @@ import argparse
 import json
 import math
 import platform
-import re
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
-from importlib import metadata as md
 from pathlib import Path
 
 import torch
@@ -35,6 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 import gpt  # noqa: E402
 
@@ -130,25 +129,6 @@ def batches(config, steps):
         yield {"idx": seq[:, :-1].clone(), "targets": seq[:, 1:].clone()}
 
 
-def _minimal_site(dest: Path) -> Path:
-    """A folder holding torch (with what it requires), numpy and safetensors, and nothing else (as in
-    tests/integration/test_pack.py)."""
-    dest.mkdir()
-    todo, done = ["torch", "numpy", "safetensors"], set()
-    while todo:
-        name = todo.pop()
-        if name.lower() in done:
-            continue
-        done.add(name.lower())
-        dist = md.distribution(name)
-        todo += [re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0] for r in dist.requires or [] if "extra ==" not in r]
-        for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
-            src = Path(dist.locate_file(top))
-            if src.exists() and not (dest / top).exists() and top != "__pycache__":
-                (dest / top).symlink_to(src)
-    return dest
-
-
 def _bare(site: Path, tmp: Path, *argv: str) -> subprocess.CompletedProcess:
     """Run python -S with only ``site`` importable, from a folder holding nothing."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp)}
@@ -208,7 +188,11 @@ def run(cfg: dict, tmp: Path) -> dict:
     with tarfile.open(packed) as tf:
         tf.extractall(unpacked, filter="data")
     (top,) = list(unpacked.iterdir())
-    site = _minimal_site(tmp / "site")
+    # Imported here, not at the top: replays import this module from the bundle's code snapshot, without tests/.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from rk_testing import minimal_site
+
+    site = minimal_site(tmp / "site")
     probes = {m: _bare(site, tmp, "-c", f"import {m}").returncode != 0 for m in ("reprokit", "click", "git")}
     t0 = time.perf_counter()
     replay = _bare(site, tmp, str(top / "repro.py"), "--json")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from importlib import metadata as md
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +48,23 @@ def record_mlp_nan(out_dir: Path, steps: int, poison_step: int, snapshot_every: 
         sys.path.remove(projects)
     _, exc = record(mlp, {}, mlp.batches({}, steps, poison_step=poison_step), out_dir, snapshot_every=snapshot_every)
     return bundle_of(exc)
+
+
+def minimal_site(dest: Path) -> Path:
+    """A folder of links to torch (with what it requires), numpy and safetensors, and nothing else: put it alone on
+    ``PYTHONPATH`` of a ``python -S`` process to run a packed repro as a colleague with only those installed would
+    (shared by the pack and extract tests and bench/extract_size.py)."""
+    dest.mkdir()
+    todo, done = ["torch", "numpy", "safetensors"], set()
+    while todo:
+        name = todo.pop()
+        if name.lower() in done:
+            continue
+        done.add(name.lower())
+        dist = md.distribution(name)
+        todo += [re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0] for req in dist.requires or [] if "extra ==" not in req]
+        for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
+            src = Path(dist.locate_file(top))
+            if src.exists() and not (dest / top).exists() and top != "__pycache__":
+                (dest / top).symlink_to(src)
+    return dest

@@ -10,8 +10,7 @@ import tarfile
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import bundle_of, record
-from test_pack import _minimal_site
+from rk_testing import bundle_of, minimal_site, record
 
 from reprokit.cli import main
 from reprokit.pack import pack
@@ -19,7 +18,7 @@ from reprokit.pack import pack
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    return _minimal_site(tmp_path_factory.mktemp("site") / "site")
+    return minimal_site(tmp_path_factory.mktemp("site") / "site")
 
 
 def _cli(*args):

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import gzip
-import importlib.metadata as md
 import io
 import json
 import os
 import pickle
-import re
 import subprocess
 import sys
 import tarfile
@@ -18,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import record
+from rk_testing import minimal_site, record
 
 from reprokit import bundle as B
 from reprokit.cli import main
@@ -80,27 +78,6 @@ def test_pack_refuses_a_tampered_bundle(nan_bundle, tmp_path):
     assert not (tmp_path / "x.tar.gz").exists()
 
 
-def _minimal_site(dest: Path) -> Path:
-    """A folder holding torch (with what it requires), numpy and safetensors, and nothing else."""
-    dest.mkdir()
-    todo, done = ["torch", "numpy", "safetensors"], set()
-    while todo:
-        name = todo.pop()
-        if name.lower() in done:
-            continue
-        done.add(name.lower())
-        dist = md.distribution(name)
-        for req in dist.requires or []:
-            if "extra ==" not in req:
-                todo.append(re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0])
-        tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
-        for top in tops:
-            src = Path(dist.locate_file(top))
-            if src.exists() and not (dest / top).exists() and top != "__pycache__":
-                (dest / top).symlink_to(src)
-    return dest
-
-
 def test_hand_off_runs_with_only_torch_numpy_safetensors(nan_bundle, tmp_path):
     out = tmp_path / "repro.tar.gz"
     pack(nan_bundle, out)
@@ -109,7 +86,7 @@ def test_hand_off_runs_with_only_torch_numpy_safetensors(nan_bundle, tmp_path):
     with tarfile.open(out) as tf:
         tf.extractall(unpacked, filter="data")
     (top,) = list(unpacked.iterdir())
-    site = _minimal_site(tmp_path / "site")
+    site = minimal_site(tmp_path / "site")
     # -S: no site-packages at all; the import path is the minimal site plus the extracted folder.
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site), "HOME": str(tmp_path)}
     elsewhere = tmp_path / "elsewhere"
