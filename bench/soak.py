@@ -30,23 +30,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
+from memory_budget import build, train_step  # the same MLP (bench/ is the script's folder)
 
 import reprokit
-
-
-def build(config):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(config["d"], config["hidden"]), nn.GELU(), nn.Linear(config["hidden"], 1))
-    return reprokit.TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-
-
-def train_step(state, batch):
-    loss = nn.functional.mse_loss(state.model(batch["x"]).squeeze(-1), batch["y"])
-    loss.backward()
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    return loss
 
 
 def batches(cfg, g):
