@@ -67,20 +67,13 @@ limits, this bounds the time and memory any command spends parsing a bundle's me
 UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: lambda docs: docs}
 
 
-def state_file_name(i: int) -> str:
-    """The bundle path of part ``i`` of the state's tensors."""
-    return STATE_TENSORS if i == 0 else f"state/state-{i}.safetensors"
+state_file_name = schema.state_file_name
 
 
 def state_files(files: dict[str, Any]) -> list[str]:
     """The state's tensor files a manifest lists, in order; empty when they are not ``0..n-1`` without gaps
     (a bundle missing a part of its state is refused, never loaded with part of its tensors)."""
-    found = {}
-    for rel in files:
-        m = schema.STATE_FILE.fullmatch(rel)
-        if m:
-            found[int(m.group(1) or 0)] = rel
-    return [found[i] for i in range(len(found))] if set(found) == set(range(len(found))) else []
+    return schema.state_parts(files)[0]
 
 
 # --- JSON that stays strict (NaN/inf as strings) ------------------------------

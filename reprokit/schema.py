@@ -568,19 +568,31 @@ STATE_FILE = re.compile(r"state/state(?:-([1-9][0-9]*))?\.safetensors")
 """The state's tensor files: ``state/state.safetensors``, then ``state/state-1.safetensors``, ... (format version 2)."""
 
 
+def state_file_name(i: int) -> str:
+    """The bundle path of part ``i`` of the state's tensors."""
+    return "state/state.safetensors" if i == 0 else f"state/state-{i}.safetensors"
+
+
+def state_parts(files: dict[str, Any]) -> tuple[list[str], int | None]:
+    """The state's tensor files a manifest lists, in order, and the first missing part number (None when they are
+    ``0..n-1`` without gaps). Sized by how many parts are listed, never by a part's number (a manifest could name
+    ``state-999999999999``)."""
+    parts = {int(m.group(1) or 0): rel for rel in files if (m := STATE_FILE.fullmatch(rel))}
+    missing = next((i for i in range(len(parts)) if i not in parts), None)
+    return ([] if missing is not None else [parts[i] for i in range(len(parts))]), missing
+
+
 def _state_keys(files: dict[str, Any], keys: dict[str, set[str] | None], skip: set[str],
                 problems: list[dict[str, Any]]) -> set[str] | None:
     """The tensor names of all the state's files together (None when one of them could not be read)."""
-    parts = {int(m.group(1) or 0): rel for rel in files if (m := STATE_FILE.fullmatch(rel))}
-    expected = range(len(parts))  # never sized by a part number: the manifest could name state-999999999999
-    if any(i not in parts for i in expected):
-        first = next(i for i in expected if i not in parts)
-        name = "state/state.safetensors" if first == 0 else f"state/state-{first}.safetensors"
-        problems.append({"file": name, "problem": f"not in the manifest, which lists {len(parts)} other part(s) of "
-                                                  "the state: the state is incomplete"})
+    parts, missing = state_parts(files)
+    if missing is not None:
+        problems.append({"file": state_file_name(missing), "problem": f"not in the manifest, which lists "
+                         f"{sum(1 for rel in files if STATE_FILE.fullmatch(rel))} other part(s) of the state: "
+                         "the state is incomplete"})
         return None
     union: set[str] = set()
-    for rel in (parts[i] for i in sorted(parts)):
+    for rel in parts:
         k = keys.get(rel) if rel not in skip else None
         if k is None:
             return None
