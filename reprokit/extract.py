@@ -430,9 +430,7 @@ def _nothing(bundle: Bundle, output: Path, located: dict[str, Any], watcher: _Op
     notes: list[str] = []
     op = _checked(watcher.op, notes)
     if op is not None:
-        output.mkdir(parents=True, exist_ok=True)
-        for rel, data in _op_files(op).items():
-            (output / Path(rel).name).write_bytes(data)
+        _save_op_alone(output, op)
         msg += (f" The inputs of {op['op']} are saved in {output}: `python {output / 'op_repro.py'}` "
                 "runs that op alone.")
     raise NothingToExtract(" ".join([msg, *notes]))
@@ -448,9 +446,7 @@ def _nothing_raised(bundle: Bundle, output: Path, raised: _Raised | None) -> Ext
         op["raises"] = {"type": type(raised.error).__qualname__, "message": f.message}
         op = _checked(op, notes)
     if op is not None:
-        output.mkdir(parents=True, exist_ok=True)
-        for rel, data in _op_files(op).items():
-            (output / Path(rel).name).write_bytes(data)
+        _save_op_alone(output, op)
         msg += (f" {op['op']} raised it; its inputs are saved in {output}: `python {output / 'op_repro.py'}` runs "
                 "that op alone.")
     elif raised is None:
@@ -479,8 +475,15 @@ def _checked(op: dict[str, Any] | None, notes: list[str]) -> dict[str, Any] | No
 
 def _op_files(op: dict[str, Any]) -> dict[str, bytes]:
     doc = {k: op[k] for k in ("op", "args", "kwargs", "raises") if k in op}
-    return {OP_FILES[0]: dumps(doc), OP_FILES[1]: st_save(op["tensors"]) if op["tensors"] else st_save({}),
+    return {OP_FILES[0]: dumps(doc), OP_FILES[1]: st_save(op["tensors"] or {}),
             OP_FILES[2]: (Path(__file__).parent / "extract_op.py").read_bytes()}
+
+
+def _save_op_alone(output: Path, op: dict[str, Any]) -> None:
+    """The one-op repro's files, loose in ``output`` (no module to extract, so no bundle around them)."""
+    output.mkdir(parents=True, exist_ok=True)
+    for rel, data in _op_files(op).items():
+        (output / Path(rel).name).write_bytes(data)
 
 
 def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: dict[str, Any], call: _Call,

@@ -36,6 +36,16 @@ def _record(projects, tmp_path, case):
     return bundle_of(exc)
 
 
+def _unpacked(tmp_path, packed):
+    """The folder an archive unpacks to, as a colleague would open it (the ``data`` filter)."""
+    unpacked = tmp_path / "colleague"
+    unpacked.mkdir()
+    with tarfile.open(packed) as tf:
+        tf.extractall(unpacked, filter="data")
+    (top,) = list(unpacked.iterdir())
+    return top
+
+
 def _hand_off(tmp_path, site, folder, script, *args):
     """Run ``script`` (relative to the unpacked folder) with only torch, numpy and safetensors importable."""
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site), "HOME": str(tmp_path)}
@@ -80,11 +90,7 @@ def test_extract_replays_from_the_packed_extract_alone(projects, tmp_path, site,
     packed = tmp_path / "extract.tar.gz"
     pack(out, packed)
     assert packed.stat().st_size < 250_000, "the runtime (~100 kB gzipped) plus one module, not a model"
-    unpacked = tmp_path / "colleague"
-    unpacked.mkdir()
-    with tarfile.open(packed) as tf:
-        tf.extractall(unpacked, filter="data")
-    (top,) = list(unpacked.iterdir())
+    top = _unpacked(tmp_path, packed)
     proc = _hand_off(tmp_path, site, top, "repro.py", "--json")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     got = json.loads(proc.stdout)
@@ -183,11 +189,7 @@ def test_a_module_over_the_size_limit_is_narrowed_to_its_one_op(projects, tmp_pa
     assert rep.exit_code == 1 and json.loads(rep.stdout)["failure"]["exception_type"] == exc_type, rep.output
     packed = tmp_path / "extract.tar.gz"
     pack(out, packed)
-    unpacked = tmp_path / "colleague"
-    unpacked.mkdir()
-    with tarfile.open(packed) as tf:
-        tf.extractall(unpacked, filter="data")
-    (top,) = list(unpacked.iterdir())
+    top = _unpacked(tmp_path, packed)
     proc = _hand_off(tmp_path, site, top, "repro.py", "--json")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert json.loads(proc.stdout)["failure"]["exception_type"] == exc_type
