@@ -8,8 +8,9 @@ Steady-state overhead (``recorder_overhead.py``) leaves out what a recorder pays
 allocator keeps pinned blocks once freed, so a second recorder in the same process would find them for free:
 every run here is a new process. Each builds the model, runs ``--warmup`` bare steps (kernels, allocator), then
 times ``--steps`` steps: bare, or through a Recorder made right then (``snapshot_every`` = the steps timed,
-so the window is exactly the first one). Making the Recorder is timed apart (one-time setup, like building
-the model). Runs alternate bare / recorder for ``--rounds`` rounds.
+so the window is exactly the first one), and the step after it, which takes the second snapshot: state that
+appeared after step 0 (AdamW's moments) needs its buffers by then. Making the Recorder is timed apart: it pins
+the state's buffers ahead (one-time setup, like building the model). Runs alternate bare / recorder for ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def phase(kind: str, steps: int, warmup: int, quick: bool) -> dict[str, Any]:
         step = lambda s, b: rec.step(b)  # noqa: E731
     times = []
     t_all = time.perf_counter()
-    for i in range(steps):
+    for i in range(steps + 1):  # the window, and the step that takes the second snapshot (its new buffers)
         t0 = time.perf_counter()
         step(state, batches[i % 8]).item()
         times.append(time.perf_counter() - t0)
@@ -94,6 +95,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runs[kind].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     bare = statistics.mean(r["total_s"] for r in runs["bare"])
     rec = statistics.mean(r["total_s"] for r in runs["recorder"])
+
+    def parts(kind: str) -> dict[str, float]:
+        """Mean ms of step 0 (first snapshot), steps 1..n-1 together, and step n (second snapshot)."""
+        ms = [r["step_ms"] for r in runs[kind]]
+        return {"step_0": statistics.mean(m[0] for m in ms), "steps_1_to_n-1": statistics.mean(sum(m[1:-1]) for m in ms),
+                "step_n": statistics.mean(m[-1] for m in ms)}
     cuda = torch.cuda.is_available() and not args.quick
     return {"benchmark": "first_window", "commit": _commit(), "torch": torch.__version__,
             "python": platform.python_version(), "cores": os.cpu_count(),
@@ -101,7 +108,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "steps": steps, "warmup": warmup, "rounds": rounds,
             "bare_window_s": [r["total_s"] for r in runs["bare"]],
             "recorder_window_s": [r["total_s"] for r in runs["recorder"]],
-            "ratio": rec / bare, "recorder_made_s": statistics.mean(r["recorder_made_s"] for r in runs["recorder"]),
+            "ratio": rec / bare,
+            "parts_ms": {k: parts(k) for k in runs},
+            "recorder_made_s": statistics.mean(r["recorder_made_s"] for r in runs["recorder"]),
             "recorder_stats": runs["recorder"][-1].get("stats"),
             "first_steps_ms": {k: [round(x, 2) for x in runs[k][0]["step_ms"][:5]] for k in runs}}
 
@@ -126,8 +135,11 @@ def main() -> None:
           f"{res['rounds']} rounds, a fresh process each")
     print(f"  bare window      {', '.join(f'{t:.3f}' for t in res['bare_window_s'])} s")
     print(f"  recorder window  {', '.join(f'{t:.3f}' for t in res['recorder_window_s'])} s")
-    print(f"  first window / bare: {res['ratio']:.3f}   (making the Recorder: {res['recorder_made_s']:.3f} s)")
+    print(f"  first window / bare: {res['ratio']:.3f}   (making the Recorder, pinning ahead: {res['recorder_made_s']:.3f} s)")
     print(f"  first steps ms: {res['first_steps_ms']}")
+    for part in res["parts_ms"]["bare"]:
+        b, r = res["parts_ms"]["bare"][part], res["parts_ms"]["recorder"][part]
+        print(f"  {part:<16} bare {b:9.1f} ms   recorder {r:9.1f} ms   (+{r - b:.1f} ms)")
 
 
 if __name__ == "__main__":

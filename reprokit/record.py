@@ -291,6 +291,7 @@ class Recorder:
         self._ring_other = 0
         """Bytes the window holds outside the pool: RNG states, numpy leaves of batches."""
         self._mem = {"peak_pinned_bytes": 0, "peak_pageable_bytes": 0, "early_snapshots": 0, "unrecorded_steps": 0}
+        self._opt_entries = -1  # len(optimizer.state) when buffers were last pinned aside for it
         self.step_index = 0
         self.bundles: list[Path] = []
         self._snapshot: _Snapshot | None = None
@@ -317,6 +318,11 @@ class Recorder:
             raise
         self._saved = 0
         """Bytes of state this rank did not copy at its last snapshot step (rank 0's are referenced instead)."""
+        if not self._refer:
+            try:  # pinning host memory at step 0 would cost the first window several percent on a GPU
+                self._engine.pin_ahead()
+            except Exception as e:  # never a reason to refuse the run: the first snapshot pins what it needs
+                self._warn("pin", f"reprokit: could not pin snapshot buffers ahead ({e!r}); the first snapshot will")
         if self._board is not None:
             self._board.watch(self._on_incident)
 
@@ -536,6 +542,14 @@ class Recorder:
                                              "can be written until the next snapshot. Training continues.")
             finally:
                 self._pending.clear()
+        if len(self.state.optimizer.state) != self._opt_entries and not self._refer:
+            # Optimizer state appeared (AdamW's moments, after the first step): pin its snapshot buffers on a helper
+            # thread now, snapshot_every steps before the next snapshot needs them.
+            self._opt_entries = len(self.state.optimizer.state)
+            try:
+                self._engine.pin_aside()
+            except Exception as e:
+                self._warn("pin", f"reprokit: could not pin snapshot buffers aside ({e!r}); the next snapshot will")
         snap = self._snapshot
         if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every and not self._refer:
             self._engine.prepare()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -80,6 +81,9 @@ class SnapshotEngine:
         self._stop = threading.Event()
         self._plan: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         self._prepared: tuple[tuple, tuple[dict[str, Any], list[tuple[str, torch.Tensor, Any]]]] | None = None
+        self._pinning: threading.Thread | None = None  # allocates missing pinned buffers off the training thread
+        self._pinned: dict[str, torch.Tensor] = {}  # what it allocated, adopted once it is done
+        self._pin_error: BaseException | None = None
         self._issued = 0
         """How many plan entries the helper thread has issued (it advances them chunk by chunk)."""
         self._issued_event: Any = None
@@ -218,6 +222,7 @@ class SnapshotEngine:
     def close(self) -> None:
         self.detach()
         self.wait()
+        self._collect_pinned()
         self._buffers.clear()
         self._staging = None
         self.stats["pinned_bytes"] = self.stats["pageable_bytes"] = 0
@@ -251,6 +256,7 @@ class SnapshotEngine:
         if self.spill_dir is not None or self._stream is None:
             return  # CPU state is cloned in take(); nothing to overlap with
         try:
+            self._collect_pinned()  # a thread pinning buffers for this snapshot: wait for it (it had the window)
             self._prepared = (self._fingerprint(), self._walk())
         except Exception:
             self._prepared = None  # take() walks again and reports any error there
@@ -267,9 +273,90 @@ class SnapshotEngine:
                 None if self.state.scheduler is None else getattr(self.state.scheduler, "last_epoch", None),
                 len(self.state.extra), tuple(id(p.grad) for p in self.state.model.parameters()))
 
-    def _walk(self) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor, Any]]]:
+    def pin_ahead(self) -> None:
+        """Pin the host buffers of the state as it is now, before training starts (the Recorder calls this when it is
+        made), so that the first snapshot's copies do not wait for the CUDA driver to pin memory at step 0."""
+        missing = self._pin_plan()
+        if missing:
+            self._pin(missing)
+            self._adopt_pinned()
+
+    def pin_aside(self) -> None:
+        """Pin the buffers of state that appeared since (AdamW's moments, after the first step) on a helper thread.
+
+        Pinning host memory costs the CUDA driver about 0.3 s per GB. The recorder calls this when the optimizer's
+        state grows; by the next snapshot (``snapshot_every`` steps later) the buffers are there, and a snapshot
+        that comes first waits for the thread (:meth:`_in_memory`), so snapshot steps never move.
+        """
+        if self._pinning is not None and self._pinning.is_alive():
+            return
+        self._collect_pinned()
+        missing = self._pin_plan()
+        if missing:
+            self._pinning = threading.Thread(target=self._pin, args=(missing,), name="reprokit-pin", daemon=True)
+            self._pinning.start()
+
+    def _collect_pinned(self) -> None:
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+            self._adopt_pinned()
+
+    def _pin_plan(self) -> list[tuple[str, torch.Tensor]]:
+        """The CUDA tensors of the state that lack a pinned buffer; none where pinning ahead does not apply (no CUDA,
+        spilling, synchronous copies, a state larger than the budget's room, a walk that fails: take() handles
+        those as before)."""
+        if self.spill_dir is not None or self.sync or not torch.cuda.is_available():
+            return []
+        try:
+            walked = self._walk(allocate=False)
+        except Exception:
+            return []  # take() walks again and reports the error
+        need = sum(t.numel() * t.element_size() for _, t, _ in walked[1] if t.is_cuda)
+        if self.limit is not None and need > self._room():
+            return []  # take() makes room or spills, as before
+        return self._missing(walked[1])
+
+    @staticmethod
+    def _missing(layout: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor]]:
+        """The tensors without a buffer yet, tied ones once (the walk after pinning lists the others as "same")."""
+        out, seen = [], set()
+        for key, t, how in layout:
+            ident = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if how is None and ident not in seen:
+                seen.add(ident)
+                out.append((key, t))
+        return out
+
+    def _pin(self, missing: list[tuple[str, torch.Tensor]]) -> None:
+        """Allocate pinned buffers like ``missing``'s tensors (run on a helper thread; torch.empty releases the GIL)."""
+        try:
+            for key, t in missing:
+                self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        except BaseException as e:  # said when adopted: take() then allocates what is still missing
+            self._pin_error = e
+
+    def _adopt_pinned(self) -> None:
+        for key, buf in self._pinned.items():
+            old = self._buffers.get(key)
+            if old is not None:
+                self._account(old, -1)
+            self._buffers[key] = buf
+            self._account(buf, 1)
+        self._pinned = {}
+        error, self._pin_error = self._pin_error, None
+        if error is not None:
+            message = f"reprokit: pinning snapshot buffers in the background failed ({error!r}); the snapshot " \
+                      "allocates them itself"
+            try:
+                warnings.warn(message, RecorderWarning, stacklevel=3)
+            except Exception:  # warnings turned into errors: still never raise into the training loop
+                print(message, file=sys.stderr)
+
+    def _walk(self, allocate: bool = True) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor, Any]]]:
         """The state's tree (references, no copies) and what to do with each tensor: a CPU clone, the
-        pinned buffer of an identical tensor already listed (tied weights), or a copy into a pinned buffer."""
+        pinned buffer of an identical tensor already listed (tied weights), or a copy into a pinned buffer
+        (without ``allocate``: None where that buffer does not exist yet)."""
         tree, refs = capture_state(self.state, copy=lambda t: t.detach())
         protected = self._protected() if any(t.is_cuda for t in refs.values()) else set()
         layout: list[tuple[str, torch.Tensor, Any]] = []
@@ -281,6 +368,9 @@ class SnapshotEngine:
             ident = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
             if ident in seen:  # tied weights: one copy (the bundle writer un-shares them)
                 layout.append((key, seen[ident], "same"))
+                continue
+            if not allocate and not self._has_buffer(key, t):
+                layout.append((key, t, None))
                 continue
             buf = seen[ident] = self._buffer(key, t)
             layout.append((key, t, (buf, t.data_ptr() not in protected or key in self._volatile)))
@@ -294,6 +384,7 @@ class SnapshotEngine:
         forward. The optimizer pre-hook stops that thread before the parameters change.
         """
         self.wait()  # the buffers are about to be reused
+        self._collect_pinned()  # buffers being pinned aside (an early snapshot came first): wait for them
         self.broken = False
         self.torn = None
         prepared, self._prepared = self._prepared, None
@@ -382,6 +473,10 @@ class SnapshotEngine:
         for st in self.state.optimizer.state.values():
             ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
         return ptrs
+
+    def _has_buffer(self, key: str, t: torch.Tensor) -> bool:
+        buf = self._buffers.get(key)
+        return buf is not None and buf.shape == t.shape and buf.dtype == t.dtype
 
     def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """The host buffer snapshot after snapshot copies ``t`` into: pinned for a CUDA tensor, pageable for a CPU one.

@@ -200,6 +200,46 @@ def test_snapshot_walk_is_prepared_during_the_previous_step(projects, tmp_path):
     assert rec._snapshot.tree["state"]["optimizer"]["param_groups"][0]["lr"] == 0.5
 
 
+def test_snapshot_buffers_are_pinned_when_the_recorder_is_made(projects, tmp_path):
+    """Step 0's snapshot finds its pinned buffers ready: the CUDA driver's pinning is not on the first window."""
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    state = gpu.build(cfg)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path, snapshot_every=4)
+    params = sum(p.numel() * p.element_size() for p in state.model.parameters())
+    buffers = dict(rec._engine._buffers)
+    assert rec._engine.held_bytes >= params and all(b.is_pinned() for b in buffers.values()), rec._engine.held_bytes
+    rec.step(next(iter(gpu.batches(1, None, "cuda"))))
+    assert rec._snapshot.step == 0
+    assert all(rec._engine._buffers[k] is b for k, b in buffers.items()), "step 0 reused the buffers pinned ahead"
+
+
+def test_state_that_appears_later_is_pinned_aside_before_its_snapshot(projects, tmp_path):
+    """AdamW's moments appear after step 0: a helper thread pins their buffers; the snapshot at step 3 uses them."""
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    state = gpu.build(cfg)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path / "out",
+                            snapshot_every=3)
+    batches = iter(gpu.batches(40, 9, "cuda"))
+    rec.step(next(batches))
+    assert rec._engine._pinning is not None, "step 0 made the moments: their buffers are pinned aside"
+    rec._engine._pinning.join()
+    for _ in range(3):
+        rec.step(next(batches))
+    # The moments live on the GPU and get pinned buffers; AdamW's `step` counters are CPU tensors (pageable copies).
+    moments = {k: b for k, b in rec._engine._buffers.items()
+               if k.startswith("optimizer/state/") and k.endswith(("/exp_avg", "/exp_avg_sq"))}
+    assert len(moments) == 2 * len(list(state.model.parameters())), sorted(rec._engine._buffers)
+    assert all(b.is_pinned() for b in moments.values()) and rec._snapshot.step == 3
+    assert all(rec._snapshot.tensors[k] is b for k, b in moments.items()), "the snapshot copied into them"
+    with pytest.raises(reprokit.TrainingFailure) as info:
+        for b in batches:
+            rec.step(b)
+    report = reprokit.replay(info.value.bundle, times=2)
+    assert report.verdict == "deterministic" and report.fidelity["bit_exact"], report.fidelity
+
+
 def test_precision_matrix_on_the_gpu(projects, tmp_path):
     from reprokit.bisect import bisect_precision
 
