@@ -240,6 +240,8 @@ class Session:
         _refuse_shards_alone(self.bundle)
         try:
             state = build(config)
+        except ReprokitError:
+            raise  # reprokit's own build (an integration's) refusing: its message says what to do
         except Exception as e:
             raise CodeLoadError(f"build(config) failed: {type(e).__name__}: {e}") from e
         state = as_train_state(state)

@@ -42,7 +42,7 @@ import transformers
 from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
 
 from reprokit.code import ref_label, ref_of, resolve_project, snapshot_files
-from reprokit.errors import CaptureError, CodeLoadError
+from reprokit.errors import CaptureError, CodeLoadError, StateMismatchError
 from reprokit.record import Recorder
 from reprokit.state import TrainState
 
@@ -52,6 +52,8 @@ MICRO = "micro"
 """Batch key: the update's micro-batches, each ``{"inputs": {...}, "index": LongTensor[rows]}``."""
 NUM_ITEMS = "num_items_in_batch"
 """Batch key, multi-process recordings only: the token count the Trainer gathered over every rank."""
+N_GPU = "n_gpu"
+"""Config key: the recorded Trainer's ``args.n_gpu`` (more than 1: ``DataParallel`` over that many GPUs)."""
 
 
 @dataclass(kw_only=True)
@@ -79,7 +81,11 @@ def build(config: dict[str, Any]) -> HFTrainState:
     """A Trainer as the recorded one was at train start: model from its config, args, optimizer, scheduler.
 
     ``config`` is what :class:`ReprokitCallback` recorded: ``trainer`` / ``model`` class refs, the
-    model's config dict and dtype, ``args`` (``TrainingArguments`` fields) and ``max_steps``.
+    model's config dict and dtype, ``args`` (``TrainingArguments`` fields), ``max_steps`` and ``n_gpu``.
+
+    Raises:
+        StateMismatchError: this process's Trainer would run on another number of GPUs than the
+            recorded one, with ``DataParallel`` on either side (see :func:`_check_gpu_count`).
     """
     model_cls = _import_class(config["model"]["class"], "model", torch.nn.Module)
     trainer_cls = _import_class(config["trainer"]["class"], "trainer", Trainer)
@@ -89,11 +95,50 @@ def build(config: dict[str, Any]) -> HFTrainState:
     scratch = tempfile.mkdtemp(prefix="reprokit-trainer-")  # the Trainer makes its output_dir; replay writes nothing
     try:
         args = TrainingArguments(**{**_args_for_replay(config["args"]), "output_dir": scratch})
+        _check_gpu_count(config.get(N_GPU), args.n_gpu)
         trainer = trainer_cls(model=model, args=args)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     trainer._prepare_for_training(int(config["max_steps"]), None, None)
     return _state_of(trainer)
+
+
+def _check_gpu_count(recorded: Any, here: int) -> None:
+    """Refuse a replay whose Trainer would see another number of GPUs than the recorded one did.
+
+    A Trainer that is not launched distributed uses every GPU its process sees (``args.n_gpu``);
+    with more than one it wraps the model in ``DataParallel``, which splits each micro-batch over
+    them and averages their losses: another update than the recorded one. A bundle of an older
+    reprokit does not say its count (``recorded`` is None): replayed as before, unless this
+    Trainer would use ``DataParallel``.
+    """
+    if recorded is not None and (type(recorded) is not int or recorded < 0):
+        raise StateMismatchError(f"run.json's config.{N_GPU} is {recorded!r}, expected the number of GPUs the "
+                                 "recorded Trainer used (an int >= 0); the bundle was edited or is damaged")
+    if recorded == here or max(recorded or 0, here) <= 1:
+        return
+    why = ("a Trainer that is not launched distributed runs on every GPU its process sees, through DataParallel "
+           "when they are several (each batch split over them, the loss averaged): another update than the "
+           "recorded one")
+    if recorded is None:
+        raise StateMismatchError(
+            f"this bundle does not say on how many GPUs its Trainer ran (an older reprokit wrote it), and the "
+            f"Trainer here would run on {_gpus(here)}; {why}. Show the replay as many GPUs as the recording had "
+            "(env.json lists its devices), e.g. one: `CUDA_VISIBLE_DEVICES=0 reprokit replay BUNDLE` (the same for "
+            "shrink, bisect and extract)")
+    if recorded > here:
+        todo = (f"replay on a machine with at least {recorded} GPUs, with CUDA_VISIBLE_DEVICES naming "
+                f"{recorded} of them")
+    else:
+        ids = ",".join(map(str, range(recorded))) or '""'
+        todo = (f"show the replay {'no GPU' if recorded == 0 else _gpus(recorded)}: "
+                f"`CUDA_VISIBLE_DEVICES={ids} reprokit replay BUNDLE` (the same for shrink, bisect and extract)")
+    raise StateMismatchError(f"the bundle was recorded by a Trainer that ran on {_gpus(recorded)}, but the "
+                             f"Trainer here would run on {_gpus(here)}; {why}. To replay it as recorded, {todo}")
+
+
+def _gpus(n: int) -> str:
+    return {0: "no GPU (the CPU)", 1: "one GPU"}.get(n, f"{n} GPUs (DataParallel)")
 
 
 def train_step(state: TrainState, batch: dict[str, Any]) -> torch.Tensor:
@@ -326,6 +371,7 @@ class ReprokitCallback(TrainerCallback):
                       "config": model.config.to_dict(), "dtype": dtype},
             "args": _args_to_record(trainer.args),
             "max_steps": int(state.max_steps),
+            N_GPU: int(trainer.args.n_gpu),  # replay refuses another count where DataParallel is in play
         }
 
     def _snapshot_project(self, rec: _UpdateRecorder, trainer: Any) -> None:

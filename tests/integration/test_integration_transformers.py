@@ -33,6 +33,7 @@ from reprokit.pack import frameworks_needed
 
 VOCAB = 48
 SEQ = 8
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -131,34 +132,95 @@ def test_all_ignored_labels_nan_loss_replays_bit_exact_and_shrinks_to_the_sample
     for where, ref, why in [("model", {"module": "subprocess", "qualname": "Popen"}, "no code folder is being replayed"),
                             ("trainer", {"module": "transformers", "qualname": "pipeline"}, "not a subclass of")]:
         hostile = shutil.copytree(bundle, tmp_path / f"hostile-{where}")
-        reseal(hostile, where, ref)
+        reseal(hostile, lambda config, where=where, ref=ref: config[where].update({"class": ref}))
         r = CliRunner().invoke(main, ["replay", str(hostile)])
         assert r.exit_code == 125 and why in r.output, r.output
+
+
+def test_trainer_gpu_count_is_recorded_and_another_count_under_data_parallel_is_refused(tmp_path):
+    """A Trainer not launched distributed runs on every GPU it sees (DataParallel when several): replayed on another
+    count, its update is another one. The count is recorded; another one where DataParallel is in play is refused."""
+    with pytest.raises(TrainingFailure) as info:
+        train(tmp_path, Tokens(8, 5, "labels"), batch_size=1, max_steps=8, snapshot_every=4)
+    bundle = info.value.bundle
+    assert json.loads((bundle / B.RUN).read_text())["config"]["n_gpu"] == 0  # use_cpu: no GPU
+    on_two = shutil.copytree(bundle, tmp_path / "on-two-gpus")
+    reseal(on_two, lambda config: config.update(n_gpu=2))
+    r = CliRunner().invoke(main, ["replay", str(on_two)])
+    assert r.exit_code == 125, r.output
+    assert "ran on 2 GPUs (DataParallel)" in r.output and "CUDA_VISIBLE_DEVICES" in r.output, r.output
+    assert "Traceback" not in r.output
+    # An older bundle does not say: replayed as before where this Trainer runs on one GPU or none.
+    unknown = shutil.copytree(bundle, tmp_path / "unknown")
+    reseal(unknown, lambda config: config.pop("n_gpu"))
+    assert replay_json(unknown)["verdict"] == "deterministic"
+
+
+def one_gpu(*argv: str) -> subprocess.CompletedProcess:
+    """``python *argv`` in a child that sees only the first GPU this process sees: its Trainer runs as on a one-GPU
+    host (no DataParallel), however many GPUs this host has."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    path = os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "tests" / "integration"))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": first, "PYTHONPATH": path}
+    return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=600)
+
+
+def record_on_one_gpu(tmp_path, args_kw: dict) -> Path:
+    """The poisoned run (sample 5 has no target: NaN loss) with ``args_kw``, recorded in a one-GPU child."""
+    child = f"import test_integration_transformers as t; t.poisoned_run({str(tmp_path)!r}, {json.dumps(args_kw)!r})"
+    r = one_gpu("-c", child)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return Path(next(line for line in r.stdout.splitlines() if line.startswith("BUNDLE ")).split(" ", 1)[1])
+
+
+def poisoned_run(out: str, args_kw: str) -> None:
+    """The child's body (see :func:`record_on_one_gpu`); prints ``BUNDLE <path>``."""
+    with pytest.raises(TrainingFailure) as info:
+        train(Path(out), Tokens(8, 5, "labels"), batch_size=1, max_steps=8, snapshot_every=4,
+              args_kw=json.loads(args_kw))
+    assert info.value.failure.kind == "nonfinite_loss", info.value.failure.describe()
+    print("BUNDLE", info.value.bundle)
+
+
+def cli_on_one_gpu(*argv: str, expect: int) -> dict:
+    r = one_gpu("-m", "reprokit", *argv, "--json")
+    assert r.returncode == expect, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_mixed_precision_trainer_on_the_gpu_replays_with_its_scaler_and_autocast(tmp_path, precision):
-    """fp16 on CUDA: the Trainer's GradScaler and autocast are part of the step that replays (bf16: autocast alone)."""
-    bad = 5
-    with pytest.raises(TrainingFailure) as info:
-        train(tmp_path, Tokens(8, bad, "labels"), batch_size=1, max_steps=8, snapshot_every=4,
-              args_kw={precision: True})
-    bundle = info.value.bundle
-    assert info.value.failure.kind == "nonfinite_loss"
-    assert B.open_bundle(bundle).run["device"].startswith("cuda")
-    d = replay_json(bundle)
+    """fp16 on CUDA: the Trainer's GradScaler and autocast are part of the step that replays (bf16: autocast alone).
+
+    Recorded and replayed on one GPU, in children, whatever this host has: with several, a Trainer in this process
+    would run DataParallel and put two samples in each update (no NaN from the poisoned one)."""
+    bundle = record_on_one_gpu(tmp_path, {precision: True})
+    run = B.open_bundle(bundle).run
+    assert run["device"].startswith("cuda") and run["config"]["n_gpu"] == 1, (run["device"], run["config"]["n_gpu"])
+    d = cli_on_one_gpu("replay", str(bundle), expect=1)
     assert d["verdict"] == "deterministic" and d["device"].startswith("cuda"), d
     assert d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] >= 2, d["fidelity"]
-    s = shrink_json(bundle, tmp_path / "small")
-    assert s["dataset_indices"] == [bad]
+    s = cli_on_one_gpu("shrink", str(bundle), "-o", str(tmp_path / "small"), expect=0)
+    assert s["dataset_indices"] == [5]
 
 
-def reseal(bundle, where: str, ref: dict) -> None:
-    """Point run.json's recorded ``where`` class at ``ref`` and re-sign the manifest, as an attacker would."""
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs or more (a Trainer that runs DataParallel)")
+def test_one_gpu_recording_is_refused_where_the_replay_trainer_would_run_data_parallel(tmp_path):
+    bundle = record_on_one_gpu(tmp_path, {"use_cpu": False})  # fp32 on the GPU
+    assert B.open_bundle(bundle).run["config"]["n_gpu"] == 1
+    r = CliRunner().invoke(main, ["replay", str(bundle)])  # this process sees every GPU: its Trainer would not match
+    assert r.exit_code == 125, r.output
+    assert "ran on one GPU" in r.output and f"run on {torch.cuda.device_count()} GPUs (DataParallel)" in r.output, r.output
+    assert "CUDA_VISIBLE_DEVICES=0 reprokit replay" in r.output and "Traceback" not in r.output, r.output
+
+
+def reseal(bundle, edit) -> None:
+    """Edit run.json's config in place (``edit(config)``) and re-sign the manifest, as a sender could."""
     run = json.loads((bundle / B.RUN).read_text())
-    run["config"][where]["class"] = ref
+    edit(run["config"])
     (bundle / B.RUN).write_text(json.dumps(run))
     m = json.loads((bundle / B.MANIFEST).read_text())
     m["files"][B.RUN] = {"sha256": B.sha256_file(bundle / B.RUN), "size": (bundle / B.RUN).stat().st_size}
