@@ -10,7 +10,9 @@ every run here is a new process. Each builds the model, runs ``--warmup`` bare s
 times ``--steps`` steps: bare, or through a Recorder made right then (``snapshot_every`` = the steps timed,
 so the window is exactly the first one), and the step after it, which takes the second snapshot: state that
 appeared after step 0 (AdamW's moments) needs its buffers by then. Making the Recorder is timed apart: it pins
-the state's buffers ahead (one-time setup, like building the model). Runs alternate bare / recorder for ``--rounds`` rounds.
+the state's buffers ahead (one-time setup, like building the model). Each process then times as many bare
+steps again: the window over those is free of the spread between processes (bare runs give the A/A floor).
+Runs alternate bare / recorder for ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -66,18 +68,24 @@ def phase(kind: str, steps: int, warmup: int, quick: bool) -> dict[str, Any]:
         sync()
         made_s = time.perf_counter() - t0
         step = lambda s, b: rec.step(b)  # noqa: E731
-    times = []
-    t_all = time.perf_counter()
-    for i in range(steps + 1):  # the window, and the step that takes the second snapshot (its new buffers)
-        t0 = time.perf_counter()
-        step(state, batches[i % 8]).item()
-        times.append(time.perf_counter() - t0)
-    sync()
-    total = time.perf_counter() - t_all
-    out = {"kind": kind, "total_s": total, "step_ms": [t * 1e3 for t in times], "recorder_made_s": made_s}
+    def window(step) -> tuple[float, list[float]]:
+        times = []
+        t_all = time.perf_counter()
+        for i in range(steps + 1):  # the window, and the step that takes the second snapshot (its new buffers)
+            t0 = time.perf_counter()
+            step(state, batches[i % 8]).item()
+            times.append(time.perf_counter() - t0)
+        sync()
+        return time.perf_counter() - t_all, times
+
+    total, times = window(step)
+    out: dict[str, Any] = {"kind": kind, "total_s": total, "step_ms": [t * 1e3 for t in times],
+                           "recorder_made_s": made_s}
     if rec is not None:
         out["stats"] = {k: v for k, v in rec.stats().items() if isinstance(v, (int, float, str, type(None)))}
         rec.close()
+    # The same number of bare steps again in this process: a reference free of the process-to-process spread.
+    out["bare_after_s"] = window(train_step)[0]
     return out
 
 
@@ -109,6 +117,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "bare_window_s": [r["total_s"] for r in runs["bare"]],
             "recorder_window_s": [r["total_s"] for r in runs["recorder"]],
             "ratio": rec / bare,
+            # Each process's window over the bare steps it ran next: the recorder's runs, and the bare runs (A/A).
+            "ratio_in_process": statistics.mean(r["total_s"] / r["bare_after_s"] for r in runs["recorder"]),
+            "ratio_in_process_aa": statistics.mean(r["total_s"] / r["bare_after_s"] for r in runs["bare"]),
             "parts_ms": {k: parts(k) for k in runs},
             "recorder_made_s": statistics.mean(r["recorder_made_s"] for r in runs["recorder"]),
             "recorder_stats": runs["recorder"][-1].get("stats"),
@@ -136,6 +147,8 @@ def main() -> None:
     print(f"  bare window      {', '.join(f'{t:.3f}' for t in res['bare_window_s'])} s")
     print(f"  recorder window  {', '.join(f'{t:.3f}' for t in res['recorder_window_s'])} s")
     print(f"  first window / bare: {res['ratio']:.3f}   (making the Recorder, pinning ahead: {res['recorder_made_s']:.3f} s)")
+    print(f"  window / the same process's bare steps after it: recorder {res['ratio_in_process']:.3f}, "
+          f"bare (A/A) {res['ratio_in_process_aa']:.3f}")
     print(f"  first steps ms: {res['first_steps_ms']}")
     for part in res["parts_ms"]["bare"]:
         b, r = res["parts_ms"]["bare"][part], res["parts_ms"]["recorder"][part]

@@ -191,6 +191,20 @@ class Monitor:
         self._unjoined.append(side)
         return norm
 
+    def warm_up(self) -> None:
+        """Run the step-end checks' device work once, on the parameters themselves (nothing is kept or changed).
+
+        CUDA loads a kernel when it is first used: for the float64 norms that took ~70 ms on an H200, all in the
+        recorder's first step. Done here, it is part of making the Recorder (setup, like building the model).
+        """
+        params = [local_shard(p.detach()) for g in self.state.optimizer.param_groups for p in g["params"]]
+        if not self.settings.check_grads or not any(p.is_cuda for p in params):
+            return
+        with torch.no_grad():
+            norm = global_norm(params)
+            # The same promotion as _read's: a float32 value beside the float64 norm, one transfer.
+            torch.cat([norm.new_zeros(1, dtype=torch.float32), norm.reshape(1)]).tolist()
+
     def _join(self) -> None:
         """Make the training stream wait for the norms queued aside (a device-side wait, not a sync)."""
         for side in self._unjoined:

@@ -323,6 +323,10 @@ class Recorder:
                 self._engine.pin_ahead()
             except Exception as e:  # never a reason to refuse the run: the first snapshot pins what it needs
                 self._warn("pin", f"reprokit: could not pin snapshot buffers ahead ({e!r}); the first snapshot will")
+        try:
+            self.monitor.warm_up()
+        except Exception as e:  # the first step then loads the kernels itself
+            self._warn("warm", f"reprokit: could not warm up the step checks ({e!r}); the first step will")
         if self._board is not None:
             self._board.watch(self._on_incident)
 

@@ -214,6 +214,21 @@ def test_snapshot_buffers_are_pinned_when_the_recorder_is_made(projects, tmp_pat
     assert all(rec._engine._buffers[k] is b for k, b in buffers.items()), "step 0 reused the buffers pinned ahead"
 
 
+def test_making_the_recorder_warms_the_checks_up_without_touching_the_run(projects, tmp_path):
+    """Making the Recorder runs the norm kernels once (so step 0 does not load them): parameters, gradients and the
+    CUDA generator are left exactly as they were."""
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    state = gpu.build(cfg)
+    before = [p.detach().clone() for p in state.model.parameters()]
+    offset = torch.cuda.default_generators[0].get_offset()
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path)
+    assert all(torch.equal(a, p) for a, p in zip(before, state.model.parameters()))
+    assert all(p.grad is None for p in state.model.parameters())
+    assert torch.cuda.default_generators[0].get_offset() == offset
+    rec.close()
+
+
 def test_state_that_appears_later_is_pinned_aside_before_its_snapshot(projects, tmp_path):
     """AdamW's moments appear after step 0: a helper thread pins their buffers; the snapshot at step 3 uses them."""
     gpu = projects("rk_gpu")
