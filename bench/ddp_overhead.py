@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from io_bench import _commit  # the checkout's commit, or $BENCH_COMMIT
 from torch.nn.parallel import DistributedDataParallel
 
 import reprokit
@@ -154,14 +155,6 @@ def rank_main(args: argparse.Namespace) -> None:
     os._exit(0)  # no destroy_process_group: a peer may still sit in a collective after the incident
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 CPU ranks, a tiny GPT, few steps (smoke run)")
@@ -192,7 +185,7 @@ def main() -> None:
             if not p.exists():
                 raise SystemExit(f"rank {r} wrote no report (torchrun exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             ranks.append(json.loads(p.read_text()))
-    report = {"benchmark": "ddp_overhead", "commit": commit(), "device": ranks[0]["device"], "torch": torch.__version__,
+    report = {"benchmark": "ddp_overhead", "commit": _commit(), "device": ranks[0]["device"], "torch": torch.__version__,
               "world_size": nproc, "config": ranks[0]["config"], "ranks": ranks,
               "ratio_recorder": max(r["variants"]["recorder"]["ratio"] for r in ranks),
               "ratio_aa": max(r["variants"]["bare (A/A)"]["ratio"] for r in ranks)}

@@ -237,9 +237,8 @@ def main() -> None:
         res["replays_standalone"] = res["standalone_replay"]["exit"] == 1 and res["standalone_replay"]["verdict"] == \
             "deterministic" and all(res["not_importable_in_replay_env"].values())
         variants[name] = res
-    here = Path(__file__).resolve().parent
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                            text=True).stdout.strip()
+    from io_bench import _commit  # bench/ is the script's folder
+    commit = _commit()
     params = sum(p.numel() for p in GPT(*(cfg[k] for k in ("layers", "d", "heads", "vocab", "ctx"))).parameters())
     report = {"commit": commit, "device": f"cpu ({platform.processor() or platform.machine()}, "
               f"{torch.get_num_threads()} threads)", "torch": torch.__version__, "config": cfg,

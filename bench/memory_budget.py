@@ -75,8 +75,8 @@ def main() -> None:
     ap.add_argument("--budget-mb", type=float, default=None, help="the small budget (default 256 MB, quick 4 MB)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    import subprocess
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from io_bench import _commit  # bench/ is the script's folder
+    commit = _commit()
     cfg = {"d": 256 if args.quick else 4096, "hidden": 16 if args.quick else 256, "batch": 256 if args.quick else 1024}
     rounds = args.rounds or (3 if args.quick else 12)
     block = args.block or (5 if args.quick else 10)

@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from io_bench import _commit
 from memory_budget import build, train_step  # the same MLP (bench/ is the script's folder)
 
 import reprokit
@@ -122,8 +122,7 @@ def main() -> None:
     warmup = min(steps // 10, 2000)
     torch.set_num_threads(1)
     cfg = {"d": 64, "hidden": 128, "batch": 32}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = _commit()
     with tempfile.TemporaryDirectory(prefix="reprokit-soak-") as out_dir:
         result = run(steps, min(a.block, steps), sample, warmup, cfg, out_dir)
         leftovers = sorted(os.listdir(out_dir))

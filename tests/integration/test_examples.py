@@ -95,7 +95,10 @@ def test_spill_bench_quick_records_and_replays_a_spilled_state():
 def test_first_window_bench_quick_times_both_kinds_in_fresh_processes():
     report = _bench_json("first_window")
     assert len(report["bare_window_s"]) == len(report["recorder_window_s"]) == 1 and report["ratio"] > 0, report
-    assert report["recorder_stats"]["window_steps"] == report["steps"], report["recorder_stats"]
+    # The timed steps are the first window and the step that takes the second snapshot (a window of one step after).
+    assert report["recorder_stats"]["window_steps"] == 1, report["recorder_stats"]
+    assert set(report["parts_ms"]["recorder"]) == {"step_0", "steps_1_to_n-1", "step_n"}, report["parts_ms"]
+    assert report["ratio_in_process"] > 0 and report["ratio_in_process_aa"] > 0, report
 
 
 def test_soak_bench_quick_runs_without_leaking_file_handles():
