@@ -198,7 +198,7 @@ class Monitor:
         recorder's first step. Done here, it is part of making the Recorder (setup, like building the model).
         """
         params = [local_shard(p.detach()) for g in self.state.optimizer.param_groups for p in g["params"]]
-        if not self.settings.check_grads or not any(p.is_cuda for p in params):
+        if not (self.settings.check_grads or self.settings.check_params) or not any(p.is_cuda for p in params):
             return
         with torch.no_grad():
             norm = global_norm(params)

@@ -549,10 +549,11 @@ class Recorder:
         if len(self.state.optimizer.state) != self._opt_entries and not self._refer:
             # Optimizer state appeared (AdamW's moments, after the first step): pin its snapshot buffers on a helper
             # thread now, snapshot_every steps before the next snapshot needs them.
-            self._opt_entries = len(self.state.optimizer.state)
             try:
-                self._engine.pin_aside()
+                if self._engine.pin_aside():  # else a thread still pins: ask again after the next step
+                    self._opt_entries = len(self.state.optimizer.state)
             except Exception as e:
+                self._opt_entries = len(self.state.optimizer.state)
                 self._warn("pin", f"reprokit: could not pin snapshot buffers aside ({e!r}); the next snapshot will")
         snap = self._snapshot
         if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every and not self._refer:

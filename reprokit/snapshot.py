@@ -48,6 +48,11 @@ from reprokit.state import TrainState, capture_rng, capture_state
 from reprokit.tensorfile import WrittenFile, parallelism, shard, write_safetensors
 
 
+def _need(layout: list[tuple[str, torch.Tensor, Any]]) -> int:
+    """Host bytes a snapshot of ``layout`` takes (tied tensors once)."""
+    return sum(t.numel() * t.element_size() for _, t, how in layout if how != "same")
+
+
 class SnapshotEngine:
     """Takes snapshots for one Recorder. ``take()`` returns ``(tree, tensors_or_spill_path)``."""
 
@@ -84,6 +89,8 @@ class SnapshotEngine:
         self._pinning: threading.Thread | None = None  # allocates missing pinned buffers off the training thread
         self._pinned: dict[str, torch.Tensor] = {}  # what it allocated, adopted once it is done
         self._pin_error: BaseException | None = None
+        self._reserved = 0
+        """Bytes the pinning thread is allocating: counted as pinned from its start (the budget sees them at once)."""
         self._issued = 0
         """How many plan entries the helper thread has issued (it advances them chunk by chunk)."""
         self._issued_event: Any = None
@@ -281,20 +288,25 @@ class SnapshotEngine:
             self._pin(missing)
             self._adopt_pinned()
 
-    def pin_aside(self) -> None:
+    def pin_aside(self) -> bool:
         """Pin the buffers of state that appeared since (AdamW's moments, after the first step) on a helper thread.
 
         Pinning host memory costs the CUDA driver about 0.3 s per GB. The recorder calls this when the optimizer's
         state grows; by the next snapshot (``snapshot_every`` steps later) the buffers are there, and a snapshot
-        that comes first waits for the thread (:meth:`_in_memory`), so snapshot steps never move.
+        that comes first waits for the thread (:meth:`_in_memory`), so snapshot steps never move. The bytes being
+        pinned count against the budget from the start (:attr:`held_bytes`, the peaks). False where a thread
+        still runs (the caller asks again later).
         """
         if self._pinning is not None and self._pinning.is_alive():
-            return
+            return False
         self._collect_pinned()
         missing = self._pin_plan()
         if missing:
+            self._reserved = sum(t.numel() * t.element_size() for _, t in missing)
+            self.stats["pinned_bytes"] += self._reserved
             self._pinning = threading.Thread(target=self._pin, args=(missing,), name="reprokit-pin", daemon=True)
             self._pinning.start()
+        return True
 
     def _collect_pinned(self) -> None:
         if self._pinning is not None:
@@ -312,8 +324,7 @@ class SnapshotEngine:
             walked = self._walk(allocate=False)
         except Exception:
             return []  # take() walks again and reports the error
-        need = sum(t.numel() * t.element_size() for _, t, _ in walked[1] if t.is_cuda)
-        if self.limit is not None and need > self._room():
+        if self.limit is not None and _need(walked[1]) > self._room():
             return []  # take() makes room or spills, as before
         return self._missing(walked[1])
 
@@ -333,10 +344,12 @@ class SnapshotEngine:
         try:
             for key, t in missing:
                 self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        except BaseException as e:  # said when adopted: take() then allocates what is still missing
+        except Exception as e:  # said when adopted: take() then allocates what is still missing
             self._pin_error = e
 
     def _adopt_pinned(self) -> None:
+        self.stats["pinned_bytes"] -= self._reserved  # the buffers themselves are counted instead
+        self._reserved = 0
         for key, buf in self._pinned.items():
             old = self._buffers.get(key)
             if old is not None:
@@ -395,7 +408,7 @@ class SnapshotEngine:
         tensors: dict[str, torch.Tensor] = {}
         plan: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         cuda = False
-        need = sum(t.numel() * t.element_size() for _, t, how in layout if how != "same")
+        need = _need(layout)
         if self.limit is not None and self.fallback_spill_dir is not None and need > self._room() and \
                 need > self._room(make_room=True):
             self._spill_from_now_on(need)

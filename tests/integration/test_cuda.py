@@ -212,6 +212,7 @@ def test_snapshot_buffers_are_pinned_when_the_recorder_is_made(projects, tmp_pat
     rec.step(next(iter(gpu.batches(1, None, "cuda"))))
     assert rec._snapshot.step == 0
     assert all(rec._engine._buffers[k] is b for k, b in buffers.items()), "step 0 reused the buffers pinned ahead"
+    rec.close()
 
 
 def test_making_the_recorder_warms_the_checks_up_without_touching_the_run(projects, tmp_path):
@@ -222,7 +223,9 @@ def test_making_the_recorder_warms_the_checks_up_without_touching_the_run(projec
     state = gpu.build(cfg)
     before = [p.detach().clone() for p in state.model.parameters()]
     offset = torch.cuda.default_generators[0].get_offset()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
     rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] > allocations, "the norm ran on the device"
     assert all(torch.equal(a, p) for a, p in zip(before, state.model.parameters()))
     assert all(p.grad is None for p in state.model.parameters())
     assert torch.cuda.default_generators[0].get_offset() == offset
@@ -237,8 +240,11 @@ def test_state_that_appears_later_is_pinned_aside_before_its_snapshot(projects, 
     rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path / "out",
                             snapshot_every=3)
     batches = iter(gpu.batches(40, 9, "cuda"))
+    params = sum(p.numel() * p.element_size() for p in state.model.parameters())
     rec.step(next(batches))
     assert rec._engine._pinning is not None, "step 0 made the moments: their buffers are pinned aside"
+    # What the thread pins counts against the budget from its start: parameters + two moments per parameter.
+    assert rec._engine.held_bytes >= 3 * params and rec.stats()["peak_pinned_bytes"] >= 3 * params, rec.stats()
     rec._engine._pinning.join()
     for _ in range(3):
         rec.step(next(batches))
@@ -248,6 +254,26 @@ def test_state_that_appears_later_is_pinned_aside_before_its_snapshot(projects, 
     assert len(moments) == 2 * len(list(state.model.parameters())), sorted(rec._engine._buffers)
     assert all(b.is_pinned() for b in moments.values()) and rec._snapshot.step == 3
     assert all(rec._snapshot.tensors[k] is b for k, b in moments.items()), "the snapshot copied into them"
+    with pytest.raises(reprokit.TrainingFailure) as info:
+        for b in batches:
+            rec.step(b)
+    report = reprokit.replay(info.value.bundle, times=2)
+    assert report.verdict == "deterministic" and report.fidelity["bit_exact"], report.fidelity
+
+
+def test_a_snapshot_that_comes_while_buffers_are_pinned_aside_waits_for_them(projects, tmp_path):
+    """snapshot_every=1: the snapshot after step 0 needs the moments' buffers while the thread may still pin them."""
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    state = gpu.build(cfg)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path / "out",
+                            snapshot_every=1)
+    batches = iter(gpu.batches(40, 9, "cuda"))
+    rec.step(next(batches))
+    rec.step(next(batches))  # its snapshot joins the thread and copies into the buffers it pinned
+    assert rec._engine._pinning is None and rec._engine._reserved == 0
+    moments = [k for k in rec._snapshot.tensors if k.endswith(("/exp_avg", "/exp_avg_sq"))]
+    assert moments and all(rec._snapshot.tensors[k].is_pinned() for k in moments)
     with pytest.raises(reprokit.TrainingFailure) as info:
         for b in batches:
             rec.step(b)
