@@ -552,6 +552,7 @@ class Recorder:
             try:
                 if self._engine.pin_aside():  # else a thread still pins: ask again after the next step
                     self._opt_entries = len(self.state.optimizer.state)
+                    self._note_peak()  # what it pins counts from now
             except Exception as e:
                 self._opt_entries = len(self.state.optimizer.state)
                 self._warn("pin", f"reprokit: could not pin snapshot buffers aside ({e!r}); the next snapshot will")
