@@ -254,11 +254,7 @@ def test_state_that_appears_later_is_pinned_aside_before_its_snapshot(projects, 
     assert len(moments) == 2 * len(list(state.model.parameters())), sorted(rec._engine._buffers)
     assert all(b.is_pinned() for b in moments.values()) and rec._snapshot.step == 3
     assert all(rec._snapshot.tensors[k] is b for k, b in moments.items()), "the snapshot copied into them"
-    with pytest.raises(reprokit.TrainingFailure) as info:
-        for b in batches:
-            rec.step(b)
-    report = reprokit.replay(info.value.bundle, times=2)
-    assert report.verdict == "deterministic" and report.fidelity["bit_exact"], report.fidelity
+    fails_and_replays_bit_exact(rec, batches)
 
 
 def test_a_snapshot_that_comes_while_buffers_are_pinned_aside_waits_for_them(projects, tmp_path):
@@ -274,6 +270,11 @@ def test_a_snapshot_that_comes_while_buffers_are_pinned_aside_waits_for_them(pro
     assert rec._engine._pinning is None and rec._engine._reserved == 0
     moments = [k for k in rec._snapshot.tensors if k.endswith(("/exp_avg", "/exp_avg_sq"))]
     assert moments and all(rec._snapshot.tensors[k].is_pinned() for k in moments)
+    fails_and_replays_bit_exact(rec, batches)
+
+
+def fails_and_replays_bit_exact(rec: reprokit.Recorder, batches) -> None:
+    """Run ``batches`` into the failure they carry; its bundle replays twice, deterministic and bit-exact."""
     with pytest.raises(reprokit.TrainingFailure) as info:
         for b in batches:
             rec.step(b)
