@@ -101,6 +101,13 @@ def test_first_window_bench_quick_times_both_kinds_in_fresh_processes():
     assert report["ratio_in_process"] > 0 and report["ratio_in_process_aa"] > 0, report
 
 
+def test_replay_start_bench_quick_times_the_phases_of_a_fresh_replay():
+    report = _bench_json("replay_start")
+    assert report["reproduced"] and report["steps_replayed"] == report["window_steps"], report
+    assert report["load_s"] > 0 and report["to_first_step_s"] > 0 and report["first_step_ms"] > 0, report
+    assert report["to_first_step_over_train_step"] > 0 and report["train_step_ms"] > 0, report
+
+
 def test_soak_bench_quick_runs_without_leaking_file_handles():
     report = _bench_json("soak")
     assert report["steps"] == 1000 and report["samples_after_warmup"] >= 50
