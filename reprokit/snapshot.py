@@ -383,6 +383,7 @@ class SnapshotEngine:
                 layout.append((key, seen[ident], "same"))
                 continue
             if not allocate and not self._has_buffer(key, t):
+                seen[ident] = t  # a tied tensor listed after it is "same": counted and pinned once
                 layout.append((key, t, None))
                 continue
             buf = seen[ident] = self._buffer(key, t)
