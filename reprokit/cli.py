@@ -250,7 +250,7 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, trus
 
     with _progress(times, "replay", enabled=not as_json and times > 1) as update, _open(bundle, kw) as path:
         opened = open_bundle(path)  # verified once, here
-        note = None if trust else foreign_code_note(opened, is_archive(bundle))
+        note = None if trust else foreign_code_note(opened, is_archive(bundle), code)
         if note:
             click.echo(note, err=True)
         report = do_replay(opened, times=times, device=device, code=code,
@@ -592,6 +592,10 @@ def demo(out: Path | None, as_json: bool) -> None:
     """Train a tiny model until a poisoned sample kills it, then replay, shrink, localise, pack and verify the bundle."""
     from reprokit.demo_story import run_demo
 
+    taken = [name for name in ("shrunk", "repro.tar.gz") if out is not None and (out / name).exists()]
+    if taken:  # said before training, not after it
+        raise click.BadParameter(f"{out} already holds {' and '.join(taken)} from an earlier demo; give a new or "
+                                 "empty folder (or leave --out out: a temporary one)", param_hint="--out")
     out = out or Path(tempfile.mkdtemp(prefix="reprokit-demo-"))
     result = run_demo(out, say=(lambda s: None) if as_json else click.echo)
     if as_json:

@@ -71,7 +71,7 @@ def run_demo(out: Path, say: Callable[[str], None] = print, config: dict[str, An
         raise ReprokitError(f"the demo's own tarball failed verification ({problems[0]}); please report this as a bug")
     say(f"   ok: every file matches; the tarball replays {again.verdict} "
         f"({again.failed_runs}/{len(again.runs)}), {fidelity_word(again.fidelity)}.")
-    say(f"Next: reprokit inspect {packed.output}, or send it: tar xzf repro.tar.gz && python {packed.folder}/repro.py")
+    say(f"Next: reprokit inspect {packed.output}, or send it: tar xzf {packed.output} && python {packed.folder}/repro.py")
     return {"bundle": str(failure.bundle), "failure": f.to_json(), "replay": report.to_json(),
             "shrink": small.to_json(), "layers": layers, "pack": packed.to_json(),
             "verify": {"problems": problems, "replay": again.to_json()}}

@@ -415,14 +415,16 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
                             str(s.code_dir) if s.code_dir else "installed modules", s.bundle.run.get("distributed"))
 
 
-def foreign_code_note(bundle: Bundle, archive: bool) -> str | None:
+def foreign_code_note(bundle: Bundle, archive: bool, code: str | Path | None = None) -> str | None:
     """One line saying that replaying runs the bundle's code, for a bundle that came from elsewhere (a packed
-    archive, or recorded on another host); None for a bundle this machine recorded."""
+    archive, or recorded on another host); None for a bundle this machine recorded, or replayed with ``code``
+    (``--code``: the user's own checkout)."""
     host = bundle.env.get("host")
-    if not archive and host == platform.node():
+    if code is not None or (not archive and host == platform.node()):
         return None
     where = "a packed archive" if archive else f"recorded on {host}" if host else "recorded on another machine"
-    code = "the --code folder" if bundle.code_dir is None else f"its code snapshot ({bundle.code_dir.name}/)"
+    code = ("the modules installed here, as run.json names them (the bundle has no code snapshot)"
+            if bundle.code_dir is None else f"its code snapshot ({bundle.code_dir.name}/)")
     return (f"reprokit: replaying runs code: build() and the step function are imported from {code}; this bundle "
             f"is {where}. Run bundles you would run yourself (`reprokit inspect` shows what it imports; --trust or "
             "REPROKIT_REPLAY_TRUST=1 silences this note).")

@@ -8,7 +8,7 @@ pytest plugin turns every bundle in a folder into a test item::
 
 (with reprokit installed, the plugin is registered through the ``pytest11`` entry
 point and ``-p reprokit.testing`` may be left out). Each bundle folder or packed
-``.tar.gz`` under ``--reprokit-bundles`` becomes an item marked ``reprokit_bundle``
+``.tar`` / ``.tar.gz`` under ``--reprokit-bundles`` becomes an item marked ``reprokit_bundle``
 that **passes** when the failure no longer reproduces with that code, **fails**
 when it still does (the failure and the step are in the report), and **errors**
 when the bundle fails some other way, is invalid, or the code does not import:
@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reprokit.errors import ReprokitError
+
+ARCHIVES = (".tar", ".tar.gz", ".tgz")
+"""Names of packed bundles the plugin collects (what ``reprokit pack`` writes, and earlier versions' archives)."""
 
 if TYPE_CHECKING:
     from reprokit.replay import ReplayReport
@@ -98,7 +101,7 @@ def assert_fixed(bundle: str | Path, *, code: str | Path | None = None, times: i
 
 
 def find_bundles(folder: str | Path) -> list[Path]:
-    """Bundle folders (holding ``manifest.json``) and ``.tar.gz`` archives under ``folder``, sorted.
+    """Bundle folders (holding ``manifest.json``) and packed archives (``.tar``, ``.tar.gz``) under ``folder``, sorted.
 
     A bundle's own subfolders are not searched. Raises :class:`ReprokitError` when
     ``folder`` does not exist.
@@ -106,7 +109,7 @@ def find_bundles(folder: str | Path) -> list[Path]:
     root = Path(folder)
     if not root.is_dir():
         raise ReprokitError(f"--reprokit-bundles {root}: no such folder; expected a folder of bundle folders "
-                            "or .tar.gz archives (what `reprokit pack` writes)")
+                            "or .tar / .tar.gz archives (what `reprokit pack` writes)")
     return sorted(_walk(root))
 
 
@@ -119,7 +122,7 @@ def _walk(folder: Path) -> Iterator[Path]:
             continue
         if p.is_dir():
             yield from _walk(p)
-        elif p.name.endswith(".tar.gz"):
+        elif p.name.endswith(ARCHIVES):
             yield p
 
 
@@ -146,11 +149,14 @@ if pytest is not None:
             self.add_marker(MARKER)
 
         def setup(self) -> None:
-            # A different failure or a bundle that cannot run raise here, so pytest reports an error.
+            # A different failure or a bundle that cannot run raise here, so pytest reports an error: reprokit's
+            # message alone (it says what happened and what to do), not pytest's and pluggy's frames around it.
             try:
                 assert_fixed(self.bundle, code=self.code, times=self.times, device=self.device)
             except StillFails as e:
                 self._still = e
+            except ReprokitError as e:
+                pytest.fail(f"{type(e).__name__}: {e}", pytrace=False)
 
         def runtest(self) -> None:
             if self._still is not None:
@@ -167,7 +173,7 @@ if pytest is not None:
     def pytest_addoption(parser: Any) -> None:
         group = parser.getgroup("reprokit", "reprokit: bundles as regression tests")
         group.addoption("--reprokit-bundles", action="append", default=None, metavar="DIR",
-                        help="Folder of bundles (folders or .tar.gz); each becomes a test that passes once the "
+                        help="Folder of bundles (folders, .tar or .tar.gz); each becomes a test that passes once the "
                              "failure no longer reproduces. Repeatable.")
         group.addoption("--reprokit-code", default=None, metavar="DIR",
                         help="Import build/step from this directory (your checkout) instead of each bundle's "

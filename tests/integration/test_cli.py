@@ -120,9 +120,13 @@ def test_subprocess_demo(tmp_path):
     assert "first module with a non-finite value: 0 (Linear), forward; its input was already non-finite" in proc.stdout
     assert "ok: every file matches; the tarball replays deterministic (1/1)" in proc.stdout
     assert (tmp_path / "repro.tar.gz").is_file() and (tmp_path / "repro.tar.gz.sha256").is_file()
+    assert f"tar xzf {tmp_path / 'repro.tar.gz'} && python" in proc.stdout, "the next step works from any folder"
     bundles = list(tmp_path.glob("bundle-*"))
     assert len(bundles) == 1
     assert run_cli("replay", str(bundles[0])).returncode == 1
+    again = run_cli("demo", "--out", str(tmp_path))  # refused before training, not after it
+    assert again.returncode == 2 and "already holds shrunk and repro.tar.gz" in again.stderr, again.stderr
+    assert "non-finite loss" not in again.stdout and len(list(tmp_path.glob("bundle-*"))) == 1
 
 
 def test_help_texts():

@@ -60,5 +60,8 @@ def test_replay_says_it_runs_code_for_a_bundle_from_elsewhere(projects, tmp_path
     assert _json.loads(foreign.stdout)["reproduced"], "stdout is still the one JSON object"
     trusted = runner.invoke(main, ["replay", str(packed), "--trust"])
     assert trusted.exit_code == 1 and "replaying runs code" not in trusted.stderr
+    # With --code, the code that runs is the user's own checkout: nothing to warn about.
+    own = runner.invoke(main, ["replay", str(packed), "--code", str(Path(mlp.__file__).parent)])
+    assert own.exit_code == 1 and "replaying runs code" not in own.stderr, own.output
     env = _json.loads((bundle / "env.json").read_text())
     assert env["host"], "the recording host is in env.json"

@@ -33,6 +33,7 @@ def regression(tmp_path_factory):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (bundle,) = out.glob("bundle-*")
     pack(bundle, out / "bad_batch.tar.gz")
+    pack(bundle, out / "bad_batch.tar")  # what `reprokit pack` writes by default
     source = (ROOT / "examples" / "bad_batch.py").read_text()
     assert BUGGY in source
     checkouts = {}
@@ -54,7 +55,7 @@ def test_assert_fixed_passes_fails_and_errors(regression):
         assert_fixed(bundle)  # the bundle's own code snapshot still has the bug
     with pytest.raises(DifferentFailure, match="ValueError: a broken refactor"):
         assert_fixed(bundle, code=code["broken"])
-    assert find_bundles(out) == [out / "bad_batch.tar.gz", bundle]
+    assert find_bundles(out) == [out / "bad_batch.tar", out / "bad_batch.tar.gz", bundle]
 
 
 def _pytest(tmp: Path, *args: str) -> subprocess.CompletedProcess:
@@ -65,15 +66,17 @@ def _pytest(tmp: Path, *args: str) -> subprocess.CompletedProcess:
 def test_plugin_each_bundle_is_a_test_item(regression, tmp_path):
     out, _, code = regression
     fixed = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["fixed"]))
-    assert fixed.returncode == 0 and "2 passed" in fixed.stdout, fixed.stdout + fixed.stderr
+    assert fixed.returncode == 0 and "3 passed" in fixed.stdout, fixed.stdout + fixed.stderr
     buggy = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["buggy"]),
                     "-k", "tar")
-    assert buggy.returncode == 1 and "1 failed, 1 deselected" in buggy.stdout, buggy.stdout + buggy.stderr
+    assert buggy.returncode == 1 and "2 failed, 1 deselected" in buggy.stdout, buggy.stdout + buggy.stderr
     assert "still fails" in buggy.stdout
     broken = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["broken"]),
                      "-m", "reprokit_bundle", "-k", "not tar")
     assert broken.returncode == 1 and "1 error" in broken.stdout and "fails differently" in broken.stdout, \
         broken.stdout + broken.stderr
+    # reprokit's message, not a page of pytest's and pluggy's frames around it.
+    assert "pluggy" not in broken.stdout and "_pytest" not in broken.stdout, broken.stdout
 
 
 def test_plugin_is_inert_without_bundles_and_refuses_a_missing_folder(tmp_path):
