@@ -525,14 +525,17 @@ def format_report(d: dict[str, Any]) -> str:
     lines.append(f"  fidelity: {fidelity_line(d['fidelity'])}")
     if d.get("transient"):
         lines.append(f"  note: {TRANSIENT_NOTE}")
-    if d["fidelity"].get("hint"):
+    dist = d.get("distributed") or {}
+    alone = dist.get("world_size", 1) > 1
+    # The hint's causes (a generator, state edited in the loop, a kernel) are not what a transient failure or a rank
+    # replayed without its peers point to: their own notes say what does.
+    if d["fidelity"].get("hint") and not d.get("transient") and not alone:
         lines.append(f"  hint: {d['fidelity']['hint']}")
     if d["runs"] > 1:
         lines.append("  runs:")
         lines += [f"    {i}: {_run_line(r)}" for i, r in enumerate(d["per_run"], 1)]
     lines.append(f"  device {d['device']}, code from {d['code']}")
-    dist = d.get("distributed")
-    if dist and dist.get("world_size", 1) > 1:
+    if alone:
         lines.append(f"  note: recorded on rank {dist['rank']} of {dist['world_size']}, replayed alone: collectives see "
                      "one rank, so a failure that needs the other ranks' data may not reproduce")
     return "\n".join(lines)

@@ -47,6 +47,7 @@ def test_each_injected_fault_is_detected_bundled_and_classified(projects, tmp_pa
         human = CliRunner().invoke(main, ["replay", str(bundle), "--times", "2"])
         assert human.exit_code == 0 and "NOT REPRODUCED" in human.output
         assert "note: transient" in human.output and "this is not a fix" in human.output, human.output
+        assert "hint:" not in human.output, "the generator/kernel hint contradicts the transient note"
     else:
         assert d["fidelity"]["bit_exact"] and all(run["failure_step"] == 5 for run in d["per_run"])
 
