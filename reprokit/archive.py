@@ -340,7 +340,7 @@ def check_digest(path: Path, expected: str | None) -> list[dict[str, Any]]:
         expected = words[0] if words else ""
     want = expected.strip().lower()
     if len(want) != 64 or any(c not in "0123456789abcdef" for c in want):
-        return [{"file": source, "problem": "not a sha256 (64 hex digits expected)", "expected": "64 hex digits",
+        return [{"file": source, "problem": "not a sha256", "expected": "64 hex digits",
                  "found": want[:80]}]
     from reprokit.bundle import sha256_file
 

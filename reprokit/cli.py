@@ -179,14 +179,24 @@ bundle_arg = click.argument("bundle", type=click.Path(exists=True, path_type=Pat
 json_opt = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 
 
+def _sha256_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A digest given on the command line is 64 hex digits, or a usage error (exit 2) before anything is read."""
+    if value is not None:
+        want = value.strip().lower()
+        if len(want) != 64 or any(c not in "0123456789abcdef" for c in want):
+            raise click.BadParameter(f"expected a sha256: 64 hex digits, got {value[:80]!r}")
+        return want
+    return value
+
+
 def archive_opts(fn: Any) -> Any:
     """Options for opening a packed archive (.tar or .tar.gz): its digest and the extraction caps."""
     from reprokit.archive import Limits
 
     d = Limits()
     opts = [
-        click.option("--sha256", default=None, help="Expected sha256 of an archive (default: read BUNDLE.sha256 "
-                                                     "beside it, if there is one)."),
+        click.option("--sha256", default=None, callback=_sha256_option,
+                     help="Expected sha256 of an archive (default: read BUNDLE.sha256 beside it, if there is one)."),
         click.option("--max-members", default=d.max_members, show_default=True, type=click.IntRange(1),
                      help="Refuse archives with more members."),
         click.option("--max-file-bytes", default=d.max_file_bytes, show_default=True, type=click.IntRange(1),

@@ -215,6 +215,8 @@ def test_archive_sha256_checked_before_decompressing(nan_bundle, tmp_path, scrat
     assert ok.exit_code == 0, ok.output
     bad = CliRunner().invoke(main, ["replay", str(out), "--sha256", "0" * 64])
     assert bad.exit_code == 3 and "nothing was decompressed" in bad.output
+    typo = CliRunner().invoke(main, ["verify", str(out), "--sha256", "abcd"])  # not a digest: a usage error
+    assert typo.exit_code == 2 and "expected a sha256: 64 hex digits, got 'abcd'" in typo.output, typo.output
     data = bytearray(out.read_bytes())
     data[len(data) // 2] ^= 0x01
     out.write_bytes(bytes(data))
