@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from importlib import metadata as md
 from pathlib import Path
 from typing import Any
 
 import reprokit
+from reprokit import bundle as B
 
 
 def record(mod: Any, config: dict, batches: Iterable, out_dir: Path, step: Any = None,
@@ -68,3 +70,17 @@ def minimal_site(dest: Path) -> Path:
             if src.exists() and not (dest / top).exists() and top != "__pycache__":
                 (dest / top).symlink_to(src)
     return dest
+
+
+def reseal(bundle: Path, manifest_edit: Callable[[dict], object] | None = None, raw_manifest: str | None = None) -> None:
+    """Re-sign a bundle after its files were edited, as a careless tool (or a sender) would: every listed file's
+    checksum and size again, then ``manifest_edit(manifest)``, then the manifest's own digest. ``raw_manifest``
+    writes that text instead (``@SELF@`` replaced by the digest)."""
+    m = json.loads((bundle / B.MANIFEST).read_text())
+    for rel in m["files"]:
+        p = bundle / rel
+        m["files"][rel] = {"sha256": B.sha256_file(p), "size": p.stat().st_size}
+    if manifest_edit:
+        manifest_edit(m)
+    m["self_sha256"] = B._self_digest(m)
+    (bundle / B.MANIFEST).write_text(raw_manifest.replace("@SELF@", m["self_sha256"]) if raw_manifest else json.dumps(m))

@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers  # the test extra installs it: a missing one must fail, not skip
 from click.testing import CliRunner
-from rk_testing import bundle_of, record
+from rk_testing import bundle_of, record, reseal
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from reprokit import TrainingFailure
@@ -132,7 +132,7 @@ def test_all_ignored_labels_nan_loss_replays_bit_exact_and_shrinks_to_the_sample
     for where, ref, why in [("model", {"module": "subprocess", "qualname": "Popen"}, "no code folder is being replayed"),
                             ("trainer", {"module": "transformers", "qualname": "pipeline"}, "not a subclass of")]:
         hostile = shutil.copytree(bundle, tmp_path / f"hostile-{where}")
-        reseal(hostile, lambda config, where=where, ref=ref: config[where].update({"class": ref}))
+        reseal_config(hostile, lambda config, where=where, ref=ref: config[where].update({"class": ref}))
         r = CliRunner().invoke(main, ["replay", str(hostile)])
         assert r.exit_code == 125 and why in r.output, r.output
 
@@ -145,14 +145,14 @@ def test_trainer_gpu_count_is_recorded_and_another_count_under_data_parallel_is_
     bundle = info.value.bundle
     assert json.loads((bundle / B.RUN).read_text())["config"]["n_gpu"] == 0  # use_cpu: no GPU
     on_two = shutil.copytree(bundle, tmp_path / "on-two-gpus")
-    reseal(on_two, lambda config: config.update(n_gpu=2))
+    reseal_config(on_two, lambda config: config.update(n_gpu=2))
     r = CliRunner().invoke(main, ["replay", str(on_two)])
     assert r.exit_code == 125, r.output
     assert "ran on 2 GPUs (DataParallel)" in r.output and "CUDA_VISIBLE_DEVICES" in r.output, r.output
     assert "Traceback" not in r.output
     # An older bundle does not say: replayed as before where this Trainer runs on one GPU or none.
     unknown = shutil.copytree(bundle, tmp_path / "unknown")
-    reseal(unknown, lambda config: config.pop("n_gpu"))
+    reseal_config(unknown, lambda config: config.pop("n_gpu"))
     assert replay_json(unknown)["verdict"] == "deterministic"
 
 
@@ -217,15 +217,12 @@ def test_one_gpu_recording_is_refused_where_the_replay_trainer_would_run_data_pa
     assert "CUDA_VISIBLE_DEVICES=0 reprokit replay" in r.output and "Traceback" not in r.output, r.output
 
 
-def reseal(bundle, edit) -> None:
+def reseal_config(bundle, edit) -> None:
     """Edit run.json's config in place (``edit(config)``) and re-sign the manifest, as a sender could."""
     run = json.loads((bundle / B.RUN).read_text())
     edit(run["config"])
     (bundle / B.RUN).write_text(json.dumps(run))
-    m = json.loads((bundle / B.MANIFEST).read_text())
-    m["files"][B.RUN] = {"sha256": B.sha256_file(bundle / B.RUN), "size": (bundle / B.RUN).stat().st_size}
-    m["self_sha256"] = B._self_digest(m)
-    (bundle / B.MANIFEST).write_text(json.dumps(m))
+    reseal(bundle)
     assert B.verify(bundle) == []
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from rk_testing import record_mlp_nan
+from rk_testing import record_mlp_nan, reseal
 
 import reprokit
 from reprokit import archive, pack, tensorfile
@@ -131,10 +131,7 @@ def test_a_state_in_several_files_replays_packs_and_refuses_a_missing_part(shard
 
     gap = tmp_path / "gap"  # a manifest (re-signed) that lost part 1 of the state: never loaded as a part state
     shutil.copytree(sharded_bundle, gap)
-    m = json.loads((gap / B.MANIFEST).read_text())
-    del m["files"]["state/state-1.safetensors"]
-    m["self_sha256"] = B._self_digest(m)
-    (gap / B.MANIFEST).write_text(json.dumps(m))
+    reseal(gap, lambda m: m["files"].pop("state/state-1.safetensors"))
     (gap / "state/state-1.safetensors").unlink()
     assert {"file": "state/state-1.safetensors", "problem": f"not in the manifest, which lists {len(names) - 1} other "
             "part(s) of the state: the state is incomplete"} in B.verify(gap)
@@ -147,10 +144,7 @@ def test_a_tensor_in_two_state_files_is_refused(sharded_bundle, tmp_path):
     shutil.copytree(sharded_bundle, twice)
     first = twice / B.STATE_TENSORS
     shutil.copy(first, twice / "state/state-1.safetensors")  # part 1 now repeats part 0's tensors
-    m = json.loads((twice / B.MANIFEST).read_text())
-    m["files"]["state/state-1.safetensors"] = dict(m["files"][B.STATE_TENSORS])
-    m["self_sha256"] = B._self_digest(m)
-    (twice / B.MANIFEST).write_text(json.dumps(m))
+    reseal(twice)
     with pytest.raises(BundleError, match="state/state-1.safetensors: tensor '.*' is also in another state file"):
         B.open_bundle(twice)
 

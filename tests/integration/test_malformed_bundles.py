@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import record_mlp_nan
+from rk_testing import record_mlp_nan, reseal
 
 from reprokit import bundle as B
 from reprokit import schema
@@ -33,19 +33,6 @@ def recorded(tmp_path_factory):
 @pytest.fixture
 def bundle(recorded, tmp_path):
     return Path(shutil.copytree(recorded, tmp_path / recorded.name))
-
-
-def reseal(bundle: Path, manifest_edit: Callable[[dict], None] | None = None, raw_manifest: str | None = None) -> None:
-    """Recompute every checksum and the self digest, as a careless tool would after an edit."""
-    m = json.loads((bundle / B.MANIFEST).read_text())
-    for rel in m["files"]:
-        p = bundle / rel
-        m["files"][rel] = {"sha256": B.sha256_file(p), "size": p.stat().st_size}
-    if manifest_edit:
-        manifest_edit(m)
-    m["self_sha256"] = B._self_digest(m)
-    text = json.dumps(m)
-    (bundle / B.MANIFEST).write_text(raw_manifest.replace("@SELF@", m["self_sha256"]) if raw_manifest else text)
 
 
 def edit_json(bundle: Path, rel: str, edit: Callable[[dict], object] | None = None,

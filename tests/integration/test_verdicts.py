@@ -11,7 +11,7 @@ import git
 import pytest
 import torch
 from click.testing import CliRunner
-from rk_testing import bundle_of, record
+from rk_testing import bundle_of, record, reseal
 
 import reprokit
 from reprokit import bundle as B
@@ -127,21 +127,13 @@ def test_same_device_loss_mismatch_names_the_common_causes(projects, tmp_path):
     run = json.loads((bundle / "run.json").read_text())
     run["device"] = "cuda:0"
     (bundle / "run.json").write_bytes(B.dumps(run))
-    resign(bundle)
+    reseal(bundle)
+    assert B.verify(bundle) == []
     moved = reprokit.replay(bundle, device="cpu")
     assert not moved.fidelity["same_device"] and moved.fidelity["hint"] is None
     assert not moved.fidelity["bit_exact"]
 
 
-def resign(bundle):
-    """Rewrite the manifest after editing files (as a bundle writer would)."""
-    m = json.loads((bundle / "manifest.json").read_text())
-    for rel in m["files"]:
-        p = bundle / rel
-        m["files"][rel] = {"sha256": B.sha256_file(p), "size": p.stat().st_size}
-    m["self_sha256"] = B._self_digest(m)
-    (bundle / "manifest.json").write_bytes(B.dumps(m))
-    assert B.verify(bundle) == []
 
 
 def test_precision_variant_failing_at_another_step_is_a_different_failure(nan_bundle, tmp_path):
