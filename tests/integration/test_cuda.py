@@ -234,12 +234,7 @@ def test_making_the_recorder_warms_the_checks_up_without_touching_the_run(projec
 
 def test_state_that_appears_later_is_pinned_aside_before_its_snapshot(projects, tmp_path):
     """AdamW's moments appear after step 0: a helper thread pins their buffers; the snapshot at step 3 uses them."""
-    gpu = projects("rk_gpu")
-    cfg = {"device": "cuda"}
-    state = gpu.build(cfg)
-    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path / "out",
-                            snapshot_every=3)
-    batches = iter(gpu.batches(40, 9, "cuda"))
+    state, rec, batches = poisoned_gpu_run(projects("rk_gpu"), tmp_path / "out", snapshot_every=3)
     params = sum(p.numel() * p.element_size() for p in state.model.parameters())
     rec.step(next(batches))
     assert rec._engine._pinning is not None, "step 0 made the moments: their buffers are pinned aside"
@@ -259,18 +254,21 @@ def test_state_that_appears_later_is_pinned_aside_before_its_snapshot(projects, 
 
 def test_a_snapshot_that_comes_while_buffers_are_pinned_aside_waits_for_them(projects, tmp_path):
     """snapshot_every=1: the snapshot after step 0 needs the moments' buffers while the thread may still pin them."""
-    gpu = projects("rk_gpu")
-    cfg = {"device": "cuda"}
-    state = gpu.build(cfg)
-    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path / "out",
-                            snapshot_every=1)
-    batches = iter(gpu.batches(40, 9, "cuda"))
+    _, rec, batches = poisoned_gpu_run(projects("rk_gpu"), tmp_path / "out", snapshot_every=1)
     rec.step(next(batches))
     rec.step(next(batches))  # its snapshot joins the thread and copies into the buffers it pinned
     assert rec._engine._pinning is None and rec._engine._reserved == 0
     moments = [k for k in rec._snapshot.tensors if k.endswith(("/exp_avg", "/exp_avg_sq"))]
     assert moments and all(rec._snapshot.tensors[k].is_pinned() for k in moments)
     fails_and_replays_bit_exact(rec, batches)
+
+
+def poisoned_gpu_run(gpu, out_dir, **recorder):
+    """rk_gpu's model on the GPU under a fresh Recorder, and an iterator over 40 batches (step 9 carries a NaN)."""
+    cfg = {"device": "cuda"}
+    state = gpu.build(cfg)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=out_dir, **recorder)
+    return state, rec, iter(gpu.batches(40, 9, "cuda"))
 
 
 def fails_and_replays_bit_exact(rec: reprokit.Recorder, batches) -> None:
