@@ -9,11 +9,16 @@ is the reference. Then a fresh
 process (replay is what a colleague runs, with nothing warm) replays the bundle through ``reprokit.replay``'s own
 session, phase by phase, with the bundle's pages dropped from the page cache first:
 
-- load: open the bundle, ``build(config)``, read and verify the state (``Session.__enter__``);
-- to the first step: put the state, RNG and detector back (``Session.restore``) and read the first step's batch;
+- load: open the bundle, ``build(config)``, read and verify the state (``Session.__enter__``; on a GPU this
+  includes copying the state to the device as each file is verified);
+- to the first step: put the state, RNG and detector back (``Session.restore``) and read the window's batches;
 - the first replayed step, and the median of the others (each step timed to its loss read).
 
-The goal: the first replayed step starts within 2x a training step after the load.
+The replay runs twice, each in its own fresh process: as ``reprokit replay`` does, and with ``preload=False`` (the
+state copied to the GPU by the first restore, after the load), the side-by-side reference.
+
+The goal: the first replayed step starts within 2x a training step after the load. The first step itself is
+compared with the training run's first step (in its fresh process: CUDA loads kernels on first use).
 """
 
 from __future__ import annotations
@@ -88,18 +93,20 @@ def record(cfg: dict[str, Any], out: Path, fail_at: int, snapshot_every: int) ->
     # The steps after the first snapshot and before the failing one: ordinary training steps.
     ordinary = times[1:-1] or times
     return {"bundle": str(bundle), "train_step_ms": statistics.median(ordinary) * 1e3,
-            "window_steps": len(open_bundle(bundle).steps)}
+            "train_first_step_ms": times[0] * 1e3, "window_steps": len(open_bundle(bundle).steps)}
 
 
-def replay_phases(bundle: str, device: str) -> dict[str, Any]:
+def replay_phases(bundle: str, device: str, preload: bool) -> dict[str, Any]:
     """Run in a fresh process: the replay's phases, timed."""
     dropped = drop_cache(files_under(Path(bundle)))
     t0 = time.perf_counter()
     b = open_bundle(bundle)
-    with Session(b, device=device) as s:
+    with Session(b, device=device, preload=preload) as s:
         sync(device)
         t_load = time.perf_counter()
         s.restore()
+        sync(device)
+        t_restored = time.perf_counter()
         inputs = s.inputs()
         sync(device)
         t_ready = time.perf_counter()
@@ -113,7 +120,8 @@ def replay_phases(bundle: str, device: str) -> dict[str, Any]:
             if outcome.failure is not None:
                 break
     assert outcome is not None
-    return {"load_s": t_load - t0, "to_first_step_s": t_ready - t_load, "first_step_ms": steps_ms[0],
+    return {"load_s": t_load - t0, "to_first_step_s": t_ready - t_load, "restore_ms": (t_restored - t_load) * 1e3,
+            "inputs_ms": (t_ready - t_restored) * 1e3, "first_step_ms": steps_ms[0],
             "other_steps_ms_median": statistics.median(steps_ms[1:]) if len(steps_ms) > 1 else None,
             "steps_replayed": len(steps_ms), "reproduced": outcome.same, "pages_dropped": dropped}
 
@@ -124,18 +132,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fail_at = 4 if args.quick else args.fail_at
     with tempfile.TemporaryDirectory(prefix="reprokit-replay-start-") as tmp:
         rec = record(cfg, Path(tmp), fail_at, snapshot_every=3 if args.quick else args.snapshot_every)
-        proc = subprocess.run([sys.executable, __file__, "--phase", rec["bundle"], "--device", cfg["device"]],
-                              capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(f"the replay process failed:\n{proc.stderr[-3000:]}")
-        rep = json.loads(proc.stdout.strip().splitlines()[-1])
+        reps = []
+        for preload in ("on", "off"):
+            proc = subprocess.run([sys.executable, __file__, "--phase", rec["bundle"], "--device", cfg["device"],
+                                   "--preload", preload], capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"the replay process failed:\n{proc.stderr[-3000:]}")
+            reps.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     train = rec["train_step_ms"]
+    rep, ref = reps
+
+    def ratios(r: dict[str, Any]) -> dict[str, Any]:
+        return {**r, "to_first_step_over_train_step": r["to_first_step_s"] * 1e3 / train,
+                "first_step_over_train_step": r["first_step_ms"] / train,
+                "first_step_over_train_first_step": r["first_step_ms"] / rec["train_first_step_ms"]}
+
     return {"benchmark": "replay_start", "commit": _commit(), "torch": torch.__version__,
             "python": platform.python_version(), "cores": os.cpu_count(),
             "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()})", "config": cfg,
-            "window_steps": rec["window_steps"], "train_step_ms": train, **rep,
-            "to_first_step_over_train_step": rep["to_first_step_s"] * 1e3 / train,
-            "first_step_over_train_step": rep["first_step_ms"] / train}
+            "window_steps": rec["window_steps"], "train_step_ms": train,
+            "train_first_step_ms": rec["train_first_step_ms"], **ratios(rep), "without_preload": ratios(ref)}
 
 
 def main() -> None:
@@ -147,23 +163,29 @@ def main() -> None:
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON result here")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--preload", default="on", choices=["on", "off"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
-        print(json.dumps(replay_phases(args.phase, args.device)))
+        print(json.dumps(replay_phases(args.phase, args.device, args.preload == "on")))
         return
     res = run(args)
     if save_and_print(res, args.save, args.json):
         return
     print(f"{res['device']}, commit {res['commit']}: a window of {res['window_steps']} steps, training step "
           f"{res['train_step_ms']:.1f} ms (median)")
-    print(f"  load (open, build, read + verify the state)   {res['load_s']:.2f} s   (pages dropped: {res['pages_dropped']})")
-    print(f"  load -> first step starts                      {res['to_first_step_s'] * 1e3:.1f} ms = "
-          f"{res['to_first_step_over_train_step']:.2f} x a training step (goal <= 2)")
-    others = res["other_steps_ms_median"]
-    print(f"  first replayed step                            {res['first_step_ms']:.1f} ms = "
-          f"{res['first_step_over_train_step']:.2f} x a training step; the others "
-          f"{'-' if others is None else f'{others:.1f}'} ms (median)")
-    print(f"  reproduced: {res['reproduced']} after {res['steps_replayed']} steps")
+    for name, r in (("replay", res), ("preload=False", res["without_preload"])):
+        print(f"{name}:")
+        print(f"  load (open, build, read + verify the state)   {r['load_s']:.2f} s   (pages dropped: {r['pages_dropped']})")
+        print(f"  load -> first step starts                      {r['to_first_step_s'] * 1e3:.1f} ms = "
+              f"{r['to_first_step_over_train_step']:.2f} x a training step (goal <= 2): restore "
+              f"{r['restore_ms']:.1f} ms, batches {r['inputs_ms']:.1f} ms")
+        others = r["other_steps_ms_median"]
+        print(f"  first replayed step                            {r['first_step_ms']:.1f} ms = "
+              f"{r['first_step_over_train_step']:.2f} x a training step, "
+              f"{r['first_step_over_train_first_step']:.2f} x the training run's first step "
+              f"({res['train_first_step_ms']:.1f} ms); the others "
+              f"{'-' if others is None else f'{others:.1f}'} ms (median)")
+        print(f"  reproduced: {r['reproduced']} after {r['steps_replayed']} steps")
 
 
 if __name__ == "__main__":

@@ -638,9 +638,14 @@ class Bundle:
         d = self.path / CODE
         return d if d.is_dir() else None
 
-    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def state(self, on_part: Callable[[dict[str, torch.Tensor]], None] | None = None
+              ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """``(tree, tensors)`` of the snapshot the window starts from (a state another rank's bundle holds, for a bundle
-        that references it: see :mod:`reprokit.distributed.replicated`)."""
+        that references it: see :mod:`reprokit.distributed.replicated`).
+
+        ``on_part(tensors)`` is called with each state file's tensors as soon as that file is read and verified (on
+        the reading thread, while other files may still be read): replay starts copying them to the GPU there.
+        """
         from reprokit import tensorfile
 
         if REPLICATED in self.manifest["files"]:
@@ -652,10 +657,16 @@ class Bundle:
             raise BundleError(f"{self.path}: the manifest lists no complete set of state files "
                               f"({STATE_TENSORS}, state/state-1.safetensors, ...); the bundle is incomplete. {_FIX}",
                               [{"file": STATE_TENSORS, "problem": "missing"}])
+        def read(rel: str) -> dict[str, torch.Tensor]:
+            part = self._tensors(rel)
+            if on_part is not None:
+                on_part(part)
+            return part
+
         if len(rels) == 1:
-            return self.state_tree(), self._tensors(rels[0])
+            return self.state_tree(), read(rels[0])
         with ThreadPoolExecutor(tensorfile.parallelism(len(rels)), thread_name_prefix="reprokit-read") as pool:
-            parts = list(pool.map(self._tensors, rels))  # each file hashed as it is read, several at once
+            parts = list(pool.map(read, rels))  # each file hashed as it is read, several at once
         tensors: dict[str, torch.Tensor] = {}
         for rel, part in zip(rels, parts):
             twice = tensors.keys() & part.keys()

@@ -12,6 +12,8 @@ import dataclasses
 import hashlib
 import math
 import platform
+import re
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -23,13 +25,13 @@ from typing import Any
 import torch
 
 from reprokit import pytree
-from reprokit.bundle import Bundle, jsonable, open_bundle
+from reprokit.bundle import REPLICATED, Bundle, jsonable, open_bundle
 from reprokit.code import check_refs, imported, resolve
 from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
 from reprokit.errors import CodeLoadError, ReprokitError, StateMismatchError
 from reprokit.signature import Failure, summary_line
-from reprokit.state import SHARDS, TrainState, capture_rng, capture_state, restore_rng, restore_state
+from reprokit.state import MODEL, OPTIMIZER, SHARDS, TrainState, capture_rng, capture_state, restore_rng, restore_state
 
 
 @dataclass
@@ -203,8 +205,12 @@ class Session:
         ...     outcome = s.run(s.inputs())
     """
 
-    def __init__(self, bundle: Bundle, *, device: str | None = None, code: str | Path | None = None):
+    def __init__(self, bundle: Bundle, *, device: str | None = None, code: str | Path | None = None,
+                 preload: bool = True):
+        """``preload=False``: no copy of the state to the GPU while it is read (see :class:`_Preload`)."""
         self.bundle = bundle
+        self._preload_on = preload
+        self._preload: _Preload | None = None
         self.device = torch.device(device or default_device(bundle))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ReprokitError("--device cuda was asked for, but torch sees no CUDA device here; use --device cpu")
@@ -247,7 +253,9 @@ class Session:
         state = as_train_state(state)
         state.model.to(self.device)
         self.state = state
-        tree, tensors = self.bundle.state()
+        self._preload = _Preload.make(state, self.bundle, self.device) if self._preload_on else None
+        self._stack.callback(self._drop_preload)
+        tree, tensors = self.bundle.state(on_part=self._preload)
         self.snapshot = (tree, tensors)
         self.monitor = Monitor(state, DetectSettings(**run["recorder"]["detect"]), predicates)
         self.monitor.replaying = True
@@ -268,9 +276,17 @@ class Session:
         """Put model/optimizer/scheduler/scaler/RNG/monitor back to a snapshot (default: the bundle's)."""
         assert self.state is not None, "use Session as a context manager"
         tree, tensors = snapshot or self.snapshot
-        restore_state(self.state, tree["state"], tensors)
+        owned: set[str] = set()
+        preload, self._preload = self._preload, None  # used once, by the first restore: then the GPU memory is free
+        if preload is not None and (snapshot is None or snapshot is self.snapshot):
+            on_device = preload.take()
+            tensors, owned = {**tensors, **on_device}, set(on_device)
+        restore_state(self.state, tree["state"], tensors, owned=owned)
         restore_rng(tree["rng"], tensors, self.state.extra)
         self.monitor.load_state_dict(tree.get("monitor", {}))
+
+    def _drop_preload(self) -> None:
+        self._preload = None
 
     def run(self, steps: Sequence[StepInput], snapshot: tuple[dict, dict] | None = None,
             restore: bool = True) -> RunOutcome:
@@ -358,6 +374,72 @@ class Session:
 
 def _same_float(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
+
+
+_OPT_STATE = re.compile(re.escape(OPTIMIZER) + r"/state/\d+/([^/]+)")
+
+
+class _Preload:
+    """The snapshot's model and optimizer tensors, copied to the GPU while the rest of the state is still read.
+
+    Without it the first restore copied the whole state from host memory after the load (GPT-2-124M on an H200:
+    ~0.45 s, 17 training steps, before the first replayed step). Here each state file's tensors go to the device as
+    soon as that file is verified (:meth:`Bundle.state`'s ``on_part``), and the first :meth:`Session.restore` uses
+    these copies: the model's are copied into the parameters, the optimizer's handed over as they are (nothing else
+    holds them), so the GPU holds no more than the host path's restore does. Later restores read host memory.
+
+    Only where the result is the host path's by construction: one CUDA device for every parameter and buffer, no
+    sharded or referenced state, and an optimizer that loads with ``torch.optim.Optimizer.load_state_dict``, which
+    moves a parameter's floating-point state (not its ``step``) to the parameter's device anyway. A copy that fails
+    (out of GPU memory) drops the preload; the restore then reads host memory as before.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._failed = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def make(cls, state: TrainState, bundle: Bundle, device: torch.device) -> _Preload | None:
+        if device.type != "cuda" or REPLICATED in bundle.manifest["files"]:
+            return None
+        opt = state.optimizer
+        if type(opt).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+            return None
+        live = [*state.model.parameters(), *state.model.buffers(),
+                *(p for g in opt.param_groups for p in g["params"])]
+        if not live or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device != live[0].device
+                           for t in live) or live[0].device.type != "cuda":
+            return None  # several devices, or DTensors (FSDP2): the restore places each tensor itself
+        if bundle.state_tree().get("state", {}).get(SHARDS):
+            return None
+        return cls(live[0].device)
+
+    def wants(self, key: str, t: torch.Tensor) -> bool:
+        if key.startswith(MODEL + "/"):
+            return True
+        m = _OPT_STATE.fullmatch(key)
+        return m is not None and m.group(1) != "step" and t.is_floating_point() and t.numel() > 1
+
+    def __call__(self, part: dict[str, torch.Tensor]) -> None:
+        if self._failed:
+            return
+        try:
+            copies = {k: t.to(self.device) for k, t in part.items() if self.wants(k, t)}
+            torch.cuda.current_stream(self.device).synchronize()
+        except Exception:  # out of GPU memory, most likely: the restore copies from host memory instead
+            with self._lock:
+                self._failed = True
+                self._tensors.clear()
+            return
+        with self._lock:
+            if not self._failed:
+                self._tensors.update(copies)
+
+    def take(self) -> dict[str, torch.Tensor]:
+        with self._lock:
+            return {} if self._failed else self._tensors
 
 
 @contextmanager

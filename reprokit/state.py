@@ -7,6 +7,7 @@ recorder keeps the latest one in memory; a bundle stores it in ``state/``.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,8 +149,12 @@ UNCLONED_BYTES = 1 << 30
 """Optimizer state from this size up is not cloned on the host before a GPU model's optimizer copies it to the device."""
 
 
-def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor]) -> None:
+def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor],
+                  owned: Collection[str] = ()) -> None:
     """Load a snapshot made by :func:`capture_state` into ``state`` in place.
+
+    ``owned`` names optimizer tensors that nothing else holds (copies made for this restore): they are handed to the
+    optimizer as they are, where any other tensor is cloned first so that the snapshot survives the restore.
 
     Raises:
         StateMismatchError: when the snapshot does not fit what ``build`` made
@@ -172,8 +177,9 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     # (Adam's CPU `step`, kept as given) are still cloned, and anything kept as given is copied below.
     opt = {k: v for k, v in tensors.items() if k.startswith(OPTIMIZER + "/")}
     large = device.type != "cpu" and sum(v.numel() * v.element_size() for v in opt.values()) >= UNCLONED_BYTES
-    given = {k: v if large and v.device != device and v.numel() > 1 else v.clone() for k, v in opt.items()}
-    shared = {v.data_ptr() for k, v in given.items() if v is tensors[k] and v.numel()}
+    given = {k: v if k in owned or (large and v.device != device and v.numel() > 1) else v.clone()
+             for k, v in opt.items()}
+    shared = {v.data_ptr() for k, v in given.items() if k not in owned and v is tensors[k] and v.numel()}
     tensors = {k: v.clone() for k, v in tensors.items() if not k.startswith((MODEL + "/", OPTIMIZER + "/"))} | given
     try:
         state.optimizer.load_state_dict(pytree.decode(tree[OPTIMIZER], tensors))

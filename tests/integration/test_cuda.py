@@ -6,6 +6,8 @@ CI has no GPU, so these skip there; they are run on the GPU machine
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from rk_testing import record
@@ -502,3 +504,68 @@ def test_grad_check_with_grad_scaler_and_fused_adamw_on_the_gpu(unscale_first):
     assert len(aside) == (5 if unscale_first else 0), "side stream only when the step does not write the gradients"
     for k in (0, 1, 3, 4):
         assert results[k].grad_norm == unscaled[k], (k, results[k].grad_norm, unscaled[k])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_state_copied_to_the_gpu_while_read_restores_exactly_as_the_host_copy(projects, tmp_path, monkeypatch,
+                                                                                  fused):
+    """The first restore of a replay takes the model and optimizer tensors the load copied to the GPU (several state
+    files, copied from the reading threads): the restored state equals the host path's in value, dtype and device
+    (AdamW's ``step`` stays where the optimizer keeps it: the CPU, or the GPU when fused), the optimizer keeps the
+    copies without cloning them, and both replays fail at the same step with the same losses; a second restore reads
+    host memory and does the same."""
+    from reprokit import tensorfile
+    from reprokit.bundle import state_files
+    from reprokit.replay import Session
+
+    monkeypatch.setattr(tensorfile, "SHARD_BYTES", 4096)
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda", "amp": True, "hidden": 256}
+    project = SimpleNamespace(build=gpu.build_fused, train_step=gpu.train_step) if fused else gpu
+    _, exc = record(project, cfg, gpu.batches(40, 33, "cuda"), tmp_path, snapshot_every=10)
+    assert isinstance(exc, reprokit.TrainingFailure), exc
+    b = open_bundle(exc.bundle)
+    assert len(state_files(b.manifest["files"])) > 2
+
+    def replayed(preload: bool):
+        with Session(b, preload=preload) as s:
+            pre = dict(s._preload.take()) if s._preload is not None else {}
+            s.restore()
+            opt = s.state.optimizer
+            kept = {t.data_ptr() for st in opt.state.values() for t in st.values()}
+            handed = bool(pre) and {t.data_ptr() for k, t in pre.items() if k.startswith("optimizer/")} <= kept
+            live = {**s.state.model.state_dict(),
+                    **{f"{i}/{k}": v for i, st in enumerate(opt.state.values()) for k, v in st.items()}}
+            live = {k: (v.device, v.dtype, v.cpu().clone()) for k, v in live.items()}
+            first, again = s.run(s.inputs(), restore=False), s.run(s.inputs())
+            return sorted(pre), handed, live, first, again
+
+    keys, handed, on, first, again = replayed(True)
+    none, _, off, ref, _ = replayed(False)
+    assert none == [] and keys, "a GPU copy is made on the preload path only"
+    assert {k.split("/", 1)[0] for k in keys} == {"model", "optimizer"} and not any(k.endswith("/step") for k in keys)
+    assert handed, "the optimizer keeps the GPU copies as they are"
+    assert on.keys() == off.keys()
+    for k, (dev, dtype, v) in on.items():
+        assert (dev, dtype) == off[k][:2] and torch.equal(v, off[k][2]), k
+    assert first.same and ref.same and first.losses == ref.losses
+    assert again.same and again.losses == first.losses
+
+
+def test_no_gpu_copy_while_read_for_an_optimizer_that_loads_its_own_way(projects, tmp_path):
+    from reprokit.replay import _Preload
+
+    class Own(torch.optim.AdamW):
+        def load_state_dict(self, state_dict):
+            super().load_state_dict(state_dict)
+
+    gpu = projects("rk_gpu")
+    state, rec, batches = poisoned_gpu_run(gpu, tmp_path)
+    with pytest.raises(reprokit.TrainingFailure) as info:
+        for b in batches:
+            rec.step(b)
+    b = open_bundle(info.value.bundle)
+    assert _Preload.make(state, b, torch.device("cuda")) is not None
+    state.optimizer = Own(state.model.parameters())
+    assert _Preload.make(state, b, torch.device("cuda")) is None
+    assert _Preload.make(gpu.build({"device": "cpu"}), b, torch.device("cpu")) is None

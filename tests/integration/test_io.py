@@ -139,6 +139,38 @@ def test_a_state_in_several_files_replays_packs_and_refuses_a_missing_part(shard
         B.open_bundle(gap)
 
 
+def test_each_state_file_is_handed_on_once_it_is_verified_and_a_tampered_one_never(sharded_bundle, tmp_path):
+    """``Bundle.state(on_part=...)`` (replay's GPU preload) sees every state file's tensors once, the very tensors
+    the state is made of, and never a file whose digest does not match."""
+    import threading
+
+    b = B.open_bundle(sharded_bundle)
+    seen: list[dict[str, torch.Tensor]] = []
+    lock = threading.Lock()
+
+    def on_part(part):
+        with lock:
+            seen.append(part)
+
+    _, tensors = b.state(on_part=on_part)
+    assert len(seen) == len(B.state_files(b.manifest["files"])) >= 3
+    assert sorted(k for p in seen for k in p) == sorted(tensors)
+    assert all(t is tensors[k] for p in seen for k, t in p.items())
+
+    bad = tmp_path / "bad"
+    shutil.copytree(sharded_bundle, bad)
+    part1 = bad / "state/state-1.safetensors"
+    meta = b.manifest["files"]["state/state-1.safetensors"]
+    tampered = set(tensorfile.read_verified(part1, meta["sha256"], meta["size"]))
+    data = bytearray(part1.read_bytes())
+    data[-1] ^= 0xFF  # a flipped bit in the last tensor's data: same size, same header, another digest
+    part1.write_bytes(bytes(data))
+    seen.clear()
+    with pytest.raises(BundleError, match="state-1.safetensors: checksum mismatch"):
+        B.open_bundle(bad).state(on_part=on_part)
+    assert not any(tampered & p.keys() for p in seen), "the tampered file's tensors are never handed on"
+
+
 def test_a_tensor_in_two_state_files_is_refused(sharded_bundle, tmp_path):
     twice = tmp_path / "twice"
     shutil.copytree(sharded_bundle, twice)

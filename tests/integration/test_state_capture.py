@@ -121,3 +121,32 @@ def test_unrecordable_batch_warns_and_training_goes_on(projects, tmp_path):
         with pytest.raises(reprokit.TrainingFailure) as info:
             rec.step(batches[10])
     assert open_bundle(info.value.bundle).steps == [8, 9, 10]
+
+
+def test_restore_hands_owned_optimizer_tensors_over_and_clones_the_rest():
+    """``owned`` tensors (copies made for one restore, as replay's GPU preload makes) go to the optimizer as they are;
+    every other tensor is cloned, so the snapshot itself survives training after the restore."""
+    from reprokit.state import capture_state, restore_state
+
+    def made():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 4)
+        return reprokit.TrainState(model=m, optimizer=torch.optim.AdamW(m.parameters(), lr=0.1))
+
+    state = made()
+    state.model(torch.randn(2, 3)).sum().backward()
+    state.optimizer.step()
+    tree, tensors = capture_state(state)
+    snapshot = {k: v.clone() for k, v in tensors.items()}
+    owned = {k: v.clone() for k, v in tensors.items() if k.endswith("/exp_avg")}
+    assert len(owned) == 2
+    fresh = made()
+    restore_state(fresh, tree, {**tensors, **owned}, owned=set(owned))
+    st = list(fresh.optimizer.state.values())
+    assert [s["exp_avg"].data_ptr() for s in st] == [owned[f"optimizer/state/{i}/exp_avg"].data_ptr() for i in (0, 1)]
+    for i, s in enumerate(st):
+        assert s["exp_avg_sq"].data_ptr() != tensors[f"optimizer/state/{i}/exp_avg_sq"].data_ptr()
+        assert torch.equal(s["exp_avg_sq"], tensors[f"optimizer/state/{i}/exp_avg_sq"])
+    fresh.model(torch.randn(2, 3)).sum().backward()
+    fresh.optimizer.step()
+    assert all(torch.equal(tensors[k], snapshot[k]) for k in tensors), "the snapshot is untouched by training"

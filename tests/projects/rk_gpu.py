@@ -52,3 +52,10 @@ def scribbling_step(state, batch):
     loss = train_step(state, batch)
     batch["x"].zero_()
     return loss
+
+
+def build_fused(config):
+    """``build`` with fused AdamW (its ``step`` lives on the GPU)."""
+    state = build(config)
+    state.optimizer = torch.optim.AdamW(state.model.parameters(), lr=1e-3, fused=True)
+    return state
