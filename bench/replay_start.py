@@ -101,6 +101,17 @@ def replay_phases(bundle: str, device: str, preload: bool) -> dict[str, Any]:
     dropped = drop_cache(files_under(Path(bundle)))
     t0 = time.perf_counter()
     b = open_bundle(bundle)
+    read_s = []
+    state = b.state
+
+    def timed_state(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return state(*a, **kw)
+        finally:
+            read_s.append(time.perf_counter() - t)
+
+    b.state = timed_state  # type: ignore[method-assign]
     with Session(b, device=device, preload=preload) as s:
         sync(device)
         t_load = time.perf_counter()
@@ -120,7 +131,8 @@ def replay_phases(bundle: str, device: str, preload: bool) -> dict[str, Any]:
             if outcome.failure is not None:
                 break
     assert outcome is not None
-    return {"load_s": t_load - t0, "to_first_step_s": t_ready - t_load, "restore_ms": (t_restored - t_load) * 1e3,
+    return {"load_s": t_load - t0, "state_read_s": read_s[0], "to_first_step_s": t_ready - t_load,
+            "restore_ms": (t_restored - t_load) * 1e3,
             "inputs_ms": (t_ready - t_restored) * 1e3, "first_step_ms": steps_ms[0],
             "other_steps_ms_median": statistics.median(steps_ms[1:]) if len(steps_ms) > 1 else None,
             "steps_replayed": len(steps_ms), "reproduced": outcome.same, "pages_dropped": dropped}
@@ -132,15 +144,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fail_at = 4 if args.quick else args.fail_at
     with tempfile.TemporaryDirectory(prefix="reprokit-replay-start-") as tmp:
         rec = record(cfg, Path(tmp), fail_at, snapshot_every=3 if args.quick else args.snapshot_every)
-        reps = []
-        for preload in ("on", "off"):
-            proc = subprocess.run([sys.executable, __file__, "--phase", rec["bundle"], "--device", cfg["device"],
-                                   "--preload", preload], capture_output=True, text=True)
-            if proc.returncode:
-                raise SystemExit(f"the replay process failed:\n{proc.stderr[-3000:]}")
-            reps.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+        for _ in range(args.repeat):  # interleaved: each process starts as cold as the one before it
+            for preload in ("on", "off"):
+                proc = subprocess.run([sys.executable, __file__, "--phase", rec["bundle"], "--device", cfg["device"],
+                                       "--preload", preload], capture_output=True, text=True)
+                if proc.returncode:
+                    raise SystemExit(f"the replay process failed:\n{proc.stderr[-3000:]}")
+                runs[preload].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     train = rec["train_step_ms"]
-    rep, ref = reps
+
+    def median_run(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Each figure's median over the repeats (the first process's figures when there is one)."""
+        out = dict(rs[0])
+        for k, v in rs[0].items():
+            if isinstance(v, float):
+                out[k] = statistics.median(r[k] for r in rs)
+        out["repeats"] = {k: [r[k] for r in rs] for k in ("load_s", "state_read_s", "to_first_step_s")}
+        return out
+
+    rep, ref = median_run(runs["on"]), median_run(runs["off"])
 
     def ratios(r: dict[str, Any]) -> dict[str, Any]:
         return {**r, "to_first_step_over_train_step": r["to_first_step_s"] * 1e3 / train,
@@ -159,12 +182,15 @@ def main() -> None:
     ap.add_argument("--fail-at", type=int, default=60, help="the step whose batch makes the loss NaN")
     ap.add_argument("--snapshot-every", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="tiny GPT on the CPU (smoke run; figures meaningless)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="replay processes per variant (figures: medians; default 3, 1 with --quick)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON result here")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--preload", default="on", choices=["on", "off"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.repeat = args.repeat or (1 if args.quick else 3)
     if args.phase:
         print(json.dumps(replay_phases(args.phase, args.device, args.preload == "on")))
         return
@@ -173,9 +199,11 @@ def main() -> None:
         return
     print(f"{res['device']}, commit {res['commit']}: a window of {res['window_steps']} steps, training step "
           f"{res['train_step_ms']:.1f} ms (median)")
+    print(f"medians of {args.repeat} replay processes each, interleaved")
     for name, r in (("replay", res), ("preload=False", res["without_preload"])):
         print(f"{name}:")
-        print(f"  load (open, build, read + verify the state)   {r['load_s']:.2f} s   (pages dropped: {r['pages_dropped']})")
+        print(f"  load (open, build, read + verify the state)   {r['load_s']:.2f} s, of which the state "
+              f"{r['state_read_s']:.2f} s  (pages dropped: {r['pages_dropped']})")
         print(f"  load -> first step starts                      {r['to_first_step_s'] * 1e3:.1f} ms = "
               f"{r['to_first_step_over_train_step']:.2f} x a training step (goal <= 2): restore "
               f"{r['restore_ms']:.1f} ms, batches {r['inputs_ms']:.1f} ms")

@@ -106,6 +106,8 @@ def test_replay_start_bench_quick_times_the_phases_of_a_fresh_replay():
     assert report["reproduced"] and report["steps_replayed"] == report["window_steps"], report
     assert report["load_s"] > 0 and report["to_first_step_s"] > 0 and report["first_step_ms"] > 0, report
     assert report["to_first_step_over_train_step"] > 0 and report["train_step_ms"] > 0, report
+    ref = report["without_preload"]  # the side-by-side replay with Session(preload=False)
+    assert ref["reproduced"] and ref["state_read_s"] > 0 and ref["restore_ms"] > 0, ref
 
 
 def test_soak_bench_quick_runs_without_leaking_file_handles():
