@@ -16,6 +16,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -211,6 +212,7 @@ class Session:
         self.bundle = bundle
         self._preload_on = preload
         self._preload: _Preload | None = None
+        self._steps_ahead: Future[dict[int, Any]] | None = None
         self.device = torch.device(device or default_device(bundle))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ReprokitError("--device cuda was asked for, but torch sees no CUDA device here; use --device cpu")
@@ -255,6 +257,7 @@ class Session:
         self.state = state
         self._preload = _Preload.make(state, self.bundle, self.device) if self._preload_on else None
         self._stack.callback(self._drop_preload)
+        self._read_steps_ahead()
         tree, tensors = self.bundle.state(on_part=self._preload)
         self.snapshot = (tree, tensors)
         self.monitor = Monitor(state, DetectSettings(**run["recorder"]["detect"]), predicates)
@@ -264,11 +267,25 @@ class Session:
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
 
+    def _read_steps_ahead(self) -> None:
+        """Read the window's batches on a thread while the state is read: the first :meth:`inputs` takes them."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="reprokit-steps")
+        self._steps_ahead = pool.submit(lambda: {k: self.bundle.step(k) for k in self.bundle.steps})
+        pool.shutdown(wait=False)
+        self._stack.callback(self._take_steps_ahead)  # the thread is done before the session is
+
+    def _take_steps_ahead(self) -> dict[int, Any]:
+        ahead, self._steps_ahead = self._steps_ahead, None
+        if ahead is None or ahead.exception() is not None:
+            return {}  # a step that cannot be read raises where it is asked for, as it always did
+        return ahead.result()
+
     def inputs(self, steps: Sequence[int] | None = None) -> list[StepInput]:
         """The recorded steps of the window (all, or those listed)."""
+        ahead: dict[int, Any] = self._take_steps_ahead()
         out = []
         for k in steps if steps is not None else self.bundle.steps:
-            batch, rng, rng_tensors = self.bundle.step(k)
+            batch, rng, rng_tensors = ahead[k] if k in ahead else self.bundle.step(k)
             out.append(StepInput(k, batch, rng, rng_tensors))
         return out
 

@@ -171,6 +171,35 @@ def test_each_state_file_is_handed_on_once_it_is_verified_and_a_tampered_one_nev
     assert not any(tampered & p.keys() for p in seen), "the tampered file's tensors are never handed on"
 
 
+def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_one_fails_where_asked(nan_bundle,
+                                                                                                     tmp_path):
+    """A replay session reads the window's batches on a thread during the load (its first ``inputs()`` takes them):
+    the same batches and RNG states as reading them on demand; a step file that fails its digest raises only where
+    that step is asked for, as before."""
+    from reprokit.replay import Session
+
+    b = B.open_bundle(nan_bundle)
+    with Session(b) as s:
+        ahead = s.inputs()
+        again = s.inputs()  # read on demand now
+    assert [i.step for i in ahead] == list(b.steps) and len(ahead) >= 2
+    assert [i.digest for i in ahead] == [i.digest for i in again]
+    assert all(torch.equal(x.rng_tensors[k], y.rng_tensors[k]) and x.rng == y.rng
+               for x, y in zip(ahead, again) for k in x.rng_tensors)
+
+    bad = tmp_path / "bad"
+    shutil.copytree(nan_bundle, bad)
+    first, last = B.open_bundle(bad).steps[0], B.open_bundle(bad).steps[-1]
+    f = bad / f"steps/{first:08d}.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with Session(B.open_bundle(bad)) as s:
+        assert [i.step for i in s.inputs([last])] == [last], "the tampered step was not asked for"
+    with Session(B.open_bundle(bad)) as s, pytest.raises(BundleError, match=f"{first:08d}.safetensors: checksum"):
+        s.inputs()
+
+
 def test_a_tensor_in_two_state_files_is_refused(sharded_bundle, tmp_path):
     twice = tmp_path / "twice"
     shutil.copytree(sharded_bundle, twice)
