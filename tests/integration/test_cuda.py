@@ -383,6 +383,50 @@ def test_grad_norm_taken_aside_equals_the_inline_norm_and_the_step_waits_for_it(
     assert all(p.grad is not None and not p.grad.any() for p in state.model.parameters())
 
 
+def test_gradients_an_optimizer_frees_in_its_step_are_not_reused_under_the_norm_aside():
+    """An optimizer that frees the gradients inside its own step, after which the training stream allocates the same
+    sizes and fills them with NaN (correct code on one stream). The norm aside is held back by a GPU sleep, so it
+    runs after that fill, and the training stream waits for it only in the post-hook: the memory it reads must not
+    have been handed out again (the monitor keeps the gradients until its norm has run)."""
+    from reprokit.detect import DetectSettings, Monitor, global_norm
+
+    junk: list[torch.Tensor] = []
+
+    class FreesItsGradients(torch.optim.SGD):
+        def step(self, closure=None):
+            super().step(closure)
+            sizes = []
+            for g in self.param_groups:
+                for p in g["params"]:
+                    sizes.append(p)
+                    p.grad = None
+            junk.extend(torch.full_like(p, float("nan")) for p in sizes)
+
+    batch = torch.randn(64, 256, device="cuda")
+    ref_state = _linear_state()
+    ref_state.model(batch).square().mean().backward()
+    want = global_norm([p.grad for p in ref_state.model.parameters()]).item()
+
+    state = _linear_state()
+    state.optimizer = FreesItsGradients(state.model.parameters(), lr=1e-3)
+    monitor = Monitor(state, DetectSettings())
+    side = monitor._side[torch.device("cuda", torch.cuda.current_device())] = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+
+    def step(state, batch):
+        loss = state.model(batch).square().mean()
+        loss.backward()
+        state.optimizer.step()
+        return loss
+
+    result = monitor.run(step, batch, 0)
+    monitor.close()
+    torch.cuda.synchronize()
+    assert len(junk) == 4 and all(j.isnan().all() for j in junk)
+    assert result.failure is None and result.grad_norm == want, (result.failure, result.grad_norm, want)
+
+
 def test_grad_check_aside_still_sees_a_nan_gradient():
     from reprokit.detect import DetectSettings, Monitor
 
