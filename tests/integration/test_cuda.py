@@ -392,15 +392,22 @@ def test_gradients_an_optimizer_frees_in_its_step_are_not_reused_under_the_norm_
 
     junk: list[torch.Tensor] = []
 
+    reused: list[int] = []
+
     class FreesItsGradients(torch.optim.SGD):
         def step(self, closure=None):
             super().step(closure)
-            sizes = []
-            for g in self.param_groups:
-                for p in g["params"]:
-                    sizes.append(p)
-                    p.grad = None
-            junk.extend(torch.full_like(p, float("nan")) for p in sizes)
+            params = [p for g in self.param_groups for p in g["params"]]
+            freed = {p.grad.data_ptr() for p in params}
+            for p in params:
+                p.grad = None
+            # Same-size blocks, kept, until the allocator hands out a freed gradient's memory (or 64 per size).
+            for p in params:
+                for _ in range(64):
+                    junk.append(torch.full_like(p, float("nan")))
+                    if junk[-1].data_ptr() in freed:
+                        reused.append(junk[-1].data_ptr())
+                        break
 
     batch = torch.randn(64, 256, device="cuda")
     ref_state = _linear_state()
@@ -423,8 +430,9 @@ def test_gradients_an_optimizer_frees_in_its_step_are_not_reused_under_the_norm_
     result = monitor.run(step, batch, 0)
     monitor.close()
     torch.cuda.synchronize()
-    assert len(junk) == 4 and all(j.isnan().all() for j in junk)
-    assert result.failure is None and result.grad_norm == want, (result.failure, result.grad_norm, want)
+    assert junk and all(j.isnan().all() for j in junk)
+    print(f"freed gradient blocks handed out again during the step: {len(reused)}")
+    assert result.failure is None and result.grad_norm == want, (result.failure, result.grad_norm, want, reused)
 
 
 def test_grad_check_aside_still_sees_a_nan_gradient():
