@@ -75,9 +75,6 @@ class Monitor:
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         self._unjoined: list[torch.cuda.Stream] = []
         """Side streams with a norm queued that the training stream has not waited for yet."""
-        self._held: list[tuple[torch.cuda.Event, Any]] = []
-        """What a norm queued aside reads (the gradients, the overflow flag), each with an event recorded after the
-        norm on its side stream: kept alive until that event has completed (see :meth:`_release`)."""
         self._hooks: tuple[Any, Any] | None = None
         self._hook_warned = False
         self._after_closure = False
@@ -92,7 +89,6 @@ class Monitor:
                 h.remove()
             self._hooks = None
         self._join()
-        self._release()
 
     def attach(self) -> None:
         if self._hooks is None and self.settings.check_grads:
@@ -171,15 +167,11 @@ class Monitor:
         The side stream starts after everything queued so far (backward, clipping,
         unscaling); the training stream goes on to queue the optimizer step, which reads the
         gradients too, and waits for the side stream in the optimizer's post-hook, before
-        anything after the step could write them. The tensors the norm reads are kept alive
-        until an event recorded after it on the side stream has completed (:meth:`_release`,
-        after the loss read): a gradient freed meanwhile, inside the optimizer's step or by
-        ``zero_grad`` on any stream, cannot have its memory reused under the norm. That is
-        what ``record_stream`` on each gradient guaranteed, at one call per tensor (~150 for
-        GPT-2) in the step's host time. CPU gradients, gradients on several devices and steps
-        under CUDA-graph capture take the norm in line. A GradScaler's overflow flag is
-        applied on the side stream too (the training stream must not read the norm before
-        the post-hook's wait).
+        anything after the step could write or free them. ``record_stream`` covers an
+        optimizer that frees gradients inside its own step. CPU gradients, gradients on
+        several devices and steps under CUDA-graph capture take the norm in line. A
+        GradScaler's overflow flag is applied on the side stream too (the training stream
+        must not read the norm before the post-hook's wait).
         """
         dev = grads[0][0].device
         if dev.type != "cuda" or any(gs[0].device != dev for gs in grads) or \
@@ -191,18 +183,13 @@ class Monitor:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             norm = _amp_adjusted(_norm_of_groups(grads), None, found_inf)
-            done = torch.cuda.Event()
-            done.record(side)
-        self._held.append((done, (grads, found_inf)))
+        for gs in grads:
+            for g in gs:
+                g.record_stream(side)
+        if found_inf is not None and found_inf.is_cuda:
+            found_inf.record_stream(side)
         self._unjoined.append(side)
         return norm
-
-    def _release(self) -> None:
-        """Let go of what the norms queued aside read, once they have run (normally they have: the loss read
-        waited for them; otherwise this waits)."""
-        for done, _ in self._held:
-            done.synchronize()
-        self._held.clear()
 
     def warm_up(self) -> None:
         """Run the step-end checks' device work once, on the parameters themselves (nothing is kept or changed).
@@ -257,21 +244,16 @@ class Monitor:
         drives calls ``begin`` and :meth:`conclude` around the step itself.)"""
         self._norms.clear()
         self._after_closure = False
-        self._release()  # a loop that skipped conclude() (nothing is held otherwise)
 
     def conclude(self, step: int, loss: Any = None, exc: BaseException | None = None) -> StepResult:
         """Read the step's loss and gradient norms and run the detectors; with ``exc``, the step raised it."""
         if exc is not None:
             self._join()  # an optimizer step that raised never reached the post-hook
-            self._release()
             return StepResult(None, None, from_exception(exc, step), exc)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss = loss.detach()
         try:
-            try:
-                loss_f, grad_norm, param_norm = self._read(loss)
-            finally:
-                self._release()  # after the read's sync: the norms have run
+            loss_f, grad_norm, param_norm = self._read(loss)
         except Exception as e:  # reprokit's own fault: the run goes on, unchecked for this step, and says so once
             if not self._hook_warned:
                 self._hook_warned = True

@@ -387,7 +387,7 @@ def test_gradients_an_optimizer_frees_in_its_step_are_not_reused_under_the_norm_
     """An optimizer that frees the gradients inside its own step, after which the training stream allocates the same
     sizes and fills them with NaN (correct code on one stream). The norm aside is held back by a GPU sleep, so it
     runs after that fill, and the training stream waits for it only in the post-hook: the memory it reads must not
-    have been handed out again (the monitor keeps the gradients until its norm has run)."""
+    have been handed out again (``record_stream`` on each gradient tells the allocator the side stream uses it)."""
     from reprokit.detect import DetectSettings, Monitor, global_norm
 
     junk: list[torch.Tensor] = []
@@ -414,19 +414,25 @@ def test_gradients_an_optimizer_frees_in_its_step_are_not_reused_under_the_norm_
     ref_state.model(batch).square().mean().backward()
     want = global_norm([p.grad for p in ref_state.model.parameters()]).item()
 
-    state = _linear_state()
-    state.optimizer = FreesItsGradients(state.model.parameters(), lr=1e-3)
-    monitor = Monitor(state, DetectSettings())
-    side = monitor._side[torch.device("cuda", torch.cuda.current_device())] = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)
-
     def step(state, batch):
         loss = state.model(batch).square().mean()
         loss.backward()
         state.optimizer.step()
         return loss
 
+    warm = _linear_state()  # every kernel of the step loaded before the timed one (loading stalls the host)
+    warm.optimizer = FreesItsGradients(warm.model.parameters(), lr=1e-3)
+    step(warm, batch)
+    junk.clear()
+    reused.clear()
+    torch.cuda.synchronize()
+
+    state = _linear_state()
+    state.optimizer = FreesItsGradients(state.model.parameters(), lr=1e-3)
+    monitor = Monitor(state, DetectSettings())
+    side = monitor._side[torch.device("cuda", torch.cuda.current_device())] = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the whole step is queued and run on the training stream first
     result = monitor.run(step, batch, 0)
     monitor.close()
     torch.cuda.synchronize()
