@@ -644,7 +644,9 @@ class Bundle:
         that references it: see :mod:`reprokit.distributed.replicated`).
 
         ``on_part(tensors)`` is called with each state file's tensors as soon as that file is read and verified (on
-        the reading thread, while other files may still be read): replay starts copying them to the GPU there.
+        the reading thread, while other files may still be read; on this thread for a state in one file), never
+        with a file that failed its check; an exception it raises propagates. Replay starts copying the tensors to
+        the GPU there. Not called for a state another rank's bundle holds.
         """
         from reprokit import tensorfile
 

@@ -207,8 +207,10 @@ class Session:
     """
 
     def __init__(self, bundle: Bundle, *, device: str | None = None, code: str | Path | None = None,
-                 preload: bool = True):
-        """``preload=False``: no copy of the state to the GPU while it is read (see :class:`_Preload`)."""
+                 preload: bool = False):
+        """``preload=True``: copy the state to the GPU while it is read, for the first :meth:`restore` (see
+        :class:`_Preload`; :func:`replay` does). That restore then uses the copies made at load time, so an edit
+        made to ``self.snapshot`` before it is not seen; later restores read ``self.snapshot``."""
         self.bundle = bundle
         self._preload_on = preload
         self._preload: _Preload | None = None
@@ -295,9 +297,10 @@ class Session:
         tree, tensors = snapshot or self.snapshot
         owned: set[str] = set()
         preload, self._preload = self._preload, None  # used once, by the first restore: then the GPU memory is free
-        if preload is not None and (snapshot is None or snapshot is self.snapshot):
+        if preload is not None and (snapshot is None or snapshot is self.snapshot) and preload.fits(self.state):
             on_device = preload.take()
             tensors, owned = {**tensors, **on_device}, set(on_device)
+            del on_device  # restore_state drops the model's copies as soon as they are loaded
         restore_state(self.state, tree["state"], tensors, owned=owned)
         restore_rng(tree["rng"], tensors, self.state.extra)
         self.monitor.load_state_dict(tree.get("monitor", {}))
@@ -402,61 +405,79 @@ class _Preload:
     Without it the first restore copied the whole state from host memory after the load (GPT-2-124M on an H200:
     ~0.45 s, 17 training steps, before the first replayed step). Here each state file's tensors go to the device as
     soon as that file is verified (:meth:`Bundle.state`'s ``on_part``), and the first :meth:`Session.restore` uses
-    these copies: the model's are copied into the parameters, the optimizer's handed over as they are (nothing else
-    holds them), so the GPU holds no more than the host path's restore does. Later restores read host memory.
+    these copies: the model's are copied into the parameters and dropped, the optimizer's handed over as they are
+    (nothing else holds them). Later restores read host memory.
+
+    GPU memory: from the load until the model is restored, the device holds the parameters, a copy of the model's
+    state and the optimizer's state, one model's size more than the host path's peak (which held the model's copies
+    and the optimizer's state at different times). A training step with every parameter trained holds as much (its
+    gradients, beside the same parameters and optimizer state) and more (activations).
 
     Only where the result is the host path's by construction: one CUDA device for every parameter and buffer, no
     sharded or referenced state, and an optimizer that loads with ``torch.optim.Optimizer.load_state_dict``, which
-    moves a parameter's floating-point state (not its ``step``) to the parameter's device anyway. A copy that fails
-    (out of GPU memory) drops the preload; the restore then reads host memory as before.
+    moves a parameter's floating-point state (not its ``step``) to the parameter's device anyway; checked again at
+    the restore. A copy that fails (out of GPU memory) drops the preload; the restore then reads host memory.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self._tensors: dict[str, torch.Tensor] = {}
-        self._failed = False
+        self.error: BaseException | None = None
+        """Why a copy failed (the preload was dropped then); None otherwise."""
         self._lock = threading.Lock()
 
     @classmethod
     def make(cls, state: TrainState, bundle: Bundle, device: torch.device) -> _Preload | None:
         if device.type != "cuda" or REPLICATED in bundle.manifest["files"]:
             return None
-        opt = state.optimizer
-        if type(opt).load_state_dict is not torch.optim.Optimizer.load_state_dict:
-            return None
-        live = [*state.model.parameters(), *state.model.buffers(),
-                *(p for g in opt.param_groups for p in g["params"])]
-        if not live or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device != live[0].device
-                           for t in live) or live[0].device.type != "cuda":
-            return None  # several devices, or DTensors (FSDP2): the restore places each tensor itself
         if bundle.state_tree().get("state", {}).get(SHARDS):
             return None
-        return cls(live[0].device)
+        dev = _one_cuda_device(state)
+        return None if dev is None else cls(dev)
+
+    def fits(self, state: TrainState) -> bool:
+        """The live state still is what :meth:`make` saw (checked again at the restore)."""
+        return self.error is None and _one_cuda_device(state) == self.device
 
     def wants(self, key: str, t: torch.Tensor) -> bool:
         if key.startswith(MODEL + "/"):
-            return True
+            return key.count("/") == 1  # a state_dict entry itself (nested extra state stays where the host path puts it)
         m = _OPT_STATE.fullmatch(key)
         return m is not None and m.group(1) != "step" and t.is_floating_point() and t.numel() > 1
 
     def __call__(self, part: dict[str, torch.Tensor]) -> None:
-        if self._failed:
+        if self.error is not None:
             return
         try:
             copies = {k: t.to(self.device) for k, t in part.items() if self.wants(k, t)}
             torch.cuda.current_stream(self.device).synchronize()
-        except Exception:  # out of GPU memory, most likely: the restore copies from host memory instead
+        except Exception as e:  # out of GPU memory, most likely: the restore copies from host memory instead
             with self._lock:
-                self._failed = True
-                self._tensors.clear()
+                self.error = e
+                self._tensors = {}
             return
         with self._lock:
-            if not self._failed:
+            if self.error is None:
                 self._tensors.update(copies)
 
     def take(self) -> dict[str, torch.Tensor]:
+        """The copies, handed over (this object keeps none)."""
         with self._lock:
-            return {} if self._failed else self._tensors
+            out, self._tensors = ({} if self.error is not None else self._tensors), {}
+            return out
+
+
+def _one_cuda_device(state: TrainState) -> torch.device | None:
+    """The CUDA device every parameter, buffer and optimizer parameter is on (plain tensors, no DTensors), where the
+    optimizer loads its state with ``torch.optim.Optimizer.load_state_dict``; else None."""
+    opt = state.optimizer
+    if type(opt).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+        return None
+    live = [*state.model.parameters(), *state.model.buffers(), *(p for g in opt.param_groups for p in g["params"])]
+    if not live or live[0].device.type != "cuda" or any(
+            type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device != live[0].device for t in live):
+        return None  # several devices, or DTensors (FSDP2): the restore places each tensor itself
+    return live[0].device
 
 
 @contextmanager
@@ -495,7 +516,7 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
     bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     if not as_rank:  # one rank of an N-rank incident replay runs a peer's window too: its collectives need it
         _refuse_peer(bundle)
-    with session(bundle, device=device, code=code) as s:
+    with session(bundle, device=device, code=code, preload=True) as s:
         inputs = s.inputs()
         runs = []
         for i in range(times):

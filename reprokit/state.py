@@ -153,8 +153,9 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
                   owned: Collection[str] = ()) -> None:
     """Load a snapshot made by :func:`capture_state` into ``state`` in place.
 
-    ``owned`` names optimizer tensors that nothing else holds (copies made for this restore): they are handed to the
-    optimizer as they are, where any other tensor is cloned first so that the snapshot survives the restore.
+    ``owned`` names tensors of ``tensors`` that nothing else holds (copies made for this restore): the optimizer's
+    are handed to it as they are, where any other tensor is cloned first so that the snapshot survives the restore;
+    the model's are removed from ``tensors`` once loaded, so that their memory is free before the optimizer loads.
 
     Raises:
         StateMismatchError: when the snapshot does not fit what ``build`` made
@@ -169,6 +170,9 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
                                      for k, v in model_sd.items()})
     except RuntimeError as e:
         raise StateMismatchError(f"the recorded model state does not fit the model that build() made: {e}") from None
+    del model_sd
+    for k in [k for k in owned if k.startswith(MODEL + "/")]:
+        tensors.pop(k, None)
     state.model.train(tree.get("training", True))
     # The snapshot must survive any number of restores, and optimizers keep the tensors they are given when
     # dtype and device match: they get clones. Except for a large optimizer state on the host for a model on

@@ -587,8 +587,9 @@ def test_the_state_copied_to_the_gpu_while_read_restores_exactly_as_the_host_cop
 
     def replayed(preload: bool):
         with Session(b, preload=preload) as s:
-            pre = dict(s._preload.take()) if s._preload is not None else {}
+            pre = dict(s._preload._tensors) if s._preload is not None else {}
             s.restore()
+            assert s._preload is None
             opt = s.state.optimizer
             kept = {t.data_ptr() for st in opt.state.values() for t in st.values()}
             handed = bool(pre) and {t.data_ptr() for k, t in pre.items() if k.startswith("optimizer/")} <= kept
@@ -608,6 +609,12 @@ def test_the_state_copied_to_the_gpu_while_read_restores_exactly_as_the_host_cop
         assert (dev, dtype) == off[k][:2] and torch.equal(v, off[k][2]), k
     assert first.same and ref.same and repr(first.losses) == repr(ref.losses)  # repr: NaN equals NaN
     assert again.same and repr(again.losses) == repr(first.losses)
+
+    with Session(b, preload=True) as s:  # another snapshot restored first: the copies are dropped, unused
+        assert s._preload is not None and s._preload._tensors
+        s.restore((s.snapshot[0], {k: v.clone() for k, v in s.snapshot[1].items()}))
+        assert s._preload is None
+        assert all(torch.equal(v.cpu(), on[k][2]) for k, v in s.state.model.state_dict().items())
 
 
 def test_no_gpu_copy_while_read_for_an_optimizer_that_loads_its_own_way(projects, tmp_path):

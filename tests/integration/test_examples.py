@@ -106,6 +106,7 @@ def test_replay_start_bench_quick_times_the_phases_of_a_fresh_replay():
     assert report["reproduced"] and report["steps_replayed"] == report["window_steps"], report
     assert report["load_s"] > 0 and report["to_first_step_s"] > 0 and report["first_step_ms"] > 0, report
     assert report["to_first_step_over_train_step"] > 0 and report["train_step_ms"] > 0, report
+    assert report["disk_read_Bps"] > 0 and report["state_read_over_disk_read"] > 0, report
     ref = report["without_preload"]  # the side-by-side replay with Session(preload=False)
     assert ref["reproduced"] and ref["state_read_s"] > 0 and ref["restore_ms"] > 0, ref
 

@@ -176,12 +176,24 @@ def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_on
     """A replay session reads the window's batches on a thread during the load (its first ``inputs()`` takes them):
     the same batches and RNG states as reading them on demand; a step file that fails its digest raises only where
     that step is asked for, as before."""
+    import threading
+
     from reprokit.replay import Session
 
     b = B.open_bundle(nan_bundle)
+    step, readers = b.step, []
+
+    def step_read_by(k):
+        readers.append(threading.current_thread().name)
+        return step(k)
+
+    b.step = step_read_by  # type: ignore[method-assign]
     with Session(b) as s:
         ahead = s.inputs()
+        assert readers and all(r.startswith("reprokit-steps") for r in readers), readers
+        readers.clear()
         again = s.inputs()  # read on demand now
+        assert readers == [threading.current_thread().name] * len(again)
     assert [i.step for i in ahead] == list(b.steps) and len(ahead) >= 2
     assert [i.digest for i in ahead] == [i.digest for i in again]
     assert all(torch.equal(x.rng_tensors[k], y.rng_tensors[k]) and x.rng == y.rng
@@ -198,6 +210,20 @@ def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_on
         assert [i.step for i in s.inputs([last])] == [last], "the tampered step was not asked for"
     with Session(B.open_bundle(bad)) as s, pytest.raises(BundleError, match=f"{first:08d}.safetensors: checksum"):
         s.inputs()
+
+
+def test_a_gpu_copy_that_fails_drops_the_preload_and_says_why():
+    """Copies to a device that cannot take them (here one that does not exist, on any machine): nothing is kept, the
+    restore will read host memory, and the error is kept for diagnosis."""
+    from reprokit.replay import _Preload
+
+    p = _Preload(torch.device("cuda", 99))
+    assert p.wants("model/w", torch.ones(3)) and not p.wants("model/b._extra_state/count", torch.ones(3))
+    assert p.wants("optimizer/state/0/exp_avg", torch.ones(3)) and not p.wants("optimizer/state/0/step", torch.ones(3))
+    p({"model/w": torch.ones(3), "optimizer/state/0/exp_avg": torch.ones(3)})
+    assert p.error is not None and p.take() == {}
+    p({"model/w": torch.ones(3)})  # later parts are not copied either
+    assert p.take() == {}
 
 
 def test_a_tensor_in_two_state_files_is_refused(sharded_bundle, tmp_path):
