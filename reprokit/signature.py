@@ -3,7 +3,9 @@
 Decided in one place: two failures are the same when their ``kind``, exception
 type and raising frame in user code (``file:function``) agree. Digits are
 normalised out of messages so that shape numbers may change while shrinking;
-the message is kept for people but not compared. A replay *reproduces* a bundle
+replay keeps the message for people but does not compare it (the same bug's wording
+may differ between devices and torch versions), while the shrinker also requires an
+exception's :func:`message_template` to stay the same. A replay *reproduces* a bundle
 only when it also fails at the same step (``Failure.same_as(other, step=True)``);
 the same signature at another step is a different failure.
 """
@@ -119,6 +121,20 @@ def summary_line(d: dict[str, Any] | None, *, frame: bool = True, step: bool = T
 
 def normalise(message: str) -> str:
     return re.sub(r"\d+", "N", message or "").strip()
+
+
+def message_template(message: str) -> str:
+    """``message`` with what varies between raises of one bug masked: addresses (``0x...``) and numbers.
+
+    The shrinker compares it (an exception of the same type in the same frame but with another message, such as a
+    check that the cut batch is too small, is another bug); replay verdicts do not, since the same bug's wording
+    may differ between devices and torch versions.
+
+    Example:
+        >>> message_template("index 37 is out of bounds for size 32 (tensor at 0x7f3a9c)")
+        'index N is out of bounds for size N (tensor at 0x)'
+    """
+    return normalise(re.sub(r"0x[0-9a-fA-F]+", "0x", message or ""))
 
 
 def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:

@@ -30,7 +30,7 @@ from reprokit.shrink.case import (
     token_positions,
 )
 from reprokit.shrink.passes import PASSES
-from reprokit.signature import Failure
+from reprokit.signature import Failure, message_template
 
 Progress = Callable[[str, int, str], None]
 NONFINITE = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
@@ -117,6 +117,10 @@ class Shrinker:
     """Candidates with the same signature rejected because their first non-finite value moved."""
     reference: tuple[Any, int] | None = None
     """The original failing batch and its row count: control rows for origin checks come from it."""
+    message: str | None = None
+    """For an exception: the original's :func:`~reprokit.signature.message_template` on this machine. A candidate
+    raising the same type in the same frame with another message (a check that the cut batch is too small) is
+    another failure."""
     best: Case | None = None
     _cache: dict[str, tuple[bool, RunOutcome | dict]] = field(default_factory=dict)
     _snapshots: dict[tuple, tuple[Snapshot, int]] = field(default_factory=dict)
@@ -131,7 +135,10 @@ class Shrinker:
                 raise BudgetExhausted
             self.replays += 1
             interesting, out = self._isolated(case) if self.isolate else self._in_process(case)
-            if interesting and self.origin is not None:
+            if interesting and self.message is not None and message_template(_failure_of(out).message) != self.message:
+                interesting = False
+                self.different_failures += 1
+            elif interesting and self.origin is not None:
                 interesting = self.keeps_origin(case)
                 self.origin_changed += not interesting
             elif not interesting and _failed(out):
@@ -266,6 +273,13 @@ class Shrinker:
         return self.best, stats, exhausted
 
 
+def _failure_of(out: RunOutcome | dict) -> Failure:
+    """The failure of a run that failed (in process, or the JSON of an isolated replay)."""
+    failure = out.failure if isinstance(out, RunOutcome) else Failure.from_json(out["per_run"][0]["failure"])
+    assert failure is not None
+    return failure
+
+
 def _failed(out: RunOutcome | dict) -> bool:
     if isinstance(out, RunOutcome):
         return out.failure is not None
@@ -349,14 +363,12 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         if src.failure.kind in NONFINITE:
             # Checked once here, then for every candidate that fails with the same signature.
             sh.origin, sh.reference = sh.find_origin(original), (first, n or 0)
+        elif src.failure.kind == "exception":
+            sh.message = message_template(_failure_of(sh.outcome(original)).message)
         before = dims(original, pad_id)
         best, stats, exhausted = sh.run(original, passes)
         out = sh.outcome(best)
-        if isinstance(out, RunOutcome):
-            failure = out.failure
-        else:
-            failure = Failure.from_json(out["per_run"][0]["failure"])
-        assert failure is not None
+        failure = _failure_of(out)
         kept = list(best.rows) if best.rows is not None and n and len(best.rows) < n else None
         indices = dataset_indices(first, best.rows)
         window = list(best.seq) if best.seq else None

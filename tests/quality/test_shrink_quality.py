@@ -136,3 +136,19 @@ def test_shrinking_never_grows_and_always_replays(projects, tmp_path_factory, ro
         assert (r.after[k] or 0) <= (r.before[k] or 0), (k, r.before, r.after)
     assert reprokit.replay(r.output).reproduced
     assert open_bundle(r.output).run["provenance"]["source_manifest_sha256"]
+
+
+def test_a_candidate_raising_the_same_type_in_the_same_frame_with_another_message_is_another_failure(projects,
+                                                                                                     tmp_path):
+    """``check`` raises ValueError for a value beyond 1e3 (the recorded bug, row 5) and, in the same line's function,
+    for a batch under 4 rows. Cutting rows to 1 raises the second: same type, same frame, another bug. The shrink
+    keeps the recorded one: 4 rows, row 5 among them."""
+    two = projects("rk_two_raises")
+    _, exc = record(two, {}, two.batches(32, 4, 2, row=5), tmp_path / "r")
+    assert isinstance(exc, ValueError) and "beyond 1e3" in str(exc)
+    r = shrink(bundle_of(exc), tmp_path / "small", passes=["steps", "rows"])
+    assert r.failure.message == "a value beyond 1e3 in the batch", r.failure.message
+    assert r.after["rows"] == 4 and 5 in r.kept_rows and r.after["steps"] == 1, (r.after, r.kept_rows)
+    assert r.different_failures > 0
+    report = reprokit.replay(r.output)
+    assert report.reproduced and report.runs[0].failure.message == "a value beyond 1e3 in the batch"
