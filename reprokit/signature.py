@@ -132,9 +132,9 @@ def message_template(message: str) -> str:
 
     Example:
         >>> message_template("index 37 is out of bounds for size 32 (tensor at 0x7f3a9c)")
-        'index N is out of bounds for size N (tensor at 0x)'
+        'index N is out of bounds for size N (tensor at <address>)'
     """
-    return normalise(re.sub(r"0x[0-9a-fA-F]+", "0x", message or ""))
+    return normalise(re.sub(r"0x[0-9a-fA-F]+", "<address>", message or ""))
 
 
 def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
