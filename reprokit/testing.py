@@ -189,6 +189,14 @@ if pytest is not None:
     def pytest_configure(config: Any) -> None:
         config.addinivalue_line("markers", f"{MARKER}: a reprokit bundle replayed as a regression test")
 
+    def pytest_report_collectionfinish(config: Any, items: list[Any]) -> str | None:
+        # pytest's "collected N items" counts what its collectors found; bundles join the items after that.
+        n = sum(isinstance(i, BundleItem) for i in items)
+        folders = config.getoption("--reprokit-bundles") or config.getini("reprokit_bundles")
+        if not folders:
+            return None
+        return f"reprokit: {n} bundle{'s' if n != 1 else ''} from {', '.join(map(str, folders))}, one test each"
+
     @pytest.hookimpl(tryfirst=True)  # before -k / -m deselection, so they apply to bundles too
     def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:
         folders = [Path(p) for p in (config.getoption("--reprokit-bundles") or config.getini("reprokit_bundles"))]
@@ -203,5 +211,9 @@ if pytest is not None:
         except ReprokitError as e:
             raise pytest.UsageError(str(e)) from None
         for bundle in found:
-            items.append(BundleItem.from_parent(session, name=f"reprokit::{bundle.name}", bundle=bundle,
+            # The bundle's own path names the item ("regressions/bundle-...::reprokit"), as a test file names its tests.
+            where = bundle.resolve()
+            rel = where.relative_to(config.rootpath) if where.is_relative_to(config.rootpath) else where
+            items.append(BundleItem.from_parent(session, name=f"reprokit::{bundle.name}", path=where,
+                                                nodeid=f"{rel.as_posix()}::reprokit", bundle=bundle,
                                                 code=code, times=times, device=device))

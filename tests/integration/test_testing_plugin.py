@@ -67,6 +67,9 @@ def test_plugin_each_bundle_is_a_test_item(regression, tmp_path):
     out, _, code = regression
     fixed = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["fixed"]))
     assert fixed.returncode == 0 and "3 passed" in fixed.stdout, fixed.stdout + fixed.stderr
+    # Each item is named by its bundle's path, as a test file names its tests; the bundles found are counted.
+    assert "regressions/bad_batch.tar::reprokit\n" in fixed.stdout, fixed.stdout
+    assert f"reprokit: 3 bundles from {out}, one test each" in fixed.stdout, fixed.stdout
     buggy = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["buggy"]),
                     "-k", "tar")
     assert buggy.returncode == 1 and "2 failed, 1 deselected" in buggy.stdout, buggy.stdout + buggy.stderr
