@@ -430,8 +430,8 @@ class _Preload:
     def make(cls, state: TrainState, bundle: Bundle, device: torch.device) -> _Preload | None:
         if device.type != "cuda" or REPLICATED in bundle.manifest["files"]:
             return None
-        if bundle.state_tree().get("state", {}).get(SHARDS):
-            return None
+        # A sharded (FSDP2) state needs DTensors, which _one_cuda_device refuses; shards restored into plain
+        # tensors are refused by the restore whichever way the tensors came.
         dev = _one_cuda_device(state)
         return None if dev is None else cls(dev)
 

@@ -189,17 +189,21 @@ if pytest is not None:
     def pytest_configure(config: Any) -> None:
         config.addinivalue_line("markers", f"{MARKER}: a reprokit bundle replayed as a regression test")
 
+    def _folders(config: Any) -> list[Any]:
+        """The bundle folders named on the command line, else in the ini file."""
+        return list(config.getoption("--reprokit-bundles") or config.getini("reprokit_bundles"))
+
     def pytest_report_collectionfinish(config: Any, items: list[Any]) -> str | None:
         # pytest's "collected N items" counts what its collectors found; bundles join the items after that.
-        n = sum(isinstance(i, BundleItem) for i in items)
-        folders = config.getoption("--reprokit-bundles") or config.getini("reprokit_bundles")
+        folders = _folders(config)
         if not folders:
             return None
+        n = sum(isinstance(i, BundleItem) for i in items)
         return f"reprokit: {n} bundle{'s' if n != 1 else ''} from {', '.join(map(str, folders))}, one test each"
 
     @pytest.hookimpl(tryfirst=True)  # before -k / -m deselection, so they apply to bundles too
     def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:
-        folders = [Path(p) for p in (config.getoption("--reprokit-bundles") or config.getini("reprokit_bundles"))]
+        folders = [Path(p) for p in _folders(config)]
         if not folders:
             return
         code_opt = config.getoption("--reprokit-code") or config.getini("reprokit_code")
