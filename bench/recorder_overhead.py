@@ -29,6 +29,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from io_bench import _commit  # the checkout's commit, or $BENCH_COMMIT
 
 import reprokit
 
@@ -269,7 +270,7 @@ def main() -> None:
             table[name]["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
     breakdown = {name: sec / n_inst * 1e3 for name, sec in spent_in_blocks.items()}
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-              "config": cfg, "variants": table, "snapshot": snap, "recorder_host_ms_per_step": breakdown,
+              "commit": _commit(), "config": cfg, "variants": table, "snapshot": snap, "recorder_host_ms_per_step": breakdown,
               "one_time_warmup_s_all_recorders": warmup_s, "snapshot_step_extra_ms": snapshot_step_extra_ms,
               "recorder_memory": recs["recorder"].stats()}
     if args.json:
