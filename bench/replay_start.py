@@ -84,6 +84,7 @@ def record(cfg: dict[str, Any], out: Path, fail_at: int, snapshot_every: int) ->
             rec.step(batch).item()
             times.append(time.perf_counter() - t0)
     except reprokit.TrainingFailure as e:
+        failing_step_s = time.perf_counter() - t0  # the step, its loss read and the bundle's write
         bundle = e.bundle
     else:
         raise SystemExit("the poisoned step did not fail")
@@ -93,7 +94,8 @@ def record(cfg: dict[str, Any], out: Path, fail_at: int, snapshot_every: int) ->
     # The steps after the first snapshot and before the failing one: ordinary training steps.
     ordinary = times[1:-1] or times
     return {"bundle": str(bundle), "train_step_ms": statistics.median(ordinary) * 1e3,
-            "train_first_step_ms": times[0] * 1e3, "window_steps": len(open_bundle(bundle).steps)}
+            "train_first_step_ms": times[0] * 1e3, "failing_step_s": failing_step_s,
+            "window_steps": len(open_bundle(bundle).steps)}
 
 
 def replay_phases(bundle: str, device: str, preload: bool) -> dict[str, Any]:

@@ -57,7 +57,7 @@ from reprokit.code import ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info, replicated
-from reprokit.env import capture_env, determinism_flags
+from reprokit.env import capture_env, determinism_flags, split_flags
 from reprokit.errors import CaptureError, RecorderWarning, TrainingFailure
 from reprokit.rng import RNGState, check_generators
 from reprokit.rng import capture as capture_rng
@@ -840,13 +840,15 @@ class Recorder:
 
     def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None) -> dict[str, Any]:
         ring = self._ring if ring is None else ring
+        determinism, precision = split_flags(determinism_flags())
         device = next((str(p.device) for p in self.state.model.parameters()), "cpu")
         return {
             "refs": self._refs,
             "config": self._config,
             "recorder": {"snapshot_every": self.snapshot_every, "detect": self.settings.to_json(),
                          "memory": self.stats()},
-            "determinism": determinism_flags(),
+            "determinism": determinism,
+            "precision": precision,
             "device": device,
             "window": {"start": snap.step, "end": ring[-1].step if ring else failure.step,
                        "steps": [r.step for r in ring]},

@@ -244,7 +244,7 @@ class Session:
         self.step_fn = resolve(refs["step"], self.code_dir, "refs.step")
         predicates = [resolve(r, self.code_dir, f"refs.predicates[{i}]")
                       for i, r in enumerate(refs.get("predicates", [])) if r is not None]
-        flags = apply_determinism_flags(run.get("determinism", {}))
+        flags = apply_determinism_flags({**run.get("determinism", {}), **run.get("precision", {})})
         self._stack.callback(apply_determinism_flags, flags)
         config = pytree.decode(run["config"], {})
         _refuse_shards_alone(self.bundle)

@@ -352,6 +352,17 @@ def check_run(d: Any, name: str = "run.json") -> None:
     if "determinism" in d:
         for k, v in f.obj(d["determinism"], "determinism").items():
             f.boolean(v, _join("determinism", k))
+    if "precision" in d:
+        from reprokit.env import FP32_PRECISION
+
+        prec = f.obj(d["precision"], "precision")
+        if "float32_matmul_precision" in prec:
+            f.string(prec["float32_matmul_precision"], "precision.float32_matmul_precision")
+        if "fp32_precision" in prec:
+            for k, v in f.obj(prec["fp32_precision"], "precision.fp32_precision").items():
+                if k not in FP32_PRECISION:
+                    raise f.fail(_join("precision.fp32_precision", k), f"is not one of {', '.join(FP32_PRECISION)}")
+                f.string(v, _join("precision.fp32_precision", k))
     if "device" in d:
         f.string(d["device"], "device")
     w = f.obj(d["window"], "window", ("start", "end", "steps"))

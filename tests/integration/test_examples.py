@@ -101,6 +101,14 @@ def test_first_window_bench_quick_times_both_kinds_in_fresh_processes():
     assert report["ratio_in_process"] > 0 and report["ratio_in_process_aa"] > 0, report
 
 
+def test_cli_gpt2_bench_quick_times_every_command_on_a_recorded_failure():
+    report = _bench_json("cli_gpt2")
+    assert set(report["seconds"]) == {"--help", "--version", "inspect", "verify", "replay", "replay --times 2",
+                                      "pack", "verify archive", "replay archive"}, report["seconds"]
+    assert all(s > 0 for s in report["seconds"].values()) and report["bundle_write_s"] > 0, report
+    assert report["bundle_bytes"] > 0 and report["archive_bytes"] >= report["bundle_bytes"], report
+
+
 def test_replay_start_bench_quick_times_the_phases_of_a_fresh_replay():
     report = _bench_json("replay_start")
     assert report["reproduced"] and report["steps_replayed"] == report["window_steps"], report
