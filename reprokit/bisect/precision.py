@@ -38,6 +38,7 @@ import torch
 
 from reprokit import pytree
 from reprokit.bundle import Bundle
+from reprokit.env import apply_determinism_flags, determinism_flags
 from reprokit.replay import Session
 from reprokit.signature import Failure
 
@@ -90,8 +91,7 @@ def _fp32(s: Session) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _flags(**flags: bool) -> Iterator[None]:
-    before = {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32,
-              "det": torch.are_deterministic_algorithms_enabled()}
+    before = determinism_flags()  # every switch as it was, read without the legacy getters torch may refuse
     try:
         if "tf32" in flags:
             torch.backends.cuda.matmul.allow_tf32 = flags["tf32"]
@@ -100,9 +100,7 @@ def _flags(**flags: bool) -> Iterator[None]:
             torch.use_deterministic_algorithms(flags["deterministic"])
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before["matmul"]
-        torch.backends.cudnn.allow_tf32 = before["cudnn"]
-        torch.use_deterministic_algorithms(before["det"])
+        apply_determinism_flags(before)
 
 
 def _sdpa(name: str) -> Variant:

@@ -76,3 +76,18 @@ def test_a_setting_this_torch_refuses_is_a_clear_error_and_leaves_nothing_half_s
     with pytest.raises(StateMismatchError, match="numerics settings cannot be applied"):
         apply_determinism_flags(bad)
     assert determinism_flags() == before
+
+
+@needs_new_api
+def test_bisect_precision_runs_and_restores_under_the_per_backend_precision_api(projects, tmp_path, torch_numerics):
+    from reprokit.bisect import bisect_precision
+
+    prec = projects("rk_precision")
+    torch.backends.fp32_precision = "ieee"
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    _, exc = record(prec, {"precision": "bf16"}, prec.batches(6), tmp_path, snapshot_every=2)
+    before = determinism_flags()
+    d = bisect_precision(reprokit.open_bundle(exc.bundle), variants=["recorded", "deterministic"])
+    assert d["variants"] == {"recorded": "fail", "deterministic": "fail"}, d
+    assert determinism_flags() == before, "every switch a variant set is put back"
