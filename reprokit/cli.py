@@ -189,6 +189,26 @@ def _sha256_option(ctx: click.Context, param: click.Parameter, value: str | None
     return value
 
 
+def _writable(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """An output path (-o, --out, --plot) whose folder cannot be written is a usage error (exit 2), said before any
+    work: not an internal error after a whole shrink. Probed with a temporary file in the nearest existing folder."""
+    if value is None:
+        return value
+    folder = value.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise click.BadParameter(f"{folder} is a file, so {value} cannot be created under it; name a path in a "
+                                 "folder you can write to")
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".reprokit-probe-"):
+            pass
+    except OSError as e:
+        raise click.BadParameter(f"cannot write into {folder} ({e.strerror or e}), so {value} cannot be created; "
+                                 "name a path in a folder you can write to") from None
+    return value
+
+
 def archive_opts(fn: Any) -> Any:
     """Options for opening a packed archive (.tar or .tar.gz): its digest and the extraction caps."""
     from reprokit.archive import Limits
@@ -317,7 +337,7 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
 
 @main.command()
 @bundle_arg
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, callback=_writable,
               help="Also draw loss and grad-norm history, failure marked, to this PNG (needs reprokit[plot]).")
 @click.option("--batch", "show_batch", is_flag=True, help="Also print the failing step's batch itself, row by row.")
 @click.option("--rows", default=None, help="With --batch: only these rows (e.g. 5, 1,4 or 2-6).")
@@ -408,7 +428,7 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
 
 @main.command()
 @bundle_arg
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path), callback=_writable,
               help="Directory for the shrunk bundle (must not exist, or be empty).")
 @click.option("--budget", default=300, show_default=True, type=click.IntRange(1),
               help="Most candidate replays to spend.")
@@ -446,7 +466,7 @@ def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, is
 
 @main.command()
 @bundle_arg
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), callback=_writable,
               help="The archive to write: OUTPUT.tar (uncompressed, fast) or OUTPUT.tar.gz (gzip, much slower: float "
                    "tensors barely compress); OUTPUT.sha256 is written beside it.")
 @json_opt
@@ -474,7 +494,7 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
 
 @main.command()
 @bundle_arg
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path), callback=_writable,
               help="Folder for the extract (must not exist, or be empty).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -652,7 +672,7 @@ def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_p
 
 
 @main.command()
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, callback=_writable,
               help="Where to write the bundle (default: a temporary directory).")
 @json_opt
 def demo(out: Path | None, as_json: bool) -> None:

@@ -107,3 +107,19 @@ def test_a_copy_of_the_out_dir_with_two_bundles_names_both(out_dir, tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(two), "--json"])
     message = _json(r)["error"]["message"]
     assert r.exit_code == 3 and "2 bundle folder(s)" in message and src.name + "-copy" in message, message
+
+
+@pytest.mark.parametrize("words", [["pack", "{b}", "-o", "{o}/x.tar"], ["shrink", "{b}", "-o", "{o}/small"],
+                                   ["extract", "{b}", "-o", "{o}/x"], ["inspect", "{b}", "--plot", "{o}/p.png"],
+                                   ["demo", "--out", "{o}/demo"]])
+def test_an_output_path_that_cannot_be_created_is_a_usage_error_before_any_work(out_dir, tmp_path, words):
+    # A file where a folder must go: before, each was an internal error (exit 70), shrink's after the whole
+    # search, and the demo trained, failed to write its bundle and then said it "did not fail as designed".
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    args = [w.format(b=_bundle(out_dir), o=blocker) for w in words] + ["--json"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2, r.output
+    message = _json(r)["error"]["message"]
+    assert f"{blocker} is a file" in message and "cannot be created" in message, message
+    assert blocker.read_text() == "mine\n"
