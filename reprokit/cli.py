@@ -6,8 +6,9 @@ Exit codes, the same for every command (the README's table says which apply to e
 0     ok; ``replay``: the failure did not reproduce (fixed)
 1     ``replay``: reproduced (same signature at the same step, in at least one run);
       ``verify``: problems found; ``shrink``: the bundle does not reproduce
-2     usage error (unknown option, missing path, bad value; ``bisect commits``: a wrong end)
-3     invalid or tampered bundle (not a bundle, an empty folder, a checksum mismatch)
+2     usage error (unknown option, missing path, bad value, an output path that cannot be created;
+      ``bisect commits``: a wrong end)
+3     invalid or tampered bundle (not a bundle, an empty folder, a folder of bundles, a checksum mismatch)
 70    internal error: an unexpected exception (a bug); the traceback is saved to a file
 125   the code cannot be imported or the state does not fit; ``replay``: a different
       failure (another signature, or the same one at another step)
