@@ -6,8 +6,9 @@ Exit codes, the same for every command (the README's table says which apply to e
 0     ok; ``replay``: the failure did not reproduce (fixed)
 1     ``replay``: reproduced (same signature at the same step, in at least one run);
       ``verify``: problems found; ``shrink``: the bundle does not reproduce
-2     usage error (unknown option, missing path, bad value; ``bisect commits``: a wrong end)
-3     invalid or tampered bundle (not a bundle, an empty folder, a checksum mismatch)
+2     usage error (unknown option, missing path, bad value, an output path that cannot be created;
+      ``bisect commits``: a wrong end)
+3     invalid or tampered bundle (not a bundle, an empty folder, a folder of bundles, a checksum mismatch)
 70    internal error: an unexpected exception (a bug); the traceback is saved to a file
 125   the code cannot be imported or the state does not fit; ``replay``: a different
       failure (another signature, or the same one at another step)
@@ -189,6 +190,26 @@ def _sha256_option(ctx: click.Context, param: click.Parameter, value: str | None
     return value
 
 
+def _writable(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """An output path (-o, --out, --plot) whose folder cannot be written is a usage error (exit 2), said before any
+    work: not an internal error after a whole shrink. Probed with a temporary file in the nearest existing folder."""
+    if value is None:
+        return value
+    folder = value.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise click.BadParameter(f"{folder} is a file, so {value} cannot be created under it; name a path in a "
+                                 "folder you can write to")
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".reprokit-probe-"):
+            pass
+    except OSError as e:
+        raise click.BadParameter(f"cannot write into {folder} ({e.strerror or e}), so {value} cannot be created; "
+                                 "name a path in a folder you can write to") from None
+    return value
+
+
 def archive_opts(fn: Any) -> Any:
     """Options for opening a packed archive (.tar or .tar.gz): its digest and the extraction caps."""
     from reprokit.archive import Limits
@@ -211,10 +232,35 @@ def archive_opts(fn: Any) -> Any:
     return fn
 
 
+def _folder_of_bundles(path: Path) -> str | None:
+    """What to say when PATH is a folder that holds bundles (the recorder's ``out_dir``, an incident folder) but is
+    not one itself, so that the user reads the bundles' names rather than only that ``manifest.json`` is missing."""
+    from reprokit.bundle import MANIFEST
+
+    if not path.is_dir() or (path / MANIFEST).exists():
+        return None
+    inner = sorted(p for p in path.iterdir() if p.is_dir() and (p / MANIFEST).is_file())
+    if not inner:
+        return None
+    shown = ", ".join(p.name for p in inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
+    return (f"{path} is not a bundle but a folder holding {len(inner)} bundle folder(s): {shown}. Pass one of "
+            f"them, e.g. {inner[-1]} (an incident folder of a multi-rank run replays whole with "
+            "`reprokit replay FOLDER`).")
+
+
+def _refuse_folder_of_bundles(path: Path) -> None:
+    from reprokit.errors import BundleError
+
+    message = _folder_of_bundles(path)
+    if message:
+        raise BundleError(message)
+
+
 def _open(bundle: Path, kw: dict[str, Any]) -> Any:
     """Context manager yielding a bundle folder for a folder or a (safely extracted) archive."""
     from reprokit.archive import Limits, bundle_dir
 
+    _refuse_folder_of_bundles(bundle)
     limits = Limits(max_members=kw.pop("max_members"), max_file_bytes=kw.pop("max_file_bytes"),
                     max_total_bytes=kw.pop("max_total_bytes"), max_ratio=kw.pop("max_ratio"))
     return bundle_dir(bundle, sha256=kw.pop("sha256"), limits=limits)
@@ -292,7 +338,7 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
 
 @main.command()
 @bundle_arg
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, callback=_writable,
               help="Also draw loss and grad-norm history, failure marked, to this PNG (needs reprokit[plot]).")
 @click.option("--batch", "show_batch", is_flag=True, help="Also print the failing step's batch itself, row by row.")
 @click.option("--rows", default=None, help="With --batch: only these rows (e.g. 5, 1,4 or 2-6).")
@@ -324,6 +370,8 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
         _emit(d)
         return
     click.echo(format_describe(d))
+    if plot is not None:
+        click.echo(f"plot     wrote {plot}")
     if show_batch:
         click.echo(format_batch(d["batch_values"]))
 
@@ -341,13 +389,18 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     Exit 3 if the format is newer than this reprokit reads.
     """
     from reprokit.archive import digest_source, is_archive
+    from reprokit.bundle import MANIFEST
     from reprokit.bundle import verify as verify_bundle
     from reprokit.errors import BundleError
 
     origin = digest_source(bundle, kw["sha256"]) if is_archive(bundle) else None
+    parent = _folder_of_bundles(bundle)
     try:
-        with _open(bundle, kw) as path:
-            problems = verify_bundle(path)
+        if parent:  # listed as the problem (exit 1), as for any folder that is not a bundle
+            problems = [{"file": MANIFEST, "problem": f"missing: {parent}"}]
+        else:
+            with _open(bundle, kw) as path:
+                problems = verify_bundle(path)
     except BundleError as e:
         if not e.problems:
             raise
@@ -376,7 +429,7 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
 
 @main.command()
 @bundle_arg
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path), callback=_writable,
               help="Directory for the shrunk bundle (must not exist, or be empty).")
 @click.option("--budget", default=300, show_default=True, type=click.IntRange(1),
               help="Most candidate replays to spend.")
@@ -397,7 +450,8 @@ def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, is
     """Minimise BUNDLE to the fewest steps, rows, sequence positions and tokens that fail the same way.
 
     Exit 0 with the shrunk bundle written to OUTPUT; exit 1 if BUNDLE does not
-    reproduce to begin with.
+    reproduce to begin with; 3 invalid bundle; 125 code does not import or state
+    does not fit.
     """
     from reprokit.shrink import shrink as do_shrink
 
@@ -413,15 +467,17 @@ def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, is
 
 @main.command()
 @bundle_arg
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), callback=_writable,
               help="The archive to write: OUTPUT.tar (uncompressed, fast) or OUTPUT.tar.gz (gzip, much slower: float "
                    "tensors barely compress); OUTPUT.sha256 is written beside it.")
 @json_opt
 def pack(bundle: Path, output: Path, as_json: bool) -> None:
     """Pack BUNDLE into a deterministic tarball that replays with only torch, numpy and safetensors.
 
-    Inside: the bundle, repro.py, the reprokit runtime and a README. Send the
-    archive and its .sha256; the receiver runs `python repro.py`.
+    BUNDLE is a bundle folder (an archive is packed already). Inside the tarball: the
+    bundle, repro.py, the reprokit runtime and a README. Send the archive and its
+    .sha256; the receiver runs `python repro.py`. Exit 0 written; 3 not a bundle
+    folder, or an invalid or tampered bundle.
     """
     from reprokit.pack import pack as do_pack
 
@@ -430,6 +486,7 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
 
         raise BundleError(f"{bundle} is not a bundle folder; pack takes the folder the recorder wrote "
                           "(a .tar or .tar.gz is already packed: send it with its .sha256)")
+    _refuse_folder_of_bundles(bundle)
     from reprokit.report import format_pack
 
     r = do_pack(bundle, output).to_json()
@@ -438,7 +495,7 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
 
 @main.command()
 @bundle_arg
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path), callback=_writable,
               help="Folder for the extract (must not exist, or be empty).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -493,6 +550,11 @@ def _bisect_axis(axis: str, bundle: Path, device: str | None, code: Path | None,
         sys.exit(1)
 
 
+# The names of reprokit.bisect.precision.VARIANTS, spelled out here because importing that module imports torch
+# (see the import rule above); tests/integration/test_s10_cli_ux.py holds the two lists equal.
+PRECISION_VARIANTS = ("recorded", "fp32", "bf16", "fp16", "tf32_on", "tf32_off", "sdpa_math", "sdpa_flash",
+                      "sdpa_efficient", "sdpa_cudnn", "deterministic")
+
 device_opt = click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
 code_opt = click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
                         help="Import build/step from this checkout instead of the bundle's code snapshot.")
@@ -506,7 +568,11 @@ code_opt = click.option("--code", type=click.Path(exists=True, file_okay=False, 
 @json_opt
 def bisect_steps(bundle: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
     """Replay step by step: the first step whose grads, params, optimizer state, scaler or loss
-    went bad (often before the failure fired), with loss, grad norm, top-5 grads, LR and scale per step."""
+    went bad (often before the failure fired), with loss, grad norm, top-5 grads, LR and scale per step.
+
+    Exit 0; 1 when the recorded failure does not reproduce (the table is still printed, but localises
+    nothing); 3 invalid bundle; 125 code does not import or state does not fit.
+    """
     _bisect_axis("steps", bundle, device, code, as_json, kw)
 
 
@@ -520,7 +586,11 @@ def bisect_steps(bundle: Path, device: str | None, code: Path | None, as_json: b
 @json_opt
 def bisect_layers(bundle: Path, device: str | None, code: Path | None, keep: int, as_json: bool, **kw: Any) -> None:
     """Replay the failing step with hooks on every module: the first module (and aten op inside
-    it) producing a non-finite value, or the module whose forward raised, with the frames before it."""
+    it) producing a non-finite value, or the module whose forward raised, with the frames before it.
+
+    Exit 0; 1 when the recorded failure does not reproduce; 3 invalid bundle; 125 code does not
+    import or state does not fit.
+    """
     _bisect_axis("layers", bundle, device, code, as_json, kw, keep=keep)
 
 
@@ -528,16 +598,24 @@ def bisect_layers(bundle: Path, device: str | None, code: Path | None, keep: int
 @bundle_arg
 @device_opt
 @code_opt
-@click.option("--variants", default=None, help="Comma-separated subset of variants to run.")
+@click.option("--variants", default=None,
+              help="Comma-separated subset of variants to run (default: all): " + ", ".join(PRECISION_VARIANTS) + ".")
 @archive_opts
 @json_opt
 def bisect_precision(bundle: Path, device: str | None, code: Path | None, variants: str | None, as_json: bool,
                      **kw: Any) -> None:
     """Replay under fp32 / bf16 / fp16 autocast, TF32 on/off, each SDPA backend and
-    deterministic algorithms: pass, fail, n/a or different_failure per variant, and the smallest fix."""
+    deterministic algorithms: pass, fail, n/a or different_failure per variant, and the smallest fix.
+
+    Exit 0; 1 when the recorded failure does not reproduce; 3 invalid bundle; 125 code does not
+    import or state does not fit.
+    """
     from reprokit.bisect.precision import VARIANTS
 
-    names = [v.strip() for v in variants.split(",") if v.strip()] if variants else None
+    names = [v.strip() for v in variants.split(",") if v.strip()] if variants is not None else None
+    if names == []:
+        raise click.BadParameter(f"{variants!r} names no variant; give some, e.g. --variants recorded,fp32 (or "
+                                 "leave --variants out to run them all)", param_hint="--variants")
     with _progress(len(names or VARIANTS), "bisect precision", enabled=not as_json) as update:
         done: list[str] = []
 
@@ -595,7 +673,7 @@ def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_p
 
 
 @main.command()
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, callback=_writable,
               help="Where to write the bundle (default: a temporary directory).")
 @json_opt
 def demo(out: Path | None, as_json: bool) -> None:
