@@ -6,6 +6,8 @@ bundle in a subprocess with ``--code`` pointing there, so no module state
 leaks between commits. Verdicts: same failure = bad, passes = good; the code
 does not import, ``build`` fails, the state does not fit, a different failure
 or a timeout = skip, with the reason (like ``git bisect run``'s exit 125).
+The search follows ancestry, not one ordering of the range (see :func:`_search`), so
+merges are bisected as ``git bisect`` does.
 """
 
 from __future__ import annotations
@@ -171,8 +173,7 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
     good_sha, bad_sha = _resolve(r, good, "good"), _resolve(r, bad, "bad")
     if not r.is_ancestor(good_sha, bad_sha):
         raise BisectError(f"--good {good} is not an ancestor of --bad {bad}; swap them or pick another good end")
-    kw = {"first_parent": True} if first_parent else {}
-    commits = [c.hexsha for c in r.iter_commits(f"{good_sha}..{bad_sha}", topo_order=True, reverse=True, **kw)]
+    commits, parents = _range(r, good_sha, bad_sha, first_parent)
     if not commits:
         raise BisectError(f"no commits between --good {good} and --bad {bad}")
     prober = _Prober(r, b, subdir, timeout, device)
@@ -191,26 +192,54 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
     if start.verdict != "good":
         raise BisectError(f"the good end {good} ({good_sha[:10]}) does not pass ({start.verdict}: {start.reason}); "
                           "pick an older --good")
-    # Positions: 0 = good end, 1..n = commits (n = bad end). lo is known good, hi known bad.
-    seq = [good_sha, *commits]
-    lo, hi = 0, len(seq) - 1
-    skipped: set[int] = set()
-    while hi - lo > 1:
-        open_ = [i for i in range(lo + 1, hi) if i not in skipped]
+    first, candidates, skipped = _search(commits, parents, lambda sha: step(prober.probe(sha)).verdict)
+    return CommitBisectResult(first, candidates, prober.probes, len(commits), _info(r, first) if first else None,
+                              skipped)
+
+
+def _range(repo: Any, good: str, bad: str, first_parent: bool) -> tuple[list[str], list[list[int]]]:
+    """The commits of ``good..bad``, parents before children, and each one's parents (positions in that list;
+    parents outside the range are ancestors of ``good``, known good, and left out)."""
+    args = ["--parents", "--topo-order", "--reverse", *(["--first-parent"] if first_parent else []), f"{good}..{bad}"]
+    rows = [line.split() for line in repo.git.rev_list(*args).splitlines() if line.strip()]
+    pos = {row[0]: i for i, row in enumerate(rows)}
+    return [row[0] for row in rows], [[pos[p] for p in row[1:2 if first_parent else None] if p in pos]
+                                      for row in rows]
+
+
+def _search(commits: list[str], parents: list[list[int]],
+            verdict: Callable[[str], str]) -> tuple[str | None, list[str], list[str]]:
+    """Bisect a range of history (the last commit known bad) as ``git bisect`` does, also across merges.
+
+    Bad-ness is monotone along ancestry, not along any one ordering of a history with merges: a commit found good
+    clears it and its ancestors, one found bad narrows the candidates to its ancestors. Each probe is the commit whose
+    ancestors among the candidates are nearest half of them (on a linear history: the middle one). Returns the first
+    bad commit (None when skipped commits leave it open), the candidates left, and the skipped commits.
+    """
+    anc: list[int] = []
+    for i, ps in enumerate(parents):  # parents come first: their ancestor sets are ready
+        mask = 1 << i
+        for p in ps:
+            mask |= anc[p]
+        anc.append(mask)
+    bad = len(commits) - 1
+    cands, skipped = anc[bad], 0
+    while True:
+        open_ = [i for i in range(len(commits)) if cands >> i & 1 and not skipped >> i & 1 and i != bad]
         if not open_:
             break
-        mid = min(open_, key=lambda i: (abs(i - (lo + hi) / 2), i))  # nearest the middle: neighbours of skips
-        p = step(prober.probe(seq[mid]))
-        if p.verdict == "bad":
-            hi = mid
-        elif p.verdict == "good":
-            lo = mid
+        total = cands.bit_count()
+        mid = min(open_, key=lambda i: (abs(2 * (anc[i] & cands).bit_count() - total), (anc[i] & cands).bit_count(), i))
+        v = verdict(commits[mid])
+        if v == "bad":
+            bad, cands = mid, cands & anc[mid]
+        elif v == "good":
+            cands &= ~anc[mid]
         else:
-            skipped.add(mid)
-    ambiguous = [seq[i] for i in range(lo + 1, hi) if i in skipped]
-    first = seq[hi] if not ambiguous else None
-    return CommitBisectResult(first, [*ambiguous, seq[hi]] if ambiguous else [seq[hi]], prober.probes, len(commits),
-                              _info(r, first) if first else None, [seq[i] for i in sorted(skipped)])
+            skipped |= 1 << mid
+    left = [commits[i] for i in range(len(commits)) if cands >> i & 1]
+    return (commits[bad] if len(left) == 1 else None), left, [commits[i] for i in range(len(commits))
+                                                                if skipped >> i & 1]
 
 
 def _info(repo: Any, sha: str) -> dict[str, Any]:
