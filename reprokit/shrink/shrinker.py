@@ -37,6 +37,16 @@ NONFINITE = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
 """Failure kinds whose candidates must also keep the origin (where the first NaN/inf appeared)."""
 
 
+CONFIRM_TIMES = 2
+"""Extra replays of the shrunk case before it is written: it must fail the same way on each."""
+FLAKY_HINT = ("Shrinking needs a failure that recurs on every replay: run `reprokit replay BUNDLE --times 5`; a flaky "
+              "verdict usually means a random generator outside state.extra or state kept outside train_step.")
+
+
+class FlakyFailure(DidNotReproduce):
+    """The failure reproduced on one replay and not on another: shrinking would trust lucky replays."""
+
+
 class BudgetExhausted(Exception):
     """Internal: the replay budget ran out mid-pass."""
 
@@ -68,6 +78,7 @@ class ShrinkResult:
     origin: Origin | None = None
     origin_checks: int = 0
     origin_changed: int = 0
+    confirm_runs: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return jsonable({
@@ -83,6 +94,7 @@ class ShrinkResult:
             "origin": self.origin.to_json() if self.origin else None,
             "origin_checks": self.origin_checks,
             "origin_changed": self.origin_changed,
+            "confirm_runs": self.confirm_runs,
             "seconds": round(self.seconds, 3),
             "failure": self.failure.summary(),
             "passes": {k: vars(v) | {"seconds": round(v.seconds, 3)} for k, v in self.passes.items()},
@@ -121,6 +133,8 @@ class Shrinker:
     """For an exception: the original's :func:`~reprokit.signature.message_template` on this machine. A candidate
     raising the same type in the same frame with another message (a check that the cut batch is too small) is
     another failure."""
+    confirm_runs: int = 0
+    """Replays of the original and of the result that check the failure recurs every time (see :meth:`confirm`)."""
     best: Case | None = None
     _cache: dict[str, tuple[bool, RunOutcome | dict]] = field(default_factory=dict)
     _snapshots: dict[tuple, tuple[Snapshot, int]] = field(default_factory=dict)
@@ -134,15 +148,7 @@ class Shrinker:
             if self.replays >= self.budget:
                 raise BudgetExhausted
             self.replays += 1
-            interesting, out = self._isolated(case) if self.isolate else self._in_process(case)
-            if interesting and self.message is not None and message_template(_failure_of(out).message) != self.message:
-                interesting = False
-                self.different_failures += 1
-            elif interesting and self.origin is not None:
-                interesting = self.keeps_origin(case)
-                self.origin_changed += not interesting
-            elif not interesting and _failed(out):
-                self.different_failures += 1
+            interesting, out = self._judge(case)
             self._cache[key] = interesting, out
             if interesting and (self.best is None or case.sort_key(self.pad_id) < self.best.sort_key(self.pad_id)):
                 self.best = case
@@ -150,6 +156,34 @@ class Shrinker:
                 size = dims(self.best, self.pad_id) if self.best else {}
                 self.progress(self._current_pass, self.replays, ", ".join(f"{k} {v}" for k, v in size.items()))
         return self._cache[key][0]
+
+    def _judge(self, case: Case) -> tuple[bool, RunOutcome | dict]:
+        """Replay ``case`` once (uncached, outside the budget): does it fail the same way, and what happened."""
+        interesting, out = self._isolated(case) if self.isolate else self._in_process(case)
+        if interesting and self.message is not None and message_template(_failure_of(out).message) != self.message:
+            interesting = False
+            self.different_failures += 1
+        elif interesting and self.origin is not None:
+            interesting = self.keeps_origin(case)
+            self.origin_changed += not interesting
+        elif not interesting and _failed(out):
+            self.different_failures += 1
+        return interesting, out
+
+    def confirm(self, case: Case, times: int) -> str | None:
+        """Replay ``case``, already found interesting, ``times`` more times; None when it failed the same way each
+        time, else what the replay that did not did.
+
+        Each candidate is judged on one replay; a failure that does not recur on every replay (a random generator
+        outside ``state.extra``, a counter kept outside the state, a data race) would let a lucky replay accept a
+        candidate that does not hold the bug. These runs are ``confirm_runs``, not ``replays``.
+        """
+        for _ in range(times):
+            self.confirm_runs += 1
+            interesting, out = self._judge(case)
+            if not interesting:
+                return _what_happened(out)
+        return None
 
     def find_origin(self, case: Case) -> Origin | None:
         """Run ``case``'s failing step once more, watched; the original's origin (rows = original positions)."""
@@ -273,6 +307,15 @@ class Shrinker:
         return self.best, stats, exhausted
 
 
+def _what_happened(out: RunOutcome | dict) -> str:
+    """A replay that did not count as the same failure, in words."""
+    if isinstance(out, dict) and not out.get("per_run"):
+        return "the replay gave no verdict: it crashed or timed out"
+    if not _failed(out):
+        return "it passed"
+    return f"it failed otherwise: {_failure_of(out).describe()}"
+
+
 def _failure_of(out: RunOutcome | dict) -> Failure:
     """The failure of a run that failed (in process, or the JSON of an isolated replay)."""
     failure = out.failure if isinstance(out, RunOutcome) else Failure.from_json(out["per_run"][0]["failure"])
@@ -365,8 +408,18 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             sh.origin, sh.reference = sh.find_origin(original), (first, n or 0)
         elif src.failure.kind == "exception":
             sh.message = message_template(_failure_of(sh.outcome(original)).message)
+        missed = sh.confirm(original, 1)
+        if missed:
+            raise FlakyFailure(f"{src.path} failed the same way on one replay but not on the next ({missed}), so "
+                               f"shrinking could not tell a smaller case that holds the bug from a lucky replay. "
+                               f"{FLAKY_HINT}")
         before = dims(original, pad_id)
         best, stats, exhausted = sh.run(original, passes)
+        missed = sh.confirm(best, CONFIRM_TIMES) if best is not original else None
+        if missed:
+            size = ", ".join(f"{k} {v}" for k, v in dims(best, pad_id).items())
+            raise FlakyFailure(f"the smallest case shrinking found in {src.path} ({size}) did not fail the same way on "
+                               f"each of {CONFIRM_TIMES} more replays ({missed}); nothing was written. {FLAKY_HINT}")
         out = sh.outcome(best)
         failure = _failure_of(out)
         kept = list(best.rows) if best.rows is not None and n and len(best.rows) < n else None
@@ -381,6 +434,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             "origin": sh.origin.to_json() if sh.origin else None,
             "origin_checks": sh.origin_checks,
             "origin_changed": sh.origin_changed,
+            "confirm_runs": sh.confirm_runs,
             "kept_rows": list(best.rows) if best.rows is not None else None,
             "dataset_indices": indices,
             "seq_window": window,
@@ -393,4 +447,4 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                              out if isinstance(out, RunOutcome) else None, provenance)
         return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
                             time.perf_counter() - t0, exhausted, failure, sh.different_failures, sh.origin,
-                            sh.origin_checks, sh.origin_changed)
+                            sh.origin_checks, sh.origin_changed, sh.confirm_runs)
