@@ -119,11 +119,15 @@ class _Prober:
     def _replay(self, code: Path) -> tuple[str, str]:
         if not code.is_dir():
             return "skip", f"the project folder {self.subdir!r} does not exist at this commit"
-        cmd = [sys.executable, "-m", "reprokit", "replay", str(self.bundle.path), "--code", str(code), "--json"]
+        cmd = [sys.executable, "-m", "reprokit", "replay", str(self.bundle.path.resolve()), "--code", str(code),
+               "--json"]
         if self.device:
             cmd += ["--device", self.device]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
+            # Run from the checked-out tree: ``python -m`` puts the working directory first on sys.path, and the
+            # caller's (their own checkout, with files this commit lacks, such as one never committed) would let
+            # a commit that does not build import them and be judged on code it does not have.
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout, cwd=code)
         except subprocess.TimeoutExpired:
             return "skip", f"replay timed out after {self.timeout:g}s"
         err = proc.stderr

@@ -137,3 +137,30 @@ def test_search_with_a_skip_beside_the_culprit_lists_both_and_decides_nothing():
     first, cands, skipped = _search(shas, parents,
                                     lambda s: "skip" if s == "c1" else "bad" if int(s[1:]) in bad else "good")
     assert first is None and cands == ["c1", "c2"] and skipped == ["c1"]
+
+
+def test_a_commit_that_imports_a_file_it_did_not_commit_is_skipped_not_run_with_the_callers_copy(tmp_path,
+                                                                                                 monkeypatch):
+    """Commit 3 imports ``numerics``, a file committed only in commit 4 (a forgotten ``git add``). Bisecting from
+    the project's own folder (where the file now is) must not let commit 3 import the caller's copy: it does not
+    build, so it is skipped, and the answer is the commit that really brought the bug (5)."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    repo = git.Repo.init(proj)
+    shas = []
+    for k in range(1, 7):
+        # From commit 3 the flag comes from numerics.py; the caller's copy (HEAD's) has the bug.
+        extra = "\nfrom numerics import SANITIZE  # noqa\n" if k >= 3 else ""
+        _write(proj, True, f"change {k}\n", extra=extra)
+        files = ["trainer.py", "CHANGES"]
+        if k >= 4:
+            (proj / "numerics.py").write_text(f"SANITIZE = {k < 5}\n")
+            files.append("numerics.py")
+        repo.index.add(files)
+        shas.append(repo.index.commit(f"commit {k}", author=ACTOR, committer=ACTOR).hexsha)
+    bundle = _record(proj, tmp_path / "r", monkeypatch)
+    monkeypatch.chdir(proj)  # where a user runs it from: numerics.py (SANITIZE = False) is here
+    r = bisect_commits(bundle, good=shas[0], bad=shas[-1])
+    verdicts = {shas.index(p.sha) + 1: (p.verdict, p.reason) for p in r.probes}
+    assert r.first_bad == shas[4], verdicts
+    assert verdicts[3][0] == "skip" and "numerics" in verdicts[3][1], verdicts
