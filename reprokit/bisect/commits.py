@@ -31,6 +31,10 @@ from reprokit.signature import summary_line
 Progress = Callable[["Probe", int], None]
 
 
+END_REPLAYS = 3
+"""Replays of the bad end: it must fail the same way on each, since every other commit is judged on one."""
+
+
 class BisectError(ReprokitError):
     """Bisection cannot start or cannot answer (a wrong end, an unknown revision)."""
 
@@ -38,7 +42,7 @@ class BisectError(ReprokitError):
 @dataclass
 class Probe:
     sha: str
-    verdict: str  # bad | good | skip
+    verdict: str  # bad | good | skip (| flaky: the bad end only)
     reason: str
     seconds: float
     role: str = "search"  # search | good end | bad end
@@ -91,7 +95,7 @@ class _Prober:
         self.cache: dict[str, Probe] = {}
         self.probes: list[Probe] = []
 
-    def probe(self, sha: str, role: str = "search") -> Probe:
+    def probe(self, sha: str, role: str = "search", times: int = 1) -> Probe:
         if sha in self.cache:
             return self.cache[sha]
         t0 = time.perf_counter()
@@ -102,7 +106,7 @@ class _Prober:
                 self.repo.git.worktree("add", "--detach", str(tree), sha)
             except Exception as e:
                 raise BisectError(f"cannot check out {sha[:10]} into a temporary worktree: {e}") from None
-            verdict, reason = self._replay(tree / self.subdir)
+            verdict, reason = self._replay(tree / self.subdir, times)
         finally:
             # Also on Ctrl-C: never leave a worktree registered in the user's repository.
             try:
@@ -116,11 +120,11 @@ class _Prober:
         self.probes.append(p)
         return p
 
-    def _replay(self, code: Path) -> tuple[str, str]:
+    def _replay(self, code: Path, times: int = 1) -> tuple[str, str]:
         if not code.is_dir():
             return "skip", f"the project folder {self.subdir!r} does not exist at this commit"
         cmd = [sys.executable, "-m", "reprokit", "replay", str(self.bundle.path.resolve()), "--code", str(code),
-               "--json"]
+               "--json", "--times", str(times)]
         if self.device:
             cmd += ["--device", self.device]
         try:
@@ -140,6 +144,8 @@ class _Prober:
             d = {}
         # replay exits 1 reproduced, 0 passed, 125 different failure (or code that does not import).
         if proc.returncode in (0, 1, 125) and "verdict" in d:
+            if d["verdict"] == "flaky":
+                return "flaky", f"failed the same way in {d['failed_runs']} of {d['runs']} replays"
             if d["reproduced"]:
                 return "bad", "same failure: " + _describe(d["failure"])
             if d["verdict"] == "different_failure":
@@ -188,7 +194,12 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
         return p
 
     # Sanity checks first: the bad end must fail the same way and the good end must pass.
-    end = step(prober.probe(bad_sha, "bad end"))
+    end = step(prober.probe(bad_sha, "bad end", times=END_REPLAYS))
+    if end.verdict == "flaky":
+        raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) {end.reason}: a failure that does not recur on every "
+                          "replay would let a lucky pass call a bad commit good. Make it deterministic first "
+                          "(`reprokit replay BUNDLE --times 5`; a random generator outside state.extra, or state kept "
+                          "outside train_step, are the usual causes)")
     if end.verdict != "bad":
         raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) does not fail the same way ({end.verdict}: "
                           f"{end.reason}); check --bad, or that this bundle reproduces at all")

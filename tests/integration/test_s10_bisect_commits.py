@@ -9,7 +9,7 @@ import git
 import pytest
 
 import reprokit
-from reprokit.bisect import bisect_commits
+from reprokit.bisect import BisectError, bisect_commits
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 from test_bisect_commits import ACTOR, TRAINER, batches  # noqa: E402
@@ -164,3 +164,35 @@ def test_a_commit_that_imports_a_file_it_did_not_commit_is_skipped_not_run_with_
     verdicts = {shas.index(p.sha) + 1: (p.verdict, p.reason) for p in r.probes}
     assert r.first_bad == shas[4], verdicts
     assert verdicts[3][0] == "skip" and "numerics" in verdicts[3][1], verdicts
+
+
+FLAKY_STEP = '''
+_real_step = train_step
+
+
+def train_step(state, batch):  # noqa: F811 - the NaN gets through on 2 runs in 3 (a counter outside the state)
+    if not SANITIZE and torch.isnan(batch["x"]).any():
+        import pathlib
+        p = pathlib.Path({counter!r})
+        n = int(p.read_text()) + 1 if p.exists() else 1
+        p.write_text(str(n))
+        if n % 3 == 0:
+            batch = {{**batch, "x": torch.nan_to_num(batch["x"])}}
+    return _real_step(state, batch)
+'''
+
+
+def test_a_failure_that_does_not_recur_on_every_replay_is_refused_at_the_bad_end(tmp_path, monkeypatch):
+    """Every commit is judged on one replay, so a flaky failure would let a lucky pass call a bad commit good (here
+    commit 3, the culprit, passes on the third run overall). The bad end is replayed three times first."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    repo = git.Repo.init(proj)
+    shas = []
+    for k in range(1, 7):
+        _write(proj, k < 3, f"change {k}\n", extra=FLAKY_STEP.format(counter=str(tmp_path / "runs")))
+        shas.append(_commit(repo, f"commit {k}").hexsha)
+    bundle = _record(proj, tmp_path / "r", monkeypatch)
+    with pytest.raises(BisectError, match=r"bad end .* failed the same way in 2 of 3 replays.*deterministic"):
+        bisect_commits(bundle, good=shas[0], bad=shas[-1])
+    assert len(repo.git.worktree("list").splitlines()) == 1
