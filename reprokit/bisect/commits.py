@@ -93,6 +93,8 @@ class _Prober:
     def __init__(self, repo: Any, bundle: Bundle, subdir: str, timeout: float, device: str | None):
         self.repo, self.bundle, self.subdir, self.timeout, self.device = repo, bundle, subdir, timeout, device
         self.cache: dict[str, Probe] = {}
+        self.times = 1
+        """Replays of the commit being probed (the bad end's are checked for flakiness)."""
         self.probes: list[Probe] = []
 
     def probe(self, sha: str, role: str = "search", times: int = 1) -> Probe:
@@ -106,7 +108,8 @@ class _Prober:
                 self.repo.git.worktree("add", "--detach", str(tree), sha)
             except Exception as e:
                 raise BisectError(f"cannot check out {sha[:10]} into a temporary worktree: {e}") from None
-            verdict, reason = self._replay(tree / self.subdir, times)
+            self.times = times
+            verdict, reason = self._replay(tree / self.subdir)
         finally:
             # Also on Ctrl-C: never leave a worktree registered in the user's repository.
             try:
@@ -120,11 +123,11 @@ class _Prober:
         self.probes.append(p)
         return p
 
-    def _replay(self, code: Path, times: int = 1) -> tuple[str, str]:
+    def _replay(self, code: Path) -> tuple[str, str]:
         if not code.is_dir():
             return "skip", f"the project folder {self.subdir!r} does not exist at this commit"
         cmd = [sys.executable, "-m", "reprokit", "replay", str(self.bundle.path.resolve()), "--code", str(code),
-               "--json", "--times", str(times)]
+               "--json", "--times", str(self.times)]
         if self.device:
             cmd += ["--device", self.device]
         try:
