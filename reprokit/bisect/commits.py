@@ -205,7 +205,7 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
                           "outside train_step, are the usual causes)")
     if end.verdict != "bad":
         raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) does not fail the same way ({end.verdict}: "
-                          f"{end.reason}); check --bad, or that this bundle reproduces at all")
+                          f"{end.reason}); check --bad, or that this bundle reproduces at all{_dirty_note(git_env)}")
     start = step(prober.probe(good_sha, "good end"))
     if start.verdict != "good":
         raise BisectError(f"the good end {good} ({good_sha[:10]}) does not pass ({start.verdict}: {start.reason}); "
@@ -223,6 +223,16 @@ def _range(repo: Any, good: str, bad: str, first_parent: bool) -> tuple[list[str
     pos = {row[0]: i for i, row in enumerate(rows)}
     return [row[0] for row in rows], [[pos[p] for p in row[1:2 if first_parent else None] if p in pos]
                                       for row in rows]
+
+
+def _dirty_note(git_env: dict[str, Any]) -> str:
+    """Why the bad end may pass: the bundle was recorded from uncommitted changes, which no commit holds."""
+    if not git_env.get("dirty"):
+        return ""
+    changed = [line[6:] for line in str(git_env.get("diff") or "").splitlines() if line.startswith("+++ b/")]
+    files = f" ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''})" if changed else ""
+    return (f". The bundle was recorded at {str(git_env.get('commit'))[:10]} with uncommitted changes{files}: no "
+            "commit holds them, so if the bug is in them, commit them and pass that commit as --bad")
 
 
 def _search(commits: list[str], parents: list[list[int]],

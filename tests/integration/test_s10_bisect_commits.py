@@ -196,3 +196,19 @@ def test_a_failure_that_does_not_recur_on_every_replay_is_refused_at_the_bad_end
     with pytest.raises(BisectError, match=r"bad end .* failed the same way in 2 of 3 replays.*deterministic"):
         bisect_commits(bundle, good=shas[0], bad=shas[-1])
     assert len(repo.git.worktree("list").splitlines()) == 1
+
+
+def test_a_bug_in_uncommitted_changes_is_named_when_the_bad_end_passes(tmp_path, monkeypatch):
+    """Recorded from a dirty tree whose uncommitted edit is the bug: HEAD passes, and the error says why."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    repo = git.Repo.init(proj)
+    shas = []
+    for k in range(1, 4):
+        _write(proj, True, f"change {k}\n")
+        shas.append(_commit(repo, f"commit {k}").hexsha)
+    _write(proj, False, "change 3\n")  # the bug, never committed
+    bundle = _record(proj, tmp_path / "r", monkeypatch)
+    with pytest.raises(BisectError, match=r"bad end .* does not fail the same way \(good.*uncommitted changes "
+                                          r"\(trainer.py\): no commit holds them"):
+        bisect_commits(bundle, good=shas[0], bad="HEAD", repo=proj)
