@@ -124,9 +124,13 @@ class Shrinker:
     origin: Origin | None = None
     """Where the original's first non-finite value appeared; candidates must keep it (see :meth:`keeps_origin`)."""
     origin_checks: int = 0
-    """Origin runs: one per candidate that failed with the same signature (not counted in ``replays``)."""
+    """Origin runs: one per candidate that failed with the same signature (not counted in ``replays``); for a loss
+    spike, one run of the rows the candidate dropped."""
     origin_changed: int = 0
-    """Candidates with the same signature rejected because their first non-finite value moved."""
+    """Candidates with the same signature rejected because their first non-finite value moved (for a loss spike:
+    because the rows they dropped spike on their own)."""
+    spike: bool = False
+    """The failure is a loss spike: candidates must not spike without their rows too (see :meth:`spikes_without`)."""
     reference: tuple[Any, int] | None = None
     """The original failing batch and its row count: control rows for origin checks come from it."""
     message: str | None = None
@@ -166,6 +170,9 @@ class Shrinker:
         elif interesting and self.origin is not None:
             interesting = self.keeps_origin(case)
             self.origin_changed += not interesting
+        elif interesting and self.spike:
+            interesting = not self.spikes_without(case)
+            self.origin_changed += not interesting
         elif not interesting and _failed(out):
             self.different_failures += 1
         return interesting, out
@@ -194,6 +201,29 @@ class Shrinker:
         _, origin = watch_step(self.session, case.last, snap[0], batch_size(case.last.batch))
         self.steps_run += 1
         return origin
+
+    def spikes_without(self, case: Case) -> bool:
+        """For a loss spike: do the original rows ``case`` dropped, cut like it, spike at its step on their own?
+
+        A spike compares a loss to the median of earlier whole-batch losses, and one ordinary but hard row alone is
+        far above it: a candidate of that row spikes too, with the same signature, while the rows that made the
+        recorded spike were dropped. The spike is theirs when the dropped rows alone still make it.
+        """
+        assert self.reference is not None
+        original, n0 = self.reference
+        if case.rows is None or len(case.rows) >= n0:
+            return False
+        kept = set(case.rows)
+        others = [r for r in range(n0) if r not in kept]
+        rest = select_rows(original, n0, others)
+        s0 = seq_len(original, n0)
+        if case.seq is not None and s0 is not None and case.seq != (0, s0):
+            rest = select_seq(rest, len(others), s0, *case.seq)
+        last = StepInput(case.last.step, rest, case.last.rng, case.last.rng_tensors)
+        self.origin_checks += 1
+        out = self.session.run((*case.inputs[:-1], last), case.snapshot)
+        self.steps_run += len(out.losses)
+        return out.same
 
     def keeps_origin(self, case: Case) -> bool:
         """Does ``case``, which fails with the same signature, still fail for the same reason?
@@ -406,6 +436,8 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         if src.failure.kind in NONFINITE:
             # Checked once here, then for every candidate that fails with the same signature.
             sh.origin, sh.reference = sh.find_origin(original), (first, n or 0)
+        elif src.failure.kind == "loss_spike":
+            sh.spike, sh.reference = True, (first, n or 0)
         elif src.failure.kind == "exception":
             sh.message = message_template(_failure_of(sh.outcome(original)).message)
         missed = sh.confirm(original, 1)
