@@ -6,6 +6,8 @@ bundle in a subprocess with ``--code`` pointing there, so no module state
 leaks between commits. Verdicts: same failure = bad, passes = good; the code
 does not import, ``build`` fails, the state does not fit, a different failure
 or a timeout = skip, with the reason (like ``git bisect run``'s exit 125).
+The search follows ancestry, not one ordering of the range (see :func:`_search`), so
+merges are bisected as ``git bisect`` does.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from reprokit.signature import summary_line
 Progress = Callable[["Probe", int], None]
 
 
+END_REPLAYS = 3
+"""Replays of the bad end: it must fail the same way on each, since every other commit is judged on one."""
+
+
 class BisectError(ReprokitError):
     """Bisection cannot start or cannot answer (a wrong end, an unknown revision)."""
 
@@ -36,7 +42,7 @@ class BisectError(ReprokitError):
 @dataclass
 class Probe:
     sha: str
-    verdict: str  # bad | good | skip
+    verdict: str  # bad | good | skip (| flaky: the bad end only)
     reason: str
     seconds: float
     role: str = "search"  # search | good end | bad end
@@ -87,9 +93,11 @@ class _Prober:
     def __init__(self, repo: Any, bundle: Bundle, subdir: str, timeout: float, device: str | None):
         self.repo, self.bundle, self.subdir, self.timeout, self.device = repo, bundle, subdir, timeout, device
         self.cache: dict[str, Probe] = {}
+        self.times = 1
+        """Replays of the commit being probed (the bad end's are checked for flakiness)."""
         self.probes: list[Probe] = []
 
-    def probe(self, sha: str, role: str = "search") -> Probe:
+    def probe(self, sha: str, role: str = "search", times: int = 1) -> Probe:
         if sha in self.cache:
             return self.cache[sha]
         t0 = time.perf_counter()
@@ -100,6 +108,7 @@ class _Prober:
                 self.repo.git.worktree("add", "--detach", str(tree), sha)
             except Exception as e:
                 raise BisectError(f"cannot check out {sha[:10]} into a temporary worktree: {e}") from None
+            self.times = times
             verdict, reason = self._replay(tree / self.subdir)
         finally:
             # Also on Ctrl-C: never leave a worktree registered in the user's repository.
@@ -117,11 +126,15 @@ class _Prober:
     def _replay(self, code: Path) -> tuple[str, str]:
         if not code.is_dir():
             return "skip", f"the project folder {self.subdir!r} does not exist at this commit"
-        cmd = [sys.executable, "-m", "reprokit", "replay", str(self.bundle.path), "--code", str(code), "--json"]
+        cmd = [sys.executable, "-m", "reprokit", "replay", str(self.bundle.path.resolve()), "--code", str(code),
+               "--json", "--times", str(self.times)]
         if self.device:
             cmd += ["--device", self.device]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
+            # Run from the checked-out tree: ``python -m`` puts the working directory first on sys.path, and the
+            # caller's (their own checkout, with files this commit lacks, such as one never committed) would let
+            # a commit that does not build import them and be judged on code it does not have.
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout, cwd=code)
         except subprocess.TimeoutExpired:
             return "skip", f"replay timed out after {self.timeout:g}s"
         err = proc.stderr
@@ -134,6 +147,8 @@ class _Prober:
             d = {}
         # replay exits 1 reproduced, 0 passed, 125 different failure (or code that does not import).
         if proc.returncode in (0, 1, 125) and "verdict" in d:
+            if d["verdict"] == "flaky":
+                return "flaky", f"failed the same way in {d['failed_runs']} of {d['runs']} replays"
             if d["reproduced"]:
                 return "bad", "same failure: " + _describe(d["failure"])
             if d["verdict"] == "different_failure":
@@ -171,8 +186,7 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
     good_sha, bad_sha = _resolve(r, good, "good"), _resolve(r, bad, "bad")
     if not r.is_ancestor(good_sha, bad_sha):
         raise BisectError(f"--good {good} is not an ancestor of --bad {bad}; swap them or pick another good end")
-    kw = {"first_parent": True} if first_parent else {}
-    commits = [c.hexsha for c in r.iter_commits(f"{good_sha}..{bad_sha}", topo_order=True, reverse=True, **kw)]
+    commits, parents = _range(r, good_sha, bad_sha, first_parent)
     if not commits:
         raise BisectError(f"no commits between --good {good} and --bad {bad}")
     prober = _Prober(r, b, subdir, timeout, device)
@@ -183,34 +197,77 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
         return p
 
     # Sanity checks first: the bad end must fail the same way and the good end must pass.
-    end = step(prober.probe(bad_sha, "bad end"))
+    end = step(prober.probe(bad_sha, "bad end", times=END_REPLAYS))
+    if end.verdict == "flaky":
+        raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) {end.reason}: a failure that does not recur on every "
+                          "replay would let a lucky pass call a bad commit good. Make it deterministic first "
+                          "(`reprokit replay BUNDLE --times 5`; a random generator outside state.extra, or state kept "
+                          "outside train_step, are the usual causes)")
     if end.verdict != "bad":
         raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) does not fail the same way ({end.verdict}: "
-                          f"{end.reason}); check --bad, or that this bundle reproduces at all")
+                          f"{end.reason}); check --bad, or that this bundle reproduces at all{_dirty_note(git_env)}")
     start = step(prober.probe(good_sha, "good end"))
     if start.verdict != "good":
         raise BisectError(f"the good end {good} ({good_sha[:10]}) does not pass ({start.verdict}: {start.reason}); "
                           "pick an older --good")
-    # Positions: 0 = good end, 1..n = commits (n = bad end). lo is known good, hi known bad.
-    seq = [good_sha, *commits]
-    lo, hi = 0, len(seq) - 1
-    skipped: set[int] = set()
-    while hi - lo > 1:
-        open_ = [i for i in range(lo + 1, hi) if i not in skipped]
+    first, candidates, skipped = _search(commits, parents, lambda sha: step(prober.probe(sha)).verdict)
+    return CommitBisectResult(first, candidates, prober.probes, len(commits), _info(r, first) if first else None,
+                              skipped)
+
+
+def _range(repo: Any, good: str, bad: str, first_parent: bool) -> tuple[list[str], list[list[int]]]:
+    """The commits of ``good..bad``, parents before children, and each one's parents (positions in that list;
+    parents outside the range are ancestors of ``good``, known good, and left out)."""
+    args = ["--parents", "--topo-order", "--reverse", *(["--first-parent"] if first_parent else []), f"{good}..{bad}"]
+    rows = [line.split() for line in repo.git.rev_list(*args).splitlines() if line.strip()]
+    pos = {row[0]: i for i, row in enumerate(rows)}
+    return [row[0] for row in rows], [[pos[p] for p in row[1:2 if first_parent else None] if p in pos]
+                                      for row in rows]
+
+
+def _dirty_note(git_env: dict[str, Any]) -> str:
+    """Why the bad end may pass: the bundle was recorded from uncommitted changes, which no commit holds."""
+    if not git_env.get("dirty"):
+        return ""
+    changed = [line[6:] for line in str(git_env.get("diff") or "").splitlines() if line.startswith("+++ b/")]
+    files = f" ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''})" if changed else ""
+    return (f". The bundle was recorded at {str(git_env.get('commit'))[:10]} with uncommitted changes{files}: no "
+            "commit holds them, so if the bug is in them, commit them and pass that commit as --bad")
+
+
+def _search(commits: list[str], parents: list[list[int]],
+            verdict: Callable[[str], str]) -> tuple[str | None, list[str], list[str]]:
+    """Bisect a range of history (the last commit known bad) as ``git bisect`` does, also across merges.
+
+    Bad-ness is monotone along ancestry, not along any one ordering of a history with merges: a commit found good
+    clears it and its ancestors, one found bad narrows the candidates to its ancestors. Each probe is the commit whose
+    ancestors among the candidates are nearest half of them (on a linear history: the middle one). Returns the first
+    bad commit (None when skipped commits leave it open), the candidates left, and the skipped commits.
+    """
+    anc: list[int] = []
+    for i, ps in enumerate(parents):  # parents come first: their ancestor sets are ready
+        mask = 1 << i
+        for p in ps:
+            mask |= anc[p]
+        anc.append(mask)
+    bad = len(commits) - 1
+    cands, skipped = anc[bad], 0
+    while True:
+        open_ = [i for i in range(len(commits)) if cands >> i & 1 and not skipped >> i & 1 and i != bad]
         if not open_:
             break
-        mid = min(open_, key=lambda i: (abs(i - (lo + hi) / 2), i))  # nearest the middle: neighbours of skips
-        p = step(prober.probe(seq[mid]))
-        if p.verdict == "bad":
-            hi = mid
-        elif p.verdict == "good":
-            lo = mid
+        total = cands.bit_count()
+        mid = min(open_, key=lambda i: (abs(2 * (anc[i] & cands).bit_count() - total), (anc[i] & cands).bit_count(), i))
+        v = verdict(commits[mid])
+        if v == "bad":
+            bad, cands = mid, cands & anc[mid]
+        elif v == "good":
+            cands &= ~anc[mid]
         else:
-            skipped.add(mid)
-    ambiguous = [seq[i] for i in range(lo + 1, hi) if i in skipped]
-    first = seq[hi] if not ambiguous else None
-    return CommitBisectResult(first, [*ambiguous, seq[hi]] if ambiguous else [seq[hi]], prober.probes, len(commits),
-                              _info(r, first) if first else None, [seq[i] for i in sorted(skipped)])
+            skipped |= 1 << mid
+    left = [commits[i] for i in range(len(commits)) if cands >> i & 1]
+    return (commits[bad] if len(left) == 1 else None), left, [commits[i] for i in range(len(commits))
+                                                                if skipped >> i & 1]
 
 
 def _info(repo: Any, sha: str) -> dict[str, Any]:

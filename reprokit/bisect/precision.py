@@ -215,45 +215,58 @@ def bisect_precision(bundle: Bundle, *, device: str | None = None, code: Any = N
     results: dict[str, str] = {}
     details: dict[str, Any] = {}
     sdpa_calls: int | None = None  # during the recorded variant, once run
-    no_attention = ("n/a", "the replay never called scaled_dot_product_attention (no SDPA attention in this model), "
-                           "so the SDPA backend changes nothing")
     for name in names:
-        sdpa = name.startswith("sdpa_")
-        with Session(bundle, device=device, code=code) as s:
-            if sdpa and sdpa_calls == 0:
-                results[name], details[name] = no_attention
-            elif not _available(name, s.device):
-                results[name] = "n/a"
-                details[name] = f"not available on {s.device.type}"
-            else:
-                inputs = s.inputs()
-                if name == "fp32":
-                    inputs = [type(i)(i.step, pytree.map_tensors(i.batch, lambda t: t.float() if t.is_floating_point()
-                                                                 else t), i.rng, i.rng_tensors) for i in inputs]
-                with VARIANTS[name](s), (_counting_sdpa() if sdpa or name == "recorded"
-                                         else contextlib.nullcontext()) as counter:
-                    out = s.run(inputs)
-                calls = counter.calls if counter is not None else None
-                if name == "recorded":
-                    sdpa_calls = calls
-                if sdpa and calls == 0:
-                    results[name], details[name] = no_attention
-                elif sdpa and _no_kernel(out.failure):
-                    assert out.failure is not None
-                    results[name] = "n/a"
-                    details[name] = (f"the {SDPA[name]} backend cannot run this model's attention on "
-                                     f"{s.device.type}: {out.failure.message.splitlines()[0][:160]}")
-                else:
-                    results[name] = "fail" if out.same else "different_failure" if out.failure else "pass"
-                    steps = len(out.losses)
-                    details[name] = out.failure.describe() if out.failure else \
-                        f"passed {steps} step{'' if steps == 1 else 's'}"
+        results[name], details[name], calls = _run_variant(bundle, name, device, code, sdpa_calls)
+        if name == "recorded":
+            sdpa_calls = calls
         if progress:
             progress(name, results[name])
     fixes = [n for n in names if results[n] == "pass" and n != "recorded"]
-    return {"variants": results, "details": details,
-            "reproduced": results["recorded"] == "fail" if "recorded" in results else None,
-            "smallest_fix": fixes[0] if results.get("recorded") == "fail" and fixes else None}
+    fix = fixes[0] if results.get("recorded") == "fail" and fixes else None
+    out: dict[str, Any] = {"variants": results, "details": details,
+                           "reproduced": results["recorded"] == "fail" if "recorded" in results else None,
+                           "smallest_fix": fix}
+    if fix is not None:
+        # Each variant ran once: a failure that does not recur on every replay would make a lucky pass a "fix".
+        again = {n: _run_variant(bundle, n, device, code, sdpa_calls)[0] for n in ("recorded", fix)}
+        if again != {"recorded": "fail", fix: "pass"}:
+            out["smallest_fix"] = None
+            out["note"] = (f"flaky: replayed once more, recorded gave {again['recorded']} and {fix} gave {again[fix]}, "
+                           f"so no variant can be called a fix. Check `reprokit replay BUNDLE --times 5`; a flaky "
+                           "verdict usually means a random generator outside state.extra, state kept outside "
+                           "train_step, or a nondeterministic kernel")
+    return out
+
+
+def _run_variant(bundle: Bundle, name: str, device: str | None, code: Any,
+                 sdpa_calls: int | None) -> tuple[str, str, int | None]:
+    """Replay the window once under variant ``name``: (pass | fail | n/a | different_failure, detail, SDPA calls)."""
+    sdpa = name.startswith("sdpa_")
+    no_attention = ("n/a", "the replay never called scaled_dot_product_attention (no SDPA attention in this model), "
+                           "so the SDPA backend changes nothing", None)
+    with Session(bundle, device=device, code=code) as s:
+        if sdpa and sdpa_calls == 0:
+            return no_attention
+        if not _available(name, s.device):
+            return "n/a", f"not available on {s.device.type}", None
+        inputs = s.inputs()
+        if name == "fp32":
+            inputs = [type(i)(i.step, pytree.map_tensors(i.batch, lambda t: t.float() if t.is_floating_point()
+                                                         else t), i.rng, i.rng_tensors) for i in inputs]
+        with VARIANTS[name](s), (_counting_sdpa() if sdpa or name == "recorded"
+                                 else contextlib.nullcontext()) as counter:
+            out = s.run(inputs)
+        calls = counter.calls if counter is not None else None
+        if sdpa and calls == 0:
+            return no_attention
+        if sdpa and _no_kernel(out.failure):
+            assert out.failure is not None
+            return "n/a", (f"the {SDPA[name]} backend cannot run this model's attention on "
+                           f"{s.device.type}: {out.failure.message.splitlines()[0][:160]}"), calls
+        steps = len(out.losses)
+        result = "fail" if out.same else "different_failure" if out.failure else "pass"
+        return result, out.failure.describe() if out.failure else \
+            f"passed {steps} step{'' if steps == 1 else 's'}", calls
 
 
 def format_precision(d: dict[str, Any]) -> str:
@@ -261,6 +274,8 @@ def format_precision(d: dict[str, Any]) -> str:
     fix = d["smallest_fix"]
     if d.get("reproduced") is False:
         return "\n".join(lines)  # the caller says why no variant can be called a fix
+    if d.get("note"):
+        return "\n".join([*lines, f"note: {d['note']}"])
     lines.append(f"smallest change that makes the failure go away: {fix}" if fix else
                  "no single variant makes the failure go away")
     return "\n".join(lines)

@@ -62,9 +62,45 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
 
 
 def batch_size(batch: Any) -> int | None:
-    """The most common leading dimension among tensor leaves (ties: the larger)."""
-    sizes = Counter(t.shape[0] for t in _tensors(batch) if t.dim() >= 1)
-    return max(sizes, key=lambda k: (sizes[k], k)) if sizes else None
+    """The number of rows: the most common leading dimension among tensor leaves (ties: the larger).
+
+    A list of per-sample items (one ``[C, H, W]`` image or one target dict per sample, as detection collates
+    make) is one vote for its length, and its items share one vote between them: eight 3-channel images are a
+    batch of 8, not of 3.
+
+    Example:
+        >>> batch_size({"images": [torch.zeros(3, 6) for _ in range(8)], "y": torch.zeros(8)})
+        8
+    """
+    votes: dict[int, float] = {}
+    _vote(batch, 1.0, votes)
+    return max(votes, key=lambda k: (votes[k], k)) if votes else None
+
+
+def _vote(node: Any, weight: float, votes: dict[int, float]) -> None:
+    if isinstance(node, torch.Tensor):
+        if node.dim() >= 1:
+            votes[node.shape[0]] = votes.get(node.shape[0], 0.0) + weight
+    elif isinstance(node, Mapping):
+        for v in node.values():
+            _vote(v, weight, votes)
+    elif isinstance(node, (list, tuple)) and node:
+        items = all(isinstance(v, (torch.Tensor, Mapping)) for v in node) and len(node) >= 2
+        if items and _per_sample(node, None):
+            votes[len(node)] = votes.get(len(node), 0.0) + weight
+        for v in node:
+            _vote(v, weight / len(node) if items else weight, votes)
+
+
+def _per_sample(items: list | tuple, n: int | None) -> bool:
+    """``items`` (``n`` of them, when given) are one entry per row: tensors or dicts, not all of them tensors
+    whose own leading dimension is the number of rows (``(x, y)`` is two batched tensors, not two samples)."""
+    if (n is not None and len(items) != n) or not items:
+        return False
+    if not all(isinstance(v, (torch.Tensor, Mapping)) for v in items):
+        return False
+    rows = n if n is not None else len(items)
+    return not all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == rows for v in items)
 
 
 TOKEN_DTYPES = frozenset({torch.int32, torch.int64})
@@ -83,14 +119,16 @@ def seq_len(batch: Any, n: int | None) -> int | None:
 
 
 def select_rows(batch: Any, n: int, keep: list[int]) -> Any:
-    """Keep rows ``keep`` of every leaf with leading dimension ``n`` (tensors, and lists of scalars)."""
+    """Keep rows ``keep`` of every leaf with leading dimension ``n`` (tensors, lists of scalars, and lists of
+    per-sample tensors or dicts)."""
     if isinstance(batch, torch.Tensor):
         return batch[torch.tensor(keep, dtype=torch.long, device=batch.device)] \
             if batch.dim() >= 1 and batch.shape[0] == n else batch
     if isinstance(batch, Mapping):
         return {k: select_rows(v, n, keep) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        if len(batch) == n and all(isinstance(v, (str, int, float, bool)) or v is None for v in batch):
+        if len(batch) == n and (all(isinstance(v, (str, int, float, bool)) or v is None for v in batch)
+                                or _per_sample(batch, n)):
             return type(batch)(batch[i] for i in keep)
         return type(batch)(select_rows(v, n, keep) for v in batch)
     return batch
@@ -125,8 +163,9 @@ def concat_rows(a: Any, n: int, b: Any) -> Any:
     if isinstance(a, (list, tuple)):
         if not isinstance(b, (list, tuple)):
             return None
-        if len(a) == n and all(isinstance(v, (str, int, float, bool)) or v is None for v in a):
-            return type(a)([*a, *b])
+        if len(a) == n and (all(isinstance(v, (str, int, float, bool)) or v is None for v in a)
+                            or _per_sample(a, n)):
+            return type(a)([*a, *b]) if len(b) == 1 else None
         if len(a) != len(b):
             return None
         parts = [concat_rows(x, n, y) for x, y in zip(a, b)]

@@ -37,6 +37,16 @@ NONFINITE = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
 """Failure kinds whose candidates must also keep the origin (where the first NaN/inf appeared)."""
 
 
+CONFIRM_TIMES = 2
+"""Extra replays of the shrunk case before it is written: it must fail the same way on each."""
+FLAKY_HINT = ("Shrinking needs a failure that recurs on every replay: run `reprokit replay BUNDLE --times 5`; a flaky "
+              "verdict usually means a random generator outside state.extra or state kept outside train_step.")
+
+
+class FlakyFailure(DidNotReproduce):
+    """The failure reproduced on one replay and not on another: shrinking would trust lucky replays."""
+
+
 class BudgetExhausted(Exception):
     """Internal: the replay budget ran out mid-pass."""
 
@@ -68,6 +78,7 @@ class ShrinkResult:
     origin: Origin | None = None
     origin_checks: int = 0
     origin_changed: int = 0
+    confirm_runs: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return jsonable({
@@ -83,6 +94,7 @@ class ShrinkResult:
             "origin": self.origin.to_json() if self.origin else None,
             "origin_checks": self.origin_checks,
             "origin_changed": self.origin_changed,
+            "confirm_runs": self.confirm_runs,
             "seconds": round(self.seconds, 3),
             "failure": self.failure.summary(),
             "passes": {k: vars(v) | {"seconds": round(v.seconds, 3)} for k, v in self.passes.items()},
@@ -112,15 +124,21 @@ class Shrinker:
     origin: Origin | None = None
     """Where the original's first non-finite value appeared; candidates must keep it (see :meth:`keeps_origin`)."""
     origin_checks: int = 0
-    """Origin runs: one per candidate that failed with the same signature (not counted in ``replays``)."""
+    """Origin runs: one per candidate that failed with the same signature (not counted in ``replays``); for a loss
+    spike, one run of the rows the candidate dropped."""
     origin_changed: int = 0
-    """Candidates with the same signature rejected because their first non-finite value moved."""
+    """Candidates with the same signature rejected because their first non-finite value moved (for a loss spike:
+    because the rows they dropped spike on their own)."""
+    spike: bool = False
+    """The failure is a loss spike: candidates must not spike without their rows too (see :meth:`spikes_without`)."""
     reference: tuple[Any, int] | None = None
     """The original failing batch and its row count: control rows for origin checks come from it."""
     message: str | None = None
     """For an exception: the original's :func:`~reprokit.signature.message_template` on this machine. A candidate
     raising the same type in the same frame with another message (a check that the cut batch is too small) is
     another failure."""
+    confirm_runs: int = 0
+    """Replays of the original and of the result that check the failure recurs every time (see :meth:`confirm`)."""
     best: Case | None = None
     _cache: dict[str, tuple[bool, RunOutcome | dict]] = field(default_factory=dict)
     _snapshots: dict[tuple, tuple[Snapshot, int]] = field(default_factory=dict)
@@ -134,15 +152,7 @@ class Shrinker:
             if self.replays >= self.budget:
                 raise BudgetExhausted
             self.replays += 1
-            interesting, out = self._isolated(case) if self.isolate else self._in_process(case)
-            if interesting and self.message is not None and message_template(_failure_of(out).message) != self.message:
-                interesting = False
-                self.different_failures += 1
-            elif interesting and self.origin is not None:
-                interesting = self.keeps_origin(case)
-                self.origin_changed += not interesting
-            elif not interesting and _failed(out):
-                self.different_failures += 1
+            interesting, out = self._judge(case)
             self._cache[key] = interesting, out
             if interesting and (self.best is None or case.sort_key(self.pad_id) < self.best.sort_key(self.pad_id)):
                 self.best = case
@@ -150,6 +160,37 @@ class Shrinker:
                 size = dims(self.best, self.pad_id) if self.best else {}
                 self.progress(self._current_pass, self.replays, ", ".join(f"{k} {v}" for k, v in size.items()))
         return self._cache[key][0]
+
+    def _judge(self, case: Case) -> tuple[bool, RunOutcome | dict]:
+        """Replay ``case`` once (uncached, outside the budget): does it fail the same way, and what happened."""
+        interesting, out = self._isolated(case) if self.isolate else self._in_process(case)
+        if interesting and self.message is not None and message_template(_failure_of(out).message) != self.message:
+            interesting = False
+            self.different_failures += 1
+        elif interesting and self.origin is not None:
+            interesting = self.keeps_origin(case)
+            self.origin_changed += not interesting
+        elif interesting and self.spike:
+            interesting = not self.spikes_without(case)
+            self.origin_changed += not interesting
+        elif not interesting and _failed(out):
+            self.different_failures += 1
+        return interesting, out
+
+    def confirm(self, case: Case, times: int) -> str | None:
+        """Replay ``case``, already found interesting, ``times`` more times; None when it failed the same way each
+        time, else what the replay that did not did.
+
+        Each candidate is judged on one replay; a failure that does not recur on every replay (a random generator
+        outside ``state.extra``, a counter kept outside the state, a data race) would let a lucky replay accept a
+        candidate that does not hold the bug. These runs are ``confirm_runs``, not ``replays``.
+        """
+        for _ in range(times):
+            self.confirm_runs += 1
+            interesting, out = self._judge(case)
+            if not interesting:
+                return _what_happened(out)
+        return None
 
     def find_origin(self, case: Case) -> Origin | None:
         """Run ``case``'s failing step once more, watched; the original's origin (rows = original positions)."""
@@ -160,6 +201,29 @@ class Shrinker:
         _, origin = watch_step(self.session, case.last, snap[0], batch_size(case.last.batch))
         self.steps_run += 1
         return origin
+
+    def spikes_without(self, case: Case) -> bool:
+        """For a loss spike: do the original rows ``case`` dropped, cut like it, spike at its step on their own?
+
+        A spike compares a loss to the median of earlier whole-batch losses, and one ordinary but hard row alone is
+        far above it: a candidate of that row spikes too, with the same signature, while the rows that made the
+        recorded spike were dropped. The spike is theirs when the dropped rows alone still make it.
+        """
+        assert self.reference is not None
+        original, n0 = self.reference
+        if case.rows is None or len(case.rows) >= n0:
+            return False
+        kept = set(case.rows)
+        others = [r for r in range(n0) if r not in kept]
+        rest = select_rows(original, n0, others)
+        s0 = seq_len(original, n0)
+        if case.seq is not None and s0 is not None and case.seq != (0, s0):
+            rest = select_seq(rest, len(others), s0, *case.seq)
+        last = StepInput(case.last.step, rest, case.last.rng, case.last.rng_tensors)
+        self.origin_checks += 1
+        out = self.session.run((*case.inputs[:-1], last), case.snapshot)
+        self.steps_run += len(out.losses)
+        return out.same
 
     def keeps_origin(self, case: Case) -> bool:
         """Does ``case``, which fails with the same signature, still fail for the same reason?
@@ -273,6 +337,15 @@ class Shrinker:
         return self.best, stats, exhausted
 
 
+def _what_happened(out: RunOutcome | dict) -> str:
+    """A replay that did not count as the same failure, in words."""
+    if isinstance(out, dict) and not out.get("per_run"):
+        return "the replay gave no verdict: it crashed or timed out"
+    if not _failed(out):
+        return "it passed"
+    return f"it failed otherwise: {_failure_of(out).describe()}"
+
+
 def _failure_of(out: RunOutcome | dict) -> Failure:
     """The failure of a run that failed (in process, or the JSON of an isolated replay)."""
     failure = out.failure if isinstance(out, RunOutcome) else Failure.from_json(out["per_run"][0]["failure"])
@@ -363,10 +436,22 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         if src.failure.kind in NONFINITE:
             # Checked once here, then for every candidate that fails with the same signature.
             sh.origin, sh.reference = sh.find_origin(original), (first, n or 0)
+        elif src.failure.kind == "loss_spike":
+            sh.spike, sh.reference = True, (first, n or 0)
         elif src.failure.kind == "exception":
             sh.message = message_template(_failure_of(sh.outcome(original)).message)
+        missed = sh.confirm(original, 1)
+        if missed:
+            raise FlakyFailure(f"{src.path} failed the same way on one replay but not on the next ({missed}), so "
+                               f"shrinking could not tell a smaller case that holds the bug from a lucky replay. "
+                               f"{FLAKY_HINT}")
         before = dims(original, pad_id)
         best, stats, exhausted = sh.run(original, passes)
+        missed = sh.confirm(best, CONFIRM_TIMES) if best is not original else None
+        if missed:
+            size = ", ".join(f"{k} {v}" for k, v in dims(best, pad_id).items())
+            raise FlakyFailure(f"the smallest case shrinking found in {src.path} ({size}) did not fail the same way on "
+                               f"each of {CONFIRM_TIMES} more replays ({missed}); nothing was written. {FLAKY_HINT}")
         out = sh.outcome(best)
         failure = _failure_of(out)
         kept = list(best.rows) if best.rows is not None and n and len(best.rows) < n else None
@@ -381,6 +466,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             "origin": sh.origin.to_json() if sh.origin else None,
             "origin_checks": sh.origin_checks,
             "origin_changed": sh.origin_changed,
+            "confirm_runs": sh.confirm_runs,
             "kept_rows": list(best.rows) if best.rows is not None else None,
             "dataset_indices": indices,
             "seq_window": window,
@@ -393,4 +479,4 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                              out if isinstance(out, RunOutcome) else None, provenance)
         return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
                             time.perf_counter() - t0, exhausted, failure, sh.different_failures, sh.origin,
-                            sh.origin_checks, sh.origin_changed)
+                            sh.origin_checks, sh.origin_changed, sh.confirm_runs)

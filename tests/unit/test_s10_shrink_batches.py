@@ -1,0 +1,92 @@
+"""Rows of batches that are not one tensor per field (session 10 review): lists of per-sample images or target
+dicts, as detection collates make, must be cut as rows, and must not make a channel dim look like the batch."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+from rk_testing import bundle_of, record
+
+import reprokit
+from reprokit.bundle import open_bundle
+from reprokit.shrink import shrink
+from reprokit.shrink.case import batch_size, concat_rows, select_rows
+
+PROJECT = '''\
+import torch
+from torch import nn
+
+import reprokit
+
+
+def build(config):
+    torch.manual_seed(0)
+    m = nn.Linear(6, 1)
+    return reprokit.TrainState(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=1e-2))
+
+
+def train_step(state, batch):
+    feats = torch.stack([img.mean(0) for img in batch["images"]])  # one [C, W] image per sample
+    loss = nn.functional.mse_loss(state.model(feats).squeeze(-1), batch["y"])
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    return loss
+'''
+
+
+def _batches(steps=6, n=8, bad=(4, 5)):
+    g = torch.Generator().manual_seed(0)
+    for k in range(steps):
+        images = [torch.randn(3, 6, generator=g) for _ in range(n)]
+        if k == bad[0]:
+            images[bad[1]][1, 2] = float("nan")
+        yield {"images": images, "y": torch.randn(n, generator=g), "index": torch.arange(k * n, (k + 1) * n),
+               "names": [f"img{k}-{i}" for i in range(n)]}
+
+
+def test_a_list_of_per_sample_images_is_cut_as_rows_and_the_right_sample_is_named(tmp_path, monkeypatch):
+    """Eight 3-channel images: the rows are the 8 images, not the 3 channels (cutting those kept every image,
+    the poisoned one too, and named dataset index 33 for the sample at 37)."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "rk_s10_images.py").write_text(PROJECT)
+    monkeypatch.syspath_prepend(str(proj))
+    monkeypatch.delitem(sys.modules, "rk_s10_images", raising=False)
+    mod = importlib.import_module("rk_s10_images")
+    _, exc = record(mod, {}, _batches(), tmp_path / "r", snapshot_every=2)
+    monkeypatch.delitem(sys.modules, "rk_s10_images", raising=False)
+    r = shrink(bundle_of(exc), tmp_path / "small", passes=["steps", "rows"])
+    assert (r.before["rows"], r.after["rows"]) == (8, 1)
+    assert r.kept_rows == [5] and r.dataset_indices == [37], (r.kept_rows, r.dataset_indices)
+    batch = open_bundle(r.output).step(4)[0]
+    assert [tuple(t.shape) for t in batch["images"]] == [(3, 6)] and batch["names"] == ["img4-5"]
+    assert torch.isnan(batch["images"][0][1, 2]) and batch["y"].shape == (1,)
+    assert reprokit.replay(r.output).reproduced
+
+
+def test_batch_size_of_structured_batches():
+    imgs = [torch.zeros(3, 6) for _ in range(8)]
+    assert batch_size({"images": imgs}) == 8
+    assert batch_size({"images": imgs, "y": torch.zeros(8)}) == 8
+    targets = [{"boxes": torch.zeros(k + 1, 4), "labels": torch.zeros(k + 1, dtype=torch.long)} for k in range(4)]
+    assert batch_size((torch.zeros(4, 3, 8, 8), targets)) == 4
+    # Batched tensors in a tuple stay batched tensors: (x, y) of 2 rows is not 2 samples of one tensor each.
+    assert batch_size((torch.zeros(2, 5), torch.zeros(2))) == 2
+    assert batch_size([torch.zeros(16, 4), torch.zeros(16)]) == 16
+    assert batch_size({"input_ids": torch.zeros(4, 9, dtype=torch.long), "mask": torch.ones(4, 9)}) == 4
+
+
+def test_select_and_concat_rows_of_per_sample_lists():
+    targets = [{"boxes": torch.full((k + 1, 4), float(k))} for k in range(4)]
+    batch = (torch.arange(4.0)[:, None].expand(4, 3), targets, ["a", "b", "c", "d"])
+    x, t, names = select_rows(batch, 4, [2])
+    assert x.tolist() == [[2.0] * 3] and len(t) == 1 and t[0]["boxes"].shape == (3, 4) and names == ["c"]
+    merged = concat_rows((x, t, names), 1, select_rows(batch, 4, [0]))
+    assert merged is not None and merged[0][:, 0].tolist() == [2.0, 0.0]
+    assert [b["boxes"].shape[0] for b in merged[1]] == [3, 1] and merged[2] == ["c", "a"]
+    # Two batched tensors in a tuple of length n are cut inside, not picked between.
+    a, b = select_rows((torch.arange(2.0), torch.arange(2.0) + 10), 2, [1])
+    assert a.tolist() == [1.0] and b.tolist() == [11.0]
