@@ -325,6 +325,7 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                warnings.filterwarnings("ignore", message="For backward hooks to be called")  # see bisect.layers
                 s.run(inputs[-1:], before)
         finally:
             cap.close()

@@ -162,6 +162,8 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
         with warnings.catch_warnings():
             # Full backward hooks warn when a module's inputs need no grad (the first layer): expected here.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            # A module returning an object (a Hugging Face ModelOutput) gets no backward hook: its forward is traced.
+            warnings.filterwarnings("ignore", message="For backward hooks to be called")
             out = s.run(inputs[-1:], before)
     finally:
         tracer.close()

@@ -94,3 +94,16 @@ def nan_bundle_factory(projects, tmp_path):
         _, exc = record(mlp, {}, mlp.batches({}, 30, poison_step=25), tmp_path / "r", snapshot_every=10)
         return exc.bundle
     return make
+
+
+def test_bisect_layers_and_extract_on_a_model_that_returns_a_dict_print_no_torch_warning(projects, tmp_path):
+    """Torch warns that a module returning a dict gets no backward hook; the suite turns warnings into errors."""
+    from reprokit.extract import extract
+
+    net = projects("rk_dict_out")
+    _, exc = record(net, {}, net.batches(6), tmp_path / "r", snapshot_every=2)
+    assert exc.failure.kind == "nonfinite_loss" and exc.failure.step == 4
+    d = bisect_layers(open_bundle(exc.bundle))
+    assert d["first_nonfinite"]["module"] == "fc1" and d["first_nonfinite"]["phase"] == "forward", d["first_nonfinite"]
+    out = extract(open_bundle(exc.bundle), tmp_path / "cut")
+    assert out is not None
