@@ -213,11 +213,24 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
             )
         if obj is not None:
             obj.load_state_dict(pytree.decode(recorded, tensors))
+    _reset_scaler_step(state.scaler)
     grads = pytree.decode(tree.get(GRADS, {}), tensors)
     _restore_grads(state.model, _ddp_prefix(grads, dict(state.model.named_parameters()).keys()), device)
     extra = rng.unmarked(pytree.decode(tree.get(EXTRA, {}), tensors), state.extra)
     state.extra.clear()
     state.extra.update(pytree.map_tensors(extra, lambda t: t.to(device)))
+
+
+def _reset_scaler_step(scaler: Any) -> None:
+    """Forget what a GradScaler noted about the step in progress (``unscale_`` called, inf checks found).
+
+    A snapshot is taken at a step start, where ``update()`` has cleared these; a replayed step that raised between
+    ``unscale_`` and ``update`` leaves them set, and ``load_state_dict`` keeps them: the next replay's ``unscale_``
+    would raise "already been called". GradScaler has no public reset; this is what its ``update()`` does.
+    """
+    per_optimizer = getattr(scaler, "_per_optimizer_states", None)
+    if isinstance(per_optimizer, dict):
+        per_optimizer.clear()  # a defaultdict: each optimizer gets a fresh record on its next use
 
 
 def _as_shards(state: TrainState, shards: dict[str, dict[str, Any]], tensors: dict[str, torch.Tensor],
