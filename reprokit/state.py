@@ -26,6 +26,10 @@ GRADS = "grads"
 SHARDS = "shards"
 """Key of the state tree that describes sharded tensors (FSDP2's DTensors): ``{tensor key: layout}``."""
 COMPONENTS = (MODEL, OPTIMIZER, SCHEDULER, SCALER)
+MODES = "modes"
+"""Key of the state tree: ``{module name: training}`` for the submodules whose train/eval mode is not the model's."""
+FROZEN = "frozen"
+"""Key of the state tree: the names of the parameters that do not require grad (a frozen backbone)."""
 
 
 @dataclass(kw_only=True)
@@ -124,7 +128,10 @@ def capture_state(state: TrainState, copy: pytree.TensorCopy | None = None) -> t
     kw: dict[str, Any] = {"tensors": tensors, "shards": shards}
     if copy is not None:
         kw["copy"] = copy
-    tree: dict[str, Any] = {"training": state.model.training}
+    tree: dict[str, Any] = {"training": state.model.training, FROZEN: frozen_params(state.model)}
+    modes = module_modes(state.model)
+    if modes:
+        tree[MODES] = modes
     grads = {name: p.grad for name, p in state.model.named_parameters() if p.grad is not None}
     parts = {
         MODEL: state.model.state_dict(),
@@ -173,7 +180,7 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     del model_sd
     for k in [k for k in owned if k.startswith(MODEL + "/")]:
         tensors.pop(k, None)
-    state.model.train(tree.get("training", True))
+    _restore_modes(state.model, tree)
     # The snapshot must survive any number of restores, and optimizers keep the tensors they are given when
     # dtype and device match: they get clones. Except for a large optimizer state on the host for a model on
     # the GPU (1 GiB or more: a host clone of a 20 GB state would hold it twice in memory): its tensors are
@@ -215,7 +222,7 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
             obj.load_state_dict(pytree.decode(recorded, tensors))
     _reset_scaler_step(state.scaler)
     grads = pytree.decode(tree.get(GRADS, {}), tensors)
-    _restore_grads(state.model, _ddp_prefix(grads, dict(state.model.named_parameters()).keys()), device)
+    _restore_grads(state.model, _renamed(grads, dict(state.model.named_parameters()).keys()), device)
     extra = rng.unmarked(pytree.decode(tree.get(EXTRA, {}), tensors), state.extra)
     state.extra.clear()
     state.extra.update(pytree.map_tensors(extra, lambda t: t.to(device)))
@@ -292,6 +299,19 @@ def _ddp_prefix(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
     return recorded
 
 
+def _renamed(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
+    """:func:`_ddp_prefix` for entries of some of the live names only (gradients, modes, frozen parameters)."""
+    live = set(live)
+    if set(recorded) <= live:
+        return recorded
+    prefix = "module."
+    if all(k.startswith(prefix) for k in recorded) and {k[len(prefix):] for k in recorded} <= live:
+        return {k[len(prefix):]: v for k, v in recorded.items()}
+    if not any(k.startswith(prefix) for k in recorded) and {prefix + k for k in recorded} <= live:
+        return {prefix + k: v for k, v in recorded.items()}
+    return recorded
+
+
 def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], device: torch.device) -> None:
     """``.grad`` as the snapshot had it: the recorded tensor, or None for a parameter it has none for."""
     params = dict(model.named_parameters())
@@ -302,6 +322,43 @@ def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], devic
     for name, p in params.items():
         g = grads.get(name)
         p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)  # a clone already
+
+
+def module_modes(model: torch.nn.Module) -> dict[str, bool]:
+    """``{name: training}`` of every submodule whose mode differs from ``model``'s (a backbone kept in eval mode)."""
+    return {name: m.training for name, m in model.named_modules() if name and m.training != model.training}
+
+
+def frozen_params(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters that do not require grad."""
+    return [name for name, p in model.named_parameters() if not p.requires_grad]
+
+
+def _restore_modes(model: torch.nn.Module, tree: dict[str, Any]) -> None:
+    """Train/eval mode of every module and ``requires_grad`` of every parameter, as the snapshot had them.
+
+    Neither is in a ``state_dict``, and both change how a step computes: a submodule in eval mode (BatchNorm,
+    dropout) switched back to train by ``model.train()``, or a layer unfrozen during the run that ``build`` makes
+    frozen, replays other numbers. Bundles written before these were recorded hold only the model's own mode.
+    """
+    model.train(tree.get("training", True))
+    modules = dict(model.named_modules())
+    for name, training in _renamed(tree.get(MODES) or {}, modules.keys()).items():
+        if name not in modules:
+            raise StateMismatchError(f"the bundle records the train/eval mode of a submodule {name!r} that the model "
+                                     "build() made lacks")
+        modules[name].training = bool(training)  # this module only: its children have entries of their own
+    frozen = tree.get(FROZEN)
+    if frozen is None:
+        return
+    params = dict(model.named_parameters())
+    recorded = _renamed(dict.fromkeys(frozen), params.keys())
+    unknown = sorted(set(recorded) - set(params))
+    if unknown:
+        raise StateMismatchError(f"the bundle records frozen parameters that the model build() made lacks: "
+                                 f"{', '.join(unknown[:5])}")
+    for name, p in params.items():
+        p.requires_grad_(name not in recorded)
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

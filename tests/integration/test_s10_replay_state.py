@@ -79,3 +79,59 @@ def test_a_step_that_raises_after_unscale_is_deterministic_over_times(project, t
     report = reprokit.replay(bundle, times=3)
     assert [r.verdict for r in report.runs] == ["reproduced"] * 3, [r.failure and r.failure.message for r in report.runs]
     assert report.verdict == "deterministic" and report.fidelity["runs_bit_identical"]
+
+
+MODES = """
+import torch
+from torch import nn
+import reprokit
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.backbone(x)))
+
+def build(config):
+    torch.manual_seed(0)
+    m = Net()
+    m.train()
+    if config["mode"] == "eval_backbone":
+        m.backbone.eval()  # fine-tuning: the backbone's BatchNorm keeps its statistics, no dropout
+    else:
+        m.backbone.requires_grad_(False)  # frozen at first: train_step unfreezes it at its third step
+    return reprokit.TrainState(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.05), extra={"n": 0})
+
+def train_step(state, batch):
+    state.extra["n"] += 1
+    if state.extra["n"] == 3:
+        state.model.backbone.requires_grad_(True)
+    loss = ((state.model(batch["x"]) - 1) ** 2).mean()
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss * float("nan") if int(batch["i"]) == 7 else loss
+"""
+
+
+@pytest.mark.parametrize("mode", ["eval_backbone", "unfrozen_mid_run"])
+def test_submodule_modes_and_requires_grad_are_restored(project, tmp_path, mode):
+    # Neither is in a state_dict: restore called model.train(), which put the eval backbone back into train mode,
+    # and left the backbone frozen as build() makes it although the run had unfrozen it before the snapshot.
+    mod = project(f"s10_modes_{mode}", MODES)
+    bundle = record_bundle(mod, {"mode": mode}, 10, tmp_path / "repros", snapshot_every=4)
+    report = reprokit.replay(bundle, times=2)
+    assert report.verdict == "deterministic"
+    assert report.fidelity["steps_compared"] == 4 and report.fidelity["bit_exact"], report.fidelity["first_diverging"]
+    with session(bundle) as s:
+        s.run(s.inputs())
+        s.state.model.train()  # whatever the last run left
+        s.state.model.backbone.requires_grad_(mode == "eval_backbone")
+        s.restore()
+        m = s.state.model
+        assert m.training and m.head.training
+        assert [x.training for x in m.backbone.modules()] == [mode != "eval_backbone"] * 4
+        assert all(p.requires_grad for p in m.parameters())
