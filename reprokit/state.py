@@ -28,6 +28,9 @@ SHARDS = "shards"
 COMPONENTS = (MODEL, OPTIMIZER, SCHEDULER, SCALER)
 MODES = "modes"
 """Key of the state tree: ``{module name: training}`` for the submodules whose train/eval mode is not the model's."""
+BUFFERS = "buffers"
+"""Key of the state tree: the model's non-persistent buffers, which a ``state_dict`` leaves out. The recorder does
+not snapshot them (``build`` makes them); a replay session's own snapshots do (see :func:`volatile_buffers`)."""
 FROZEN = "frozen"
 """Key of the state tree: the names of the parameters that do not require grad (a frozen backbone)."""
 
@@ -359,6 +362,30 @@ def _restore_modes(model: torch.nn.Module, tree: dict[str, Any]) -> None:
                                  f"{', '.join(unknown[:5])}")
     for name, p in params.items():
         p.requires_grad_(name not in recorded)
+
+
+def volatile_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's non-persistent buffers (``register_buffer(..., persistent=False)``), by name.
+
+    ``load_state_dict`` does not touch them, so a step that changes one (a counter, a cache) changes what the next
+    replay from the same snapshot starts with, unless the replay puts them back itself (:func:`put_buffers`).
+    """
+    persistent = model.state_dict().keys()
+    return {name: b for name, b in model.named_buffers() if name not in persistent}
+
+
+def put_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Set the named buffers to copies of ``buffers`` (in place where the live one has the same shape and dtype)."""
+    live = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in buffers.items():
+            cur = live.get(name)
+            if cur is not None and cur.shape == value.shape and cur.dtype == value.dtype:
+                cur.copy_(value)
+            else:  # replaced by the step (another shape), or set to None: a buffer again, as the snapshot had it
+                owner, _, leaf = name.rpartition(".")
+                device = cur.device if cur is not None else _model_device(model)
+                setattr(model.get_submodule(owner), leaf, value.to(device, copy=True))
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

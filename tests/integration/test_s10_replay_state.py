@@ -135,3 +135,52 @@ def test_submodule_modes_and_requires_grad_are_restored(project, tmp_path, mode)
         assert m.training and m.head.training
         assert [x.training for x in m.backbone.modules()] == [mode != "eval_backbone"] * 4
         assert all(p.requires_grad for p in m.parameters())
+
+
+COUNTER = """
+import torch
+from torch import nn
+import reprokit
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.register_buffer("calls", torch.zeros(()), persistent=False)  # in no state_dict
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * (1 + 0.1 * self.calls)
+
+def build(config):
+    torch.manual_seed(0)
+    m = Net()
+    return reprokit.TrainState(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.01))
+
+def train_step(state, batch):
+    loss = ((state.model(batch["x"]) - 1) ** 2).mean()
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss * float("nan") if int(batch["i"]) == 7 else loss
+"""
+
+
+def test_non_persistent_buffers_start_every_replay_alike(project, tmp_path):
+    # load_state_dict leaves non-persistent buffers alone: each replay started from the counter the last one left,
+    # so --times N runs differed from each other, and a shrink candidate restored from a mid-window snapshot
+    # (Session.advance) ran with whatever the last candidate left.
+    mod = project("s10_counter", COUNTER)
+    bundle = record_bundle(mod, {}, 10, tmp_path / "repros", snapshot_every=4)
+    report = reprokit.replay(bundle, times=3)
+    assert report.verdict == "deterministic"
+    assert report.fidelity["runs_bit_identical"], [r.losses for r in report.runs]
+    assert repr(report.runs[0].losses) == repr(report.runs[2].losses)  # NaN at the failing step
+    assert "non-persistent buffer" in report.fidelity["hint"]  # the recording's counter was 4 steps further
+    with session(bundle) as s:
+        inputs = s.inputs()
+        snap = s.advance(inputs[:2])
+        assert snap is not None
+        first, second = s.run(inputs[2:], snap), s.run(inputs[2:], snap)
+        assert repr(first.losses) == repr(second.losses) and first.same and second.same
+        assert float(s.state.model.calls) == 4
