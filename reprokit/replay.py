@@ -32,8 +32,19 @@ from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
 from reprokit.errors import CodeLoadError, ReprokitError, StateMismatchError
 from reprokit.signature import Failure, summary_line
-from reprokit.state import (BUFFERS, MODEL, OPTIMIZER, SHARDS, TrainState, capture_rng, capture_state, put_buffers,
-                            restore_rng, restore_state, volatile_buffers)
+from reprokit.state import (
+    BUFFERS,
+    MODEL,
+    OPTIMIZER,
+    SHARDS,
+    TrainState,
+    capture_rng,
+    capture_state,
+    put_buffers,
+    restore_rng,
+    restore_state,
+    volatile_buffers,
+)
 
 
 @dataclass
