@@ -174,7 +174,10 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     device = _model_device(state.model)
     if tree.get(SHARDS):
         tensors = _as_shards(state, tree[SHARDS], tensors, device)
-    model_sd = _ddp_prefix(pytree.decode(tree[MODEL], tensors), state.model.state_dict().keys())
+    live_sd = state.model.state_dict()
+    model_sd = _ddp_prefix(pytree.decode(tree[MODEL], tensors), live_sd.keys())
+    _check_dtypes(model_sd, live_sd)
+    del live_sd
     try:
         state.model.load_state_dict({k: v.to(device) if isinstance(v, torch.Tensor) else v
                                      for k, v in model_sd.items()})
@@ -300,6 +303,22 @@ def _ddp_prefix(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
     if not any(k.startswith(prefix) for k in recorded) and {prefix + k for k in recorded} == live:
         return {prefix + k: v for k, v in recorded.items()}
     return recorded
+
+
+def _check_dtypes(recorded: dict[str, Any], live: dict[str, Any]) -> None:
+    """Refuse floating-point model tensors recorded in another dtype than ``build`` makes them: ``load_state_dict``
+    would cast them silently (a model cast to float64 or bfloat16 in the training loop, after ``build``, replayed in
+    float32: other numbers, and the optimizer's state cast along)."""
+    odd = [(k, v.dtype, live[k].dtype) for k, v in recorded.items()
+           if isinstance(v, torch.Tensor) and isinstance(live.get(k), torch.Tensor) and v.dtype != live[k].dtype
+           and (v.is_floating_point() or live[k].is_floating_point())]
+    if odd:
+        what = ", ".join(f"{k} (recorded {a}, build() made {b})" for k, a, b in odd[:3])
+        raise StateMismatchError(
+            f"the recorded model state has other dtypes than the model that build() made: {what}"
+            f"{f' and {len(odd) - 3} more' if len(odd) > 3 else ''}. Replaying would cast them and run other numbers; "
+            "make the model in its training dtype inside build() (a cast in the training loop, after build(), is not "
+            "part of the replay).")
 
 
 def _renamed(recorded: dict[str, Any], live: Any) -> dict[str, Any]:

@@ -184,3 +184,19 @@ def test_non_persistent_buffers_start_every_replay_alike(project, tmp_path):
         first, second = s.run(inputs[2:], snap), s.run(inputs[2:], snap)
         assert repr(first.losses) == repr(second.losses) and first.same and second.same
         assert float(s.state.model.calls) == 4
+
+
+def test_a_model_cast_after_build_is_refused_not_replayed_in_another_dtype(project, tmp_path):
+    # load_state_dict casts silently: a model the loop cast to float64 after build() replayed in float32, with the
+    # optimizer's state cast along, and still gave a verdict.
+    mod = project("s10_cast", COUNTER.replace("persistent=False", "persistent=True"))
+    state = mod.build({})
+    state.model.double()
+    rec = reprokit.Recorder(state, mod.train_step, build=mod.build, config={}, out_dir=tmp_path / "repros",
+                            snapshot_every=4)
+    with pytest.raises(reprokit.TrainingFailure) as info:
+        for b in batches(10):
+            rec.step({"x": b["x"].double(), "i": b["i"]})
+    with pytest.raises(reprokit.StateMismatchError, match=r"lin\.weight \(recorded torch\.float64, build\(\) made "
+                                                          r"torch\.float32\).*inside build\(\)"):
+        reprokit.replay(info.value.bundle)
