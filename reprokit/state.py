@@ -198,10 +198,13 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
              for k, v in opt.items()}
     shared = {v.data_ptr() for k, v in given.items() if k not in owned and v is tensors[k] and v.numel()}
     tensors = {k: v.clone() for k, v in tensors.items() if not k.startswith((MODEL + "/", OPTIMIZER + "/"))} | given
+    opt_sd = pytree.decode(tree[OPTIMIZER], tensors)
     try:
-        state.optimizer.load_state_dict(pytree.decode(tree[OPTIMIZER], tensors))
+        state.optimizer.load_state_dict(opt_sd)
     except (ValueError, KeyError, RuntimeError) as e:
-        raise StateMismatchError(f"the recorded optimizer state does not fit the optimizer that build() made: {e}") from None
+        raise StateMismatchError(f"the recorded optimizer state does not fit the optimizer that build() made: {e}"
+                                 f"{_groups_hint(opt_sd, state.optimizer)}") from None
+    del opt_sd
     if shared:  # a tensor the optimizer kept as given (a custom optimizer, nested state) gets a copy of its own
         kept: list[bool] = []
 
@@ -303,6 +306,20 @@ def _ddp_prefix(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
     if not any(k.startswith(prefix) for k in recorded) and {prefix + k for k in recorded} == live:
         return {prefix + k: v for k, v in recorded.items()}
     return recorded
+
+
+def _groups_hint(recorded: Any, optimizer: torch.optim.Optimizer) -> str:
+    """Where the recorded parameter groups differ from the built ones: a group added or grown during the run."""
+    groups = recorded.get("param_groups") if isinstance(recorded, dict) else None
+    if not isinstance(groups, list):
+        return ""
+    had = [len(g.get("params", ())) for g in groups if isinstance(g, dict)]
+    made = [len(g["params"]) for g in optimizer.param_groups]
+    if had == made:
+        return ""
+    return (f" (parameters per group: recorded {had}, build() made {made}). Groups added with add_param_group (or "
+            "grown) during the run are not replayed, since replay starts from build(): create every group in build(), "
+            "as the run has them at the snapshot")
 
 
 def _check_dtypes(recorded: dict[str, Any], live: dict[str, Any]) -> None:

@@ -200,3 +200,35 @@ def test_a_model_cast_after_build_is_refused_not_replayed_in_another_dtype(proje
     with pytest.raises(reprokit.StateMismatchError, match=r"lin\.weight \(recorded torch\.float64, build\(\) made "
                                                           r"torch\.float32\).*inside build\(\)"):
         reprokit.replay(info.value.bundle)
+
+
+GROUPS = """
+import torch
+from torch import nn
+import reprokit
+
+def build(config):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    m[0].requires_grad_(False)
+    return reprokit.TrainState(model=m, optimizer=torch.optim.Adam(m[1].parameters(), lr=0.01), extra={"n": 0})
+
+def train_step(state, batch):
+    state.extra["n"] += 1
+    if state.extra["n"] == 2:  # unfreeze the first layer into a group of its own
+        state.model[0].requires_grad_(True)
+        state.optimizer.add_param_group({"params": list(state.model[0].parameters()), "lr": 1e-3})
+    loss = ((state.model(batch["x"]) - 1) ** 2).mean()
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss * float("nan") if int(batch["i"]) == 7 else loss
+"""
+
+
+def test_a_param_group_added_during_the_run_is_refused_with_what_to_do(project, tmp_path):
+    mod = project("s10_groups", GROUPS)
+    bundle = record_bundle(mod, {}, 10, tmp_path / "repros", snapshot_every=4)
+    with pytest.raises(reprokit.StateMismatchError, match=r"recorded \[2, 2\], build\(\) made \[2\]\).*add_param_group"
+                                                          r".*create every group in build\(\)"):
+        reprokit.replay(bundle)
