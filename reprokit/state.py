@@ -233,8 +233,47 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     grads = pytree.decode(tree.get(GRADS, {}), tensors)
     _restore_grads(state.model, _renamed(grads, dict(state.model.named_parameters()).keys()), device)
     extra = rng.unmarked(pytree.decode(tree.get(EXTRA, {}), tensors), state.extra)
-    state.extra.clear()
-    state.extra.update(pytree.map_tensors(extra, lambda t: t.to(device)))
+    merged = _into_live(extra, state.extra, device)
+    if merged is not state.extra:  # not a dict subclass that took the update
+        state.extra.clear()
+        state.extra.update(merged)
+
+
+def _into_live(recorded: Any, live: Any, device: torch.device) -> Any:
+    """``recorded`` (a decoded ``extra``, its tensors copies of the snapshot's) put into the live objects where they
+    fit: a tensor of the same shape and dtype is copied into in place, a dict or list updated in place.
+
+    The step may reach them by another way than ``state.extra``: a learnable scalar kept in ``extra`` is also in the
+    optimizer's parameters, and a new tensor in its place (which no longer requires grad) would leave the optimizer
+    stepping the old one. Anything else takes the recorded value (a tensor on the model's device).
+    """
+    if isinstance(recorded, torch.Tensor):
+        if type(live) in (torch.Tensor, torch.nn.Parameter) and live.shape == recorded.shape \
+                and live.dtype == recorded.dtype:
+            try:
+                with torch.no_grad():
+                    live.copy_(recorded)
+                return live
+            except RuntimeError:  # an inference tensor, say: replaced instead
+                pass
+        return recorded.to(device)
+    if isinstance(recorded, dict):
+        out = {k: _into_live(v, live.get(k) if isinstance(live, dict) else None, device) for k, v in recorded.items()}
+        if isinstance(live, dict):
+            live.clear()
+            live.update(out)
+            return live
+        return out
+    if isinstance(recorded, (list, tuple)):
+        items = [_into_live(v, live[i] if isinstance(live, (list, tuple)) and i < len(live) else None, device)
+                 for i, v in enumerate(recorded)]
+        if isinstance(recorded, tuple):
+            return tuple(items)
+        if isinstance(live, list):
+            live[:] = items
+            return live
+        return items
+    return recorded
 
 
 def _reset_scaler_step(scaler: Any) -> None:

@@ -232,3 +232,42 @@ def test_a_param_group_added_during_the_run_is_refused_with_what_to_do(project, 
     with pytest.raises(reprokit.StateMismatchError, match=r"recorded \[2, 2\], build\(\) made \[2\]\).*add_param_group"
                                                           r".*create every group in build\(\)"):
         reprokit.replay(bundle)
+
+
+TEMPERATURE = """
+import torch
+from torch import nn
+import reprokit
+
+def build(config):
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    log_t = torch.zeros((), requires_grad=True)  # a learnable temperature: in extra and in the optimizer
+    opt = torch.optim.SGD([*m.parameters(), log_t], lr=0.1)
+    return reprokit.TrainState(model=m, optimizer=opt, extra={"log_t": log_t, "seen": [torch.zeros(2)]})
+
+def train_step(state, batch):
+    state.extra["seen"][0] += batch["x"][0, :2]
+    loss = ((state.model(batch["x"]) * state.extra["log_t"].exp() - 1) ** 2).mean()
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss * float("nan") if int(batch["i"]) == 7 else loss
+"""
+
+
+def test_a_tensor_in_extra_that_the_optimizer_trains_is_restored_in_place(project, tmp_path):
+    # restore replaced every tensor of extra by a new one (not requiring grad): the step's temperature was no longer
+    # the one the optimizer steps, and the replay diverged one step after the snapshot.
+    mod = project("s10_temperature", TEMPERATURE)
+    bundle = record_bundle(mod, {}, 10, tmp_path / "repros", snapshot_every=4)
+    report = reprokit.replay(bundle, times=2)
+    assert report.fidelity["bit_exact"] and report.fidelity["steps_compared"] == 4, report.fidelity["first_diverging"]
+    with session(bundle) as s:
+        log_t, seen = s.state.extra["log_t"], s.state.extra["seen"]
+        s.run(s.inputs())
+        s.restore()
+        assert s.state.extra["log_t"] is log_t and log_t.requires_grad
+        assert s.state.optimizer.param_groups[0]["params"][-1] is log_t
+        assert s.state.extra["seen"] is seen
+        assert float(log_t.detach()) != 0.0, "the recorded value, not build()'s"
