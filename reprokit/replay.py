@@ -23,6 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from reprokit import pytree
@@ -341,7 +342,7 @@ class Session:
         for inp in steps:
             restore_rng(inp.rng, inp.rng_tensors, self.state.extra if self.state else None)
             # A fresh copy every run: a step that edits its batch in place must not change the next replay.
-            batch = pytree.map_tensors(inp.batch, lambda t: t.to(self.device, copy=True))
+            batch = _fresh_batch(inp.batch, self.device)
             result = self.monitor.run(self.step_fn, batch, inp.step)
             losses[inp.step] = result.loss
             if result.failure is not None:
@@ -414,6 +415,22 @@ class Session:
         names = self.bundle.env.get("devices") or []
         index = recorded.index or 0
         return index < len(names) and names[index] == torch.cuda.get_device_name(self.device)
+
+
+def _fresh_batch(obj: Any, device: torch.device) -> Any:
+    """A copy of a recorded batch for one run: tensors copied to ``device``, numpy arrays copied (decoded, they are
+    views of the stored tensors), containers rebuilt."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, copy=True)
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, dict):
+        return {k: _fresh_batch(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_fresh_batch(v, device) for v in obj)
+    if isinstance(obj, list):
+        return [_fresh_batch(v, device) for v in obj]
+    return obj
 
 
 def _same_float(a: float, b: float) -> bool:

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from rk_testing import bundle_of, record
@@ -271,3 +272,35 @@ def test_a_tensor_in_extra_that_the_optimizer_trains_is_restored_in_place(projec
         assert s.state.optimizer.param_groups[0]["params"][-1] is log_t
         assert s.state.extra["seen"] is seen
         assert float(log_t.detach()) != 0.0, "the recorded value, not build()'s"
+
+
+NUMPY_BATCH = """
+import torch
+from torch import nn
+import reprokit
+
+def build(config):
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    return reprokit.TrainState(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+
+def train_step(state, batch):
+    w = torch.from_numpy(batch["w"])
+    loss = (((state.model(batch["x"]) - 1) ** 2).squeeze(-1) * w).mean()
+    batch["w"] *= 2  # scribbles on its numpy input after using it
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss * float("nan") if int(batch["i"]) == 7 else loss
+"""
+
+
+def test_a_step_that_edits_a_numpy_array_of_its_batch_does_not_change_the_next_replay(project, tmp_path):
+    # Each run copied the batch's tensors but handed over its numpy arrays as decoded: views of the stored batch, so
+    # the second of --times 2 ran on the weights the first had doubled.
+    mod = project("s10_numpy_batch", NUMPY_BATCH)
+    batches_np = [{**b, "w": np.ones(6, dtype=np.float32)} for b in batches(10)]
+    _, exc = record(mod, {}, batches_np, tmp_path / "repros", snapshot_every=4)
+    report = reprokit.replay(bundle_of(exc), times=2)
+    assert report.verdict == "deterministic" and report.fidelity["bit_exact"]
+    assert report.fidelity["runs_bit_identical"], [r.losses for r in report.runs]
