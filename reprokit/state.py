@@ -11,6 +11,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from reprokit import pytree, rng
@@ -241,7 +242,7 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
 
 def _into_live(recorded: Any, live: Any, device: torch.device) -> Any:
     """``recorded`` (a decoded ``extra``, its tensors copies of the snapshot's) put into the live objects where they
-    fit: a tensor of the same shape and dtype is copied into in place, a dict or list updated in place.
+    fit: a tensor (or numpy array) of the same shape and dtype is copied into in place, a dict or list updated in place.
 
     The step may reach them by another way than ``state.extra``: a learnable scalar kept in ``extra`` is also in the
     optimizer's parameters, and a new tensor in its place (which no longer requires grad) would leave the optimizer
@@ -257,6 +258,12 @@ def _into_live(recorded: Any, live: Any, device: torch.device) -> Any:
             except RuntimeError:  # an inference tensor, say: replaced instead
                 pass
         return recorded.to(device)
+    if isinstance(recorded, np.ndarray):
+        if isinstance(live, np.ndarray) and live.shape == recorded.shape and live.dtype == recorded.dtype \
+                and live.flags.writeable:
+            live[...] = recorded
+            return live
+        return recorded.copy()
     if isinstance(recorded, dict):
         out = {k: _into_live(v, live.get(k) if isinstance(live, dict) else None, device) for k, v in recorded.items()}
         if isinstance(live, dict):

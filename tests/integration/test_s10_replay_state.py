@@ -236,6 +236,7 @@ def test_a_param_group_added_during_the_run_is_refused_with_what_to_do(project, 
 
 
 TEMPERATURE = """
+import numpy as np
 import torch
 from torch import nn
 import reprokit
@@ -245,10 +246,12 @@ def build(config):
     m = nn.Linear(4, 1)
     log_t = torch.zeros((), requires_grad=True)  # a learnable temperature: in extra and in the optimizer
     opt = torch.optim.SGD([*m.parameters(), log_t], lr=0.1)
-    return reprokit.TrainState(model=m, optimizer=opt, extra={"log_t": log_t, "seen": [torch.zeros(2)]})
+    return reprokit.TrainState(model=m, optimizer=opt, extra={"log_t": log_t, "seen": [torch.zeros(2)],
+                                                                                 "hist": np.zeros(2)})
 
 def train_step(state, batch):
     state.extra["seen"][0] += batch["x"][0, :2]
+    state.extra["hist"] += batch["x"][0, :2].numpy()
     loss = ((state.model(batch["x"]) * state.extra["log_t"].exp() - 1) ** 2).mean()
     loss.backward()
     state.optimizer.step()
@@ -265,12 +268,13 @@ def test_a_tensor_in_extra_that_the_optimizer_trains_is_restored_in_place(projec
     report = reprokit.replay(bundle, times=2)
     assert report.fidelity["bit_exact"] and report.fidelity["steps_compared"] == 4, report.fidelity["first_diverging"]
     with session(bundle) as s:
-        log_t, seen = s.state.extra["log_t"], s.state.extra["seen"]
+        log_t, seen, hist = s.state.extra["log_t"], s.state.extra["seen"], s.state.extra["hist"]
         s.run(s.inputs())
         s.restore()
         assert s.state.extra["log_t"] is log_t and log_t.requires_grad
         assert s.state.optimizer.param_groups[0]["params"][-1] is log_t
-        assert s.state.extra["seen"] is seen
+        assert s.state.extra["seen"] is seen and s.state.extra["hist"] is hist
+        assert torch.allclose(seen[0], torch.from_numpy(hist).float()), "both summed the same rows since the start"
         assert float(log_t.detach()) != 0.0, "the recorded value, not build()'s"
 
 
