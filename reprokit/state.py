@@ -34,6 +34,9 @@ BUFFERS = "buffers"
 not snapshot them (``build`` makes them); a replay session's own snapshots do (see :func:`volatile_buffers`)."""
 FROZEN = "frozen"
 """Key of the state tree: the names of the parameters that do not require grad (a frozen backbone)."""
+OUTSIDE_GRADS = "outside_grads"
+"""Key of the state tree: ``{optimizer index: grad}`` of the optimizer's parameters that are not the model's (a
+learnable temperature kept in ``extra``); present whenever there are such parameters, empty when none had a grad."""
 
 
 @dataclass(kw_only=True)
@@ -146,6 +149,9 @@ def capture_state(state: TrainState, copy: pytree.TensorCopy | None = None) -> t
     }
     if grads:
         parts[GRADS] = grads
+    outside = _outside_params(state)
+    if outside is not None:
+        parts[OUTSIDE_GRADS] = {i: p.grad for i, p in outside.items() if p.grad is not None}
     for name, sd in parts.items():
         try:
             tree[name], _ = pytree.encode(sd, name, skip_callables=(name == SCHEDULER), **kw)
@@ -233,6 +239,7 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     _reset_scaler_step(state.scaler)
     grads = pytree.decode(tree.get(GRADS, {}), tensors)
     _restore_grads(state.model, _renamed(grads, dict(state.model.named_parameters()).keys()), device)
+    _restore_outside_grads(state, tree, tensors)
     extra = rng.unmarked(pytree.decode(tree.get(EXTRA, {}), tensors), state.extra)
     merged = _into_live(extra, state.extra, device)
     if merged is not state.extra:  # not a dict subclass that took the update
@@ -395,6 +402,34 @@ def _renamed(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
     if not any(k.startswith(prefix) for k in recorded) and {prefix + k for k in recorded} <= live:
         return {prefix + k: v for k, v in recorded.items()}
     return recorded
+
+
+def _outside_params(state: TrainState) -> dict[str, torch.Tensor] | None:
+    """The optimizer's parameters that are not the model's, by their index in its state dict (as a string); None when
+    there are none, or when one is sharded (FSDP2: their gradients are left as they are)."""
+    mine = {id(p) for p in state.model.parameters()}
+    params = [p for group in state.optimizer.param_groups for p in group["params"]]  # state_dict()'s numbering
+    outside = {str(i): p for i, p in enumerate(params) if id(p) not in mine}
+    if not outside or any(type(p) not in (torch.Tensor, torch.nn.Parameter) for p in outside.values()):
+        return None
+    return outside
+
+
+def _restore_outside_grads(state: TrainState, tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """``.grad`` of the optimizer's parameters outside the model as the snapshot had them (bundles that recorded them:
+    a replay that raised after its backward left a gradient there, which the next replay's backward added to)."""
+    recorded = tree.get(OUTSIDE_GRADS)
+    outside = _outside_params(state)
+    if recorded is None or outside is None:
+        return
+    grads = pytree.decode(recorded, tensors)
+    unknown = sorted(set(grads) - set(outside))
+    if unknown:
+        raise StateMismatchError(f"the bundle holds gradients for optimizer parameters {', '.join(unknown[:5])} "
+                                 "(by index), which the optimizer that build() made does not have outside the model")
+    for i, p in outside.items():
+        g = grads.get(i)
+        p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)  # a clone already
 
 
 def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], device: torch.device) -> None:

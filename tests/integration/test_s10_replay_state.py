@@ -308,3 +308,25 @@ def test_a_step_that_edits_a_numpy_array_of_its_batch_does_not_change_the_next_r
     report = reprokit.replay(bundle_of(exc), times=2)
     assert report.verdict == "deterministic" and report.fidelity["bit_exact"]
     assert report.fidelity["runs_bit_identical"], [r.losses for r in report.runs]
+
+
+RAISES_AFTER_BACKWARD = TEMPERATURE.replace(
+    "    loss.backward()\n    state.optimizer.step()",
+    "    loss.backward()\n    if int(batch['i']) == 7:\n        raise RuntimeError('a check after backward fails')\n"
+    "    state.optimizer.step()")
+
+
+def test_a_gradient_left_on_an_optimizer_parameter_outside_the_model_does_not_leak_into_the_next_replay(project,
+                                                                                                        tmp_path):
+    # The failing replay raised after its backward: the temperature (in the optimizer, not in the model) kept that
+    # gradient, restore reset only the model's, and the next replay's first backward added to it (runs differed).
+    mod = project("s10_outside_grad", RAISES_AFTER_BACKWARD)
+    bundle = record_bundle(mod, {}, 10, tmp_path / "repros", snapshot_every=4)
+    report = reprokit.replay(bundle, times=2)
+    assert report.verdict == "deterministic" and report.fidelity["bit_exact"]
+    assert report.fidelity["runs_bit_identical"], [r.losses for r in report.runs]
+    with session(bundle) as s:
+        s.run(s.inputs())
+        assert s.state.extra["log_t"].grad is not None
+        s.restore()
+        assert s.state.extra["log_t"].grad is None, "none at the snapshot (zero_grad(set_to_none=True))"
