@@ -118,9 +118,9 @@ TRANSIENT_NOTE = (
 NOT_BIT_EXACT_HINT = (
     "replayed on the device it was recorded on, losses should be bit-exact; common causes: a random generator "
     "outside state.extra (a torch.Generator, random.Random or numpy Generator your step draws from), training "
-    "state changed outside train_step (LR, counters, weights edited in the loop), a non-persistent buffer your step "
-    "changes (register_buffer(..., persistent=False) is in no state_dict, so no snapshot: replay starts it as build() "
-    "makes it), or a nondeterministic kernel "
+    "state changed outside train_step (LR, counters, weights edited in the loop), a non-persistent buffer or a plain "
+    "attribute of a module that your step changes (in no state_dict, so in no snapshot: replay starts it as build() "
+    "makes it; keep such state in state.extra or a persistent buffer), or a nondeterministic kernel "
     "(check with `reprokit bisect precision BUNDLE --variants deterministic`)")
 
 
