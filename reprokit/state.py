@@ -211,6 +211,7 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     except (ValueError, KeyError, RuntimeError) as e:
         raise StateMismatchError(f"the recorded optimizer state does not fit the optimizer that build() made: {e}"
                                  f"{_groups_hint(opt_sd, state.optimizer)}") from None
+    _keep_recorded_dtypes(state, opt_sd)
     del opt_sd
     if shared:  # a tensor the optimizer kept as given (a custom optimizer, nested state) gets a copy of its own
         kept: list[bool] = []
@@ -359,6 +360,26 @@ def _ddp_prefix(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
     if not any(k.startswith(prefix) for k in recorded) and {prefix + k for k in recorded} == live:
         return {prefix + k: v for k, v in recorded.items()}
     return recorded
+
+
+def _keep_recorded_dtypes(state: TrainState, recorded: Any) -> None:
+    """Optimizer state in the dtype it was recorded in. ``Optimizer.load_state_dict`` casts floating-point state to its
+    parameter's dtype (meant for a checkpoint saved in another precision): an optimizer that keeps float32 moments for
+    bfloat16 parameters (or float64 for float32) would replay with its state rounded."""
+    saved = recorded.get("state") if isinstance(recorded, dict) else None
+    if not isinstance(saved, dict):
+        return
+    params = _optimizer_params(state)
+    for index, entries in saved.items():
+        p = params.get(str(index))
+        live = state.optimizer.state.get(p) if p is not None else None
+        if not isinstance(entries, dict) or not isinstance(live, dict):
+            continue
+        for name, value in entries.items():
+            now = live.get(name)
+            if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) and now.dtype != value.dtype \
+                    and type(now) is torch.Tensor:
+                live[name] = value.to(device=now.device, copy=True)
 
 
 def _groups_hint(recorded: Any, optimizer: torch.optim.Optimizer) -> str:

@@ -330,3 +330,51 @@ def test_a_gradient_left_on_an_optimizer_parameter_outside_the_model_does_not_le
         assert s.state.extra["log_t"].grad is not None
         s.restore()
         assert s.state.extra["log_t"].grad is None, "none at the snapshot (zero_grad(set_to_none=True))"
+
+
+MASTER = """
+import torch
+from torch import nn
+import reprokit
+
+class Float64Momentum(torch.optim.Optimizer):
+    # Momentum kept in float64 for float32 parameters (a higher-precision buffer, as mixed-precision optimizers keep).
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    buf = self.state[p].setdefault("buf", torch.zeros_like(p, dtype=torch.float64))
+                    buf.mul_(0.9).add_(p.grad.double() / 3)
+                    p.sub_((g["lr"] * buf).float())
+
+def build(config):
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    return reprokit.TrainState(model=m, optimizer=Float64Momentum(m.parameters(), lr=0.05))
+
+def train_step(state, batch):
+    loss = ((state.model(batch["x"]) - 1) ** 2).mean()
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss * float("nan") if int(batch["i"]) == 7 else loss
+"""
+
+
+def test_optimizer_state_comes_back_in_the_dtype_it_was_recorded_in(project, tmp_path):
+    # Optimizer.load_state_dict casts floating-point state to the parameter's dtype: the float64 momentum came back
+    # rounded to float32, and the replay stepped from other numbers than the recording.
+    mod = project("s10_master", MASTER)
+    bundle = record_bundle(mod, {}, 10, tmp_path / "repros", snapshot_every=4)
+    with session(bundle) as s:
+        tree, tensors = s.snapshot
+        s.restore()
+        for i, p in enumerate(s.state.model.parameters()):
+            recorded = tensors[f"optimizer/state/{i}/buf"]
+            live = s.state.optimizer.state[p]["buf"]
+            assert live.dtype == torch.float64 and torch.equal(live, recorded)
+            assert live.data_ptr() != recorded.data_ptr(), "the snapshot stays the snapshot"
