@@ -273,8 +273,8 @@ class Session:
         state.model.to(self.device)
         self.state = state
         # Non-persistent buffers are in no snapshot the recorder took: every restore of the bundle's snapshot puts
-        # back what build() made, so that no replay starts from what the last one left.
-        self._built_buffers = {k: v.detach().clone() for k, v in volatile_buffers(state.model).items()}
+        # back what build() made, so that no replay starts from what the last one left (kept in host memory).
+        self._built_buffers = {k: v.detach().to("cpu", copy=True) for k, v in volatile_buffers(state.model).items()}
         self._preload = _Preload.make(state, self.bundle, self.device) if self._preload_on else None
         self._stack.callback(self._drop_preload)
         self._read_steps_ahead()
