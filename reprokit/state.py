@@ -181,10 +181,8 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     device = _model_device(state.model)
     if tree.get(SHARDS):
         tensors = _as_shards(state, tree[SHARDS], tensors, device)
-    live_sd = state.model.state_dict()
-    model_sd = _ddp_prefix(pytree.decode(tree[MODEL], tensors), live_sd.keys())
-    _check_dtypes(model_sd, live_sd)
-    del live_sd
+    model_sd = _ddp_prefix(pytree.decode(tree[MODEL], tensors), state.model.state_dict().keys())
+    _adopt_dtypes(state.model, model_sd)
     try:
         state.model.load_state_dict({k: v.to(device) if isinstance(v, torch.Tensor) else v
                                      for k, v in model_sd.items()})
@@ -396,20 +394,28 @@ def _groups_hint(recorded: Any, optimizer: torch.optim.Optimizer) -> str:
             "as the run has them at the snapshot")
 
 
-def _check_dtypes(recorded: dict[str, Any], live: dict[str, Any]) -> None:
-    """Refuse floating-point model tensors recorded in another dtype than ``build`` makes them: ``load_state_dict``
-    would cast them silently (a model cast to float64 or bfloat16 in the training loop, after ``build``, replayed in
-    float32: other numbers, and the optimizer's state cast along)."""
-    odd = [(k, v.dtype, live[k].dtype) for k, v in recorded.items()
-           if isinstance(v, torch.Tensor) and isinstance(live.get(k), torch.Tensor) and v.dtype != live[k].dtype
-           and (v.is_floating_point() or live[k].is_floating_point())]
-    if odd:
-        what = ", ".join(f"{k} (recorded {a}, build() made {b})" for k, a, b in odd[:3])
-        raise StateMismatchError(
-            f"the recorded model state has other dtypes than the model that build() made: {what}"
-            f"{f' and {len(odd) - 3} more' if len(odd) > 3 else ''}. Replaying would cast them and run other numbers; "
-            "make the model in its training dtype inside build() (a cast in the training loop, after build(), is not "
-            "part of the replay).")
+def _adopt_dtypes(model: torch.nn.Module, recorded: dict[str, Any]) -> None:
+    """Parameters and buffers in the dtype the snapshot holds them in, where ``build`` made another one.
+
+    ``load_state_dict`` copies values into the live tensors' dtype: a model that the loop cast after ``build`` (to
+    float64, or bfloat16) would replay cast back, with other numbers. The live tensors keep their identity (the
+    optimizer holds them); a step that casts the model itself casts it again, as it did when recording.
+    """
+    for key, value in recorded.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        live: torch.Tensor
+        try:
+            live = model.get_parameter(key)
+        except AttributeError:
+            try:
+                live = model.get_buffer(key)
+            except AttributeError:
+                continue  # extra state, or a name load_state_dict reports
+        if live.dtype != value.dtype and type(live) in (torch.Tensor, torch.nn.Parameter):
+            with torch.no_grad():
+                live.grad = None  # restored after, in the new dtype
+                live.data = live.data.to(value.dtype)
 
 
 def _renamed(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
