@@ -391,3 +391,42 @@ def test_optimizer_state_comes_back_in_the_dtype_it_was_recorded_in(project, tmp
             live = s.state.optimizer.state[p]["buf"]
             assert live.dtype == torch.float64 and torch.equal(live, recorded)
             assert live.data_ptr() != recorded.data_ptr(), "the snapshot stays the snapshot"
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two decoded state trees differ (tensors by dtype, shape and bits; NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+            a.cpu().view(-1).view(torch.uint8), b.cpu().contiguous().view(-1).view(torch.uint8))
+        return [] if same else [path]
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return [f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b)) if isinstance(b, dict) else b!r}"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            return [f"{path}: {a!r} vs {b!r}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}/{i}")]
+    return [] if a == b or (a != a and b != b) else [f"{path}: {a!r} vs {b!r}"]
+
+
+def test_every_restore_gives_back_exactly_the_recorded_snapshot(projects, tmp_path):
+    # Regression guard for the "exact" claim over repeats: after a run, a restore captures as the bundle's snapshot
+    # (model, optimizer with its step counters and param_groups, scheduler, scaler, gradients, modes, RNG).
+    mlp = projects("rk_mlp")
+    cfg = {"optimizer": "adam", "scheduler": "sequential", "scaler": True}
+    _, exc = record(mlp, cfg, mlp.batches(cfg, 14, poison_step=11), tmp_path, snapshot_every=5)
+    from reprokit import pytree
+
+    with session(bundle_of(exc)) as s:
+        tree, tensors = s.snapshot
+        recorded = pytree.decode(tree["state"], tensors)
+        for _ in range(2):
+            assert s.run(s.inputs()).same
+            s.restore()
+            live_tree, live_tensors = s.capture()
+            assert _differences(recorded, pytree.decode(live_tree["state"], live_tensors)) == []
+            assert _differences(tree["rng"], live_tree["rng"]) == []
+            assert _differences({k: v for k, v in tensors.items() if k.startswith("rng/")},
+                                {k: v for k, v in live_tensors.items() if k.startswith("rng/")}) == []
+            assert live_tree["monitor"] == tree["monitor"]
