@@ -23,6 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from reprokit import pytree
@@ -32,7 +33,19 @@ from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
 from reprokit.errors import CodeLoadError, ReprokitError, StateMismatchError
 from reprokit.signature import Failure, summary_line
-from reprokit.state import MODEL, OPTIMIZER, SHARDS, TrainState, capture_rng, capture_state, restore_rng, restore_state
+from reprokit.state import (
+    BUFFERS,
+    MODEL,
+    OPTIMIZER,
+    SHARDS,
+    TrainState,
+    capture_rng,
+    capture_state,
+    put_buffers,
+    restore_rng,
+    restore_state,
+    volatile_buffers,
+)
 
 
 @dataclass
@@ -105,7 +118,9 @@ TRANSIENT_NOTE = (
 NOT_BIT_EXACT_HINT = (
     "replayed on the device it was recorded on, losses should be bit-exact; common causes: a random generator "
     "outside state.extra (a torch.Generator, random.Random or numpy Generator your step draws from), training "
-    "state changed outside train_step (LR, counters, weights edited in the loop), or a nondeterministic kernel "
+    "state changed outside train_step (LR, counters, weights edited in the loop), a non-persistent buffer or a plain "
+    "attribute of a module that your step changes (in no state_dict, so in no snapshot: replay starts it as build() "
+    "makes it; keep such state in state.extra or a persistent buffer), or a nondeterministic kernel "
     "(check with `reprokit bisect precision BUNDLE --variants deterministic`)")
 
 
@@ -257,6 +272,9 @@ class Session:
         state = as_train_state(state)
         state.model.to(self.device)
         self.state = state
+        # Non-persistent buffers are in no snapshot the recorder took: every restore of the bundle's snapshot puts
+        # back what build() made, so that no replay starts from what the last one left (kept in host memory).
+        self._built_buffers = {k: v.detach().to("cpu", copy=True) for k, v in volatile_buffers(state.model).items()}
         self._preload = _Preload.make(state, self.bundle, self.device) if self._preload_on else None
         self._stack.callback(self._drop_preload)
         self._read_steps_ahead()
@@ -292,7 +310,9 @@ class Session:
         return out
 
     def restore(self, snapshot: tuple[dict, dict] | None = None) -> None:
-        """Put model/optimizer/scheduler/scaler/RNG/monitor back to a snapshot (default: the bundle's)."""
+        """Put model/optimizer/scheduler/scaler/RNG/monitor back to a snapshot (default: the bundle's), and the
+        model's non-persistent buffers to what the snapshot holds (one :meth:`capture` took) or else what ``build``
+        made."""
         assert self.state is not None, "use Session as a context manager"
         tree, tensors = snapshot or self.snapshot
         owned: set[str] = set()
@@ -302,6 +322,8 @@ class Session:
             tensors, owned = {**tensors, **on_device}, set(on_device)
             del on_device  # restore_state drops the model's copies as soon as they are loaded
         restore_state(self.state, tree["state"], tensors, owned=owned)
+        buffers = tree["state"].get(BUFFERS)  # in the snapshots capture() takes
+        put_buffers(self.state.model, self._built_buffers if buffers is None else pytree.decode(buffers, tensors))
         restore_rng(tree["rng"], tensors, self.state.extra)
         self.monitor.load_state_dict(tree.get("monitor", {}))
 
@@ -320,7 +342,7 @@ class Session:
         for inp in steps:
             restore_rng(inp.rng, inp.rng_tensors, self.state.extra if self.state else None)
             # A fresh copy every run: a step that edits its batch in place must not change the next replay.
-            batch = pytree.map_tensors(inp.batch, lambda t: t.to(self.device, copy=True))
+            batch = _fresh_batch(inp.batch, self.device)
             result = self.monitor.run(self.step_fn, batch, inp.step)
             losses[inp.step] = result.loss
             if result.failure is not None:
@@ -335,6 +357,9 @@ class Session:
         """The live state as a snapshot in the bundle's ``state/`` format."""
         assert self.state is not None, "use Session as a context manager"
         tree, tensors = capture_state(self.state)
+        buffers = volatile_buffers(self.state.model)
+        if buffers:
+            tree[BUFFERS], _ = pytree.encode(buffers, BUFFERS, tensors=tensors)
         rng_tree, rng_tensors = capture_rng(self.state.extra)
         return {"state": tree, "rng": rng_tree, "monitor": self.monitor.state_dict()}, {**tensors, **rng_tensors}
 
@@ -390,6 +415,22 @@ class Session:
         names = self.bundle.env.get("devices") or []
         index = recorded.index or 0
         return index < len(names) and names[index] == torch.cuda.get_device_name(self.device)
+
+
+def _fresh_batch(obj: Any, device: torch.device) -> Any:
+    """A copy of a recorded batch for one run: tensors copied to ``device``, numpy arrays copied (decoded, they are
+    views of the stored tensors), containers rebuilt."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, copy=True)
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, dict):
+        return {k: _fresh_batch(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_fresh_batch(v, device) for v in obj)
+    if isinstance(obj, list):
+        return [_fresh_batch(v, device) for v in obj]
+    return obj
 
 
 def _same_float(a: float, b: float) -> bool:

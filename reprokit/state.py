@@ -11,6 +11,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from reprokit import pytree, rng
@@ -26,6 +27,16 @@ GRADS = "grads"
 SHARDS = "shards"
 """Key of the state tree that describes sharded tensors (FSDP2's DTensors): ``{tensor key: layout}``."""
 COMPONENTS = (MODEL, OPTIMIZER, SCHEDULER, SCALER)
+MODES = "modes"
+"""Key of the state tree: ``{module name: training}`` for the submodules whose train/eval mode is not the model's."""
+BUFFERS = "buffers"
+"""Key of the state tree: the model's non-persistent buffers, which a ``state_dict`` leaves out. The recorder does
+not snapshot them (``build`` makes them); a replay session's own snapshots do (see :func:`volatile_buffers`)."""
+FROZEN = "frozen"
+"""Key of the state tree: the names of the parameters that do not require grad (a frozen backbone)."""
+OUTSIDE_GRADS = "outside_grads"
+"""Key of the state tree: ``{optimizer index: grad}`` of the optimizer's parameters that are not the model's (a
+learnable temperature kept in ``extra``); present whenever there are such parameters, empty when none had a grad."""
 
 
 @dataclass(kw_only=True)
@@ -124,7 +135,10 @@ def capture_state(state: TrainState, copy: pytree.TensorCopy | None = None) -> t
     kw: dict[str, Any] = {"tensors": tensors, "shards": shards}
     if copy is not None:
         kw["copy"] = copy
-    tree: dict[str, Any] = {"training": state.model.training}
+    tree: dict[str, Any] = {"training": state.model.training, FROZEN: frozen_params(state.model)}
+    modes = module_modes(state.model)
+    if modes:
+        tree[MODES] = modes
     grads = {name: p.grad for name, p in state.model.named_parameters() if p.grad is not None}
     parts = {
         MODEL: state.model.state_dict(),
@@ -135,6 +149,9 @@ def capture_state(state: TrainState, copy: pytree.TensorCopy | None = None) -> t
     }
     if grads:
         parts[GRADS] = grads
+    outside = _outside_params(state)
+    if outside is not None:
+        parts[OUTSIDE_GRADS] = {i: p.grad for i, p in outside.items() if p.grad is not None}
     for name, sd in parts.items():
         try:
             tree[name], _ = pytree.encode(sd, name, skip_callables=(name == SCHEDULER), **kw)
@@ -165,6 +182,7 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     if tree.get(SHARDS):
         tensors = _as_shards(state, tree[SHARDS], tensors, device)
     model_sd = _ddp_prefix(pytree.decode(tree[MODEL], tensors), state.model.state_dict().keys())
+    _adopt_dtypes(state.model, model_sd)
     try:
         state.model.load_state_dict({k: v.to(device) if isinstance(v, torch.Tensor) else v
                                      for k, v in model_sd.items()})
@@ -173,7 +191,7 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
     del model_sd
     for k in [k for k in owned if k.startswith(MODEL + "/")]:
         tensors.pop(k, None)
-    state.model.train(tree.get("training", True))
+    _restore_modes(state.model, tree)
     # The snapshot must survive any number of restores, and optimizers keep the tensors they are given when
     # dtype and device match: they get clones. Except for a large optimizer state on the host for a model on
     # the GPU (1 GiB or more: a host clone of a 20 GB state would hold it twice in memory): its tensors are
@@ -185,10 +203,14 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
              for k, v in opt.items()}
     shared = {v.data_ptr() for k, v in given.items() if k not in owned and v is tensors[k] and v.numel()}
     tensors = {k: v.clone() for k, v in tensors.items() if not k.startswith((MODEL + "/", OPTIMIZER + "/"))} | given
+    opt_sd = pytree.decode(tree[OPTIMIZER], tensors)
     try:
-        state.optimizer.load_state_dict(pytree.decode(tree[OPTIMIZER], tensors))
+        state.optimizer.load_state_dict(opt_sd)
     except (ValueError, KeyError, RuntimeError) as e:
-        raise StateMismatchError(f"the recorded optimizer state does not fit the optimizer that build() made: {e}") from None
+        raise StateMismatchError(f"the recorded optimizer state does not fit the optimizer that build() made: {e}"
+                                 f"{_groups_hint(opt_sd, state.optimizer)}") from None
+    _keep_recorded_dtypes(state, opt_sd)
+    del opt_sd
     if shared:  # a tensor the optimizer kept as given (a custom optimizer, nested state) gets a copy of its own
         kept: list[bool] = []
 
@@ -213,11 +235,70 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
             )
         if obj is not None:
             obj.load_state_dict(pytree.decode(recorded, tensors))
+    _reset_scaler_step(state.scaler)
     grads = pytree.decode(tree.get(GRADS, {}), tensors)
-    _restore_grads(state.model, _ddp_prefix(grads, dict(state.model.named_parameters()).keys()), device)
+    _restore_grads(state.model, _renamed(grads, dict(state.model.named_parameters()).keys()), device)
+    _restore_outside_grads(state, tree, tensors)
     extra = rng.unmarked(pytree.decode(tree.get(EXTRA, {}), tensors), state.extra)
-    state.extra.clear()
-    state.extra.update(pytree.map_tensors(extra, lambda t: t.to(device)))
+    merged = _into_live(extra, state.extra, device)
+    if merged is not state.extra:  # not a dict subclass that took the update
+        state.extra.clear()
+        state.extra.update(merged)
+
+
+def _into_live(recorded: Any, live: Any, device: torch.device) -> Any:
+    """``recorded`` (a decoded ``extra``, its tensors copies of the snapshot's) put into the live objects where they
+    fit: a tensor (or numpy array) of the same shape and dtype is copied into in place, a dict or list updated in place.
+
+    The step may reach them by another way than ``state.extra``: a learnable scalar kept in ``extra`` is also in the
+    optimizer's parameters, and a new tensor in its place (which no longer requires grad) would leave the optimizer
+    stepping the old one. Anything else takes the recorded value (a tensor on the model's device).
+    """
+    if isinstance(recorded, torch.Tensor):
+        if type(live) in (torch.Tensor, torch.nn.Parameter) and live.shape == recorded.shape \
+                and live.dtype == recorded.dtype:
+            try:
+                with torch.no_grad():
+                    live.copy_(recorded)
+                return live
+            except RuntimeError:  # an inference tensor, say: replaced instead
+                pass
+        return recorded.to(device)
+    if isinstance(recorded, np.ndarray):
+        if isinstance(live, np.ndarray) and live.shape == recorded.shape and live.dtype == recorded.dtype \
+                and live.flags.writeable:
+            live[...] = recorded
+            return live
+        return recorded.copy()
+    if isinstance(recorded, dict):
+        out = {k: _into_live(v, live.get(k) if isinstance(live, dict) else None, device) for k, v in recorded.items()}
+        if isinstance(live, dict):
+            live.clear()
+            live.update(out)
+            return live
+        return out
+    if isinstance(recorded, (list, tuple)):
+        items = [_into_live(v, live[i] if isinstance(live, (list, tuple)) and i < len(live) else None, device)
+                 for i, v in enumerate(recorded)]
+        if isinstance(recorded, tuple):
+            return tuple(items)
+        if isinstance(live, list):
+            live[:] = items
+            return live
+        return items
+    return recorded
+
+
+def _reset_scaler_step(scaler: Any) -> None:
+    """Forget what a GradScaler noted about the step in progress (``unscale_`` called, inf checks found).
+
+    A snapshot is taken at a step start, where ``update()`` has cleared these; a replayed step that raised between
+    ``unscale_`` and ``update`` leaves them set, and ``load_state_dict`` keeps them: the next replay's ``unscale_``
+    would raise "already been called". GradScaler has no public reset; this is what its ``update()`` does.
+    """
+    per_optimizer = getattr(scaler, "_per_optimizer_states", None)
+    if isinstance(per_optimizer, dict):
+        per_optimizer.clear()  # a defaultdict: each optimizer gets a fresh record on its next use
 
 
 def _as_shards(state: TrainState, shards: dict[str, dict[str, Any]], tensors: dict[str, torch.Tensor],
@@ -279,6 +360,105 @@ def _ddp_prefix(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
     return recorded
 
 
+def _keep_recorded_dtypes(state: TrainState, recorded: Any) -> None:
+    """Optimizer state in the dtype it was recorded in. ``Optimizer.load_state_dict`` casts floating-point state to its
+    parameter's dtype (meant for a checkpoint saved in another precision): an optimizer that keeps float32 moments for
+    bfloat16 parameters (or float64 for float32) would replay with its state rounded."""
+    saved = recorded.get("state") if isinstance(recorded, dict) else None
+    if not isinstance(saved, dict):
+        return
+    params = _optimizer_params(state)
+    for index, entries in saved.items():
+        p = params.get(str(index))
+        live = state.optimizer.state.get(p) if p is not None else None
+        if not isinstance(entries, dict) or not isinstance(live, dict):
+            continue
+        for name, value in entries.items():
+            now = live.get(name)
+            if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) and now.dtype != value.dtype \
+                    and type(now) is torch.Tensor:
+                live[name] = value.to(device=now.device, copy=True)
+
+
+def _groups_hint(recorded: Any, optimizer: torch.optim.Optimizer) -> str:
+    """Where the recorded parameter groups differ from the built ones: a group added or grown during the run."""
+    groups = recorded.get("param_groups") if isinstance(recorded, dict) else None
+    if not isinstance(groups, list):
+        return ""
+    had = [len(g.get("params", ())) for g in groups if isinstance(g, dict)]
+    made = [len(g["params"]) for g in optimizer.param_groups]
+    if had == made:
+        return ""
+    return (f" (parameters per group: recorded {had}, build() made {made}). Groups added with add_param_group (or "
+            "grown) during the run are not replayed, since replay starts from build(): create every group in build(), "
+            "as the run has them at the snapshot")
+
+
+def _adopt_dtypes(model: torch.nn.Module, recorded: dict[str, Any]) -> None:
+    """Parameters and buffers in the dtype the snapshot holds them in, where ``build`` made another one.
+
+    ``load_state_dict`` copies values into the live tensors' dtype: a model that the loop cast after ``build`` (to
+    float64, or bfloat16) would replay cast back, with other numbers. The live tensors keep their identity (the
+    optimizer holds them); a step that casts the model itself casts it again, as it did when recording.
+    """
+    for key, value in recorded.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        live: torch.Tensor
+        try:
+            live = model.get_parameter(key)
+        except AttributeError:
+            try:
+                live = model.get_buffer(key)
+            except AttributeError:
+                continue  # extra state, or a name load_state_dict reports
+        if live.dtype != value.dtype and type(live) in (torch.Tensor, torch.nn.Parameter):
+            with torch.no_grad():
+                live.grad = None  # restored after, in the new dtype
+                live.data = live.data.to(value.dtype)
+
+
+def _renamed(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
+    """:func:`_ddp_prefix` for entries of some of the live names only (gradients, modes, frozen parameters)."""
+    live = set(live)
+    if set(recorded) <= live:
+        return recorded
+    prefix = "module."
+    if all(k.startswith(prefix) for k in recorded) and {k[len(prefix):] for k in recorded} <= live:
+        return {k[len(prefix):]: v for k, v in recorded.items()}
+    if not any(k.startswith(prefix) for k in recorded) and {prefix + k for k in recorded} <= live:
+        return {prefix + k: v for k, v in recorded.items()}
+    return recorded
+
+
+def _outside_params(state: TrainState) -> dict[str, torch.Tensor] | None:
+    """The optimizer's parameters that are not the model's, by their index in its state dict (as a string); None when
+    there are none, or when one is sharded (FSDP2: their gradients are left as they are)."""
+    mine = {id(p) for p in state.model.parameters()}
+    params = [p for group in state.optimizer.param_groups for p in group["params"]]  # state_dict()'s numbering
+    outside = {str(i): p for i, p in enumerate(params) if id(p) not in mine}
+    if not outside or any(type(p) not in (torch.Tensor, torch.nn.Parameter) for p in outside.values()):
+        return None
+    return outside
+
+
+def _restore_outside_grads(state: TrainState, tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """``.grad`` of the optimizer's parameters outside the model as the snapshot had them (bundles that recorded them:
+    a replay that raised after its backward left a gradient there, which the next replay's backward added to)."""
+    recorded = tree.get(OUTSIDE_GRADS)
+    outside = _outside_params(state)
+    if recorded is None or outside is None:
+        return
+    grads = pytree.decode(recorded, tensors)
+    unknown = sorted(set(grads) - set(outside))
+    if unknown:
+        raise StateMismatchError(f"the bundle holds gradients for optimizer parameters {', '.join(unknown[:5])} "
+                                 "(by index), which the optimizer that build() made does not have outside the model")
+    for i, p in outside.items():
+        g = grads.get(i)
+        p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)  # a clone already
+
+
 def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], device: torch.device) -> None:
     """``.grad`` as the snapshot had it: the recorded tensor, or None for a parameter it has none for."""
     params = dict(model.named_parameters())
@@ -289,6 +469,67 @@ def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], devic
     for name, p in params.items():
         g = grads.get(name)
         p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)  # a clone already
+
+
+def module_modes(model: torch.nn.Module) -> dict[str, bool]:
+    """``{name: training}`` of every submodule whose mode differs from ``model``'s (a backbone kept in eval mode)."""
+    return {name: m.training for name, m in model.named_modules() if name and m.training != model.training}
+
+
+def frozen_params(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters that do not require grad."""
+    return [name for name, p in model.named_parameters() if not p.requires_grad]
+
+
+def _restore_modes(model: torch.nn.Module, tree: dict[str, Any]) -> None:
+    """Train/eval mode of every module and ``requires_grad`` of every parameter, as the snapshot had them.
+
+    Neither is in a ``state_dict``, and both change how a step computes: a submodule in eval mode (BatchNorm,
+    dropout) switched back to train by ``model.train()``, or a layer unfrozen during the run that ``build`` makes
+    frozen, replays other numbers. Bundles written before these were recorded hold only the model's own mode.
+    """
+    model.train(tree.get("training", True))
+    modules = dict(model.named_modules())
+    for name, training in _renamed(tree.get(MODES) or {}, modules.keys()).items():
+        # A name the model lacks is a module without state (load_state_dict refused any other): renamed by the code
+        # replayed (`--code`, `bisect commits`), which then is not the recorded code anyway.
+        if name in modules:
+            modules[name].training = bool(training)  # this module only: its children have entries of their own
+    frozen = tree.get(FROZEN)
+    if frozen is None:
+        return
+    params = dict(model.named_parameters())
+    recorded = _renamed(dict.fromkeys(frozen), params.keys())
+    unknown = sorted(set(recorded) - set(params))
+    if unknown:
+        raise StateMismatchError(f"the bundle records frozen parameters that the model build() made lacks: "
+                                 f"{', '.join(unknown[:5])}")
+    for name, p in params.items():
+        p.requires_grad_(name not in recorded)
+
+
+def volatile_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's non-persistent buffers (``register_buffer(..., persistent=False)``), by name.
+
+    ``load_state_dict`` does not touch them, so a step that changes one (a counter, a cache) changes what the next
+    replay from the same snapshot starts with, unless the replay puts them back itself (:func:`put_buffers`).
+    """
+    persistent = model.state_dict().keys()
+    return {name: b for name, b in model.named_buffers() if name not in persistent}
+
+
+def put_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Set the named buffers to copies of ``buffers`` (in place where the live one has the same shape and dtype)."""
+    live = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in buffers.items():
+            cur = live.get(name)
+            if cur is not None and cur.shape == value.shape and cur.dtype == value.dtype:
+                cur.copy_(value)
+            else:  # replaced by the step (another shape), or set to None: a buffer again, as the snapshot had it
+                owner, _, leaf = name.rpartition(".")
+                device = cur.device if cur is not None else _model_device(model)
+                setattr(model.get_submodule(owner), leaf, value.to(device, copy=True))
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
