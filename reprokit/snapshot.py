@@ -47,6 +47,9 @@ from reprokit.errors import RecorderWarning
 from reprokit.state import TrainState, capture_rng, capture_state
 from reprokit.tensorfile import WrittenFile, parallelism, shard, write_safetensors
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types whose data pointer is read (a DTensor has no storage of its own)."""
+
 
 def _need(layout: list[tuple[str, torch.Tensor, Any]]) -> int:
     """Host bytes a snapshot of ``layout`` takes (tied tensors once)."""
@@ -273,8 +276,12 @@ class SnapshotEngine:
         self._prepared = None
 
     def _fingerprint(self) -> tuple:
-        opt = self.state.optimizer
-        return (self.state.model.training, len(opt.state),
+        """What a loop may change between steps that the prepared walk took as it was: modes, which parameters train,
+        a parameter or buffer given new data (a cast), learning rates, how much optimizer state exists."""
+        opt, model = self.state.optimizer, self.state.model
+        return (model.training, tuple(m.training for m in model.modules()),
+                tuple((id(t), t.dtype, t.requires_grad, t.data_ptr() if type(t) in _PLAIN else None)
+                      for t in (*model.parameters(), *model.buffers())), len(opt.state),
                 tuple(tuple(sorted((k, v) for k, v in g.items() if isinstance(v, (int, float, bool))))
                       for g in opt.param_groups),
                 None if self.state.scheduler is None else getattr(self.state.scheduler, "last_epoch", None),

@@ -202,6 +202,39 @@ def test_snapshot_walk_is_prepared_during_the_previous_step(projects, tmp_path):
     assert rec._snapshot.tree["state"]["optimizer"]["param_groups"][0]["lr"] == 0.5
 
 
+@pytest.mark.parametrize("edit", ["unfreeze", "eval", "new_data"])
+def test_a_loop_that_unfreezes_switches_mode_or_swaps_data_right_before_a_snapshot_gets_it_in_the_snapshot(
+        projects, tmp_path, edit):
+    """Schedules fire at round steps, which are snapshot steps: the walk prepared at the end of the step before must
+    not be used for a model whose frozen parameters, modes or parameter data (a cast, a rescale) changed since."""
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cuda"}
+    state = gpu.build(cfg)
+    if edit == "unfreeze":
+        state.model[0].requires_grad_(False)
+    rec = reprokit.Recorder(state, gpu.train_step, build=gpu.build, config=cfg, out_dir=tmp_path, snapshot_every=3)
+    batches = list(gpu.batches(4, None, "cuda"))
+    for b in batches[:3]:
+        rec.step(b)
+    if edit == "unfreeze":
+        state.model[0].requires_grad_(True)
+    elif edit == "eval":
+        state.model[1].eval()
+    else:
+        w = state.model[3].weight
+        w.data = w.data * 2  # new data for the same Parameter object
+        doubled = w.detach().cpu().clone()
+    rec.step(batches[3])  # step 3 takes the snapshot
+    tree = rec._snapshot.tree["state"]
+    assert rec._snapshot.step == 3 and not rec.snapshot_stats["prepared"], "the stale walk is redone"
+    if edit == "unfreeze":
+        assert tree["frozen"] == [], tree["frozen"]
+    elif edit == "eval":
+        assert tree["modes"] == {"1": False}, tree.get("modes")
+    else:
+        assert torch.equal(rec._snapshot.tensors["model/3.weight"], doubled)
+
+
 def test_snapshot_buffers_are_pinned_when_the_recorder_is_made(projects, tmp_path):
     """Step 0's snapshot finds its pinned buffers ready: the CUDA driver's pinning is not on the first window."""
     gpu = projects("rk_gpu")
