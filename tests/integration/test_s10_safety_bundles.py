@@ -1,0 +1,253 @@
+"""Bundles and archives from other people, attacked where the checks used to end: files swapped after they were
+verified (is what gets loaded the bytes that were hashed?), two spellings of one file, text that is not Unicode.
+
+Each case is a real recorded bundle (or a real ``reprokit pack`` archive) altered the way a sender, or
+someone who can write to the folder while reprokit reads it, would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rk_testing import record_mlp_nan, reseal
+
+from reprokit import archive
+from reprokit import bundle as B
+from reprokit.cli import main
+from reprokit.errors import BundleError
+from reprokit.pack import pack
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 8, 6, 4)
+
+
+@pytest.fixture
+def bundle(recorded, tmp_path):
+    return Path(shutil.copytree(recorded, tmp_path / recorded.name))
+
+
+def _step_json(bundle: Path) -> str:
+    return sorted(p.relative_to(bundle).as_posix() for p in (bundle / "steps").glob("*.json"))[0]
+
+
+def _edit(path: Path, key: str, value: object) -> None:
+    doc = json.loads(path.read_text())
+    doc[key] = value
+    path.write_text(json.dumps(doc))
+
+
+# --- a file swapped after verify ----------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["step", "state"])
+def test_a_json_file_swapped_after_open_is_refused_not_loaded(bundle, which):
+    """open_bundle verifies every JSON file, but the step and state documents were read again later (replay reads
+    them step by step), unchecked: an edit made meanwhile was loaded as if the sender had vouched for it."""
+    b = B.open_bundle(bundle)
+    if which == "step":
+        rel = _step_json(bundle)
+        _edit(bundle / rel, "loss", 123.0)
+        step = json.loads((bundle / rel).read_text())["step"]
+        with pytest.raises(BundleError, match=f"{rel}: size mismatch: it changed since the manifest was checked"):
+            b.step(step)
+    else:
+        _edit(bundle / B.STATE_JSON, "step", 99)
+        with pytest.raises(BundleError, match="state/state.json: size mismatch"):
+            b.state()
+
+
+def test_a_same_size_edit_after_open_is_caught_by_its_digest(bundle):
+    b = B.open_bundle(bundle)
+    rel = _step_json(bundle)
+    text = (bundle / rel).read_text()
+    assert '"loss": ' in text
+    i = text.index('"loss": ') + len('"loss": ')
+    (bundle / rel).write_text(text[:i] + ("7" if text[i] != "7" else "8") + text[i + 1:])  # one digit, same size
+    with pytest.raises(BundleError, match="checksum mismatch") as e:
+        b.step_doc(int(Path(rel).stem))
+    assert e.value.problems[0]["file"] == rel
+
+
+def test_a_fifo_swapped_in_after_open_is_refused_at_once(bundle):
+    """Reading a FIFO blocks until someone writes to it: a reader must refuse it unopened, not hang."""
+    b = B.open_bundle(bundle)
+    rel = _step_json(bundle)
+    (bundle / rel).unlink()
+    os.mkfifo(bundle / rel)
+
+    done = threading.Event()
+
+    def unblock() -> None:  # lets the old reader return (with nothing read) instead of hanging the test forever
+        if done.wait(3):
+            return
+        try:
+            fd = os.open(bundle / rel, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=unblock, daemon=True)
+    t.start()
+    start = time.monotonic()
+    with pytest.raises(BundleError, match="not a regular file"):
+        b.step_doc(int(Path(rel).stem))
+    assert time.monotonic() - start < 2.5
+    done.set()
+    t.join()
+
+
+def _overlapping(data: bytes) -> bytes:
+    """The same safetensors file (same size) with one tensor's data range moved into a larger tensor's: two
+    tensors reading the same bytes, a gap nothing reads."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    size = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    for big in sorted(size):
+        for small in sorted(size):
+            if small == big or not 0 < size[small] <= size[big]:
+                continue
+            start = header[big]["data_offsets"][0]
+            crafted = json.loads(json.dumps(header))
+            crafted[small]["data_offsets"] = [start, start + size[small]]
+            raw = json.dumps(crafted, separators=(",", ":")).encode()
+            if len(raw) <= n:  # the same header length, so the same file size
+                return struct.pack("<Q", n) + raw + b" " * (n - len(raw)) + data[8 + n:]
+    raise AssertionError("no two tensors to overlap")
+
+
+def test_a_safetensors_file_swapped_after_open_gets_the_checks_verify_made(bundle):
+    """A tensor file's header is checked when the bundle is opened (read, not hashed: hashing waits for the
+    load), and its bytes are hashed when loaded. A sender who lists the digest of a second file with an
+    overlapping header, and swaps it in once the first passed the checks, had it loaded: two tensors on the
+    same bytes. The header of the bytes that hashed right is now held to the same checks."""
+    rel = _step_json(bundle).replace(".json", ".safetensors")
+    honest = (bundle / rel).read_bytes()
+    crafted = _overlapping(honest)
+    assert len(crafted) == len(honest)
+    (bundle / rel).write_bytes(crafted)
+    reseal(bundle)  # the manifest vouches for the crafted file
+    (bundle / rel).write_bytes(honest)  # ... but the honest one is there while the bundle is opened
+    b = B.open_bundle(bundle)
+    (bundle / rel).write_bytes(crafted)
+    with pytest.raises(BundleError, match=f"{rel}: header: .*(overlapping|gap)"):
+        b.step(int(Path(rel).stem))
+
+
+def test_a_state_file_swapped_after_open_must_hold_the_tensors_the_tree_names(bundle):
+    """Swapped in after open, a state file (digest in the manifest, header well formed) lacking a tensor the
+    state's tree names was loaded; restoring it then failed with a bare KeyError."""
+    rel = B.STATE_TENSORS
+    honest = (bundle / rel).read_bytes()
+    (n,) = struct.unpack("<Q", honest[:8])
+    header = json.loads(honest[8:8 + n])
+    victim = next(k for k in sorted(header) if k.startswith("model/"))
+    header[victim.replace("model/", "modeX/", 1)] = header.pop(victim)  # same length, another name
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    crafted = struct.pack("<Q", n) + raw + b" " * (n - len(raw)) + honest[8 + n:]
+    (bundle / rel).write_bytes(crafted)
+    reseal(bundle)
+    (bundle / rel).write_bytes(honest)
+    b = B.open_bundle(bundle)
+    (bundle / rel).write_bytes(crafted)
+    with pytest.raises(BundleError, match="which is not in the file's tensors"):
+        b.state()
+
+
+# --- the manifest -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("alias", ["./run.json", "steps//{step}", "state/./state.json"])
+def test_a_second_spelling_of_a_listed_file_is_a_problem(bundle, alias):
+    """The manifest listed one file twice, under two spellings, and verify called the bundle intact."""
+    step = Path(_step_json(bundle)).name
+    alias = alias.format(step=step)
+    canonical = "/".join(p for p in alias.split("/") if p not in ("", "."))
+
+    def add(m: dict) -> None:
+        m["files"][alias] = dict(m["files"][canonical])
+
+    reseal(bundle, add)
+    problems = B.verify(bundle)
+    assert problems == [{"file": alias, "problem": "not a plain path in the manifest (an empty or '.' part): each "
+                                                   "file is listed once, by one spelling"}]
+    r = CliRunner().invoke(main, ["replay", str(bundle)])
+    assert r.exit_code == 3 and alias in r.output, r.output
+
+
+def test_a_listed_file_that_is_a_link_is_reported_once(bundle, tmp_path):
+    outside = tmp_path / "outside.json"
+    shutil.copyfile(bundle / B.ENV, outside)
+    (bundle / B.ENV).unlink()
+    (bundle / B.ENV).symlink_to(outside)
+    assert B.verify(bundle) == [{"file": B.ENV, "problem": "a link, not a file (a bundle holds regular files only)"}]
+
+
+def test_a_manifest_path_that_is_not_unicode_is_a_problem_not_a_crash(bundle):
+    """A JSON escape like \\udcff makes a string no file system can take: verify died in a UnicodeEncodeError
+    (exit 70, 'internal error') instead of refusing the bundle."""
+    def add(m: dict) -> None:
+        m["files"]["code/\udcff.py"] = {"sha256": "0" * 64, "size": 0}
+
+    reseal(bundle, add)
+    problems = B.verify(bundle)
+    assert len(problems) == 1 and problems[0]["file"] == B.MANIFEST
+    assert "unpaired surrogate" in problems[0]["problem"]
+    for cmd in ("inspect", "replay"):
+        r = CliRunner().invoke(main, [cmd, str(bundle)])
+        assert r.exit_code == 3 and "unpaired surrogate" in r.output, (cmd, r.output)
+
+
+def test_a_failure_message_that_is_not_unicode_is_refused_not_printed(bundle):
+    """inspect and replay printed failure.json's message and died in a UnicodeEncodeError (exit 70)."""
+    _edit(bundle / B.FAILURE, "message", "bad \ud800 name")
+    reseal(bundle)
+    for cmd in ("inspect", "replay"):
+        r = CliRunner().invoke(main, [cmd, str(bundle)])
+        assert r.exit_code == 3 and "failure.json: message holds a string with an unpaired surrogate" in r.output, \
+            (cmd, r.output)
+
+
+# --- an archive swapped after its sha256 was checked ---------------------------------------
+
+def test_an_archive_swapped_after_its_digest_was_checked_is_refused(recorded, tmp_path, monkeypatch):
+    """The archive's sha256 (--sha256 or the sidecar) was checked on one read, and the file extracted on two
+    later reads: an archive rewritten in between (a download still in progress, a shared inbox) was extracted
+    and opened as if it were the one whose digest the user vouched for."""
+    good = pack(recorded, tmp_path / "good.tar")
+    other = Path(shutil.copytree(recorded, tmp_path / "other" / recorded.name))
+    _edit(other / B.RUN, "config", {"lr": 1e9})
+    reseal(other)  # a valid bundle of its own, with a valid archive of its own
+    pack(other, tmp_path / "other.tar")
+    scan = archive.scan
+
+    def scan_then_swap(path: Path, limits: archive.Limits) -> list:
+        found = scan(path, limits)
+        shutil.copyfile(tmp_path / "other.tar", path)  # after the digest and the pre-scan, before extraction
+        return found
+
+    monkeypatch.setattr(archive, "scan", scan_then_swap)
+    with pytest.raises(BundleError, match="the archive changed after its sha256 was checked") as e:
+        with archive.extracted(tmp_path / "good.tar", sha256=good.sha256):
+            pass
+    assert good.sha256 in str(e.value)
+    shutil.copyfile(tmp_path / "good.tar.sha256", tmp_path / "other.tar.sha256")  # the sidecar is the anchor
+    with pytest.raises(BundleError, match="archive sha256 does not match other.tar.sha256"):
+        with archive.extracted(tmp_path / "other.tar"):
+            pass
+
+
+def test_an_unswapped_archive_still_opens_with_and_without_a_digest(recorded, tmp_path):
+    res = pack(recorded, tmp_path / "repro.tar")
+    with archive.extracted(tmp_path / "repro.tar", sha256=res.sha256) as b:
+        assert B.open_bundle(b).failure.kind == "nonfinite_loss"
+    (tmp_path / "repro.tar.sha256").unlink()
+    with archive.extracted(tmp_path / "repro.tar") as b:
+        assert B.verify(b) == []
