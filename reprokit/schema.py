@@ -34,6 +34,8 @@ MAX_NAME_BYTES = 255
 """Longest component of a path the manifest lists (what filesystems allow)."""
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """Largest safetensors header (the safetensors library's own limit)."""
+MAX_DIMS = 64
+"""Most dimensions of one tensor in a safetensors file (torch's CUDA kernels take 25; nothing real has more)."""
 
 NONFINITE = frozenset({"nan", "inf", "-inf"})
 """How the writer stores non-finite floats (``jsonable``)."""
@@ -575,6 +577,11 @@ def safetensors_header(fh: BinaryIO, size: int, name: str) -> tuple[dict[str, An
     return f.obj(parse_json(fh.read(n), f"{name} (header)"), "header"), 8 + n
 
 
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
 def check_safetensors(path: Path, name: str) -> set[str]:
     """Check a safetensors file's header against the file; returns its tensor names.
 
@@ -608,9 +615,15 @@ def check_header(doc: dict[str, Any], data_len: int, name: str) -> set[str]:
         dtype = info["dtype"]
         if dtype not in ITEMSIZE:
             raise f.fail(f"{field}.dtype", f"must be one of {', '.join(ITEMSIZE)}, got {str(dtype)[:40]!r}")
+        shape = f.lst(info["shape"], f"{field}.shape")
+        if len(shape) > MAX_DIMS:
+            raise f.fail(f"{field}.shape", f"has {len(shape)} dimensions; at most {MAX_DIMS} are allowed")
         count = 1
-        for i, d in enumerate(f.lst(info["shape"], f"{field}.shape")):
+        for i, d in enumerate(shape):
             count *= f.integer(d, f"{field}.shape[{i}]")
+            if count > data_len:  # stop before the product of huge dimensions grows past all use (and time)
+                raise f.fail(f"{field}.shape", f"{_short(shape)} holds more elements than the {data_len}-byte data "
+                                               "section has bytes")
         offs = f.lst(info["data_offsets"], f"{field}.data_offsets")
         if len(offs) != 2:
             raise f.fail(f"{field}.data_offsets", f"must be [start, end], got {len(offs)} items")
@@ -619,7 +632,7 @@ def check_header(doc: dict[str, Any], data_len: int, name: str) -> set[str]:
             raise f.fail(f"{field}.data_offsets", f"[{start}, {end}] is not a range within the "
                                                   f"{data_len}-byte data section")
         if count * ITEMSIZE[dtype] != end - start:  # Python ints: no overflow
-            raise f.fail(field, f"shape {info['shape']} of {dtype} needs {count * ITEMSIZE[dtype]} bytes, but its "
+            raise f.fail(field, f"shape {_short(shape)} of {dtype} needs {count * ITEMSIZE[dtype]} bytes, but its "
                                 f"data_offsets span {end - start}")
         ranges.append((start, end, key))
     at = 0

@@ -251,3 +251,36 @@ def test_an_unswapped_archive_still_opens_with_and_without_a_digest(recorded, tm
     (tmp_path / "repro.tar.sha256").unlink()
     with archive.extracted(tmp_path / "repro.tar") as b:
         assert B.verify(b) == []
+
+
+# --- a safetensors header that lies about shapes ------------------------------------------
+
+def _with_shape(data: bytes, shape: list[int]) -> bytes:
+    """The file with its first tensor's shape replaced (its data range unchanged)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    first = sorted(k for k in header if k != "__metadata__")[0]
+    header[first]["shape"] = shape
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + data[8 + n:]
+
+
+@pytest.mark.parametrize(("shape", "words"), [
+    ([2 ** 62] * 64, "holds more elements than the"),
+    ([2 ** 62] * 3000, "has 3000 dimensions; at most 64"),
+    ([2 ** 62] * 40000, "has 40000 dimensions; at most 64"),
+], ids=["huge dimensions", "thousands of dimensions", "tens of thousands of dimensions"])
+def test_a_header_with_absurd_dimensions_is_refused_quickly(bundle, shape, words):
+    """The element count was multiplied out over every dimension before being compared with the data: 3,000
+    dimensions of 2**62 made a 55,000-digit number whose error message could not even be formatted (a bare
+    ValueError, exit 70), and 40,000 of them took 9 s (quadratic: a 64 MiB header, hours)."""
+    rel = _step_json(bundle).replace(".json", ".safetensors")
+    (bundle / rel).write_bytes(_with_shape((bundle / rel).read_bytes(), shape))
+    reseal(bundle)
+    start = time.monotonic()
+    problems = B.verify(bundle)
+    assert time.monotonic() - start < 3
+    assert [p["file"] for p in problems] == [rel] and words in problems[0]["problem"], problems
+    r = CliRunner().invoke(main, ["replay", str(bundle)])
+    assert r.exit_code == 3 and rel in r.output and words in r.output, r.output
