@@ -622,8 +622,8 @@ def check_header(doc: dict[str, Any], data_len: int, name: str) -> set[str]:
         for i, d in enumerate(shape):
             count *= f.integer(d, f"{field}.shape[{i}]")
             if count > data_len:  # stop before the product of huge dimensions grows past all use (and time)
-                raise f.fail(f"{field}.shape", f"{_short(shape)} holds more elements than the {data_len}-byte data "
-                                               "section has bytes")
+                raise f.fail(field, f"shape {_short(shape)} of {dtype} needs more bytes than the whole "
+                                    f"{data_len}-byte data section holds")
         offs = f.lst(info["data_offsets"], f"{field}.data_offsets")
         if len(offs) != 2:
             raise f.fail(f"{field}.data_offsets", f"must be [start, end], got {len(offs)} items")
