@@ -43,6 +43,7 @@ from typing import Any, BinaryIO
 from reprokit.bundle import MANIFEST, REPLICATED, Bundle, _self_digest, dumps, open_bundle, sha256_file
 from reprokit.env import FRAMEWORKS
 from reprokit.errors import BundleError
+from reprokit.hashing import open_regular
 
 # The archive's own manifest; reprokit.archive checks it.
 PACK_MANIFEST = "pack-manifest.json"
@@ -366,8 +367,9 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
 
 def _pack(b: Bundle, output: Path) -> PackResult:
     top = "repro-" + sha256_file(b.path / MANIFEST)[:12]
-    files: dict[str, Path | bytes] = {f"bundle/{p.relative_to(b.path).as_posix()}": p
-                                      for p in sorted(b.path.rglob("*")) if p.is_file()}
+    # Exactly the files the verified manifest lists (and the manifest): never whatever else is in the folder by
+    # now (a file, or a link to one outside, added after the bundle was opened would be shipped to others).
+    files: dict[str, Path | bytes] = {f"bundle/{rel}": b.path / rel for rel in sorted([*b.manifest["files"], MANIFEST])}
     needs = frameworks_needed(b)
     integrations = tuple(f"integrations/{name}.py" for name in needs if (_PACKAGE / "integrations" / f"{name}.py").is_file())
     integrations += ("integrations/__init__.py",) if integrations else ()
@@ -417,7 +419,15 @@ def _add(tf: tarfile.TarFile, top: str, name: str, src: Path | bytes | None, b: 
     elif isinstance(src, bytes):
         tf.addfile(_info(f"{top}/{name}", len(src), executable=name == "repro.py"), io.BytesIO(src))
     else:
-        with open(src, "rb", buffering=0) as fh:
+        # A bundle file must still be a regular file (not a link or FIFO swapped in since it was verified).
+        try:
+            fh = open_regular(src) if name.startswith("bundle/") else open(src, "rb", buffering=0)  # noqa: SIM115
+        except OSError as e:
+            raise BundleError(f"{src} cannot be read ({e.strerror or e}): was the bundle changed while it was being "
+                              "packed? Nothing was packed. Run `reprokit verify` on it.",
+                              [{"file": name.removeprefix("bundle/"), "problem": f"cannot be read: {e.strerror or e}"}]
+                              ) from None
+        with fh:
             size = os.fstat(fh.fileno()).st_size
             hashing = _Ahead(fh, checking)  # type: ignore[arg-type]
             try:

@@ -13,6 +13,7 @@ import shutil
 import struct
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,30 @@ def test_a_header_with_absurd_dimensions_is_refused_quickly(bundle, shape, words
     assert [p["file"] for p in problems] == [rel] and words in problems[0]["problem"], problems
     r = CliRunner().invoke(main, ["replay", str(bundle)])
     assert r.exit_code == 3 and rel in r.output and words in r.output, r.output
+
+
+# --- pack ships what was verified ----------------------------------------------------------
+
+def test_pack_ships_only_the_files_the_verified_manifest_lists(bundle, tmp_path):
+    """pack verified the bundle, then packed whatever the folder held by then, links followed: a link to a
+    private file, dropped into the folder meanwhile, was shipped inside the archive (and listed in its pack
+    manifest as if it belonged)."""
+    import tarfile
+
+    from reprokit.pack import _pack
+
+    token = uuid.uuid4().hex.encode()  # in no other file (env.json may hold this very test in a git diff)
+    secret = tmp_path / "id_rsa"
+    secret.write_bytes(token)
+    b = B.open_bundle(bundle)
+    (bundle / "code" / "notes.txt").symlink_to(secret)
+    (bundle / "extra.json").write_text("{}")
+    res = _pack(b, tmp_path / "repro.tar")
+    with tarfile.open(res.output) as tf:
+        names = {m.name.split("/", 2)[-1] for m in tf.getmembers() if m.isfile() and "/bundle/" in m.name}
+        leaked = [m.name for m in tf.getmembers() if m.isfile() and token in tf.extractfile(m).read()]
+    assert leaked == []
+    assert names == {*b.manifest["files"], B.MANIFEST}
+    shutil.rmtree(bundle / "code")  # what is packed opens, intact, elsewhere
+    r = CliRunner().invoke(main, ["verify", str(res.output)])
+    assert r.exit_code == 0, r.output
