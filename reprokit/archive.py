@@ -54,6 +54,9 @@ SIDECAR_MAX_BYTES = 4096
 """A ``.sha256`` file holds one line; a larger one is refused unread."""
 BLOCK = 512
 CHUNK = 8 << 20
+MAX_PATH_PARTS = 128
+"""Most names in one member's path: a bundle nests a few folders, a code snapshot a few more. A thousand nested
+folders would crash Python's own recursive tree walks (``shutil.rmtree`` of the temp dir among them)."""
 MAX_PAX_NUMBER_DIGITS = 20
 """A pax ``size`` (or record length) is a 64-bit count: more digits are refused before ``int()`` sees them."""
 
@@ -439,6 +442,9 @@ def _member_problems(m: _Member, seen: dict[str, str], limits: Limits) -> list[d
     except UnicodeEncodeError:
         out.append({"file": m.name.encode("utf-8", "replace").decode(), "problem": "name is not UTF-8"})
     norm = _norm(m.name)
+    if norm.count("/") >= MAX_PATH_PARTS:
+        out.append({"file": m.name[:200] + ("..." if len(m.name) > 200 else ""),
+                    "problem": f"path nests {norm.count('/') + 1} names deep; at most {MAX_PATH_PARTS}"})
     if not norm and m.kind != "dir":
         out.append({"file": m.name, "problem": "empty name"})
     key = norm.casefold()

@@ -574,11 +574,10 @@ def _verify(path: Path, hash_tensors: bool) -> tuple[dict[str, Any] | None, list
             elif target.stat().st_size != meta.get("size"):
                 problems.append({"file": rel, "problem": "size mismatch", "expected": meta.get("size"),
                                  "found": target.stat().st_size})
-    for p in sorted(path.rglob("*")):
-        rel = p.relative_to(path).as_posix()
-        if rel in listed and p.is_symlink():
+    for rel, link, folder in _entries(path, problems):
+        if rel in listed and link:
             continue  # reported above
-        if p.is_symlink() or (not p.is_dir() and rel != MANIFEST and rel not in listed):
+        if link or (not folder and rel != MANIFEST and rel not in listed):
             problems.append({"file": rel, "problem": "unexpected file"})
     # Consistent is not well-formed: hold every JSON file and safetensors header to its schema too
     # (files reported above are not read again).
@@ -593,6 +592,33 @@ def _verify(path: Path, hash_tensors: bool) -> tuple[dict[str, Any] | None, list
         problems += [{k: v for k, v in x.items() if k != "status"}
                      for x in replicated.check(path, ref, hash_tensors=hash_tensors) if x["status"] != "ok"]
     return manifest, problems
+
+
+def _entries(root: Path, problems: list[dict[str, Any]]) -> list[tuple[str, bool, bool]]:
+    """``(rel, is a link, is a folder)`` of everything under ``root``, sorted by path, links not followed.
+
+    Without recursion (``Path.rglob`` recursed once per level: a bundle folder nesting a thousand empty folders
+    crashed ``verify`` with a RecursionError); a folder that cannot be listed (a path too long for the OS) is a
+    problem in ``problems``.
+    """
+    found: list[tuple[str, bool, bool]] = []
+    todo = [""]
+    while todo:
+        rel_dir = todo.pop()
+        try:
+            with os.scandir(root / rel_dir) as it:
+                entries = list(it)
+        except OSError as e:
+            problems.append({"file": rel_dir, "problem": f"folder cannot be listed: {e.strerror or e}"})
+            continue
+        for entry in entries:
+            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+            link = entry.is_symlink()
+            folder = not link and entry.is_dir(follow_symlinks=False)
+            if folder:
+                todo.append(rel)
+            found.append((rel, link, folder))
+    return sorted(found, key=lambda x: x[0].split("/"))
 
 
 def _sha256_many(paths: list[Path]) -> dict[Path, str | OSError]:

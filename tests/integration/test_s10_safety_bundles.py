@@ -312,3 +312,73 @@ def test_pack_ships_only_the_files_the_verified_manifest_lists(bundle, tmp_path)
     shutil.rmtree(bundle / "code")  # what is packed opens, intact, elsewhere
     r = CliRunner().invoke(main, ["verify", str(res.output)])
     assert r.exit_code == 0, r.output
+
+
+# --- folders nested a thousand deep -----------------------------------------------------------
+
+DEEP = 1200  # past Python's recursion limit; "d/" * 1200 stays well inside PATH_MAX
+
+
+def _remove_tree(root: Path) -> None:
+    """shutil.rmtree (and pytest's tmp_path cleanup with it) recurses once per level: remove a deep tree without."""
+    stack, order = [root], []
+    while stack:
+        d = stack.pop()
+        order.append(d)
+        for e in os.scandir(d):
+            if e.is_dir(follow_symlinks=False):
+                stack.append(Path(e.path))
+            else:
+                os.unlink(e.path)
+    for d in reversed(order):
+        os.rmdir(d)
+
+
+def test_a_bundle_folder_nesting_a_thousand_folders_is_a_problem_not_a_crash(bundle):
+    """verify walked the folder with Path.rglob, one recursion per level: RecursionError, exit 70."""
+    d = bundle / "d"
+    d.mkdir()
+    here = os.getcwd()
+    try:
+        os.chdir(d)
+        for _ in range(DEEP - 1):
+            os.mkdir("d")
+            os.chdir("d")
+        Path("x").write_text("x")
+    finally:
+        os.chdir(here)
+    try:
+        problems = B.verify(bundle)
+        assert [p["problem"] for p in problems] == ["unexpected file"]
+        assert problems[0]["file"] == "d/" * DEEP + "x"
+        r = CliRunner().invoke(main, ["replay", str(bundle)])
+        assert r.exit_code == 3 and "unexpected file" in r.output, r.output
+    finally:
+        _remove_tree(d)
+
+
+def test_an_archive_member_nested_a_thousand_deep_is_refused_before_anything_is_written(recorded, tmp_path,
+                                                                                         monkeypatch):
+    """Extracted, such a tree made shutil.rmtree of the temp dir die in a RecursionError (exit 70), leaving
+    the extracted files behind."""
+    import io
+    import tarfile
+    import tempfile
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    out = tmp_path / "deep.tar"
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tf:
+        tf.add(recorded, arcname="b")
+        info = tarfile.TarInfo("b/" + "d/" * DEEP + "x")
+        info.size = 1
+        tf.addfile(info, io.BytesIO(b"x"))
+    try:
+        r = CliRunner().invoke(main, ["replay", str(out)])
+        assert r.exit_code == 3 and f"path nests {DEEP + 2} names deep; at most 128" in r.output, r.output
+        assert "nothing was written" in r.output
+        assert list(scratch.iterdir()) == []
+    finally:
+        for left in scratch.iterdir():
+            _remove_tree(left) if left.is_dir() and not left.is_symlink() else left.unlink()
