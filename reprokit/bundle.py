@@ -805,8 +805,11 @@ class Bundle:
             out[names.get(rel.split("/", 1)[0], "metadata")] += int(meta["size"])
         top = self.path.parent
         if (top / "repro.py").is_file() and (top / "reprokit").is_dir():
-            runtime = [top / "repro.py", top / "README.md", *(top / "reprokit").rglob("*")]
-            out["runtime"] = sum(p.stat().st_size for p in runtime if p.is_file())
+            # Not verified with the bundle: walked without recursion or links (a deep tree, a link out).
+            runtime = [top / "repro.py", top / "README.md", *(top / "reprokit" / rel for rel, link, folder
+                                                                in _entries(top / "reprokit", []) if not link
+                                                                and not folder)]
+            out["runtime"] = sum(p.lstat().st_size for p in runtime if p.is_file() and not p.is_symlink())
         return out
 
 

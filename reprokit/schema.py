@@ -505,7 +505,14 @@ def check_env(d: Any, name: str = "env.json") -> None:
     for i, x in enumerate(f.lst(d["devices"], "devices")):
         f.string(x, f"devices[{i}]")
     if d.get("git") is not None:
-        f.obj(d["git"], "git")
+        git = f.obj(d["git"], "git")
+        sub = git.get("code_subdir")
+        if sub is not None:
+            # Commit bisection replays ``<worktree>/<code_subdir>`` with --code: it must stay inside the worktree.
+            f.string(sub, "git.code_subdir")
+            if sub.startswith("/") or "\\" in sub or ".." in sub.split("/") or (len(sub) > 1 and sub[1] == ":"):
+                raise f.fail("git.code_subdir", f"must be a folder inside the repository (relative, no '..'), "
+                                                f"got {sub[:80]!r}")
 
 
 def check_state(d: Any, keys: set[str] | None, name: str = "state/state.json") -> None:

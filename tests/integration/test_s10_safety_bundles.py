@@ -382,3 +382,17 @@ def test_an_archive_member_nested_a_thousand_deep_is_refused_before_anything_is_
     finally:
         for left in scratch.iterdir():
             _remove_tree(left) if left.is_dir() and not left.is_symlink() else left.unlink()
+
+
+@pytest.mark.parametrize("subdir", ["../../elsewhere", "/home/someone/project", "a/../../b"])
+def test_a_code_subdir_outside_the_repository_is_refused(bundle, subdir):
+    """env.json's git.code_subdir is where commit bisection imports the project from in each checked-out commit
+    (``<worktree>/<code_subdir>``, replayed with --code): one with '..' or an absolute path pointed it at any
+    folder of the machine, chosen by the bundle."""
+    doc = json.loads((bundle / B.ENV).read_text())
+    doc["git"] = {**(doc.get("git") or {}), "code_subdir": subdir}
+    (bundle / B.ENV).write_text(json.dumps(doc))
+    reseal(bundle)
+    problems = B.verify(bundle)
+    assert problems == [{"file": B.ENV, "problem": "git.code_subdir must be a folder inside the repository "
+                                                   f"(relative, no '..'), got {subdir!r}"}]
