@@ -396,3 +396,19 @@ def test_a_code_subdir_outside_the_repository_is_refused(bundle, subdir):
     problems = B.verify(bundle)
     assert problems == [{"file": B.ENV, "problem": "git.code_subdir must be a folder inside the repository "
                                                    f"(relative, no '..'), got {subdir!r}"}]
+
+
+def test_a_recorded_rng_state_the_generator_refuses_is_an_invalid_bundle(bundle):
+    """A schema-valid RNG tensor of the wrong size (re-signed) made replay die in torch's RuntimeError (exit 70)."""
+    import torch
+
+    from reprokit import tensorfile
+
+    meta = json.loads((bundle / B.MANIFEST).read_text())["files"][B.STATE_TENSORS]
+    tensors = dict(tensorfile.read_verified(bundle / B.STATE_TENSORS, meta["sha256"], meta["size"]))
+    tensors["rng/torch"] = torch.zeros(10, dtype=torch.uint8)
+    tensorfile.write_safetensors(bundle / B.STATE_TENSORS, tensors)
+    reseal(bundle)
+    assert B.verify(bundle) == []
+    r = CliRunner().invoke(main, ["replay", str(bundle)])
+    assert r.exit_code == 3 and "recorded state of the global generators cannot be set" in r.output, r.output
