@@ -54,6 +54,8 @@ SIDECAR_MAX_BYTES = 4096
 """A ``.sha256`` file holds one line; a larger one is refused unread."""
 BLOCK = 512
 CHUNK = 8 << 20
+COMPILED = (".pyc", ".pyo", ".so", ".pyd", ".dylib", ".dll")
+"""Names Python would import as bytecode or native code, in preference to (or without) a ``.py``."""
 MAX_PATH_PARTS = 128
 """Most names in one member's path: a bundle nests a few folders, a code snapshot a few more. A thousand nested
 folders would crash Python's own recursive tree walks (``shutil.rmtree`` of the temp dir among them)."""
@@ -442,6 +444,9 @@ def _member_problems(m: _Member, seen: dict[str, str], limits: Limits) -> list[d
     except UnicodeEncodeError:
         out.append({"file": m.name.encode("utf-8", "replace").decode(), "problem": "name is not UTF-8"})
     norm = _norm(m.name)
+    if m.kind == "file" and (norm.endswith(COMPILED) or "__pycache__" in norm.split("/")):
+        out.append({"file": m.name, "problem": "compiled or native code not allowed (an archive ships Python source "
+                                               "only: Python would run such a file in place of the source beside it)"})
     if norm.count("/") >= MAX_PATH_PARTS:
         out.append({"file": m.name[:200] + ("..." if len(m.name) > 200 else ""),
                     "problem": f"path nests {norm.count('/') + 1} names deep; at most {MAX_PATH_PARTS}"})

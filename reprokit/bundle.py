@@ -574,6 +574,14 @@ def _verify(path: Path, hash_tensors: bool) -> tuple[dict[str, Any] | None, list
             elif target.stat().st_size != meta.get("size"):
                 problems.append({"file": rel, "problem": "size mismatch", "expected": meta.get("size"),
                                  "found": target.stat().st_size})
+    for rel in sorted(listed):
+        parts = rel.split("/")
+        if parts[0] == CODE and (not rel.endswith(".py") or "__pycache__" in parts):
+            # Python imports a __pycache__ .pyc (an unchecked-hash one never looks at the source) or a native
+            # module beside a .py in preference to it: the code that ran would not be the source anyone can read.
+            problems.append({"file": rel, "problem": "not Python source: a code snapshot holds .py files only "
+                                                     "(replay never runs compiled or native code in place of the "
+                                                     "source it shows)"})
     for rel, link, folder in _entries(path, problems):
         if rel in listed and link:
             continue  # reported above

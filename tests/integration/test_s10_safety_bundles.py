@@ -412,3 +412,58 @@ def test_a_recorded_rng_state_the_generator_refuses_is_an_invalid_bundle(bundle)
     assert B.verify(bundle) == []
     r = CliRunner().invoke(main, ["replay", str(bundle)])
     assert r.exit_code == 3 and "recorded state of the global generators cannot be set" in r.output, r.output
+
+
+# --- code that is not the source it shows ----------------------------------------------------
+
+def _hidden_bytecode(bundle: Path) -> str:
+    """An unchecked-hash .pyc of a changed rk_mlp.py in code/__pycache__, listed in the re-signed manifest; the
+    visible code/rk_mlp.py is untouched. Python imports such a .pyc without looking at the source."""
+    import py_compile
+    import sys
+
+    changed = bundle.parent / "rk_mlp_changed.py"
+    changed.write_text((bundle / "code" / "rk_mlp.py").read_text() + "\nprint('HIDDEN BYTECODE RAN')\n")
+    rel = f"code/__pycache__/rk_mlp.{sys.implementation.cache_tag}.pyc"
+    (bundle / rel).parent.mkdir()
+    py_compile.compile(str(changed), cfile=str(bundle / rel), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+
+    def add(m: dict) -> None:
+        m["files"][rel] = {"sha256": B.sha256_file(bundle / rel), "size": (bundle / rel).stat().st_size}
+
+    reseal(bundle, add)
+    return rel
+
+
+def test_bytecode_hidden_in_the_code_snapshot_never_runs(bundle):
+    """Replay ran the hidden bytecode, not the code/rk_mlp.py a reader would check, and verify called the bundle
+    intact."""
+    rel = _hidden_bytecode(bundle)
+    problems = B.verify(bundle)
+    assert [p["file"] for p in problems] == [rel] and "not Python source" in problems[0]["problem"]
+    r = CliRunner().invoke(main, ["replay", str(bundle)])
+    assert r.exit_code == 3 and "HIDDEN BYTECODE RAN" not in r.output, r.output
+
+
+@pytest.mark.parametrize("name", ["helper.cpython-311-x86_64-linux-gnu.so", "notes.txt"])
+def test_a_code_snapshot_holds_python_source_only(bundle, name):
+    (bundle / "code" / name).write_bytes(b"\x7fELF")
+    reseal(bundle, lambda m: m["files"].update({f"code/{name}": {"sha256": B.sha256_file(bundle / "code" / name),
+                                                                 "size": 4}}))
+    assert [p["file"] for p in B.verify(bundle)] == [f"code/{name}"]
+
+
+def test_an_archive_carrying_bytecode_is_refused_before_anything_is_written(recorded, tmp_path):
+    """The vendored runtime that `python repro.py` imports, or the snapshot, could carry a .pyc run in place of
+    the source beside it."""
+    import io
+    import tarfile
+
+    out = tmp_path / "repro.tar"
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tf:
+        tf.add(recorded, arcname="b")
+        info = tarfile.TarInfo("reprokit/__pycache__/bundle.cpython-311.pyc")
+        info.size = 4
+        tf.addfile(info, io.BytesIO(b"\x00" * 4))
+    r = CliRunner().invoke(main, ["verify", str(out)])
+    assert r.exit_code == 1 and "compiled or native code not allowed" in r.output, r.output
