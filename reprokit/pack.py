@@ -35,6 +35,7 @@ import queue
 import tarfile
 import tempfile
 import threading
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -382,9 +383,9 @@ def _pack(b: Bundle, output: Path) -> PackResult:
     dirs = {"/".join(name.split("/")[:i]) for name in files for i in range(1, name.count("/") + 1)}
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    tmp = _fresh_tmp(output)
     try:
-        with open(tmp, "wb", buffering=0) as raw, \
+        with _create(tmp) as raw, \
                 ThreadPoolExecutor(1, thread_name_prefix="reprokit-pack-write") as writing, \
                 ThreadPoolExecutor(1, thread_name_prefix="reprokit-pack-hash") as hashing, \
                 ThreadPoolExecutor(1, thread_name_prefix="reprokit-pack-check") as checking:
@@ -470,10 +471,23 @@ def _info(name: str, size: int, *, directory: bool = False, executable: bool = F
     return info
 
 
+def _fresh_tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def _create(tmp: Path) -> io.FileIO:
+    """A new file at ``tmp``, never an existing one or a link (the output folder may be shared, say /tmp: a link
+    planted at a predictable temp name would have had the archive written through it, over its target)."""
+    return io.FileIO(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644), "wb")
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = _fresh_tmp(path)
+    try:
+        with _create(tmp) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -467,3 +467,18 @@ def test_an_archive_carrying_bytecode_is_refused_before_anything_is_written(reco
         tf.addfile(info, io.BytesIO(b"\x00" * 4))
     r = CliRunner().invoke(main, ["verify", str(out)])
     assert r.exit_code == 1 and "compiled or native code not allowed" in r.output, r.output
+
+
+def test_pack_never_writes_through_a_link_planted_at_its_temp_name(recorded, tmp_path):
+    """pack wrote the archive to '.OUT.tmp-PID' with a plain open(): in a shared folder (/tmp), a link planted
+    there by someone else had the archive written through it, over the file it points to."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for name in ("repro.tar", "repro.tar.sha256"):
+        (shared / f".{name}.tmp-{os.getpid()}").symlink_to(victim)
+    res = pack(recorded, shared / "repro.tar")
+    assert victim.read_text() == "precious"
+    assert B.sha256_file(res.output) == res.sha256 and not res.output.is_symlink()
+    assert (shared / "repro.tar.sha256").read_text().startswith(res.sha256)
