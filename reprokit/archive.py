@@ -38,7 +38,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, cast
 
 from reprokit import schema
 from reprokit.errors import BundleError, BundleVersionError
@@ -54,6 +54,11 @@ SIDECAR_MAX_BYTES = 4096
 """A ``.sha256`` file holds one line; a larger one is refused unread."""
 BLOCK = 512
 CHUNK = 8 << 20
+COMPILED = (".pyc", ".pyo", ".so", ".pyd", ".dylib", ".dll")
+"""Names Python would import as bytecode or native code, in preference to (or without) a ``.py``."""
+MAX_PATH_PARTS = 128
+"""Most names in one member's path: a bundle nests a few folders, a code snapshot a few more. A thousand nested
+folders would crash Python's own recursive tree walks (``shutil.rmtree`` of the temp dir among them)."""
 MAX_PAX_NUMBER_DIGITS = 20
 """A pax ``size`` (or record length) is a 64-bit count: more digits are refused before ``int()`` sees them."""
 
@@ -96,12 +101,16 @@ class _Stream:
     member data nobody reads is skipped with a seek.
     """
 
-    def __init__(self, path: Path, limits: Limits):
+    def __init__(self, path: Path, limits: Limits, *, hashed: bool = False):
         self._raw = open(path, "rb")  # noqa: SIM115 - closed in close()
         self.compressed = self._raw.read(2) == b"\x1f\x8b"
         self._raw.seek(0)
         self._size = os.fstat(self._raw.fileno()).st_size
-        self._src: Any = gzip.GzipFile(fileobj=self._raw, mode="rb") if self.compressed else self._raw
+        # hashed: every byte of the file goes through one sha256 (nothing is skipped with a seek), so the caller
+        # can tell whether what it extracted is the file whose digest was checked before.
+        self.sha256 = hashlib.sha256() if hashed else None
+        self._file: Any = _Hashing(self._raw, self.sha256) if self.sha256 is not None else self._raw
+        self._src: Any = gzip.GzipFile(fileobj=cast(Any, self._file), mode="rb") if self.compressed else self._file
         self._limits = limits
         self.inflated = 0
 
@@ -117,7 +126,7 @@ class _Stream:
 
     def skip(self, n: int, what: str) -> None:
         """Pass over ``n`` bytes: a seek in an uncompressed tar, reading them in a .tar.gz."""
-        if self.compressed:
+        if self.compressed or self.sha256 is not None:
             for _ in self.chunks(n, what):
                 pass
             return
@@ -154,9 +163,35 @@ class _Stream:
             if data.count(0) != len(data):
                 raise _Refused("data after the tar end-of-archive marker (a damaged or altered archive)")
 
+    def digest(self) -> str:
+        """sha256 of the whole file (a hashed stream, read to its end by :meth:`drain`; any bytes the gzip
+        reader left are hashed here)."""
+        assert self.sha256 is not None
+        while self._file.read(CHUNK):
+            pass
+        return self.sha256.hexdigest()
+
     def close(self) -> None:
         self._src.close()
         self._raw.close()
+
+
+class _Hashing:
+    """A file object whose reads also feed a sha256 (what gzip, or the tar reader, reads through)."""
+
+    def __init__(self, raw: Any, h: Any):
+        self._raw, self._h = raw, h
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._raw.read(n)
+        self._h.update(data)
+        return data
+
+    def tell(self) -> int:
+        return int(self._raw.tell())
+
+    def close(self) -> None:
+        pass  # the _Stream closes the file
 
 
 class _Data:
@@ -326,29 +361,34 @@ def check_digest(path: Path, expected: str | None) -> list[dict[str, Any]]:
 
     The sidecar is read only up to :data:`SIDECAR_MAX_BYTES`; a larger one is refused unread.
     """
+    return _checked_digest(path, expected)[1]
+
+
+def _checked_digest(path: Path, expected: str | None) -> tuple[str | None, list[dict[str, Any]]]:
+    """:func:`check_digest`, and the digest the archive matched (None when there was none to check)."""
     source = digest_source(path, expected)
     if source is None:
-        return []
+        return None, []
     if expected is None:
         side = path.with_name(source)
         with open(side, "rb") as f:
             text = f.read(SIDECAR_MAX_BYTES + 1)
         if len(text) > SIDECAR_MAX_BYTES:
-            return [{"file": side.name, "problem": f"larger than {SIDECAR_MAX_BYTES} bytes, not a .sha256 file "
+            return None, [{"file": side.name, "problem": f"larger than {SIDECAR_MAX_BYTES} bytes, not a .sha256 file "
                                                    "(one line: the hex digest and the archive's name); not read"}]
         words = text.decode("ascii", "replace").split()
         expected = words[0] if words else ""
     want = expected.strip().lower()
     if len(want) != 64 or any(c not in "0123456789abcdef" for c in want):
-        return [{"file": source, "problem": "not a sha256", "expected": "64 hex digits",
-                 "found": want[:80]}]
+        return None, [{"file": source, "problem": "not a sha256", "expected": "64 hex digits",
+                       "found": want[:80]}]
     from reprokit.bundle import sha256_file
 
     found = sha256_file(path)
     if found != want:
-        return [{"file": path.name, "problem": f"archive sha256 does not match {source}", "expected": want,
-                 "found": found}]
-    return []
+        return None, [{"file": path.name, "problem": f"archive sha256 does not match {source}", "expected": want,
+                       "found": found}]
+    return want, []
 
 
 def scan(path: Path, limits: Limits) -> list[dict[str, Any]]:
@@ -404,6 +444,12 @@ def _member_problems(m: _Member, seen: dict[str, str], limits: Limits) -> list[d
     except UnicodeEncodeError:
         out.append({"file": m.name.encode("utf-8", "replace").decode(), "problem": "name is not UTF-8"})
     norm = _norm(m.name)
+    if m.kind == "file" and (norm.endswith(COMPILED) or "__pycache__" in norm.split("/")):
+        out.append({"file": m.name, "problem": "compiled or native code not allowed (an archive ships Python source "
+                                               "only: Python would run such a file in place of the source beside it)"})
+    if norm.count("/") >= MAX_PATH_PARTS:
+        out.append({"file": m.name[:200] + ("..." if len(m.name) > 200 else ""),
+                    "problem": f"path nests {norm.count('/') + 1} names deep; at most {MAX_PATH_PARTS}"})
     if not norm and m.kind != "dir":
         out.append({"file": m.name, "problem": "empty name"})
     key = norm.casefold()
@@ -420,16 +466,17 @@ def _member_problems(m: _Member, seen: dict[str, str], limits: Limits) -> list[d
     return out
 
 
-def _extract(path: Path, limits: Limits, dest: Path) -> dict[str, tuple[str, int]]:
+def _extract(path: Path, limits: Limits, dest: Path, sha256: str | None = None) -> dict[str, tuple[str, int]]:
     """Write the archive's files and folders under ``dest``; ``{name: (sha256, size)}`` of every file.
 
     The checks of :func:`scan` run again member by member (the file may have changed since), and
-    any problem stops extraction.
+    any problem stops extraction. With ``sha256`` (the digest :func:`check_digest` matched), the bytes
+    extracted are hashed on the way, and an archive swapped or rewritten since that check is refused.
     """
     seen: dict[str, str] = {}
     files: dict[str, tuple[str, int]] = {}
     count = total = 0
-    stream = _Stream(path, limits)
+    stream = _Stream(path, limits, hashed=sha256 is not None)
     try:
         for m, data in _members(stream, limits):
             count += 1
@@ -454,6 +501,10 @@ def _extract(path: Path, limits: Limits, dest: Path) -> dict[str, tuple[str, int
                     h.update(chunk)
                     size += len(chunk)
             files[norm] = (h.hexdigest(), size)
+        if sha256 is not None and (found := stream.digest()) != sha256:
+            raise _Refused(f"the archive changed after its sha256 was checked (it was {sha256}, the bytes "
+                           f"extracted hash to {found}); refusing what was extracted. Is something still "
+                           "writing the file? Copy it somewhere private and try again")
     finally:
         stream.close()
     return files
@@ -565,7 +616,7 @@ def extracted(path: Path, *, sha256: str | None = None, limits: Limits | None = 
     from reprokit.bundle import verify
 
     limits = limits or Limits()
-    problems = check_digest(path, sha256)
+    digest, problems = _checked_digest(path, sha256)
     if problems:
         raise BundleError(_summary(path, problems, "its checksum does not match; nothing was decompressed"), problems)
     problems = scan(path, limits)
@@ -574,7 +625,7 @@ def extracted(path: Path, *, sha256: str | None = None, limits: Limits | None = 
     tmp = Path(tempfile.mkdtemp(prefix="reprokit-open-"))
     try:
         try:
-            files = _extract(path, limits, tmp)
+            files = _extract(path, limits, tmp, digest)
         except (_Refused, OSError) as e:
             file = getattr(e, "file", None) or path.name
             raise BundleError(f"{path}: extraction stopped: {file}: {e}",

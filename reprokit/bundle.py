@@ -79,14 +79,28 @@ def state_files(files: dict[str, Any]) -> list[str]:
 # --- JSON that stays strict (NaN/inf as strings) ------------------------------
 
 def jsonable(obj: Any) -> Any:
-    """Replace non-finite floats by ``"nan"``/``"inf"``/``"-inf"`` so output is strict JSON."""
+    """Replace non-finite floats by ``"nan"``/``"inf"``/``"-inf"`` so output is strict JSON, and an unpaired
+    surrogate in a string (a file name decoded with ``surrogateescape`` in an exception message) by its
+    ``\\udcff`` spelling: readers refuse strings that are not Unicode text (:mod:`reprokit.schema`)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return repr(obj)
+    if isinstance(obj, str):
+        return _text(obj)
     if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
+        return {_text(str(k)): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [jsonable(v) for v in obj]
     return obj
+
+
+def _text(s: str) -> str:
+    if s.isascii():
+        return s
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def dumps(obj: Any) -> bytes:
@@ -506,46 +520,72 @@ def verify(path: Path, *, hash_tensors: bool = True) -> list[dict[str, Any]]:
         BundleError: when ``path`` is not a directory.
         BundleVersionError: when the bundle's format version is newer than this reprokit.
     """
-    path = Path(path)
+    return _verify(Path(path), hash_tensors)[1]
+
+
+def _verify(path: Path, hash_tensors: bool) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """:func:`verify`, and the manifest it checked the bundle against (None when it was unusable): the one
+    :func:`open_bundle` keeps, never a second read of a file that could have been swapped meanwhile."""
     if not path.is_dir():
         raise BundleError(f"{path} is not a bundle directory (expected a folder holding {MANIFEST})")
     manifest, problems = _read_manifest(path)
     if manifest is None:
-        return problems
+        return None, problems
     listed: dict[str, Any] = manifest["files"]
     json_bytes = sum(meta["size"] for rel, meta in listed.items() if not rel.startswith(f"{CODE}/")
                      and rel.endswith(".json"))
     if json_bytes > MAX_TOTAL_JSON_BYTES:  # each file has its own cap (schema); this bounds the sum
-        return [{"file": MANIFEST, "problem": f"lists {json_bytes} bytes of JSON files; a bundle holds at most "
-                                              f"{MAX_TOTAL_JSON_BYTES} (metadata only: tensors live in "
-                                              "safetensors); not read", "expected": MAX_TOTAL_JSON_BYTES,
-                 "found": json_bytes}]
+        return manifest, [{"file": MANIFEST, "problem": f"lists {json_bytes} bytes of JSON files; a bundle holds at "
+                                                        f"most {MAX_TOTAL_JSON_BYTES} (metadata only: tensors live "
+                                                        "in safetensors); not read", "expected": MAX_TOTAL_JSON_BYTES,
+                           "found": json_bytes}]
     def unsafe(rel: str) -> bool:
         return rel.startswith("/") or ".." in Path(rel).parts
 
-    digests = _sha256_many([path / rel for rel in listed if not unsafe(rel) and (path / rel).is_file()
+    def aliased(rel: str) -> bool:  # "./run.json", "steps//x": a second spelling of a file the manifest may list
+        return any(p in ("", ".") for p in rel.split("/"))
+
+    def plain(rel: str) -> bool:
+        return not unsafe(rel) and not aliased(rel) and (path / rel).is_file() and not (path / rel).is_symlink()
+
+    digests = _sha256_many([path / rel for rel in listed if plain(rel)
                             and (hash_tensors or not rel.endswith(".safetensors"))])
     for rel, meta in sorted(listed.items()):
         target = path / rel
         if unsafe(rel):
             problems.append({"file": rel, "problem": "unsafe path in manifest"})
+        elif aliased(rel):
+            problems.append({"file": rel, "problem": "not a plain path in the manifest (an empty or '.' part): each "
+                                                     "file is listed once, by one spelling"})
+        elif target.is_symlink():
+            problems.append({"file": rel, "problem": "a link, not a file (a bundle holds regular files only)"})
         elif not target.is_file():
             problems.append({"file": rel, "problem": "missing", "expected": meta.get("sha256")})
         elif not hash_tensors and rel.endswith(".safetensors"):
             if target.stat().st_size != meta.get("size"):
                 problems.append({"file": rel, "problem": "size mismatch", "expected": meta.get("size"),
                                  "found": target.stat().st_size})
+        elif isinstance(found := digests[target], OSError):
+            problems.append({"file": rel, "problem": f"cannot be read: {found.strerror or found}"})
         else:
-            found = digests[target]
             if found != meta.get("sha256"):
                 problems.append({"file": rel, "problem": "checksum mismatch", "expected": meta.get("sha256"),
                                  "found": found})
             elif target.stat().st_size != meta.get("size"):
                 problems.append({"file": rel, "problem": "size mismatch", "expected": meta.get("size"),
                                  "found": target.stat().st_size})
-    for p in sorted(path.rglob("*")):
-        rel = p.relative_to(path).as_posix()
-        if p.is_symlink() or (not p.is_dir() and rel != MANIFEST and rel not in listed):
+    for rel in sorted(listed):
+        parts = rel.split("/")
+        if parts[0] == CODE and (not rel.endswith(".py") or "__pycache__" in parts):
+            # Python imports a __pycache__ .pyc (an unchecked-hash one never looks at the source) or a native
+            # module beside a .py in preference to it: the code that ran would not be the source anyone can read.
+            problems.append({"file": rel, "problem": "not Python source: a code snapshot holds .py files only "
+                                                     "(replay never runs compiled or native code in place of the "
+                                                     "source it shows)"})
+    for rel, link, folder in _entries(path, problems):
+        if rel in listed and link:
+            continue  # reported above
+        if link or (not folder and rel != MANIFEST and rel not in listed):
             problems.append({"file": rel, "problem": "unexpected file"})
     # Consistent is not well-formed: hold every JSON file and safetensors header to its schema too
     # (files reported above are not read again).
@@ -553,21 +593,58 @@ def verify(path: Path, *, hash_tensors: bool = True) -> list[dict[str, Any]]:
     if REPLICATED in listed and not any(p["file"] == REPLICATED for p in problems):
         from reprokit.distributed import replicated
 
-        ref = schema.load_json(path / REPLICATED, REPLICATED)
+        try:
+            ref = schema.load_listed_json(path, REPLICATED, listed[REPLICATED])
+        except BundleError as e:  # swapped since it was checked above
+            return manifest, problems + e.problems
         problems += [{k: v for k, v in x.items() if k != "status"}
                      for x in replicated.check(path, ref, hash_tensors=hash_tensors) if x["status"] != "ok"]
-    return problems
+    return manifest, problems
 
 
-def _sha256_many(paths: list[Path]) -> dict[Path, str]:
+def _entries(root: Path, problems: list[dict[str, Any]]) -> list[tuple[str, bool, bool]]:
+    """``(rel, is a link, is a folder)`` of everything under ``root``, sorted by path, links not followed.
+
+    Without recursion (``Path.rglob`` recursed once per level: a bundle folder nesting a thousand empty folders
+    crashed ``verify`` with a RecursionError); a folder that cannot be listed (a path too long for the OS) is a
+    problem in ``problems``.
+    """
+    found: list[tuple[str, bool, bool]] = []
+    todo = [""]
+    while todo:
+        rel_dir = todo.pop()
+        try:
+            with os.scandir(root / rel_dir) as it:
+                entries = list(it)
+        except OSError as e:
+            problems.append({"file": rel_dir, "problem": f"folder cannot be listed: {e.strerror or e}"})
+            continue
+        for entry in entries:
+            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+            link = entry.is_symlink()
+            folder = not link and entry.is_dir(follow_symlinks=False)
+            if folder:
+                todo.append(rel)
+            found.append((rel, link, folder))
+    return sorted(found, key=lambda x: x[0].split("/"))
+
+
+def _sha256_many(paths: list[Path]) -> dict[Path, str | OSError]:
     """sha256 of every file, several at once (one file's hash is one sequential stream, so a bundle's
-    files are spread over the cores, largest first)."""
+    files are spread over the cores, largest first); the ``OSError`` for a file that cannot be read (a FIFO
+    or a device swapped in, permissions)."""
+    def digest(p: Path) -> str | OSError:
+        try:
+            return sha256_file(p)
+        except OSError as e:
+            return e
+
     workers = min(len(paths), os.cpu_count() or 1, 8)
     if workers <= 1:
-        return {p: sha256_file(p) for p in paths}
+        return {p: digest(p) for p in paths}
     order = sorted(paths, key=lambda p: -p.stat().st_size)
     with ThreadPoolExecutor(workers, thread_name_prefix="reprokit-verify") as pool:
-        return dict(zip(order, pool.map(sha256_file, order)))
+        return dict(zip(order, pool.map(digest, order)))
 
 
 def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -665,19 +742,23 @@ class Bundle:
                 on_part(part)
             return part
 
+        tree = self.state_tree()
         if len(rels) == 1:
-            return self.state_tree(), read(rels[0])
-        with ThreadPoolExecutor(tensorfile.parallelism(len(rels)), thread_name_prefix="reprokit-read") as pool:
-            parts = list(pool.map(read, rels))  # each file hashed as it is read, several at once
-        tensors: dict[str, torch.Tensor] = {}
-        for rel, part in zip(rels, parts):
-            twice = tensors.keys() & part.keys()
-            if twice:
-                raise BundleError(f"{self.path}: {rel} holds {sorted(twice)[0]!r} again (already in an earlier "
-                                  f"state file); refusing an ambiguous state. {_FIX}",
-                                  [{"file": rel, "problem": "duplicate tensor"}])
-            tensors |= part
-        return self.state_tree(), tensors
+            tensors = read(rels[0])
+        else:
+            with ThreadPoolExecutor(tensorfile.parallelism(len(rels)), thread_name_prefix="reprokit-read") as pool:
+                parts = list(pool.map(read, rels))  # each file hashed as it is read, several at once
+            tensors = {}
+            for rel, part in zip(rels, parts):
+                twice = tensors.keys() & part.keys()
+                if twice:
+                    raise BundleError(f"{self.path}: {rel} holds {sorted(twice)[0]!r} again (already in an earlier "
+                                      f"state file); refusing an ambiguous state. {_FIX}",
+                                      [{"file": rel, "problem": "duplicate tensor"}])
+                tensors |= part
+        # verify held the headers it read to the tree; these are the tensors of the bytes that hashed right.
+        schema.check_state(tree, set(tensors), STATE_JSON)
+        return tree, tensors
 
     def state_tree(self) -> dict[str, Any]:
         """The snapshot's JSON alone (no tensor is read)."""
@@ -690,11 +771,21 @@ class Bundle:
         return pytree.decode(doc["batch"], tensors), doc["rng"], rng_tensors
 
     def step_doc(self, step: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """``(doc, tensors)`` of one step's files, both read from bytes that hash to the manifest's digests and
+        held to the step schema together (the document names only tensors the file holds)."""
         name = f"{STEPS}/{step_name(step)}"
-        return self._json(name + ".json"), self._tensors(name + ".safetensors")
+        doc, tensors = self._json(name + ".json"), self._tensors(name + ".safetensors")
+        schema.check_step(doc, step, set(tensors), name + ".json")
+        return doc, tensors
 
     def _json(self, rel: str) -> Any:
-        return schema.load_json(self.path / rel, rel)
+        """One JSON file, parsed from bytes whose size and sha256 are the manifest's (read once: a file swapped
+        since :func:`open_bundle` verified the bundle is refused)."""
+        meta = self.manifest["files"].get(rel)
+        if meta is None:
+            raise BundleError(f"{self.path}: {rel} is not in the manifest; the bundle is incomplete. {_FIX}",
+                              [{"file": rel, "problem": "missing"}])
+        return schema.load_listed_json(self.path, rel, meta)
 
     def _tensors(self, rel: str) -> dict[str, torch.Tensor]:
         """The tensors of one file, read once: hashed while read, and made only once the digest matched."""
@@ -722,8 +813,11 @@ class Bundle:
             out[names.get(rel.split("/", 1)[0], "metadata")] += int(meta["size"])
         top = self.path.parent
         if (top / "repro.py").is_file() and (top / "reprokit").is_dir():
-            runtime = [top / "repro.py", top / "README.md", *(top / "reprokit").rglob("*")]
-            out["runtime"] = sum(p.stat().st_size for p in runtime if p.is_file())
+            # Not verified with the bundle: walked without recursion or links (a deep tree, a link out).
+            runtime = [top / "repro.py", top / "README.md", *(top / "reprokit" / rel for rel, link, folder
+                                                                in _entries(top / "reprokit", []) if not link
+                                                                and not folder)]
+            out["runtime"] = sum(p.lstat().st_size for p in runtime if p.is_file() and not p.is_symlink())
         return out
 
 
@@ -747,8 +841,8 @@ def open_bundle(path: str | Path) -> Bundle:
         >>> b.failure.kind, b.steps                               # doctest: +SKIP
     """
     path = Path(path)
-    problems = verify(path, hash_tensors=False)
-    if problems:
+    manifest, problems = _verify(path, hash_tensors=False)
+    if problems or manifest is None:
         lines = "\n".join(f"  {p['file']}: {p['problem']}" for p in problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise BundleError(
@@ -756,8 +850,10 @@ def open_bundle(path: str | Path) -> Bundle:
             + _FIX,
             problems,
         )
-    manifest = schema.load_json(path / MANIFEST, MANIFEST)
-    docs = {rel: schema.load_json(path / rel, rel) for rel in (RUN, FAILURE, ENV) if rel in manifest["files"]}
+    # The manifest verify checked, and each file parsed from bytes that hash to its digest there (a file
+    # swapped after verify is refused, never read unchecked).
+    docs = {rel: schema.load_listed_json(path, rel, manifest["files"][rel]) for rel in (RUN, FAILURE, ENV)
+            if rel in manifest["files"]}
     missing = {RUN, FAILURE, ENV} - docs.keys()
     if missing:
         raise BundleError(f"{path} has a valid manifest but lacks {', '.join(sorted(missing))}")

@@ -5,8 +5,11 @@ hash files without importing it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import os
+import stat
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -15,11 +18,29 @@ CHUNK = 32 << 20
 """Bytes per write/read call and per hashed piece: large enough for disk speed, small enough to overlap."""
 
 
-def read_hashed(path: Path, pieces: Iterator[memoryview]) -> tuple[str, int]:
-    """Read ``path`` into the buffers ``pieces`` yields, hashing piece i while piece i + 1 is read."""
+def open_regular(path: Path, *, follow_links: bool = False) -> io.FileIO:
+    """``path`` opened for unbuffered reading, refused unless it is a regular file: a FIFO (opened without
+    blocking, so a FIFO swapped into a bundle cannot hang a reader), a device, or (unless ``follow_links``) a
+    symlink is an ``OSError``."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow_links else getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return io.FileIO(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_hashed(path: Path, pieces: Iterator[memoryview], *, follow_links: bool = False) -> tuple[str, int]:
+    """Read ``path`` (a regular file: :func:`open_regular`) into the buffers ``pieces`` yields, hashing piece i
+    while piece i + 1 is read."""
     h = hashlib.sha256()
     total = 0
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="reprokit-hash") as pool:
+    with open_regular(path, follow_links=follow_links) as f, ThreadPoolExecutor(1, thread_name_prefix="reprokit-hash") as pool:
         pending: Future[None] | None = None
         for buf in pieces:
             n = 0
@@ -42,9 +63,10 @@ def sha256_file(path: Path, chunk: int = CHUNK) -> tuple[str, int]:
     """``(sha256, bytes)`` of a file, reading and hashing overlapped (two buffers in turn).
 
     A file that fits in one chunk (JSON, code, most step files) is read and hashed in one go: two chunk-sized
-    buffers and a hashing thread would cost more than the file.
+    buffers and a hashing thread would cost more than the file. Links are followed (an archive the user names may
+    be one); a FIFO or a device is an ``OSError``, never a hang.
     """
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, follow_links=True) as f:
         if os.fstat(f.fileno()).st_size < chunk:
             data = f.read()  # to the end, whatever the size now (a file that grew is hashed as it is read)
             if len(data) < chunk:
@@ -57,4 +79,4 @@ def sha256_file(path: Path, chunk: int = CHUNK) -> tuple[str, int]:
             yield bufs[i % 2]
             i += 1
 
-    return read_hashed(path, turns())
+    return read_hashed(path, turns(), follow_links=True)

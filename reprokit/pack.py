@@ -35,6 +35,7 @@ import queue
 import tarfile
 import tempfile
 import threading
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from typing import Any, BinaryIO
 from reprokit.bundle import MANIFEST, REPLICATED, Bundle, _self_digest, dumps, open_bundle, sha256_file
 from reprokit.env import FRAMEWORKS
 from reprokit.errors import BundleError
+from reprokit.hashing import open_regular
 
 # The archive's own manifest; reprokit.archive checks it.
 PACK_MANIFEST = "pack-manifest.json"
@@ -366,8 +368,9 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
 
 def _pack(b: Bundle, output: Path) -> PackResult:
     top = "repro-" + sha256_file(b.path / MANIFEST)[:12]
-    files: dict[str, Path | bytes] = {f"bundle/{p.relative_to(b.path).as_posix()}": p
-                                      for p in sorted(b.path.rglob("*")) if p.is_file()}
+    # Exactly the files the verified manifest lists (and the manifest): never whatever else is in the folder by
+    # now (a file, or a link to one outside, added after the bundle was opened would be shipped to others).
+    files: dict[str, Path | bytes] = {f"bundle/{rel}": b.path / rel for rel in sorted([*b.manifest["files"], MANIFEST])}
     needs = frameworks_needed(b)
     integrations = tuple(f"integrations/{name}.py" for name in needs if (_PACKAGE / "integrations" / f"{name}.py").is_file())
     integrations += ("integrations/__init__.py",) if integrations else ()
@@ -380,9 +383,9 @@ def _pack(b: Bundle, output: Path) -> PackResult:
     dirs = {"/".join(name.split("/")[:i]) for name in files for i in range(1, name.count("/") + 1)}
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    tmp = _fresh_tmp(output)
     try:
-        with open(tmp, "wb", buffering=0) as raw, \
+        with _create(tmp) as raw, \
                 ThreadPoolExecutor(1, thread_name_prefix="reprokit-pack-write") as writing, \
                 ThreadPoolExecutor(1, thread_name_prefix="reprokit-pack-hash") as hashing, \
                 ThreadPoolExecutor(1, thread_name_prefix="reprokit-pack-check") as checking:
@@ -417,7 +420,15 @@ def _add(tf: tarfile.TarFile, top: str, name: str, src: Path | bytes | None, b: 
     elif isinstance(src, bytes):
         tf.addfile(_info(f"{top}/{name}", len(src), executable=name == "repro.py"), io.BytesIO(src))
     else:
-        with open(src, "rb", buffering=0) as fh:
+        # A bundle file must still be a regular file (not a link or FIFO swapped in since it was verified).
+        try:
+            fh = open_regular(src) if name.startswith("bundle/") else open(src, "rb", buffering=0)  # noqa: SIM115
+        except OSError as e:
+            raise BundleError(f"{src} cannot be read ({e.strerror or e}): was the bundle changed while it was being "
+                              "packed? Nothing was packed. Run `reprokit verify` on it.",
+                              [{"file": name.removeprefix("bundle/"), "problem": f"cannot be read: {e.strerror or e}"}]
+                              ) from None
+        with fh:
             size = os.fstat(fh.fileno()).st_size
             hashing = _Ahead(fh, checking)  # type: ignore[arg-type]
             try:
@@ -460,10 +471,23 @@ def _info(name: str, size: int, *, directory: bool = False, executable: bool = F
     return info
 
 
+def _fresh_tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def _create(tmp: Path) -> io.FileIO:
+    """A new file at ``tmp``, never an existing one or a link (the output folder may be shared, say /tmp: a link
+    planted at a predictable temp name would have had the archive written through it, over its target)."""
+    return io.FileIO(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644), "wb")
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = _fresh_tmp(path)
+    try:
+        with _create(tmp) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

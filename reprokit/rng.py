@@ -21,6 +21,7 @@ all of them on a CPU host) and turned into bundle tensors only when a bundle is 
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprokit.errors import CaptureError, StateMismatchError
+from reprokit.errors import BundleError, CaptureError, StateMismatchError
 
 KIND = "__rk_generator__"
 """Key of the marker that stands for an owned generator in the snapshot's ``extra`` tree."""
@@ -270,17 +271,18 @@ def restore(tree: dict[str, Any], tensors: dict[str, torch.Tensor], extra: dict[
     Raises:
         StateMismatchError: a generator the bundle recorded in ``extra`` is not where it was.
     """
-    version, gauss = tree["python"]
-    random.setstate((version, tuple(tensors["rng/python"].tolist()), gauss))
-    name, pos, has_gauss, cached = tree["numpy"]
-    np.random.set_state((name, tensors["rng/numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensors["rng/torch"])
-    if torch.cuda.is_available():
-        for key, t in tensors.items():
-            if key.startswith("rng/cuda/"):
-                dev = int(key.rsplit("/", 1)[1])
-                if dev < torch.cuda.device_count():
-                    torch.cuda.set_rng_state(t, dev)
+    with _settable("the global generators"):
+        version, gauss = tree["python"]
+        random.setstate((version, tuple(tensors["rng/python"].tolist()), gauss))
+        name, pos, has_gauss, cached = tree["numpy"]
+        np.random.set_state((name, tensors["rng/numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(tensors["rng/torch"])
+        if torch.cuda.is_available():
+            for key, t in tensors.items():
+                if key.startswith("rng/cuda/"):
+                    dev = int(key.rsplit("/", 1)[1])
+                    if dev < torch.cuda.device_count():
+                        torch.cuda.set_rng_state(t, dev)
     for entry in tree.get("owned", []):
         gen = _at(extra, entry["path"])
         kind = entry["kind"]
@@ -297,7 +299,20 @@ def restore(tree: dict[str, Any], tensors: dict[str, torch.Tensor], extra: dict[
                 state = (state[0], tuple(state[1]), state[2])
             elif kind == "torch":
                 state = tuple(state)
-        _write(kind, gen, state)
+        with _settable(where):
+            _write(kind, gen, state)
+
+
+@contextlib.contextmanager
+def _settable(what: str) -> Iterator[None]:
+    """A recorded state the generator refuses (a bundle's schema-valid but wrong-sized or wrong-typed RNG state)
+    is an invalid bundle, not an internal error."""
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+        raise BundleError(f"the bundle's recorded state of {what} cannot be set ({type(e).__name__}: "
+                          f"{str(e)[:200]}): the bundle is damaged or crafted, or was recorded by an incompatible "
+                          "torch/numpy. Re-record it, or get an intact copy from whoever made it.") from None
 
 
 def _at(extra: Any, path: list[Any]) -> Any:

@@ -12,11 +12,11 @@ the same way (:func:`check_safetensors`). Every refusal is a :class:`SchemaError
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
 import struct
-from itertools import accumulate
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -34,6 +34,8 @@ MAX_NAME_BYTES = 255
 """Longest component of a path the manifest lists (what filesystems allow)."""
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """Largest safetensors header (the safetensors library's own limit)."""
+MAX_DIMS = 64
+"""Most dimensions of one tensor in a safetensors file (torch's CUDA kernels take 25; nothing real has more)."""
 
 NONFINITE = frozenset({"nan", "inf", "-inf"})
 """How the writer stores non-finite floats (``jsonable``)."""
@@ -43,7 +45,9 @@ ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4
             "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_STRING_OR_BRACKET = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+_QUOTE_OR_BRACKET = b'"[]{}'
+_OTHER_BYTES = bytes(sorted(set(range(256)) - set(_QUOTE_OR_BRACKET)))
+_DEPTH_CHUNK = 4 << 20
 _TREE_TAGS = ("__rk_tensor__", "__rk_ndarray__", "__rk_tuple__", "__rk_dict__", "__rk_float__")
 _FIX = "Re-record the bundle, or get an intact copy from whoever made it."
 
@@ -85,9 +89,29 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def nesting_depth(data: bytes) -> int:
-    """Deepest ``[``/``{`` nesting of JSON text, brackets inside strings ignored; no recursion."""
-    steps = (1 if m[0] in b"[{" else -1 for m in _STRING_OR_BRACKET.findall(data) if len(m) == 1)
-    return max(accumulate(steps, initial=0))
+    """Deepest ``[``/``{`` nesting of JSON text, brackets inside strings ignored; no recursion.
+
+    Linear at C speed whatever the text (64 MiB of brackets, of empty strings or one string: well under a
+    second; a regex match per string or a Python step per bracket took 10-30 s): escapes are cut out
+    (backslashes only occur inside strings in valid JSON), then a bracket counts when an even number of
+    quotes precedes it. Up to the first syntax error this reads the text as ``json.loads`` does, so a
+    parse never goes deeper than this says.
+    """
+    import numpy as np  # imported here: only a bundle's JSON needs it, and numpy is a dependency anyway
+
+    kept = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _OTHER_BYTES)
+    quotes, depth, deepest = 0, 0, 0
+    for at in range(0, len(kept), _DEPTH_CHUNK):  # bounded pieces: int64 depths of 64 MiB would take 512 MiB
+        a = np.frombuffer(kept, dtype=np.uint8, count=min(_DEPTH_CHUNK, len(kept) - at), offset=at)
+        is_quote = a == ord('"')
+        # Quote parity: a uint8 running count wraps at 256, an even number, so its lowest bit stays right.
+        outside = ((np.cumsum(is_quote, dtype=np.uint8) + quotes) & 1) == 0
+        step = (outside & ((a == ord("[")) | (a == ord("{")))).astype(np.int64)
+        step -= outside & ((a == ord("]")) | (a == ord("}")))
+        run = np.cumsum(step) + depth
+        deepest = max(deepest, int(run.max()))
+        quotes, depth = (quotes + int(np.count_nonzero(is_quote))) & 1, int(run[-1])
+    return deepest
 
 
 def parse_json(data: bytes, what: str) -> Any:
@@ -119,16 +143,60 @@ def load_json(path: Path, what: str) -> Any:
     return parse_json(data, what)
 
 
+def _unicode(what: str, field: str, s: str, role: str) -> None:
+    """Refuse a string holding an unpaired surrogate (JSON's ``\\ud800`` escape): it is no Unicode text, and
+    printing it, or using it as a file name, fails far from here."""
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise SchemaError(what, field or "<root>", f"holds a {role} with an unpaired surrogate "
+                                                       f"({s[e.start]!r} at {e.start}): not Unicode text") from None
+
+
+def load_listed_json(root: Path, rel: str, meta: dict[str, Any]) -> Any:
+    """Read and parse ``root/rel``, a JSON file a manifest lists with ``meta`` (``{"sha256", "size"}``).
+
+    The bytes are read once, checked against the manifest's size and sha256, and parsed from that same
+    buffer: what is checked and used is what was hashed, even if the file is swapped after ``verify``.
+    A link, a FIFO or a device in its place is refused unopened (no hang on a FIFO).
+
+    Raises:
+        BundleError: the file cannot be read, is not a regular file, or its bytes are not the manifest's.
+        SchemaError: the bytes are not strict JSON (see :func:`parse_json`).
+    """
+    from reprokit.hashing import open_regular
+
+    size = meta["size"]
+    if size > MAX_JSON_BYTES:
+        raise SchemaError(rel, "", f"is {size} bytes; bundle JSON files are at most {MAX_JSON_BYTES}")
+    try:
+        with open_regular(root / rel) as f:
+            data = f.read(size + 1)  # one byte more: a longer file shows as a size mismatch
+    except OSError as e:
+        raise BundleError(f"{root}: {rel} cannot be read ({e.strerror or e}). {_FIX}",
+                          [{"file": rel, "problem": f"cannot be read: {e.strerror or e}"}]) from None
+    found = hashlib.sha256(data).hexdigest()
+    if len(data) != size or found != meta["sha256"]:
+        what = "size" if len(data) != size else "checksum"
+        raise BundleError(f"{root}: {rel}: {what} mismatch: it changed since the manifest was checked (sha256 {found}, "
+                          f"the manifest says {meta['sha256']}); refusing to read it. {_FIX}",
+                          [{"file": rel, "problem": f"{what} mismatch", "expected": meta["sha256"], "found": found}])
+    return parse_json(data, rel)
+
+
 def _check_sizes(what: str, v: Any, field: str) -> None:
     if isinstance(v, str):
         if len(v) > MAX_STRING_CHARS:
             raise SchemaError(what, field or "<root>", f"is a string of {len(v)} characters; at most "
                                                        f"{MAX_STRING_CHARS} are allowed")
+        _unicode(what, field, v, "string")
     elif isinstance(v, dict):
         for k, x in v.items():
             if len(k) > MAX_KEY_CHARS:
                 raise SchemaError(what, field or "<root>", f"has a key of {len(k)} characters (starting "
                                                            f"{k[:40]!r}); at most {MAX_KEY_CHARS} are allowed")
+            _unicode(what, field, k, "key")
             _check_sizes(what, x, _join(field, k))
     elif isinstance(v, list):
         for i, x in enumerate(v):
@@ -448,7 +516,14 @@ def check_env(d: Any, name: str = "env.json") -> None:
     for i, x in enumerate(f.lst(d["devices"], "devices")):
         f.string(x, f"devices[{i}]")
     if d.get("git") is not None:
-        f.obj(d["git"], "git")
+        git = f.obj(d["git"], "git")
+        sub = git.get("code_subdir")
+        if sub is not None:
+            # Commit bisection replays ``<worktree>/<code_subdir>`` with --code: it must stay inside the worktree.
+            f.string(sub, "git.code_subdir")
+            if sub.startswith("/") or "\\" in sub or ".." in sub.split("/") or (len(sub) > 1 and sub[1] == ":"):
+                raise f.fail("git.code_subdir", f"must be a folder inside the repository (relative, no '..'), "
+                                                f"got {sub[:80]!r}")
 
 
 def check_state(d: Any, keys: set[str] | None, name: str = "state/state.json") -> None:
@@ -520,6 +595,11 @@ def safetensors_header(fh: BinaryIO, size: int, name: str) -> tuple[dict[str, An
     return f.obj(parse_json(fh.read(n), f"{name} (header)"), "header"), 8 + n
 
 
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
 def check_safetensors(path: Path, name: str) -> set[str]:
     """Check a safetensors file's header against the file; returns its tensor names.
 
@@ -534,7 +614,14 @@ def check_safetensors(path: Path, name: str) -> set[str]:
             doc, data_start = safetensors_header(fh, size, name)
     except OSError as e:
         raise f.fail("", f"cannot be read: {e.strerror or e}") from None
-    data_len = size - data_start
+    return check_header(doc, size - data_start, name)
+
+
+def check_header(doc: dict[str, Any], data_len: int, name: str) -> set[str]:
+    """Check a parsed safetensors header against a data section of ``data_len`` bytes (see
+    :func:`check_safetensors`); returns its tensor names. The tensor reader runs it too, on the header of the
+    bytes it hashed (:func:`reprokit.tensorfile.read_verified`)."""
+    f = _File(name)
     ranges = []
     for key, info in doc.items():
         field = f"header[{key[:80]!r}]"
@@ -546,9 +633,15 @@ def check_safetensors(path: Path, name: str) -> set[str]:
         dtype = info["dtype"]
         if dtype not in ITEMSIZE:
             raise f.fail(f"{field}.dtype", f"must be one of {', '.join(ITEMSIZE)}, got {str(dtype)[:40]!r}")
+        shape = f.lst(info["shape"], f"{field}.shape")
+        if len(shape) > MAX_DIMS:
+            raise f.fail(f"{field}.shape", f"has {len(shape)} dimensions; at most {MAX_DIMS} are allowed")
         count = 1
-        for i, d in enumerate(f.lst(info["shape"], f"{field}.shape")):
+        for i, d in enumerate(shape):
             count *= f.integer(d, f"{field}.shape[{i}]")
+            if count > data_len:  # stop before the product of huge dimensions grows past all use (and time)
+                raise f.fail(field, f"shape {_short(shape)} of {dtype} needs more bytes than the whole "
+                                    f"{data_len}-byte data section holds")
         offs = f.lst(info["data_offsets"], f"{field}.data_offsets")
         if len(offs) != 2:
             raise f.fail(f"{field}.data_offsets", f"must be [start, end], got {len(offs)} items")
@@ -557,7 +650,7 @@ def check_safetensors(path: Path, name: str) -> set[str]:
             raise f.fail(f"{field}.data_offsets", f"[{start}, {end}] is not a range within the "
                                                   f"{data_len}-byte data section")
         if count * ITEMSIZE[dtype] != end - start:  # Python ints: no overflow
-            raise f.fail(field, f"shape {info['shape']} of {dtype} needs {count * ITEMSIZE[dtype]} bytes, but its "
+            raise f.fail(field, f"shape {_short(shape)} of {dtype} needs {count * ITEMSIZE[dtype]} bytes, but its "
                                 f"data_offsets span {end - start}")
         ranges.append((start, end, key))
     at = 0
@@ -637,7 +730,8 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
         if rel.endswith(".safetensors") and rel.split("/", 1)[0] in ("steps", "state", "extract"):
             keys[rel] = run(rel, lambda rel=rel: check_safetensors(path / rel, rel))
         elif rel.endswith(".json"):
-            docs[rel] = run(rel, lambda rel=rel: [load_json(path / rel, rel)])  # [doc]: a file may hold null
+            # [doc]: a file may hold null. Parsed from the bytes that hash to the manifest's digest.
+            docs[rel] = run(rel, lambda rel=rel: [load_listed_json(path, rel, files[rel])])
     checks = {"run.json": check_run, "failure.json": check_failure, "env.json": check_env}
     for rel, loaded in docs.items():
         if loaded is None:  # not strict JSON: reported already

@@ -26,6 +26,7 @@ from typing import Any, BinaryIO, cast
 
 import torch
 
+from reprokit import schema
 from reprokit.hashing import CHUNK, read_hashed
 
 _SMALL = 1 << 20  # pieces below this are hashed inline (a thread hand-off costs more than it saves)
@@ -189,15 +190,19 @@ def _tensors_of(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     if buf.numel() < 8:
         raise TensorFileError("too short for a safetensors file")
     (n,) = struct.unpack("<Q", bytes(buf[:8].numpy()))
-    if n > buf.numel() - 8:
-        raise TensorFileError(f"declares a {n}-byte header in a {buf.numel()}-byte file")
-    try:
-        header = json.loads(bytes(buf[8:8 + n].numpy()))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise TensorFileError(f"header is not JSON: {str(e)[:200]}") from None
-    if not isinstance(header, dict):
-        raise TensorFileError("header is not a JSON object")
+    if n > buf.numel() - 8 or n > schema.MAX_HEADER_BYTES:
+        raise TensorFileError(f"declares a {n}-byte header in a {buf.numel()}-byte file (headers are at most "
+                              f"{schema.MAX_HEADER_BYTES})")
     data = buf[8 + n:]
+    try:
+        # The checks verify made on the header it read, made again on the header of the bytes that hashed right
+        # (strict JSON, known dtypes, shapes that match their ranges, ranges that tile the data without overlap).
+        header = schema.parse_json(bytes(buf[8:8 + n].numpy()), "header")
+        if not isinstance(header, dict):
+            raise schema.SchemaError("header", "", "is not a JSON object")
+        schema.check_header(header, data.numel(), "header")
+    except schema.SchemaError as e:
+        raise TensorFileError(f"header: {e.problems[0]['problem']}") from None
     out: dict[str, torch.Tensor] = {}
     for key, info in header.items():
         if key == "__metadata__":
