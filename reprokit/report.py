@@ -117,8 +117,29 @@ def parse_rows(text: str) -> list[int]:
         if not lo.isdigit() or (sep and not hi.isdigit()):
             raise ReprokitError(f"--rows: {part!r} is not a row number or a range like 2-6; expected e.g. 5 or 1,4 "
                                 "or 2-6")
-        rows.update(range(int(lo), int(hi if sep else lo) + 1))
+        first, last = int(lo), int(hi if sep else lo)
+        if last < first:
+            raise ReprokitError(f"--rows: {part!r} runs backwards; write it {last}-{first}")
+        if last - first + 1 + len(rows) > MAX_ROWS:
+            raise ReprokitError(f"--rows: {text!r} asks for more than {MAX_ROWS} rows; name fewer (leave --rows out "
+                                "for every row of the batch)")
+        rows.update(range(first, last + 1))
     return sorted(rows)
+
+
+MAX_ROWS = 100_000
+"""The most rows ``--rows`` may name."""
+
+
+def _spans(numbers: list[int]) -> str:
+    """``[3, 4, 5, 9]`` as ``"3-5, 9"``."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def format_batch(d: dict[str, Any]) -> str:
@@ -134,7 +155,7 @@ def format_batch(d: dict[str, Any]) -> str:
             shape = f" {row['shape']}" if len(row["shape"]) > 1 else ""
             lines.append(f"  row {r}{shape}: [{vals}{', ...' if row['truncated'] else ''}]")
         if e.get("missing_rows"):
-            lines.append(f"  (no row {', '.join(map(str, e['missing_rows']))}: the leaf has {e['shape'][0]} rows)")
+            lines.append(f"  (no row {_spans(e['missing_rows'])}: the leaf has {e['shape'][0]} rows)")
     return "\n".join(lines)
 
 

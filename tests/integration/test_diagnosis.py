@@ -9,6 +9,7 @@ import torch
 from click.testing import CliRunner
 from rk_testing import bundle_of, record
 
+from reprokit.bundle import open_bundle
 from reprokit.cli import main
 from reprokit.diagnose import findings, model_tables
 
@@ -108,12 +109,22 @@ def test_findings_on_hand_made_batches():
     assert findings({"ids": torch.tensor([[1, 2]])}, None) == []
 
 
-@pytest.mark.parametrize("rows", ["x", "3-", "-1"])
+@pytest.mark.parametrize("rows", ["x", "3-", "-1", "3-1", "0-3000000"])
 def test_bad_rows_are_a_usage_error(projects, tmp_path, rows):
     mlp = projects("rk_mlp")
     _, exc = record(mlp, {}, mlp.batches({}, 3, poison_step=1), tmp_path, snapshot_every=3)
     r = CliRunner().invoke(main, ["inspect", str(bundle_of(exc)), "--batch", "--rows", rows])
-    assert r.exit_code == 2 and "--rows" in r.output
+    assert r.exit_code == 2 and "--rows" in r.output, r.output
+
+
+def test_rows_past_the_batch_are_named_as_spans(projects, tmp_path):
+    mlp = projects("rk_mlp")
+    _, exc = record(mlp, {}, mlp.batches({}, 3, poison_step=1), tmp_path, snapshot_every=3)
+    r = CliRunner().invoke(main, ["inspect", str(bundle_of(exc)), "--batch", "--rows", "2,60-90000,95000"])
+    assert r.exit_code == 0, r.output
+    n = open_bundle(bundle_of(exc)).step(1)[0]["x"].shape[0]
+    assert f"(no row 60-90000, 95000: the leaf has {n} rows)" in r.output, r.output
+    assert len(r.output) < 5000
 
 
 # --- inspect --plot -----------------------------------------------------------------------
