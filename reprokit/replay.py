@@ -683,7 +683,7 @@ def format_report(d: dict[str, Any]) -> str:
                          f"this one fired at step {got['step']})")
     elif got:
         lines.append(f"  replayed: {fail_line(got)}")
-    lines.append(f"  fidelity: {fidelity_line(d['fidelity'])}")
+    lines.append(f"  fidelity: {fidelity_line(d['fidelity'], rec['step'] if rec else None)}")
     if d.get("transient"):
         lines.append(f"  note: {TRANSIENT_NOTE}")
     dist = d.get("distributed") or {}
@@ -702,8 +702,9 @@ def format_report(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def fidelity_line(fid: dict[str, Any]) -> str:
-    """``bit-exact over N step losses``, or the largest difference and the first step that diverged."""
+def fidelity_line(fid: dict[str, Any], failing_step: int | None = None) -> str:
+    """``bit-exact over N step losses``, or the largest difference and the first step that diverged (said as such
+    when that is the recorded failing step: every loss before it was bit-exact)."""
     n = fid["steps_compared"]
     if not n:
         return "no step losses to compare (the replay recorded none that the bundle has)"
@@ -716,7 +717,10 @@ def fidelity_line(fid: dict[str, Any]) -> str:
             if "recorded" in first else ""
         # Over finite losses only: a NaN against a number shows in the first diverging step instead.
         diff = f"max abs loss diff {fid['max_abs_diff']:.3g}, " if fid["max_abs_diff"] else ""
-        out = f"NOT bit-exact: {diff}first diverged at step {first['step']}{values}; {losses}"
+        if first["step"] == failing_step and n > 1:
+            out = f"bit-exact before the failing step {failing_step}, which differs{values}; {losses}"
+        else:
+            out = f"NOT bit-exact: {diff}first diverged at step {first['step']}{values}; {losses}"
     if fid.get("runs_bit_identical") is False:
         out += "; runs differ from each other"
     return out
