@@ -465,9 +465,17 @@ def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, is
     _emit(d) if as_json else click.echo(format_shrink(d))
 
 
+def _archive_name(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """``pack -o``: a name that says what the file is (a tarball named .zip would be opened as a zip and fail)."""
+    if value is not None and not value.name.endswith((".tar", ".tar.gz", ".tgz")):
+        raise click.BadParameter(f"{value.name} does not end in .tar, .tar.gz or .tgz; pack writes a tarball "
+                                 f"(try {value.with_suffix('').name or value.name}.tar)")
+    return _writable(ctx, param, value)
+
+
 @main.command()
 @bundle_arg
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), callback=_writable,
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), callback=_archive_name,
               help="The archive to write: OUTPUT.tar (uncompressed, fast) or OUTPUT.tar.gz (gzip, much slower: float "
                    "tensors barely compress); OUTPUT.sha256 is written beside it.")
 @json_opt

@@ -123,3 +123,9 @@ def test_an_output_path_that_cannot_be_created_is_a_usage_error_before_any_work(
     message = _json(r)["error"]["message"]
     assert f"{blocker} is a file" in message and "cannot be created" in message, message
     assert blocker.read_text() == "mine\n"
+
+
+def test_pack_refuses_an_archive_name_that_is_not_a_tarball(out_dir, tmp_path):
+    r = CliRunner().invoke(main, ["pack", str(_bundle(out_dir)), "-o", str(tmp_path / "repro.zip")])
+    assert r.exit_code == 2 and "does not end in .tar, .tar.gz or .tgz" in r.output and "repro.tar" in r.output
+    assert not (tmp_path / "repro.zip").exists()
