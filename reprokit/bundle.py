@@ -841,6 +841,9 @@ def open_bundle(path: str | Path) -> Bundle:
         >>> b.failure.kind, b.steps                               # doctest: +SKIP
     """
     path = Path(path)
+    if path.is_dir() and next(path.iterdir(), None) is None:
+        raise BundleError(f"{path} is an empty folder, not a bundle; pass a bundle folder the recorder wrote "
+                          "(bundle-..., with manifest.json in it)", [{"file": MANIFEST, "problem": "missing"}])
     manifest, problems = _verify(path, hash_tensors=False)
     if problems or manifest is None:
         lines = "\n".join(f"  {p['file']}: {p['problem']}" for p in problems[:20])

@@ -129,3 +129,11 @@ def test_pack_refuses_an_archive_name_that_is_not_a_tarball(out_dir, tmp_path):
     r = CliRunner().invoke(main, ["pack", str(_bundle(out_dir)), "-o", str(tmp_path / "repro.zip")])
     assert r.exit_code == 2 and "does not end in .tar, .tar.gz or .tgz" in r.output and "repro.tar" in r.output
     assert not (tmp_path / "repro.zip").exists()
+
+
+@pytest.mark.parametrize("command", ["replay", "inspect"])
+def test_an_empty_folder_is_named_as_such(tmp_path, command):
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    r = CliRunner().invoke(main, [command, str(empty)])
+    assert r.exit_code == 3 and "is an empty folder, not a bundle" in r.output and "Ask the sender" not in r.output
