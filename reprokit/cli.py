@@ -57,11 +57,18 @@ EXIT_INTERRUPTED = 130
 _json_out: list[TextIO] = []
 
 
+def _echo(message: Any = None, **kw: Any) -> None:
+    """``click.echo`` of text that may hold a bundle's strings (messages, names): control characters escaped."""
+    from reprokit.text import printable
+
+    click.echo(None if message is None else printable(str(message)), **kw)
+
+
 def _emit(obj: dict[str, Any]) -> None:
     from reprokit.bundle import jsonable
 
     out = _json_out[-1] if _json_out else None
-    click.echo(json.dumps(jsonable(obj), indent=2, sort_keys=False), file=out)
+    click.echo(json.dumps(jsonable(obj), indent=2, sort_keys=False), file=out)  # json escapes control chars
 
 
 def _wants_json(args: Sequence[str]) -> bool:
@@ -157,7 +164,7 @@ class _Group(click.Group):
         if show is not None:
             show()  # click's own "Usage: ... Error: ..." on stderr
         else:
-            click.echo(f"Error: {message}", err=True)
+            _echo(f"Error: {message}", err=True)
         if as_json:
             _emit({"error": {"type": kind, "message": message, "exit_code": code, **fields}})
         sys.exit(code)
@@ -308,7 +315,7 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, trus
         opened = open_bundle(path)  # verified once, here
         note = None if trust else foreign_code_note(opened, is_archive(bundle), code)
         if note:
-            click.echo(note, err=True)
+            _echo(note, err=True)
         report = do_replay(opened, times=times, device=device, code=code,
                            progress=lambda i, n: update(i, f"run {i}/{n}"))
     d = report.to_json()
@@ -316,7 +323,7 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, trus
     if as_json:
         _emit(d)
     else:
-        click.echo(format_report(d))
+        _echo(format_report(d))
     sys.exit(report.exit_code)
 
 
@@ -332,7 +339,7 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
     if as_json:
         _emit(d)
     else:
-        click.echo(format_incident(d))
+        _echo(format_incident(d))
     sys.exit(report.exit_code)
 
 
@@ -369,11 +376,11 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
     if as_json:
         _emit(d)
         return
-    click.echo(format_describe(d))
+    _echo(format_describe(d))
     if plot is not None:
-        click.echo(f"plot     wrote {plot}")
+        _echo(f"plot     wrote {plot}")
     if show_batch:
-        click.echo(format_batch(d["batch_values"]))
+        _echo(format_batch(d["batch_values"]))
 
 
 @main.command()
@@ -423,7 +430,7 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     else:
         from reprokit.report import format_verify
 
-        click.echo(format_verify(d))
+        _echo(format_verify(d))
     sys.exit(1 if problems else 0)
 
 
@@ -462,7 +469,7 @@ def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, is
     from reprokit.report import format_shrink
 
     d = result.to_json()
-    _emit(d) if as_json else click.echo(format_shrink(d))
+    _emit(d) if as_json else _echo(format_shrink(d))
 
 
 def _archive_name(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
@@ -498,7 +505,7 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
     from reprokit.report import format_pack
 
     r = do_pack(bundle, output).to_json()
-    _emit(r) if as_json else click.echo(format_pack(r, output.name))
+    _emit(r) if as_json else _echo(format_pack(r, output.name))
 
 
 @main.command()
@@ -528,7 +535,7 @@ def extract(bundle: Path, output: Path, device: str | None, code: Path | None, a
     with _open(bundle, kw) as path:
         result = do_extract(open_bundle(path), output, device=device, code=code, source=bundle)
     d = result.to_json()
-    _emit(d) if as_json else click.echo(format_extract(d))
+    _emit(d) if as_json else _echo(format_extract(d))
 
 
 @main.group()
@@ -551,10 +558,10 @@ def _bisect_axis(axis: str, bundle: Path, device: str | None, code: Path | None,
         d = fn(opened, device=device, code=code, **opts)
     if d.get("reproduced") is False:
         d["note"] = d.get("note") or not_reproduced_note(opened)
-    _emit(d) if as_json else click.echo(fmt(d))
+    _emit(d) if as_json else _echo(fmt(d))
     if d.get("reproduced") is False:
         if not as_json:
-            click.echo(d["note"])
+            _echo(d["note"])
         sys.exit(1)
 
 
@@ -658,11 +665,11 @@ def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_p
     from reprokit.bisect import bisect_commits as run
 
     def progress(p: Any, n: int) -> None:
-        click.echo(f"  {p.role:<8} {p.sha[:10]}  {p.verdict:<4}  {p.seconds:5.1f}s  {p.reason[:90]}", err=True)
+        _echo(f"  {p.role:<8} {p.sha[:10]}  {p.verdict:<4}  {p.seconds:5.1f}s  {p.reason[:90]}", err=True)
 
     with _open(bundle, kw) as path:
         if not as_json:
-            click.echo(f"bisecting {good}..{bad} with {path}", err=True)
+            _echo(f"bisecting {good}..{bad} with {path}", err=True)
         result = run(path, good=good, bad=bad, repo=repo, first_parent=first_parent, timeout=timeout, device=device,
                      progress=None if as_json else progress)
     d = result.to_json()
@@ -671,13 +678,13 @@ def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_p
         return
     if result.first_bad:
         info = d["first_bad_commit"]
-        click.echo(f"first bad commit: {info['sha']}\n  {info['subject']}\n  {info['author']}, {info['date']}")
-        click.echo("  files: " + ", ".join(info["files"]))
+        _echo(f"first bad commit: {info['sha']}\n  {info['subject']}\n  {info['author']}, {info['date']}")
+        _echo("  files: " + ", ".join(info["files"]))
     else:
-        click.echo("ambiguous because of skipped commits; the first bad commit is one of:")
+        _echo("ambiguous because of skipped commits; the first bad commit is one of:")
         for sha in d["candidates"]:
-            click.echo(f"  {sha}")
-    click.echo(f"{d['replays']} replays over {d['commits_in_range']} commits ({len(d['skipped'])} skipped)")
+            _echo(f"  {sha}")
+    _echo(f"{d['replays']} replays over {d['commits_in_range']} commits ({len(d['skipped'])} skipped)")
 
 
 @main.command()
@@ -693,7 +700,7 @@ def demo(out: Path | None, as_json: bool) -> None:
         raise click.BadParameter(f"{out} already holds {' and '.join(taken)} from an earlier demo; give a new or "
                                  "empty folder (or leave --out out: a temporary one)", param_hint="--out")
     out = out or Path(tempfile.mkdtemp(prefix="reprokit-demo-"))
-    result = run_demo(out, say=(lambda s: None) if as_json else click.echo)
+    result = run_demo(out, say=(lambda s: None) if as_json else _echo)
     if as_json:
         _emit(result)
 
@@ -721,10 +728,10 @@ def gc(directory: Path, dry_run: bool, as_json: bool) -> None:
             verb = ("would remove" if dry_run else "removed") if x.removable and not x.error else \
                 ("FAILED to remove" if x.error else "kept")
             why = {"writing": "its writer is still running", "recent": "owner unknown, changed lately"}.get(x.state, "")
-            click.echo(f"{verb} {x.path.name} ({x.bytes / 1e6:.1f} MB, {x.owner}, idle {x.age_s / 3600:.1f} h"
+            _echo(f"{verb} {x.path.name} ({x.bytes / 1e6:.1f} MB, {x.owner}, idle {x.age_s / 3600:.1f} h"
                        + (f"; {why}" if why and not x.removable else "") + (f"; {x.error}" if x.error else "") + ")")
         n = sum(x.removable for x in found)
-        click.echo(f"{directory}: {len(found)} leftover temp folder(s), {n} abandoned"
+        _echo(f"{directory}: {len(found)} leftover temp folder(s), {n} abandoned"
                    + (" (dry run: nothing removed)" if dry_run else ""))
     sys.exit(1 if failed else 0)
 

@@ -51,9 +51,9 @@ PACK_MANIFEST = "pack-manifest.json"
 PACK_FORMAT = "reprokit-pack"
 PACK_VERSION = 1
 _PACKAGE = Path(__file__).resolve().parent
-# Replay needs what ``import reprokit`` pulls in, plus the demo's build/step: found by following
-# module-level ``reprokit.*`` imports from these, so a new module can never be forgotten.
-RUNTIME_ROOTS = ("__init__.py", "demo.py")
+# Replay needs what ``import reprokit`` pulls in, plus the demo's build/step and what repro.py itself imports (text.py):
+# found by following module-level ``reprokit.*`` imports from these, so a new module can never be forgotten.
+RUNTIME_ROOTS = ("__init__.py", "demo.py", "text.py")
 
 
 def runtime_files(extra_roots: tuple[str, ...] = ()) -> list[str]:
@@ -112,6 +112,7 @@ sys.path.insert(0, HERE)  # the vendored runtime wins over any installed reproki
 from reprokit.bundle import jsonable  # noqa: E402
 from reprokit.errors import ReprokitError  # noqa: E402
 from reprokit.replay import format_report, replay  # noqa: E402
+from reprokit.text import printable  # noqa: E402
 
 
 def main():
@@ -123,10 +124,10 @@ def main():
     try:
         report = replay(os.path.join(HERE, "bundle"), times=args.times, device=args.device)
     except ReprokitError as e:
-        print(f"Error: {e}", file=sys.stderr)
+        print(printable(f"Error: {e}"), file=sys.stderr)
         return e.exit_code
     d = report.to_json()
-    print(json.dumps(jsonable(d), indent=2) if args.json else format_report(d))
+    print(json.dumps(jsonable(d), indent=2) if args.json else printable(format_report(d)))
     return report.exit_code
 
 

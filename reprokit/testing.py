@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reprokit.errors import ReprokitError
+from reprokit.text import printable
 
 ARCHIVES = (".tar", ".tar.gz", ".tgz")
 """Names of packed bundles the plugin collects (what ``reprokit pack`` writes, and earlier versions' archives)."""
@@ -156,7 +157,7 @@ if pytest is not None:
             except StillFails as e:
                 self._still = e
             except ReprokitError as e:
-                pytest.fail(f"{type(e).__name__}: {e}", pytrace=False)
+                pytest.fail(printable(f"{type(e).__name__}: {e}"), pytrace=False)
 
         def runtest(self) -> None:
             if self._still is not None:
@@ -164,7 +165,7 @@ if pytest is not None:
 
         def repr_failure(self, excinfo: Any, style: Any = None) -> str:
             if isinstance(excinfo.value, ReprokitError):
-                return str(excinfo.value)
+                return printable(str(excinfo.value))
             return str(super().repr_failure(excinfo))
 
         def reportinfo(self) -> tuple[Path, None, str]:
