@@ -369,7 +369,7 @@ def check_failure(d: Any, name: str = "failure.json") -> None:
     if d["kind"] not in KINDS:
         raise f.fail("kind", f"must be one of {', '.join(KINDS)}, got {d['kind'][:80]!r}")
     f.integer(d["step"], "step")
-    for k in ("exc_type", "frame"):
+    for k in ("exc_type", "frame", "frame_qualname"):
         if k in d:
             f.string(d[k], k, null=True)
     for k in ("message", "traceback"):

@@ -1,7 +1,9 @@
 """What failed, and whether two failures are "the same".
 
 Decided in one place: two failures are the same when their ``kind``, exception
-type and raising frame in user code (``file:function``) agree. Digits are
+type and raising frame in user code (``file:function``; where both failures
+know it, ``file:Class.function`` too: two classes' ``forward`` in one file are two
+places) agree. Digits are
 normalised out of messages so that shape numbers may change while shrinking;
 replay keeps the message for people but does not compare it (the same bug's wording
 may differ between devices and torch versions), while the shrinker also requires an
@@ -50,11 +52,15 @@ class Failure:
     frame: str | None = None
     traceback: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
+    frame_qualname: str | None = None
+    """``file:Class.function`` of the raising frame (Python 3.11+: ``co_qualname``); None where unknown."""
 
     def signature(self) -> dict[str, Any]:
         """The fields that decide "same failure" (plus the normalised message, for show)."""
-        return {"kind": self.kind, "exc_type": self.exc_type, "frame": self.frame,
-                "message": normalise(self.message)}
+        sig = {"kind": self.kind, "exc_type": self.exc_type, "frame": self.frame, "message": normalise(self.message)}
+        if self.frame_qualname is not None:
+            sig["frame_qualname"] = self.frame_qualname
+        return sig
 
     def same_as(self, other: Failure | dict[str, Any] | None, *, step: bool = False) -> bool:
         """Same signature as ``other`` (a Failure or a ``failure.json`` dict); with ``step=True`` also the same step.
@@ -102,7 +108,7 @@ class Failure:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Failure:
-        names = {"kind", "step", "exc_type", "message", "frame", "traceback", "detail"}
+        names = {"kind", "step", "exc_type", "message", "frame", "traceback", "detail", "frame_qualname"}
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -141,6 +147,8 @@ def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     """True when two signatures describe the same failure."""
     if a is None or b is None:
         return False
+    if a.get("frame_qualname") and b.get("frame_qualname") and a["frame_qualname"] != b["frame_qualname"]:
+        return False  # bundles from before it was recorded, or Python 3.10, compare the function's name alone
     return all(a.get(k) == b.get(k) for k in ("kind", "exc_type", "frame"))
 
 
@@ -151,12 +159,14 @@ def from_exception(exc: BaseException, step: int) -> Failure:
         exc_type=type(exc).__qualname__,
         message=str(exc).splitlines()[0][:500] if str(exc) else "",
         frame=user_frame(exc.__traceback__),
+        frame_qualname=user_frame(exc.__traceback__, qualname=True),
         traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:],
     )
 
 
-def user_frame(tb: TracebackType | None) -> str | None:
-    """``file:function`` of the deepest frame outside python, torch and reprokit.
+def user_frame(tb: TracebackType | None, qualname: bool = False) -> str | None:
+    """``file:function`` of the deepest frame outside python, torch and reprokit (``file:Class.function`` with
+    ``qualname``, on Python 3.11+; None before).
 
     The file is its base name so that a bundle's code snapshot, a live checkout
     and an extracted tarball all give the same signature.
@@ -166,5 +176,6 @@ def user_frame(tb: TracebackType | None) -> str | None:
         path = os.path.realpath(frame.f_code.co_filename)
         if path.startswith(_LIBRARY_ROOTS) or frame.f_code.co_filename.startswith("<"):
             continue
-        found = f"{os.path.basename(path)}:{frame.f_code.co_name}"
+        name = getattr(frame.f_code, "co_qualname", None) if qualname else frame.f_code.co_name
+        found = None if name is None else f"{os.path.basename(path)}:{name}"
     return found

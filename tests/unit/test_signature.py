@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from reprokit.signature import Failure, from_exception, normalise, same_failure
@@ -44,3 +46,32 @@ def test_same_failure_compares_kind_type_and_frame_not_numbers():
 def test_json_round_trip():
     f = Failure("exception", 4, exc_type="IndexError", message="m", frame="a.py:f", detail={"k": 1})
     assert Failure.from_json(f.to_json()) == f
+
+
+class _Encoder:
+    def forward(self):
+        raise ValueError("shape 3 vs 4")
+
+
+class _Decoder:
+    def forward(self):
+        raise ValueError("shape 3 vs 4")
+
+
+def _raised_by(obj):
+    try:
+        obj.forward()
+    except ValueError as e:
+        return from_exception(e, 3)
+    raise AssertionError("did not raise")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="a frame's qualified name (co_qualname) is Python 3.11+")
+def test_two_classes_forward_in_one_file_are_two_places():
+    enc, dec = _raised_by(_Encoder()), _raised_by(_Decoder())
+    assert enc.frame == dec.frame == "test_signature.py:forward"
+    assert enc.frame_qualname == "test_signature.py:_Encoder.forward"
+    assert not enc.same_as(dec) and enc.same_as(_raised_by(_Encoder()))
+    old = enc.to_json()  # a bundle written before the qualified name was recorded: the function's name decides
+    del old["frame_qualname"], old["signature"]["frame_qualname"]
+    assert Failure.from_json(old).same_as(dec) and dec.same_as(old)
