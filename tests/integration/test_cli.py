@@ -101,6 +101,9 @@ def test_usage_errors_exit_2(nan_bundle, tmp_path):
     not_a_bundle = tmp_path / "empty"
     not_a_bundle.mkdir()
     result = CliRunner().invoke(main, ["replay", str(not_a_bundle)])
+    assert result.exit_code == 3 and "is an empty folder, not a bundle" in result.output
+    (not_a_bundle / "notes.txt").write_text("hello")
+    result = CliRunner().invoke(main, ["replay", str(not_a_bundle)])
     assert result.exit_code == 3 and "manifest.json: missing" in result.output
 
 
