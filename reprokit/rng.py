@@ -265,6 +265,10 @@ def _from_json_state(obj: Any) -> Any:
 
 # --- restore --------------------------------------------------------------------------------
 
+UNRECORDED_CUDA_SEED = 67280421310721
+"""torch's default seed of a CUDA generator (``default_rng_seed_val``): what a fresh process starts from."""
+
+
 def restore(tree: dict[str, Any], tensors: dict[str, torch.Tensor], extra: dict[str, Any] | None = None) -> None:
     """Set every generator a bundle recorded (global ones, and those in ``extra`` by path).
 
@@ -278,11 +282,20 @@ def restore(tree: dict[str, Any], tensors: dict[str, torch.Tensor], extra: dict[
         np.random.set_state((name, tensors["rng/numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
         torch.set_rng_state(tensors["rng/torch"])
         if torch.cuda.is_available():
+            recorded = set()
             for key, t in tensors.items():
                 if key.startswith("rng/cuda/"):
                     dev = int(key.rsplit("/", 1)[1])
                     if dev < torch.cuda.device_count():
                         torch.cuda.set_rng_state(t, dev)
+                        recorded.add(dev)
+            # A device the bundle has no state for (recorded on the CPU, replayed on a GPU): the seed a fresh process
+            # starts from, at every restore, so that each --times run and each shrink candidate draws the same. Only
+            # once CUDA is in use (a replay on the CPU must not start it); until then its generators are fresh anyway.
+            if torch.cuda.is_initialized():
+                for dev, gen in enumerate(torch.cuda.default_generators):
+                    if dev not in recorded:
+                        gen.manual_seed(UNRECORDED_CUDA_SEED)
     for entry in tree.get("owned", []):
         gen = _at(extra, entry["path"])
         kind = entry["kind"]

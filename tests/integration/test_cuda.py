@@ -667,3 +667,16 @@ def test_no_gpu_copy_while_read_for_an_optimizer_that_loads_its_own_way(projects
     state.optimizer = Own(state.model.parameters())
     assert _Preload.make(state, b, torch.device("cuda")) is None
     assert _Preload.make(gpu.build({"device": "cpu"}), b, torch.device("cpu")) is None
+
+
+def test_a_cpu_bundle_replayed_on_the_gpu_gives_every_run_the_same_cuda_draws(projects, tmp_path):
+    """The bundle has no CUDA generator state: each restore seeds the GPU's generator as a fresh process would, so
+    dropout draws the same masks in every --times run (before, run 2 went on from where run 1 left the generator)."""
+    gpu = projects("rk_gpu")
+    cfg = {"device": "cpu"}
+    rec, exc = record(gpu, cfg, gpu.batches(12, 9, "cpu"), tmp_path, snapshot_every=5)
+    assert not any(k.startswith("rng/cuda/") for k in open_bundle(exc.bundle).step(9)[2])
+    report = reprokit.replay(exc.bundle, times=3, device="cuda")
+    assert report.device == "cuda" and report.verdict == "deterministic"
+    assert report.fidelity["runs_bit_identical"], report.fidelity
+
