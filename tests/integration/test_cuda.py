@@ -670,13 +670,23 @@ def test_no_gpu_copy_while_read_for_an_optimizer_that_loads_its_own_way(projects
 
 
 def test_a_cpu_bundle_replayed_on_the_gpu_gives_every_run_the_same_cuda_draws(projects, tmp_path):
-    """The bundle has no CUDA generator state: each restore seeds the GPU's generator as a fresh process would, so
-    dropout draws the same masks in every --times run (before, run 2 went on from where run 1 left the generator)."""
-    gpu = projects("rk_gpu")
-    cfg = {"device": "cpu"}
-    rec, exc = record(gpu, cfg, gpu.batches(12, 9, "cpu"), tmp_path, snapshot_every=5)
-    assert not any(k.startswith("rng/cuda/") for k in open_bundle(exc.bundle).step(9)[2])
-    report = reprokit.replay(exc.bundle, times=3, device="cuda")
-    assert report.device == "cuda" and report.verdict == "deterministic"
-    assert report.fidelity["runs_bit_identical"], report.fidelity
+    """The bundle has no CUDA generator state (recorded where CUDA was never used): each restore seeds the GPU's
+    generator as a fresh process would, so dropout draws the same masks in every --times run (before, run 2 went on
+    from where run 1 left the generator)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys; sys.path[:0] = ['tests', 'tests/projects']; import rk_gpu, rk_testing; "
+            f"_, e = rk_testing.record(rk_gpu, {{'device': 'cpu'}}, rk_gpu.batches(12, 9, 'cpu'), {str(tmp_path)!r}, "
+            "snapshot_every=5); print(rk_testing.bundle_of(e))")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    bundle = Path(proc.stdout.strip().splitlines()[-1])
+    assert not any(k.startswith("rng/cuda/") for k in open_bundle(bundle).step(9)[2])
+    report = reprokit.replay(bundle, times=3, device="cuda")
+    assert report.device == "cuda" and report.verdict == "deterministic"
+    assert report.fidelity["runs_bit_identical"], [r.losses for r in report.runs]
