@@ -280,7 +280,8 @@ class SnapshotEngine:
         a parameter or buffer given new data (a cast), learning rates, how much optimizer state exists."""
         opt, model = self.state.optimizer, self.state.model
         return (model.training, tuple(m.training for m in model.modules()),
-                tuple((id(t), t.dtype, t.requires_grad, t.data_ptr() if type(t) in _PLAIN else None)
+                tuple((id(t), t.dtype, t.requires_grad,
+                       t.data_ptr() if type(t) in _PLAIN and t.layout is torch.strided else None)
                       for t in (*model.parameters(), *model.buffers())), len(opt.state),
                 tuple(tuple(sorted((k, v) for k, v in g.items() if isinstance(v, (int, float, bool))))
                       for g in opt.param_groups),
