@@ -188,7 +188,7 @@ def step_batch(bundle: Bundle, step: int) -> Any:
     except (SafetensorError, ValueError, KeyError) as e:
         raise BundleError(f"{bundle.path}: {rel}.safetensors: {str(e)[:300]}; refusing to load it. {_FIX}",
                           [{"file": f"{rel}.safetensors", "problem": str(e)[:300]}]) from None
-    return pytree.decode(schema.load_json(bundle.path / f"{rel}.json", f"{rel}.json")["batch"], tensors)
+    return pytree.decode(bundle._json(f"{rel}.json")["batch"], tensors)  # checked against the manifest, as its tensors
 
 
 def _unreadable(bundle: Bundle, rel: str, e: OSError) -> BundleError:

@@ -66,6 +66,19 @@ def test_a_json_file_swapped_after_open_is_refused_not_loaded(bundle, which):
             b.state()
 
 
+def test_inspect_batch_reads_the_step_json_it_was_vouched_for(bundle):
+    """``inspect --batch`` (report.step_batch) read the failing step's JSON again unchecked: a batch tree edited after
+    the bundle was opened was shown as the recorded batch."""
+    from reprokit.report import step_batch
+
+    b = B.open_bundle(bundle)
+    step = b.failure.step
+    rel = f"{B.STEPS}/{B.step_name(step)}.json"
+    _edit(bundle / rel, "loss", 123.0)
+    with pytest.raises(BundleError, match=f"{rel}: size mismatch"):
+        step_batch(b, step)
+
+
 def test_a_same_size_edit_after_open_is_caught_by_its_digest(bundle):
     b = B.open_bundle(bundle)
     rel = _step_json(bundle)
