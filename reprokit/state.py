@@ -237,7 +237,7 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
             obj.load_state_dict(pytree.decode(recorded, tensors))
     _reset_scaler_step(state.scaler)
     grads = pytree.decode(tree.get(GRADS, {}), tensors)
-    _restore_grads(state.model, _renamed(grads, dict(state.model.named_parameters()).keys()), device)
+    _restore_grads(state.model, _ddp_prefix(grads, dict(state.model.named_parameters()).keys(), some=True), device)
     _restore_outside_grads(state, tree, tensors)
     extra = rng.unmarked(pytree.decode(tree.get(EXTRA, {}), tensors), state.extra)
     merged = _into_live(extra, state.extra, device)
@@ -346,16 +346,18 @@ def _optimizer_params(state: TrainState) -> dict[str, torch.Tensor]:
     return dict(zip(indices, live))
 
 
-def _ddp_prefix(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
+def _ddp_prefix(recorded: dict[str, Any], live: Any, some: bool = False) -> dict[str, Any]:
     """Recorded keys as the live model names them, when the two differ only by DDP's ``module.`` prefix (a bundle
-    of a DistributedDataParallel model replayed in one process, where ``build`` made the bare model, or back)."""
+    of a DistributedDataParallel model replayed in one process, where ``build`` made the bare model, or back).
+    ``some``: the recorded keys name some of the live ones (gradients, modes, frozen parameters), not all."""
     live = set(live)
-    if set(recorded) == live:
+    fits = set.issubset if some else set.__eq__
+    if fits(set(recorded), live):
         return recorded
     prefix = "module."
-    if all(k.startswith(prefix) for k in recorded) and {k[len(prefix):] for k in recorded} == live:
+    if all(k.startswith(prefix) for k in recorded) and fits({k[len(prefix):] for k in recorded}, live):
         return {k[len(prefix):]: v for k, v in recorded.items()}
-    if not any(k.startswith(prefix) for k in recorded) and {prefix + k for k in recorded} == live:
+    if not any(k.startswith(prefix) for k in recorded) and fits({prefix + k for k in recorded}, live):
         return {prefix + k: v for k, v in recorded.items()}
     return recorded
 
@@ -418,19 +420,6 @@ def _adopt_dtypes(model: torch.nn.Module, recorded: dict[str, Any]) -> None:
                 live.data = live.data.to(value.dtype)
 
 
-def _renamed(recorded: dict[str, Any], live: Any) -> dict[str, Any]:
-    """:func:`_ddp_prefix` for entries of some of the live names only (gradients, modes, frozen parameters)."""
-    live = set(live)
-    if set(recorded) <= live:
-        return recorded
-    prefix = "module."
-    if all(k.startswith(prefix) for k in recorded) and {k[len(prefix):] for k in recorded} <= live:
-        return {k[len(prefix):]: v for k, v in recorded.items()}
-    if not any(k.startswith(prefix) for k in recorded) and {prefix + k for k in recorded} <= live:
-        return {prefix + k: v for k, v in recorded.items()}
-    return recorded
-
-
 def _outside_params(state: TrainState) -> dict[str, torch.Tensor] | None:
     """The optimizer's parameters that are not the model's, by their index in its state dict (as a string); None when
     there are none, or when one is sharded (FSDP2: their gradients are left as they are)."""
@@ -490,7 +479,7 @@ def _restore_modes(model: torch.nn.Module, tree: dict[str, Any]) -> None:
     """
     model.train(tree.get("training", True))
     modules = dict(model.named_modules())
-    for name, training in _renamed(tree.get(MODES) or {}, modules.keys()).items():
+    for name, training in _ddp_prefix(tree.get(MODES) or {}, modules.keys(), some=True).items():
         # A name the model lacks is a module without state (load_state_dict refused any other): renamed by the code
         # replayed (`--code`, `bisect commits`), which then is not the recorded code anyway.
         if name in modules:
@@ -499,7 +488,7 @@ def _restore_modes(model: torch.nn.Module, tree: dict[str, Any]) -> None:
     if frozen is None:
         return
     params = dict(model.named_parameters())
-    recorded = _renamed(dict.fromkeys(frozen), params.keys())
+    recorded = _ddp_prefix(dict.fromkeys(frozen), params.keys(), some=True)
     unknown = sorted(set(recorded) - set(params))
     if unknown:
         raise StateMismatchError(f"the bundle records frozen parameters that the model build() made lacks: "
