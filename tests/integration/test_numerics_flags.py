@@ -29,13 +29,18 @@ def torch_numerics():
     torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
-@needs_new_api
-def test_a_run_on_the_per_backend_precision_api_is_recorded_and_replays_under_it(projects, tmp_path, torch_numerics):
-    prec = projects("rk_precision")
-    # Torch refuses to read its legacy flags (allow_tf32, get_float32_matmul_precision) after this mix.
+def _mix_precision_apis() -> None:
+    """Per-backend settings that make torch refuse to read its legacy flags (allow_tf32,
+    get_float32_matmul_precision); CPU matmuls in bf16 where the CPU has it."""
     torch.backends.fp32_precision = "ieee"
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+
+
+@needs_new_api
+def test_a_run_on_the_per_backend_precision_api_is_recorded_and_replays_under_it(projects, tmp_path, torch_numerics):
+    prec = projects("rk_precision")
+    _mix_precision_apis()
     with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
         torch.get_float32_matmul_precision()
     _, exc = record(prec, {"precision": "bf16"}, prec.batches(6), tmp_path, snapshot_every=2)
@@ -83,9 +88,7 @@ def test_bisect_precision_runs_and_restores_under_the_per_backend_precision_api(
     from reprokit.bisect import bisect_precision
 
     prec = projects("rk_precision")
-    torch.backends.fp32_precision = "ieee"
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    _mix_precision_apis()
     _, exc = record(prec, {"precision": "bf16"}, prec.batches(6), tmp_path, snapshot_every=2)
     before = determinism_flags()
     d = bisect_precision(reprokit.open_bundle(exc.bundle), variants=["recorded", "deterministic"])
