@@ -14,10 +14,12 @@ them. Measured: 1.010x -> 0.999x the bare step (bench/probes/gradcheck_probe.py)
 
 from __future__ import annotations
 
+import numbers
+import os
 import statistics
 import warnings
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from operator import attrgetter
@@ -27,7 +29,7 @@ import torch
 
 from reprokit import pytree
 from reprokit.detect_settings import DetectSettings
-from reprokit.errors import RecorderWarning
+from reprokit.errors import ConfigError, RecorderWarning
 from reprokit.signature import Failure, from_exception
 from reprokit.state import TrainState
 
@@ -77,6 +79,8 @@ class Monitor:
         """Side streams with a norm queued that the training stream has not waited for yet."""
         self._hooks: tuple[Any, Any] | None = None
         self._hook_warned = False
+        self._loss_warned = False
+        self._spike_warned = False
         self._after_closure = False
         """Set by the pre-hook when step() was given a closure: the norm is read after the step."""
         self.replaying = False
@@ -250,10 +254,14 @@ class Monitor:
         if exc is not None:
             self._join()  # an optimizer step that raised never reached the post-hook
             return StepResult(None, None, from_exception(exc, step), exc)
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            loss = loss.detach()
+        if isinstance(loss, torch.Tensor):
+            if loss.requires_grad:
+                loss = loss.detach()
+            read = loss
+        else:  # a number, a dict / ModelOutput holding the loss, or something the loss checks cannot read
+            read = self._loss_in(loss, step)
         try:
-            loss_f, grad_norm, param_norm = self._read(loss)
+            loss_f, grad_norm, param_norm = self._read(read, step)
         except Exception as e:  # reprokit's own fault: the run goes on, unchecked for this step, and says so once
             if not self._hook_warned:
                 self._hook_warned = True
@@ -262,7 +270,29 @@ class Monitor:
             loss_f = grad_norm = param_norm = None
         return StepResult(loss_f, grad_norm, self._check(step, loss_f, grad_norm, param_norm), value=loss)
 
-    def _read(self, loss: Any) -> tuple[float | None, float | None, float | None]:
+    def _loss_in(self, value: Any, step: int) -> Any:
+        """The loss inside what the step returned when it is not a tensor: a number, or the ``"loss"`` entry of a
+        dict or Hugging Face ``ModelOutput``; else None, said once (the loss checks would silently not run)."""
+        if isinstance(value, Mapping) and "loss" in value:
+            value = value["loss"]
+            if isinstance(value, torch.Tensor):
+                return value
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return float(value)
+        if value is None and self.settings.spike_factor is None:
+            return None  # a step that returns nothing: only the gradient and parameter checks run, as documented
+        self._warn_unread(step, f"returned {_what(value)}, not a loss")
+        return None
+
+    def _warn_unread(self, step: int, what: str) -> None:
+        if not self._loss_warned:
+            self._loss_warned = True
+            warnings.warn(f"reprokit: the step function {what} (step {step}), so the loss checks (non-finite loss, "
+                          "spike_factor, the `loss` given to predicates) cannot see it. Return the loss as a "
+                          "one-element tensor or a number, or a dict / ModelOutput with a 'loss' entry.",
+                          RecorderWarning, stacklevel=4)
+
+    def _read(self, loss: Any, step: int = -1) -> tuple[float | None, float | None, float | None]:
         """Loss, grad norm, param norm and the GradScaler's scale, fetched from the device in one sync.
 
         One ``torch.cat`` (it promotes every part to float64) and one transfer: on a GPU the
@@ -273,6 +303,8 @@ class Monitor:
         has_loss = isinstance(loss, torch.Tensor) and loss.numel() == 1
         if has_loss:
             parts.append(loss.detach().reshape(1))
+        elif isinstance(loss, torch.Tensor) and not self._loss_warned:
+            self._warn_unread(step, f"returned a tensor of shape {list(loss.shape)}, not a one-element loss")
         has_grad = bool(self._norms)
         if has_grad:
             # With accumulation the optimizer may step several times: keep the worst.
@@ -329,6 +361,13 @@ class Monitor:
             median = statistics.median(self.history)
             if median > 0 and loss > s.spike_factor * median:
                 return Failure("loss_spike", step, message=f"loss {loss:.4g} > {s.spike_factor} x median {median:.4g}")
+            if median <= 0 and not self._spike_warned:
+                self._spike_warned = True
+                warnings.warn(f"reprokit: spike_factor cannot judge step {step}: the median of the recent losses is "
+                              f"{median:.4g}, and a multiple of a loss <= 0 is no bound; the spike check is off while "
+                              "it stays <= 0. Give the recorder a loss that stays positive (say, shifted by a "
+                              "constant), or use a predicate (detect=[...]) for this loss.",
+                              RecorderWarning, stacklevel=4)
         if loss is not None and _finite(loss):
             self.history.append(loss)
         for fn in self.predicates:
@@ -336,8 +375,12 @@ class Monitor:
                 verdict = fn(step, loss, self.state)
             except Exception as e:
                 return from_exception(e, step)
-            if verdict:
-                name = getattr(fn, "__qualname__", repr(fn))
+            name = getattr(fn, "__qualname__", repr(fn))
+            try:
+                fired = bool(verdict)
+            except Exception as e:  # a tensor of several values, a numpy array: no single truth value
+                return _unjudged(fn, name, verdict, e, step)
+            if fired:
                 return Failure("predicate", step, frame=name,
                                message=verdict if isinstance(verdict, str) else f"{name} returned {verdict!r}")
         return None
@@ -384,6 +427,24 @@ def _foreach_norm64(ts: list[torch.Tensor]) -> list[torch.Tensor]:
         return list(torch._foreach_norm(ts, 2, dtype=torch.float64))
     except TypeError:  # torch < 2.3: no dtype argument
         return [n.double() for n in torch._foreach_norm(ts)]
+
+
+def _unjudged(fn: Any, name: str, verdict: Any, error: Exception, step: int) -> Failure:
+    """The failure for a predicate whose verdict has no truth value: a :class:`ConfigError` raised "in" it."""
+    what = f"a tensor of shape {list(verdict.shape)}" if isinstance(verdict, torch.Tensor) else _what(verdict)
+    err = ConfigError(f"predicate {name} returned {what}, which is neither true nor false ({error}); a predicate "
+                      "returns a bool, or a str to fail with that message (for a tensor: bool((x > limit).any()))")
+    failure = from_exception(err, step)
+    code = getattr(fn, "__code__", None)
+    if code is not None:  # the predicate's own place, as if it had raised (its frame already returned)
+        failure.frame = f"{os.path.basename(code.co_filename)}:{code.co_name}"
+        failure.frame_qualname = f"{os.path.basename(code.co_filename)}:{getattr(code, 'co_qualname', code.co_name)}"
+    return failure
+
+
+def _what(value: Any) -> str:
+    """``a tuple``, ``a list``, ``a str``: what a value is, for a message."""
+    return "None" if value is None else f"a {type(value).__qualname__}"
 
 
 def _finite(x: float) -> bool:

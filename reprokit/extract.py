@@ -266,6 +266,8 @@ def _module_spec(mod: torch.nn.Module, skipped: list[str], path: str = "") -> di
 def _plain(v: Any) -> bool:
     if isinstance(v, _PLAIN):
         return True
+    if isinstance(v, dict):  # a config dict kept on the module; JSON keeps str keys only
+        return type(v) is dict and all(isinstance(k, str) and _plain(x) for k, x in v.items())
     return isinstance(v, (list, tuple)) and all(_plain(x) for x in v)
 
 
@@ -531,7 +533,14 @@ def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: 
         if bundle.failure.kind == "exception" and type(recorded).__qualname__ != bundle.failure.exc_type:
             raise DidNotReproduce(f"{what} alone raises {type(recorded).__qualname__}, not the "
                                   f"bundle's {bundle.failure.exc_type}: it does not fail the same way alone; use the "
-                                  "whole bundle, or `reprokit shrink` it instead")
+                                  "whole bundle, or `reprokit shrink` it instead" + _said(notes))
+        if bundle.failure.kind != "exception" and not _nonfinite_check(recorded):
+            # The bundle's failure is a non-finite value: only rk_extract's own check finding one is that failure
+            # (the module raising, say for an attribute the extract could not carry, is another one).
+            raise DidNotReproduce(f"{what} alone raises {type(recorded).__qualname__}: "
+                                  f"{str(recorded).splitlines()[0][:300] if str(recorded) else ''}, where the bundle "
+                                  f"failed with {bundle.failure.describe()}: it does not fail the same way alone; use "
+                                  "the whole bundle, or `reprokit shrink` it instead" + _said(notes))
         failure = f"{type(recorded).__name__}: {str(recorded).splitlines()[0][:300]}"
         info = {"source_bundle": str(source), "source_manifest_sha256": sha256_file(bundle.path / MANIFEST),
                 "source_step": bundle.failure.step, "source_failure": bundle.failure.describe(), "module": name,
@@ -542,6 +551,17 @@ def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: 
     return ExtractResult(output=path, source=source, module=name, cls=cls, phase=phase, failure=failure,
                          op=op["op"] if op else None, notes=notes, bytes=size, op_raised=bool(op and "raises" in op),
                          level=level)
+
+
+def _nonfinite_check(exc: BaseException) -> bool:
+    """True when ``exc`` is the extract step's own finding of a non-finite value (rk_extract's ``_check``)."""
+    from reprokit.signature import user_frame
+
+    return type(exc) is FloatingPointError and user_frame(exc.__traceback__) == f"{EXTRACT_MODULE}.py:_check"
+
+
+def _said(notes: list[str]) -> str:
+    return "".join(f"; note: {n}" for n in notes)
 
 
 def _library(path: str) -> bool:

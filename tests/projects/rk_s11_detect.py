@@ -1,0 +1,85 @@
+"""A tiny model for the detector and extract edge cases (tests/*/test_s11_detect_*.py).
+
+``batch["returns"]`` picks what the step function returns: ``tensor`` (the loss), ``dict`` (``{"loss": loss}``,
+as a Hugging Face ModelOutput holds it), ``tuple`` (``(loss, out)``) or ``negative`` (minus the loss). Rows of
+zeros reaching :class:`Norm` make 0/0 = NaN there (``batches(..., zero_row=k)``); ``spike=(step, target)`` moves that
+step's regression target far away (a loss spike).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+import reprokit
+
+
+class Norm(nn.Module):
+    """RMS norm without an epsilon floor worth the name: a row of zeros is 0/0."""
+
+    def __init__(self, d: int, attr: str):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+        # Its epsilon lives in a dict (plain data: an extract carries it) or in a namespace (it cannot).
+        self.opts = {"eps": 0.0} if attr == "dict" else types.SimpleNamespace(eps=0.0)
+        self.attr = attr
+
+    def forward(self, x):
+        eps = self.opts["eps"] if self.attr == "dict" else self.opts.eps
+        return self.w * x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+
+
+class Net(nn.Module):
+    def __init__(self, attr: str):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.n = Norm(4, attr)
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.b(self.n(self.a(x) * x[:, :1]))
+
+
+def build(config):
+    torch.manual_seed(0)
+    model = Net(config.get("attr", "dict"))
+    with torch.no_grad():
+        model.a.bias.zero_()
+    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
+
+
+def train_step(state, batch):
+    out = state.model(batch["x"])
+    loss = (out - batch.get("target", 1.0)).pow(2).mean()
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    kind = batch.get("returns", "tensor")
+    if kind == "dict":
+        return {"loss": loss, "logits": out.detach()}
+    if kind == "tuple":
+        return loss, out.detach()
+    if kind == "negative":
+        return -loss
+    return loss
+
+
+def batches(steps, returns="tensor", zero_row=None, spike=None):
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        x = torch.randn(4, 4, generator=g)
+        if i == zero_row:
+            x[1, 0] = 0.0  # row 1 of a(x) * x[:, :1] is all zeros
+        target = spike[1] if spike is not None and i == spike[0] else 1.0
+        yield {"x": x, "returns": returns, "target": target}
+
+
+def vector_verdict(step, loss, state):
+    """A predicate that forgets .any(): a tensor of several values is neither true nor false."""
+    return torch.tensor([loss > 100.0, step == 3])
+
+
+def loss_above_100(step, loss, state):
+    return loss is not None and loss > 100.0
