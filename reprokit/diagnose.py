@@ -5,7 +5,8 @@ Four classic data faults show in the batch alone, given the sizes of the model's
 - non-finite values in a floating leaf (per leaf and row);
 - an integer id past the model's ``nn.Embedding`` tables (a tokenizer/model vocab mismatch), or a
   negative id other than the ignore index;
-- rows whose mask is all empty or whose labels are all the ignore index (a loss of 0/0);
+- rows whose mask keeps no position (all 0; for a padding mask such as ``key_padding_mask``, where
+  true means "leave out", all true) or whose labels are all the ignore index (a loss of 0/0);
 - a sequence longer than the position table (a rare long sample).
 
 The table sizes come from the recorder (:func:`model_tables`, stored as ``run.json``'s ``model``),
@@ -46,6 +47,10 @@ MAX_FINDINGS = 20
 _POSITION = re.compile(r"(^|[._])(pos|wpe|position)", re.IGNORECASE)
 _NOT_IDS = re.compile(r"(index|idx)", re.IGNORECASE)
 _MASK = re.compile(r"mask", re.IGNORECASE)
+_PADDING = re.compile(r"pad", re.IGNORECASE)
+"""A padding mask (``key_padding_mask``, ``src_key_padding_mask``): true marks a position to *leave out*."""
+_NOT_EMPTY_CHECKED = re.compile(r"special", re.IGNORECASE)
+"""``special_tokens_mask`` marks special tokens: a row without any is an ordinary row."""
 _LABELS = re.compile(r"(label|target)", re.IGNORECASE)
 
 
@@ -145,8 +150,8 @@ def findings(batch: Any, tables: Mapping[str, Any] | None) -> list[dict[str, Any
                     out += _all_ignored(path, t)
                 if not _MASK.search(path):
                     out += _ids(path, t, embeddings, positions)
-            if _MASK.search(path) and kind in "biuc":
-                out += _empty_masks(path, t)
+            if _MASK.search(path) and kind in "biuc" and not _NOT_EMPTY_CHECKED.search(path):
+                out += _empty_masks(path, t, padding=bool(_PADDING.search(path)))
         except (RuntimeError, TypeError, ValueError):
             continue  # an odd leaf (say, a dtype without comparisons): no finding rather than a crash
     return out
@@ -217,12 +222,18 @@ def _all_ignored(path: str, t: np.ndarray) -> list[dict[str, Any]]:
             for r in np.flatnonzero(ignored).tolist()]
 
 
-def _empty_masks(path: str, t: np.ndarray) -> list[dict[str, Any]]:
+def _empty_masks(path: str, t: np.ndarray, padding: bool = False) -> list[dict[str, Any]]:
+    """Rows that keep no position: all 0, or for a padding mask (true = leave out) all true."""
     if t.ndim < 2:
         return []
-    empty = ~(_rows(t) != 0).any(axis=1)
+    if padding:
+        empty = (_rows(t) != 0).all(axis=1)
+        what = "every position is marked as padding"
+    else:
+        empty = ~(_rows(t) != 0).any(axis=1)
+        what = "the mask is all 0"
     return [{"leaf": path, "row": r, "check": "empty_mask",
-             "message": f"{path} row {r}: the mask is all 0 (a softmax over no position is NaN)"}
+             "message": f"{path} row {r}: {what} (a softmax, or a mean, over no position is NaN)"}
             for r in np.flatnonzero(empty).tolist()]
 
 

@@ -1,0 +1,35 @@
+"""`reprokit extract` of a NaN bundle only succeeds when the module alone makes the NaN again."""
+
+from __future__ import annotations
+
+import pytest
+from rk_testing import bundle_of, record
+
+from reprokit.bundle import open_bundle
+from reprokit.errors import DidNotReproduce
+from reprokit.extract import extract
+
+
+def _bundle(projects, tmp_path, attr):
+    m = projects("rk_s11_detect")
+    _, exc = record(m, {"attr": attr}, m.batches(8, zero_row=5), tmp_path / "repros", snapshot_every=4)
+    return open_bundle(bundle_of(exc))
+
+
+def test_a_module_keeping_its_settings_in_a_dict_is_extracted_with_them(projects, tmp_path):
+    b = _bundle(projects, tmp_path, "dict")
+    assert (b.failure.kind, b.failure.step) == ("nonfinite_loss", 5)
+    got = extract(b, tmp_path / "extract")
+    # Before: the dict was left behind, the module alone raised AttributeError, and that was written as the repro.
+    assert (got.module, got.cls, got.phase) == ("n", "Norm", "forward")
+    assert got.failure.startswith("FloatingPointError: the module's output"), got.failure
+    assert not got.notes, got.notes
+
+
+def test_a_module_that_fails_alone_for_another_reason_is_no_extract_of_a_nan(projects, tmp_path):
+    b = _bundle(projects, tmp_path, "namespace")
+    with pytest.raises(DidNotReproduce) as e:
+        extract(b, tmp_path / "extract")
+    msg = str(e.value)
+    assert "module n (Norm) alone raises AttributeError" in msg and "non-finite loss at step 5" in msg, msg
+    assert "attributes not carried (not plain data): opts (SimpleNamespace)" in msg, msg

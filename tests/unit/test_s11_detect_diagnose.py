@@ -1,0 +1,34 @@
+"""The batch diagnosis does not blame a padding mask (true = leave out) or a special-tokens mask for nothing."""
+
+from __future__ import annotations
+
+import torch
+
+from reprokit.diagnose import findings
+
+
+def _attention(key_padding_mask):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(4, 1, batch_first=True)
+    x = torch.randn(2, 3, 4)
+    return mha(x, x, x, key_padding_mask=key_padding_mask)[0]
+
+
+def test_a_padding_mask_without_padding_is_no_finding_and_an_all_padding_row_is():
+    no_padding = torch.zeros(2, 3, dtype=torch.bool)
+    assert bool(torch.isfinite(_attention(no_padding)).all())  # the real convention: nothing left out, all fine
+    assert findings({"src_key_padding_mask": no_padding}, None) == []  # before: both rows "all 0"
+
+    all_padding = no_padding.clone()
+    all_padding[1] = True
+    assert not bool(torch.isfinite(_attention(all_padding)[1]).any())  # a row that leaves out everything is NaN
+    got = findings({"src_key_padding_mask": all_padding}, None)
+    assert [(f["check"], f["row"]) for f in got] == [("empty_mask", 1)]
+    assert "every position is marked as padding" in got[0]["message"]
+
+
+def test_a_row_without_special_tokens_is_no_finding_and_an_empty_attention_mask_still_is():
+    assert findings({"special_tokens_mask": torch.tensor([[0, 0, 0], [1, 0, 1]])}, None) == []
+    got = findings({"attention_mask": torch.tensor([[1, 1, 0], [0, 0, 0]])}, None)
+    assert [(f["check"], f["row"]) for f in got] == [("empty_mask", 1)]
+    assert got[0]["message"].startswith("attention_mask row 1: the mask is all 0")
