@@ -93,6 +93,7 @@ class _Call:
     output_bad: bool = False
     grad_outputs: list[Any] | None = None
     grad_bad: bool = False
+    grad_outputs_bad: bool = False
 
 
 class _Capture:
@@ -102,6 +103,9 @@ class _Capture:
         self.mod, self.backward = mod, 0
         self.calls: list[_Call] = []
         self._current = -1
+        self.first_bad: int | None = None
+        """The call whose backward went non-finite first, from finite incoming gradients (backward runs the calls
+        of a module used twice in reverse: the first bad one in time is not the first in call order)."""
         self.handles = [mod.register_forward_pre_hook(self._pre, with_kwargs=True),
                         mod.register_forward_hook(self._post)]
         if phase == "backward":
@@ -125,16 +129,19 @@ class _Capture:
         self.backward += 1
         index = len(self.calls) - self.backward  # backward visits the calls in reverse
         if 0 <= index < len(self.calls):
-            self.calls[index].grad_outputs = [None if g is None else g.detach().to("cpu", copy=True)
-                                              for g in grad_output]
+            call = self.calls[index]
+            call.grad_outputs = [None if g is None else g.detach().to("cpu", copy=True) for g in grad_output]
+            call.grad_outputs_bad = any(not bool(torch.isfinite(t).all()) for t in _float_leaves(call.grad_outputs))
         self._current = index
 
     def _back(self, mod: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
         index = self._current
         params_bad = any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in mod.parameters())
         if 0 <= index < len(self.calls):
-            self.calls[index].grad_bad = params_bad or any(
-                not bool(torch.isfinite(t).all()) for t in _float_leaves(grad_input))
+            call = self.calls[index]
+            call.grad_bad = params_bad or any(not bool(torch.isfinite(t).all()) for t in _float_leaves(grad_input))
+            if call.grad_bad and not call.grad_outputs_bad and self.first_bad is None:
+                self.first_bad = index
 
     def close(self) -> None:
         for h in self.handles:
@@ -332,6 +339,11 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
         finally:
             cap.close()
         call = _pick(cap, phase, bundle.failure.kind == "exception")
+        bad = _already_bad(call, phase) if bundle.failure.kind != "exception" else None
+        if bad is not None:
+            raise DidNotReproduce(f"module {name} ({type(mod).__qualname__}) received the non-finite value in {bad} "
+                                  f"({phase}) when the failing step ran again, so it did not make it there: no "
+                                  "module-level repro; see `reprokit bisect layers` for where it first appears")
         skipped: list[str] = []
         spec = _module_spec(mod, skipped)
         cls_file = getattr(sys.modules.get(type(mod).__module__), "__file__", None)
@@ -412,8 +424,20 @@ def _pick(cap: _Capture, phase: str, exception: bool) -> _Call:
     if exception:
         # An exception: in forward, the last call raised; in backward, the call whose backward was running.
         return calls[cap._current] if phase == "backward" and 0 <= cap._current < len(calls) else calls[-1]
-    key = "grad_bad" if phase == "backward" else "output_bad"
-    return next((c for c in calls if getattr(c, key)), calls[-1])
+    if phase == "backward":
+        if cap.first_bad is not None:
+            return calls[cap.first_bad]
+        return next((c for c in reversed(calls) if c.grad_bad), calls[-1])  # the first visited by backward
+    return next((c for c in calls if c.output_bad), calls[-1])
+
+
+def _already_bad(call: _Call, phase: str) -> str | None:
+    """What of the picked call's inputs already holds a non-finite value (then it did not make the value)."""
+    if any(not bool(torch.isfinite(t).all()) for t in _float_leaves((call.args, call.kwargs))):
+        return "its inputs"
+    if phase == "backward" and call.grad_outputs_bad:
+        return "the gradient flowing into it"
+    return None
 
 
 def _nothing(bundle: Bundle, output: Path, located: dict[str, Any], watcher: _OpCapture,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from rk_testing import bundle_of, record
 
 from reprokit.bundle import open_bundle
@@ -33,3 +35,19 @@ def test_a_module_that_fails_alone_for_another_reason_is_no_extract_of_a_nan(pro
     msg = str(e.value)
     assert "module n (Norm) alone raises AttributeError" in msg and "non-finite loss at step 5" in msg, msg
     assert "attributes not carried (not plain data): opts (SimpleNamespace)" in msg, msg
+
+
+def test_a_module_called_twice_is_extracted_at_the_call_whose_backward_made_the_nan(projects, tmp_path):
+    m = projects("rk_s11_detect")
+    _, exc = record(m, {"model": "twice"}, m.twice_batches(8, gate_off=5), tmp_path / "repros", step=m.twice_step,
+                    snapshot_every=4)
+    b = open_bundle(bundle_of(exc))
+    assert (b.failure.kind, b.failure.step) == ("nonfinite_grad", 5)
+    got = extract(b, tmp_path / "extract")
+    assert (got.module, got.cls, got.phase) == ("shared", "Root", "backward")
+    batch = load_file(str(got.output / "steps" / "00000000.safetensors"))
+    # The second call (zeroed input), with the finite gradient it received. Before: the first call, fed the NaN
+    # gradient the second one made, so the "repro" only showed NaN in, NaN out.
+    assert bool(torch.isfinite(batch["batch/grad_outputs/0"]).all()), batch["batch/grad_outputs/0"]
+    assert bool((batch["batch/args/0"] == 0).all()), batch["batch/args/0"]
+    assert got.failure.startswith("FloatingPointError: the gradient of"), got.failure

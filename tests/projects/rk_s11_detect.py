@@ -42,8 +42,49 @@ class Net(nn.Module):
         return self.b(self.n(self.a(x) * x[:, :1]))
 
 
+class Root(nn.Module):
+    """``|lin(x)|`` as ``sqrt(lin(x)^2)``: finite forward, but backward is 0 x inf = NaN where ``lin(x)`` is 0."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        return self.lin(x).pow(2).sqrt()
+
+
+class Twice(nn.Module):
+    """Uses ``shared`` twice; ``gate = 0`` zeroes the second call's input, whose backward then makes the NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.shared = Root(4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x, gate):
+        return self.head(self.shared(self.shared(self.inp(x)) * gate))
+
+
+def twice_step(state, batch):
+    loss = state.model(batch["x"], batch["gate"]).pow(2).mean()
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def twice_batches(steps, gate_off):
+    g = torch.Generator().manual_seed(0)
+    for i in range(steps):
+        yield {"x": torch.randn(4, 4, generator=g), "gate": 0.0 if i == gate_off else 1.0}
+
+
 def build(config):
     torch.manual_seed(0)
+    if config.get("model") == "twice":
+        twice = Twice()
+        return reprokit.TrainState(model=twice, optimizer=torch.optim.SGD(twice.parameters(), lr=1e-3))
     model = Net(config.get("attr", "dict"))
     with torch.no_grad():
         model.a.bias.zero_()
