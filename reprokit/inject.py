@@ -5,7 +5,8 @@ the steps it hits, and check that the recorder detects it, writes a bundle and t
 ``reprokit replay --times N`` classifies it. Four faults:
 
 ``nan_loss``
-    the step runs normally, then its loss reads NaN (the recorder's ``nonfinite_loss``).
+    the step runs normally, then its loss reads NaN (the recorder's ``nonfinite_loss``); a dict or
+    ``ModelOutput`` comes back with its ``"loss"`` entry NaN and the rest as the step returned it.
 ``inf_grad``
     every gradient flowing into the first trainable parameter becomes ``inf`` during backward,
     before the optimizer step (``nonfinite_grad``; the optimizer then writes non-finite weights).
@@ -30,8 +31,9 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -98,10 +100,21 @@ class FaultInjector:
                 raise InjectedFault(f"injected exception at step {k} (reprokit.inject)")
             if self.fault == "inf_grad":
                 return _with_inf_grads(state, step_fn, batch)
-            loss = step_fn(state, batch)
-            return loss * float("nan") if isinstance(loss, torch.Tensor) else float("nan")
+            return _nan_loss(step_fn(state, batch))
 
         return step
+
+
+def _nan_loss(value: Any) -> Any:
+    """What the step returned, with its loss reading NaN: a tensor, or the ``"loss"`` entry of a dict or
+    ``ModelOutput`` (the rest of it kept for the caller), else the number NaN."""
+    if isinstance(value, torch.Tensor):
+        return value * float("nan")
+    if isinstance(value, Mapping) and "loss" in value:
+        out = copy.copy(value)
+        out["loss"] = _nan_loss(value["loss"])  # type: ignore[index]
+        return out
+    return float("nan")
 
 
 def _with_inf_grads(state: Any, step_fn: Callable[[Any, Any], Any], batch: Any) -> Any:

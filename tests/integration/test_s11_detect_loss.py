@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from rk_testing import bundle_of, record
 
@@ -66,3 +68,13 @@ def test_a_loss_that_is_not_positive_says_the_spike_check_cannot_judge(projects,
         rec, exc = _record(projects, tmp_path, m.batches(14, returns="negative"), spike_factor=3.0, spike_window=10)
     assert exc is None and rec.step_index == 14
     assert sum("spike_factor cannot judge" in str(w.message) for w in got) == 1
+
+
+def test_an_injected_nan_loss_keeps_the_rest_of_a_returned_dict(projects, tmp_path):
+    m = projects("rk_s11_detect")
+    state = m.build({})
+    outs = [m.nan_dict_step(state, b) for b in m.batches(4)]  # a bare loop: the injector counts calls
+    assert all(isinstance(o, dict) and o["logits"].shape == (4, 1) for o in outs), outs  # before: a float at step 3
+    assert [math.isnan(o["loss"].detach().item()) for o in outs] == [False, False, False, True]
+    _, exc = _record(projects, tmp_path, m.batches(6), step=m.nan_dict_step, check_grads=False)
+    assert isinstance(exc, reprokit.TrainingFailure) and (exc.failure.kind, exc.failure.step) == ("nonfinite_loss", 3)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import reprokit
+from reprokit.inject import FaultInjector
 
 
 class Norm(nn.Module):
@@ -124,3 +125,9 @@ def vector_verdict(step, loss, state):
 
 def loss_above_100(step, loss, state):
     return loss is not None and loss > 100.0
+
+
+@FaultInjector("nan_loss", steps=[3]).wrap
+def nan_dict_step(state, batch):
+    """Returns ``{"loss", "logits"}``; the loss reads NaN at step 3."""
+    return train_step(state, {**batch, "returns": "dict"})
