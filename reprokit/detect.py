@@ -375,12 +375,12 @@ class Monitor:
                 verdict = fn(step, loss, self.state)
             except Exception as e:
                 return from_exception(e, step)
-            name = getattr(fn, "__qualname__", repr(fn))
             try:
                 fired = bool(verdict)
             except Exception as e:  # a tensor of several values, a numpy array: no single truth value
-                return _unjudged(fn, name, verdict, e, step)
+                return _unjudged(fn, verdict, e, step)
             if fired:
+                name = getattr(fn, "__qualname__", repr(fn))
                 return Failure("predicate", step, frame=name,
                                message=verdict if isinstance(verdict, str) else f"{name} returned {verdict!r}")
         return None
@@ -429,8 +429,9 @@ def _foreach_norm64(ts: list[torch.Tensor]) -> list[torch.Tensor]:
         return [n.double() for n in torch._foreach_norm(ts)]
 
 
-def _unjudged(fn: Any, name: str, verdict: Any, error: Exception, step: int) -> Failure:
+def _unjudged(fn: Any, verdict: Any, error: Exception, step: int) -> Failure:
     """The failure for a predicate whose verdict has no truth value: a :class:`ConfigError` raised "in" it."""
+    name = getattr(fn, "__qualname__", repr(fn))
     what = f"a tensor of shape {list(verdict.shape)}" if isinstance(verdict, torch.Tensor) else _what(verdict)
     err = ConfigError(f"predicate {name} returned {what}, which is neither true nor false ({error}); a predicate "
                       "returns a bool, or a str to fail with that message (for a tensor: bool((x > limit).any()))")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from rk_testing import bundle_of, record
+from safetensors.torch import load_file
 
 from reprokit.bundle import open_bundle
 from reprokit.errors import DidNotReproduce
