@@ -13,8 +13,10 @@ The table sizes come from the recorder (:func:`model_tables`, stored as ``run.js
 so ``inspect`` never imports the bundle's code. Which integer leaf feeds which table cannot be known
 without running the code, so an id leaf is held against the *largest* token table: an id that fits
 no table at all is out of range whichever table it feeds. Leaves named like dataset indices
-(``index``, ``idx``) are not ids and are skipped. Everything here only reads tensors and never raises
-on odd input (a finding that cannot be computed is left out).
+(``index``, ``idx``) or amounts (``lengths``, ``num_tokens``) are not ids and are skipped, and so
+are 1-D labels (one class per sample: they index the classifier's outputs, not a token table).
+Everything here only reads tensors and never raises on odd input (a finding that cannot be computed
+is left out).
 
 Example:
     >>> import torch
@@ -46,6 +48,8 @@ MAX_FINDINGS = 20
 
 _POSITION = re.compile(r"(^|[._])(pos|wpe|position)", re.IGNORECASE)
 _NOT_IDS = re.compile(r"(index|idx)", re.IGNORECASE)
+_AMOUNTS = re.compile(r"^(n|num)_|(^|_)(len|lens|length|lengths|count|counts|size|sizes)$", re.IGNORECASE)
+"""Integer leaves that count something (``lengths``, ``num_tokens``, ``seq_len``): amounts, not ids."""
 _MASK = re.compile(r"mask", re.IGNORECASE)
 _PADDING = re.compile(r"pad", re.IGNORECASE)
 """A padding mask (``key_padding_mask``, ``src_key_padding_mask``): true marks a position to *leave out*."""
@@ -148,7 +152,9 @@ def findings(batch: Any, tables: Mapping[str, Any] | None) -> list[dict[str, Any
             elif kind in "iu" and not _NOT_IDS.search(path):
                 if _LABELS.search(path):
                     out += _all_ignored(path, t)
-                if not _MASK.search(path):
+                # A 1-D label is a class per sample (it indexes the classifier's outputs, not a token table).
+                if not _MASK.search(path) and not _AMOUNTS.search(path.rsplit("/", 1)[-1]) and not (
+                        _LABELS.search(path) and t.ndim < 2):
                     out += _ids(path, t, embeddings, positions)
             if _MASK.search(path) and kind in "biuc" and not _NOT_EMPTY_CHECKED.search(path):
                 out += _empty_masks(path, t, padding=bool(_PADDING.search(path)))

@@ -32,3 +32,15 @@ def test_a_row_without_special_tokens_is_no_finding_and_an_empty_attention_mask_
     got = findings({"attention_mask": torch.tensor([[1, 1, 0], [0, 0, 0]])}, None)
     assert [(f["check"], f["row"]) for f in got] == [("empty_mask", 1)]
     assert got[0]["message"].startswith("attention_mask row 1: the mask is all 0")
+
+
+def test_lengths_and_per_sample_classes_are_not_held_against_the_token_table():
+    tables = {"embeddings": [{"name": "chars", "num_embeddings": 30, "padding_idx": 0}], "positions": []}
+    batch = {"char_ids": torch.tensor([[3, 4, 0], [5, 0, 0]]), "lengths": torch.tensor([300, 120]),
+             "num_words": torch.tensor([40, 41]), "labels": torch.tensor([57, 2])}
+    # Before: "lengths position 0 = 300 >= num_embeddings 30 of chars" and the same for num_words and labels.
+    assert findings(batch, tables) == []
+    got = findings({**batch, "char_ids": torch.tensor([[3, 31, 0], [5, 0, 0]])}, tables)
+    assert [(f["check"], f["leaf"], f["row"]) for f in got] == [("id_range", "char_ids", 0)]
+    lm = findings({"labels": torch.tensor([[1, 2, 99]])}, tables)  # token labels index the vocabulary: checked
+    assert [(f["check"], f["leaf"]) for f in lm] == [("id_range", "labels")]
