@@ -525,6 +525,11 @@ def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: 
     batch: dict[str, Any] = {"phase": run_phase, "args": call.args, "kwargs": call.kwargs}
     if run_phase == "backward":
         batch["grad_outputs"] = call.grad_outputs or []
+    try:
+        pytree.encode(batch, "batch")  # what the recorder below must write: say why here, not "does not fail"
+    except ReprokitError as e:
+        raise DidNotReproduce(f"module {name} ({cls}) takes an input that a bundle cannot hold ({e}), so it cannot "
+                              "be cut out on its own; use the whole bundle, or `reprokit shrink` it instead") from e
     config = {"module": spec}
     with tempfile.TemporaryDirectory(prefix="reprokit-extract-") as tmp:
         work = Path(tmp) / "code"

@@ -51,3 +51,16 @@ def test_a_module_called_twice_is_extracted_at_the_call_whose_backward_made_the_
     assert bool(torch.isfinite(batch["batch/grad_outputs/0"]).all()), batch["batch/grad_outputs/0"]
     assert bool((batch["batch/args/0"] == 0).all()), batch["batch/args/0"]
     assert got.failure.startswith("FloatingPointError: the gradient of"), got.failure
+
+
+def test_a_module_taking_an_options_object_is_refused_for_that_reason(projects, tmp_path):
+    m = projects("rk_s11_detect")
+    _, exc = record(m, {"model": "options"}, m.batches(8, scale_at=(5, 1000.0)),
+                    tmp_path / "repros", snapshot_every=4)
+    b = open_bundle(bundle_of(exc))
+    assert (b.failure.kind, b.failure.step) == ("nonfinite_loss", 5)
+    with pytest.raises(DidNotReproduce) as e:
+        extract(b, tmp_path / "extract")
+    msg = str(e.value)  # before: "does not fail the same way (its failure may need state it does not hold)"
+    assert "module soft (Tempered) takes an input that a bundle cannot hold" in msg, msg
+    assert "batch/args/1: cannot record a value of type SimpleNamespace" in msg, msg

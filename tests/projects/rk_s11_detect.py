@@ -3,7 +3,7 @@
 ``batch["returns"]`` picks what the step function returns: ``tensor`` (the loss), ``dict`` (``{"loss": loss}``,
 as a Hugging Face ModelOutput holds it), ``tuple`` (``(loss, out)``) or ``negative`` (minus the loss). Rows of
 zeros reaching :class:`Norm` make 0/0 = NaN there (``batches(..., zero_row=k)``); ``spike=(step, target)`` moves that
-step's regression target far away (a loss spike).
+step's regression target far away (a loss spike); ``scale_at=(step, factor)`` scales that step's input.
 """
 
 from __future__ import annotations
@@ -81,8 +81,33 @@ def twice_batches(steps, gate_off):
         yield {"x": torch.randn(4, 4, generator=g), "gate": 0.0 if i == gate_off else 1.0}
 
 
+class Tempered(nn.Module):
+    """A softmax without the max subtraction whose temperature comes in an options object (not data)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x, opts):
+        e = torch.exp(self.lin(x) * opts.temperature)
+        return e / e.sum(-1, keepdim=True)
+
+
+class WithOptions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.soft = Tempered(4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.soft(x, types.SimpleNamespace(temperature=1.0)))
+
+
 def build(config):
     torch.manual_seed(0)
+    if config.get("model") == "options":
+        opts = WithOptions()
+        return reprokit.TrainState(model=opts, optimizer=torch.optim.SGD(opts.parameters(), lr=1e-3))
     if config.get("model") == "twice":
         twice = Twice()
         return reprokit.TrainState(model=twice, optimizer=torch.optim.SGD(twice.parameters(), lr=1e-3))
@@ -108,12 +133,14 @@ def train_step(state, batch):
     return loss
 
 
-def batches(steps, returns="tensor", zero_row=None, spike=None):
+def batches(steps, returns="tensor", zero_row=None, spike=None, scale_at=None):
     g = torch.Generator().manual_seed(1)
     for i in range(steps):
         x = torch.randn(4, 4, generator=g)
         if i == zero_row:
             x[1, 0] = 0.0  # row 1 of a(x) * x[:, :1] is all zeros
+        if scale_at is not None and i == scale_at[0]:
+            x = x * scale_at[1]
         target = spike[1] if spike is not None and i == spike[0] else 1.0
         yield {"x": x, "returns": returns, "target": target}
 
