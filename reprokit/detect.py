@@ -290,7 +290,7 @@ class Monitor:
             warnings.warn(f"reprokit: the step function {what} (step {step}), so the loss checks (non-finite loss, "
                           "spike_factor, the `loss` given to predicates) cannot see it. Return the loss as a "
                           "one-element tensor or a number, or a dict / ModelOutput with a 'loss' entry.",
-                          RecorderWarning, stacklevel=4)
+                          RecorderWarning, stacklevel=6)
 
     def _read(self, loss: Any, step: int = -1) -> tuple[float | None, float | None, float | None]:
         """Loss, grad norm, param norm and the GradScaler's scale, fetched from the device in one sync.
@@ -367,7 +367,7 @@ class Monitor:
                               f"{median:.4g}, and a multiple of a loss <= 0 is no bound; the spike check is off while "
                               "it stays <= 0. Give the recorder a loss that stays positive (say, shifted by a "
                               "constant), or use a predicate (detect=[...]) for this loss.",
-                              RecorderWarning, stacklevel=4)
+                              RecorderWarning, stacklevel=5)
         if loss is not None and _finite(loss):
             self.history.append(loss)
         for fn in self.predicates:
