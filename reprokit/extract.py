@@ -94,6 +94,8 @@ class _Call:
     grad_outputs: list[Any] | None = None
     grad_bad: bool = False
     grad_outputs_bad: bool = False
+    in_graph: bool = False
+    """Its output is part of the autograd graph (a call under ``no_grad``, say a target network's, is not)."""
 
 
 class _Capture:
@@ -123,11 +125,15 @@ class _Capture:
 
     def _post(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
         call = self.calls[-1]
-        call.output_bad = any(not bool(torch.isfinite(t).all()) for t in _float_leaves(output))
+        leaves = _float_leaves(output)
+        call.output_bad = any(not bool(torch.isfinite(t).all()) for t in leaves)
+        call.in_graph = any(t.requires_grad for t in leaves)
 
     def _back_pre(self, mod: torch.nn.Module, grad_output: Any) -> None:
         self.backward += 1
-        index = len(self.calls) - self.backward  # backward visits the calls in reverse
+        # Backward visits the calls that are in the graph, in reverse (a no_grad call gets no backward).
+        graph = [i for i, c in enumerate(self.calls) if c.in_graph]
+        index = graph[-self.backward] if self.backward <= len(graph) else -1
         if 0 <= index < len(self.calls):
             call = self.calls[index]
             call.grad_outputs = [None if g is None else g.detach().to("cpu", copy=True) for g in grad_output]

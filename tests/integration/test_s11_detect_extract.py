@@ -37,10 +37,12 @@ def test_a_module_that_fails_alone_for_another_reason_is_no_extract_of_a_nan(pro
     assert "attributes not carried (not plain data): opts (SimpleNamespace)" in msg, msg
 
 
-def test_a_module_called_twice_is_extracted_at_the_call_whose_backward_made_the_nan(projects, tmp_path):
+@pytest.mark.parametrize("probe", [False, True])
+def test_a_module_called_twice_is_extracted_at_the_call_whose_backward_made_the_nan(projects, tmp_path, probe):
+    # probe: a third call under no_grad, which backward does not visit (before, it shifted the calls' gradients)
     m = projects("rk_s11_detect")
-    _, exc = record(m, {"model": "twice"}, m.twice_batches(8, gate_off=5), tmp_path / "repros", step=m.twice_step,
-                    snapshot_every=4)
+    _, exc = record(m, {"model": "twice", "probe": probe}, m.twice_batches(8, gate_off=5), tmp_path / "repros",
+                    step=m.twice_step, snapshot_every=4)
     b = open_bundle(bundle_of(exc))
     assert (b.failure.kind, b.failure.step) == ("nonfinite_grad", 5)
     got = extract(b, tmp_path / "extract")

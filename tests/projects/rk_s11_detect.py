@@ -57,14 +57,19 @@ class Root(nn.Module):
 class Twice(nn.Module):
     """Uses ``shared`` twice; ``gate = 0`` zeroes the second call's input, whose backward then makes the NaN."""
 
-    def __init__(self):
+    def __init__(self, probe: bool = False):
         super().__init__()
+        self.probe = probe
         self.inp = nn.Linear(4, 4)
         self.shared = Root(4)
         self.head = nn.Linear(4, 1)
 
     def forward(self, x, gate):
-        return self.head(self.shared(self.shared(self.inp(x)) * gate))
+        out = self.head(self.shared(self.shared(self.inp(x)) * gate))
+        if self.probe:  # a third call under no_grad (as a target network's): it gets no backward
+            with torch.no_grad():
+                self.shared(x)
+        return out
 
 
 def twice_step(state, batch):
@@ -109,7 +114,7 @@ def build(config):
         opts = WithOptions()
         return reprokit.TrainState(model=opts, optimizer=torch.optim.SGD(opts.parameters(), lr=1e-3))
     if config.get("model") == "twice":
-        twice = Twice()
+        twice = Twice(probe=config.get("probe", False))
         return reprokit.TrainState(model=twice, optimizer=torch.optim.SGD(twice.parameters(), lr=1e-3))
     model = Net(config.get("attr", "dict"))
     with torch.no_grad():
