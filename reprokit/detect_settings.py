@@ -28,7 +28,9 @@ class DetectSettings:
     scaler_patience: int = 25
     """Fail after this many consecutive steps skipped by the GradScaler."""
     spike_factor: float | None = None
-    """Opt-in: fail when loss > spike_factor x median of the last `spike_window` losses."""
+    """Opt-in: fail when loss > spike_factor x median of the last `spike_window` finite losses. Judged once
+    there are 10 of them (or `spike_window`, if smaller): earlier steps are not; a median <= 0 is said once
+    and judges nothing (a multiple of it is no bound)."""
     spike_window: int = 50
     """How many recent losses the spike median is taken over."""
 
