@@ -50,6 +50,9 @@ EXTRACT_MODULE = "rk_extract"
 """Name of the generated step module in an extract's code snapshot."""
 OP_FILES = ("extract/op.json", "extract/op.safetensors", "extract/op_repro.py")
 _PLAIN = (bool, int, float, str, type(None))
+_NO_CULPRIT = ("loss_spike",)
+"""Failure kinds without a non-finite value or an exception, so without a module that made one. (A predicate may
+fire on a non-finite value: its bundle goes through the search, which says when it finds none.)"""
 
 
 class NothingToExtract(ReprokitError):
@@ -308,6 +311,11 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ReprokitError(f"{output} exists and is not an empty folder; name a new folder for the extract")
+    if bundle.failure.kind in _NO_CULPRIT:
+        raise NothingToExtract(f"{bundle.path} failed with a {bundle.failure.describe()}: no value went non-finite "
+                               "and nothing raised, so there is no module or op that made it to cut out; `reprokit "
+                               "shrink` makes the bundle smaller and `reprokit bisect steps` finds the step it starts "
+                               "at instead")
     from reprokit.bisect.layers import bisect_layers
 
     located = bisect_layers(bundle, device=device, code=code)
@@ -457,6 +465,8 @@ def _nothing(bundle: Bundle, output: Path, located: dict[str, Any], watcher: _Op
         why = f"the batch or the state already held it: {where}; see `reprokit inspect {bundle.path}`"
     elif origin is not None and origin.module is None:
         why = f"the step function made it outside every module: {where}"
+    elif first.get("module") is None:
+        why = f"no module's output or gradient went non-finite when the step ran again: {where}"
     else:
         why = f"first seen in {first.get('module')} with inputs already non-finite: {where}"
     msg = f"no module to blame, so no module-level extract: {why}."

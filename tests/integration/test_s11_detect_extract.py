@@ -66,3 +66,18 @@ def test_a_module_taking_an_options_object_is_refused_for_that_reason(projects, 
     msg = str(e.value)  # before: "does not fail the same way (its failure may need state it does not hold)"
     assert "module soft (Tempered) takes an input that a bundle cannot hold" in msg, msg
     assert "batch/args/1: cannot record a value of type SimpleNamespace" in msg, msg
+
+
+def test_a_loss_spike_has_no_module_to_cut_out_and_says_so(projects, tmp_path):
+    from reprokit.extract import NothingToExtract
+
+    m = projects("rk_s11_detect")
+    _, exc = record(m, {}, m.batches(20, spike=(15, 100.0)), tmp_path / "repros", snapshot_every=4,
+                    spike_factor=20.0, spike_window=10)
+    b = open_bundle(bundle_of(exc))
+    assert b.failure.kind == "loss_spike"
+    with pytest.raises(NothingToExtract) as e:
+        extract(b, tmp_path / "extract")
+    msg = str(e.value)  # before: "first seen in None with inputs already non-finite: unknown (...)"
+    assert "loss spike at step 15" in msg and "no value went non-finite and nothing raised" in msg, msg
+    assert "None" not in msg and not (tmp_path / "extract").exists()
