@@ -5,8 +5,9 @@ Four classic data faults show in the batch alone, given the sizes of the model's
 - non-finite values in a floating leaf (per leaf and row);
 - an integer id past the model's ``nn.Embedding`` tables (a tokenizer/model vocab mismatch), or a
   negative id other than the ignore index;
-- rows whose mask keeps no position (all 0; for a padding mask such as ``key_padding_mask``, where
-  true means "leave out", all true) or whose labels are all the ignore index (a loss of 0/0);
+- rows whose mask keeps no position (all 0; for PyTorch's ``key_padding_mask``, where true means
+  "leave out", all true; other padding masks are written both ways and are not judged) or whose
+  labels are all the ignore index (a loss of 0/0);
 - a sequence longer than the position table (a rare long sample).
 
 The table sizes come from the recorder (:func:`model_tables`, stored as ``run.json``'s ``model``),
@@ -51,10 +52,11 @@ _NOT_IDS = re.compile(r"(index|idx)", re.IGNORECASE)
 _AMOUNTS = re.compile(r"^(n|num)_|(^|_)(len|lens|length|lengths|count|counts|size|sizes)$", re.IGNORECASE)
 """Integer leaves that count something (``lengths``, ``num_tokens``, ``seq_len``): amounts, not ids."""
 _MASK = re.compile(r"mask", re.IGNORECASE)
-_PADDING = re.compile(r"pad", re.IGNORECASE)
-"""A padding mask (``key_padding_mask``, ``src_key_padding_mask``): true marks a position to *leave out*."""
-_NOT_EMPTY_CHECKED = re.compile(r"special", re.IGNORECASE)
-"""``special_tokens_mask`` marks special tokens: a row without any is an ordinary row."""
+_KEY_PADDING = re.compile(r"key_padding_mask", re.IGNORECASE)
+"""PyTorch's padding masks (``key_padding_mask``, ``src_key_padding_mask``): true marks a position to *leave out*."""
+_NOT_EMPTY_CHECKED = re.compile(r"special|pad", re.IGNORECASE)
+"""``special_tokens_mask`` marks special tokens (a row without any is an ordinary row); other padding masks are
+written both ways (true = padding, or ``tokens != pad_id``), so an all-0 or all-1 row says nothing sure."""
 _LABELS = re.compile(r"(label|target)", re.IGNORECASE)
 
 
@@ -156,8 +158,11 @@ def findings(batch: Any, tables: Mapping[str, Any] | None) -> list[dict[str, Any
                 if not _MASK.search(path) and not _AMOUNTS.search(path.rsplit("/", 1)[-1]) and not (
                         _LABELS.search(path) and t.ndim < 2):
                     out += _ids(path, t, embeddings, positions)
-            if _MASK.search(path) and kind in "biuc" and not _NOT_EMPTY_CHECKED.search(path):
-                out += _empty_masks(path, t, padding=bool(_PADDING.search(path)))
+            if _MASK.search(path) and kind in "biuc":
+                if _KEY_PADDING.search(path):
+                    out += _empty_masks(path, t, padding=True)
+                elif not _NOT_EMPTY_CHECKED.search(path):
+                    out += _empty_masks(path, t)
         except (RuntimeError, TypeError, ValueError):
             continue  # an odd leaf (say, a dtype without comparisons): no finding rather than a crash
     return out

@@ -29,6 +29,8 @@ def test_a_padding_mask_without_padding_is_no_finding_and_an_all_padding_row_is(
 
 def test_a_row_without_special_tokens_is_no_finding_and_an_empty_attention_mask_still_is():
     assert findings({"special_tokens_mask": torch.tensor([[0, 0, 0], [1, 0, 1]])}, None) == []
+    # "pad_mask" is written both ways (true = padding, or tokens != pad_id): no row of it is a sure finding
+    assert findings({"pad_mask": torch.tensor([[True, True], [False, False]])}, None) == []
     got = findings({"attention_mask": torch.tensor([[1, 1, 0], [0, 0, 0]])}, None)
     assert [(f["check"], f["row"]) for f in got] == [("empty_mask", 1)]
     assert got[0]["message"].startswith("attention_mask row 1: the mask is all 0")
