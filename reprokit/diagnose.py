@@ -154,10 +154,10 @@ def findings(batch: Any, tables: Mapping[str, Any] | None) -> list[dict[str, Any
             elif kind in "iu" and not _NOT_IDS.search(path):
                 if _LABELS.search(path):
                     out += _all_ignored(path, t)
-                # A 1-D label is a class per sample (it indexes the classifier's outputs, not a token table).
-                if not _MASK.search(path) and not _AMOUNTS.search(path.rsplit("/", 1)[-1]) and not (
-                        _LABELS.search(path) and t.ndim < 2):
-                    out += _ids(path, t, embeddings, positions)
+                if not _MASK.search(path) and not _AMOUNTS.search(path.rsplit("/", 1)[-1]):
+                    # A 1-D label is a class per sample (it indexes the classifier's outputs, not a token table).
+                    per_sample = bool(_LABELS.search(path)) and t.ndim < 2
+                    out += _ids(path, t, [] if per_sample else embeddings, positions)
             if _MASK.search(path) and kind in "biuc":
                 if _KEY_PADDING.search(path):
                     out += _empty_masks(path, t, padding=True)
@@ -192,8 +192,10 @@ def _ids(path: str, t: np.ndarray, embeddings: list[Mapping[str, Any]],
     negative = (flat < 0) & (flat != IGNORE_INDEX)
     if negative.any():
         i = int(np.flatnonzero(negative)[0])
+        raises = "cross_entropy raises unless it is its ignore_index" if _LABELS.search(path) else \
+            "an embedding lookup raises IndexError"
         out.append({"leaf": path, "row": _row(t, i), "check": "negative_id",
-                    "message": f"{path}{_where(t, i)} = {int(flat[i])} < 0 (an embedding lookup raises IndexError; "
+                    "message": f"{path}{_where(t, i)} = {int(flat[i])} < 0 ({raises}; "
                                f"only {IGNORE_INDEX} is the usual ignore index)"})
     if embeddings:
         table = max(embeddings, key=lambda e: int(e.get("num_embeddings", 0)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from reprokit.diagnose import findings
@@ -46,3 +47,13 @@ def test_lengths_and_per_sample_classes_are_not_held_against_the_token_table():
     assert [(f["check"], f["leaf"], f["row"]) for f in got] == [("id_range", "char_ids", 0)]
     lm = findings({"labels": torch.tensor([[1, 2, 99]])}, tables)  # token labels index the vocabulary: checked
     assert [(f["check"], f["leaf"]) for f in lm] == [("id_range", "labels")]
+
+
+def test_a_negative_label_is_said_as_cross_entropy_sees_it():
+    labels = torch.tensor([2, -1])
+    with pytest.raises(IndexError):  # what the message claims, checked on the op itself
+        torch.nn.functional.cross_entropy(torch.zeros(2, 3), labels)
+    got = findings({"labels": labels}, {"embeddings": [{"name": "wte", "num_embeddings": 2}], "positions": []})
+    assert [(f["check"], f["leaf"]) for f in got] == [("negative_id", "labels")], got
+    assert "cross_entropy raises unless it is its ignore_index" in got[0]["message"], got[0]["message"]
+    assert "embedding" not in got[0]["message"]  # before: "an embedding lookup raises IndexError"
