@@ -371,8 +371,10 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
             else:
                 op["raises"] = {"type": type(raised.error).__qualname__, "message": bundle.failure.message}
         else:
-            op = watcher.op if watcher.origin is not None and watcher.origin.created and _inside(
-                watcher.origin.module, name) else None
+            made_here = watcher.origin is not None and watcher.origin.created and _inside(watcher.origin.module, name)
+            op = watcher.op if made_here else None
+            if made_here and op is None:
+                notes.append(_no_op_note(watcher))
         op = _checked(op, notes)
         code_dir = s.code_dir
     source = Path(source) if source is not None else bundle.path
@@ -389,6 +391,15 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
     notes += [f"attributes not carried (not plain data): {', '.join(skipped)}"] if skipped else []
     return _write(bundle, output, name, type(mod).__qualname__, phase, spec, call, op, code_dir, cls_file, notes,
                   source)
+
+
+def _no_op_note(watcher: _OpCapture) -> str:
+    """Why the op that made the first non-finite value has no one-op repro."""
+    func = watcher.created_call[0] if watcher.created_call is not None else None
+    if func is not None and func._schema.is_mutable:
+        return (f"{func} made it, writing in place: its input's value before the write is gone, so there is no "
+                "one-op repro; the module-level repro shows it")
+    return f"{func or 'the op that made it'} takes arguments that cannot be saved: no one-op repro"
 
 
 def _op_spec(op: dict[str, Any]) -> dict[str, Any]:

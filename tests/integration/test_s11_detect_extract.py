@@ -81,3 +81,11 @@ def test_a_loss_spike_has_no_module_to_cut_out_and_says_so(projects, tmp_path):
     msg = str(e.value)  # before: "first seen in None with inputs already non-finite: unknown (...)"
     assert "loss spike at step 15" in msg and "no value went non-finite and nothing raised" in msg, msg
     assert "None" not in msg and not (tmp_path / "extract").exists()
+
+
+def test_a_nan_made_in_place_says_why_there_is_no_one_op_repro(projects, tmp_path):
+    got = extract(_bundle(projects, tmp_path, "inplace"), tmp_path / "extract")
+    assert (got.module, got.op) == ("n", None)
+    assert got.failure.startswith("FloatingPointError: the module's output"), got.failure
+    # before: no op line and no note at all
+    assert any("aten.div_.Tensor made it, writing in place" in n for n in got.notes), got.notes
