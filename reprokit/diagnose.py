@@ -14,10 +14,10 @@ The table sizes come from the recorder (:func:`model_tables`, stored as ``run.js
 so ``inspect`` never imports the bundle's code. Which integer leaf feeds which table cannot be known
 without running the code, so an id leaf is held against the *largest* token table: an id that fits
 no table at all is out of range whichever table it feeds. Leaves named like dataset indices
-(``index``, ``idx``) or amounts (``lengths``, ``num_tokens``) are not ids and are skipped, and so
-are 1-D labels (one class per sample: they index the classifier's outputs, not a token table).
-Everything here only reads tensors and never raises on odd input (a finding that cannot be computed
-is left out).
+(``index``, ``idx``), media (``pixel_values``, ``images``, ``audio``) or amounts (``lengths``,
+``num_tokens``) are not ids and are skipped, and so are 1-D labels (one class per sample: they index
+the classifier's outputs, not a token table). Everything here only reads tensors and never raises on
+odd input (a finding that cannot be computed is left out).
 
 Example:
     >>> import torch
@@ -48,7 +48,8 @@ MAX_FINDINGS = 20
 """At most this many findings are listed; the rest are counted."""
 
 _POSITION = re.compile(r"(^|[._])(pos|wpe|position)", re.IGNORECASE)
-_NOT_IDS = re.compile(r"(index|idx)", re.IGNORECASE)
+_NOT_IDS = re.compile(r"(index|idx|pixel|image|img|video|frame|audio|wav)", re.IGNORECASE)
+"""Integer leaves that are not ids: dataset indices, and media (uint8 images, PCM audio) whose values are levels."""
 _AMOUNTS = re.compile(r"^(n|num)_|(^|_)(len|lens|length|lengths|count|counts|size|sizes)$", re.IGNORECASE)
 """Integer leaves that count something (``lengths``, ``num_tokens``, ``seq_len``): amounts, not ids."""
 _MASK = re.compile(r"mask", re.IGNORECASE)

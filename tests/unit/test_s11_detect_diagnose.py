@@ -40,8 +40,10 @@ def test_a_row_without_special_tokens_is_no_finding_and_an_empty_attention_mask_
 def test_lengths_and_per_sample_classes_are_not_held_against_the_token_table():
     tables = {"embeddings": [{"name": "chars", "num_embeddings": 30, "padding_idx": 0}], "positions": []}
     batch = {"char_ids": torch.tensor([[3, 4, 0], [5, 0, 0]]), "lengths": torch.tensor([300, 120]),
-             "num_words": torch.tensor([40, 41]), "labels": torch.tensor([57, 2])}
-    # Before: "lengths position 0 = 300 >= num_embeddings 30 of chars" and the same for num_words and labels.
+             "num_words": torch.tensor([40, 41]), "labels": torch.tensor([57, 2]),
+             "images": torch.full((2, 3, 4, 4), 200, dtype=torch.uint8)}
+    # Before: "lengths position 0 = 300 >= num_embeddings 30 of chars", the same for num_words, labels and the
+    # images' pixel levels.
     assert findings(batch, tables) == []
     got = findings({**batch, "char_ids": torch.tensor([[3, 31, 0], [5, 0, 0]])}, tables)
     assert [(f["check"], f["leaf"], f["row"]) for f in got] == [("id_range", "char_ids", 0)]
