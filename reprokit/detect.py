@@ -273,6 +273,8 @@ class Monitor:
     def _loss_in(self, value: Any, step: int) -> Any:
         """The loss inside what the step returned when it is not a tensor: a number, or the ``"loss"`` entry of a
         dict or Hugging Face ``ModelOutput``; else None, said once (the loss checks would silently not run)."""
+        if not self.settings.loss_from_mapping:  # a bundle recorded before these were read: judge it as it was
+            return None
         if isinstance(value, Mapping) and "loss" in value:
             value = value["loss"]
             if isinstance(value, torch.Tensor):

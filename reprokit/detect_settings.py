@@ -33,6 +33,10 @@ class DetectSettings:
     and judges nothing (a multiple of it is no bound)."""
     spike_window: int = 50
     """How many recent losses the spike median is taken over."""
+    loss_from_mapping: bool = True
+    """Read the loss of a step that returns a number, or a dict / ``ModelOutput`` (its ``"loss"`` entry). Bundles
+    recorded before reprokit read those lack this key and replay with it off, as they were recorded (their
+    failure was judged without that loss)."""
 
     def __post_init__(self) -> None:
         if self.scaler_patience < 1:

@@ -280,7 +280,9 @@ class Session:
         self._read_steps_ahead()
         tree, tensors = self.bundle.state(on_part=self._preload)
         self.snapshot = (tree, tensors)
-        self.monitor = Monitor(state, DetectSettings(**run["recorder"]["detect"]), predicates)
+        # A bundle from before the loss was read out of a dict / number lacks the key: judge it as it was recorded.
+        detect = {"loss_from_mapping": False, **run["recorder"]["detect"]}
+        self.monitor = Monitor(state, DetectSettings(**detect), predicates)
         self.monitor.replaying = True
         self._stack.callback(self.monitor.close)
 

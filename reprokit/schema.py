@@ -407,7 +407,7 @@ def check_run(d: Any, name: str = "run.json") -> None:
         field = _join("recorder.detect", k)
         if k not in known:
             raise f.fail(field, f"is not a detector setting (known: {', '.join(known)})")
-        if k.startswith("check_"):
+        if k.startswith("check_") or k == "loss_from_mapping":
             f.boolean(v, field)
         elif k == "spike_factor":
             f.number(v, field)

@@ -78,3 +78,25 @@ def test_an_injected_nan_loss_keeps_the_rest_of_a_returned_dict(projects, tmp_pa
     assert [math.isnan(o["loss"].detach().item()) for o in outs] == [False, False, False, True]
     _, exc = _record(projects, tmp_path, m.batches(6), step=m.nan_dict_step, check_grads=False)
     assert isinstance(exc, reprokit.TrainingFailure) and (exc.failure.kind, exc.failure.step) == ("nonfinite_loss", 3)
+
+
+def test_a_bundle_recorded_before_dict_losses_were_read_replays_as_it_was_recorded(projects, tmp_path):
+    # Before the loss was read out of a returned dict, this run failed on its gradients (nonfinite_grad) and its
+    # run.json had no `loss_from_mapping`. Such a bundle must still reproduce, not turn into a different failure.
+    import json
+
+    from rk_testing import reseal
+    m = projects("rk_s11_detect")
+    _, exc = _record(projects, tmp_path, m.batches(8, returns="dict", zero_row=5))
+    assert (exc.failure.kind, exc.failure.step) == ("nonfinite_loss", 5)
+    b = bundle_of(exc)
+    run = json.loads((b / "run.json").read_text())
+    assert run["recorder"]["detect"].pop("loss_from_mapping") is True
+    (b / "run.json").write_text(json.dumps(run))
+    failure = json.loads((b / "failure.json").read_text())
+    failure.update(kind="nonfinite_grad")
+    (b / "failure.json").write_text(json.dumps(failure))
+    reseal(b)
+    report = reprokit.replay(b)
+    assert report.verdict == "deterministic", report.to_json()
+    assert report.runs[0].failure.kind == "nonfinite_grad"
