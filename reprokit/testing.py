@@ -81,7 +81,7 @@ def assert_fixed(bundle: str | Path, *, code: str | Path | None = None, times: i
     """
     from reprokit.archive import bundle_dir
     from reprokit.bundle import open_bundle
-    from reprokit.replay import replay
+    from reprokit.replay import replay, verdict_phrase
 
     with bundle_dir(bundle, sha256=sha256) as path:
         report = replay(open_bundle(path), times=times, device=device, code=code)
@@ -91,7 +91,8 @@ def assert_fixed(bundle: str | Path, *, code: str | Path | None = None, times: i
     if report.verdict in ("deterministic", "flaky"):
         raise StillFails(
             f"{bundle} still fails {with_code}: {_describe(d['failure'])} "
-            f"({report.failed_runs}/{len(report.runs)} runs, {report.verdict}); expected it to pass once fixed. "
+            f"({report.failed_runs}/{len(report.runs)} runs, {verdict_phrase(report.verdict, len(report.runs))}); "
+            "expected it to pass once fixed. "
             f"Debug it with `reprokit replay {bundle}" + (f" --code {code}`" if code is not None else "`"))
     if report.verdict == "different_failure":
         raise DifferentFailure(
