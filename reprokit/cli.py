@@ -313,7 +313,11 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
     yourself; verify, inspect and pack never import it. A bundle from elsewhere (a packed
     archive, or recorded on another host) gets a one-line note saying so on stderr.
 
-    Verdicts: deterministic (every run reproduced), flaky (some did), different_failure
+    With --code DIR, only the functions --entry names run (build=MOD:FN,step=MOD:FN): a
+    bundle may come from anyone, so it does not choose which functions of DIR run.
+
+    Verdicts: deterministic (every run reproduced; with one run, "reproduced once": --times N
+    tells deterministic from flaky), flaky (some did), different_failure
     (none did, some failed with another signature or at another step), not_reproduced
     (marked transient, not a fix, when the bundle's own code on the recording device was
     bit-exact up to the failing step).
