@@ -504,6 +504,11 @@ def format_shrink(d: dict[str, Any]) -> str:
                                           f"replay{'' if v['replays'] == 1 else 's'}"
                                           for k, v in d["passes"].items()))
     lines.append(f"  still fails: {summary_line(d['failure'])}")
+    if d.get("code"):
+        c = d["code"]
+        commit = f" at git {c['git_commit'][:12]}{' (dirty)' if c.get('git_dirty') else ''}" if c.get("git_commit") else ""
+        lines.append(f"  code: shrunk against --code {c['shrunk_against']}{commit}; the result carries the files of it "
+                     "that ran, so it replays as shrink confirmed (without --code)")
     lines.append(f"wrote {d['output']}")
     return "\n".join(lines)
 

@@ -80,6 +80,8 @@ class ShrinkResult:
     origin_checks: int = 0
     origin_changed: int = 0
     confirm_runs: int = 0
+    code: dict[str, Any] | None = None
+    """With ``--code DIR``: DIR and its git commit, whose files the result carries (None: the source's snapshot)."""
 
     def to_json(self) -> dict[str, Any]:
         return jsonable({
@@ -96,6 +98,7 @@ class ShrinkResult:
             "origin_checks": self.origin_checks,
             "origin_changed": self.origin_changed,
             "confirm_runs": self.confirm_runs,
+            "code": self.code,
             "seconds": round(self.seconds, 3),
             "failure": self.failure.summary(),
             "passes": {k: vars(v) | {"seconds": round(v.seconds, 3)} for k, v in self.passes.items()},
@@ -494,4 +497,4 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                              out if isinstance(out, RunOutcome) else None, provenance)
         return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
                             time.perf_counter() - t0, exhausted, failure, sh.different_failures, sh.origin,
-                            sh.origin_checks, sh.origin_changed, sh.confirm_runs)
+                            sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"))

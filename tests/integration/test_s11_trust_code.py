@@ -186,6 +186,7 @@ def test_shrink_with_code_writes_the_code_it_shrank_against(nan_bundle, tmp_path
     rc, text = cli("shrink", str(nan_bundle), "-o", str(out), "--code", str(code), *entries(nan_bundle),
                    "--passes", "steps", "--budget", "20")
     assert rc == 0, text
+    assert f"code: shrunk against --code {code.resolve()}" in text, text
     assert (out / "code" / "rk_mlp.py").read_bytes() == (code / "rk_mlp.py").read_bytes()
     report = reprokit.replay(out)
     assert report.verdict == "deterministic" and report.exit_code == 1, report.to_json()
