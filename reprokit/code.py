@@ -212,10 +212,9 @@ def confirm_entries(refs: Any, entries: Sequence[str], code: Path | str | None, 
     arg = ",".join(f"{role}={label}" for role, label in wanted)
     where = f"--code {code}" if code is not None else "each commit's checkout"
     raise ReprokitError(
-        f"{where}: {source} asks to run {listing} from your code, and "
-        f"{', '.join(f'{r} = {lbl}' for r, lbl in missing)} was not confirmed with --entry. A bundle may come "
-        "from anyone, so it does not choose which functions of your code run. Check that these are your training "
-        f"entry points, then pass: --entry {arg}")
+        f"{where}: {source} asks to run {listing} from your code; not confirmed with --entry: "
+        f"{', '.join(f'{r} = {lbl}' for r, lbl in missing)}. A bundle may come from anyone, so it does not choose "
+        f"which functions of your code run. Check that these are your training entry points, then pass: --entry {arg}")
 
 
 def entry_args(refs: dict[str, Any]) -> list[str]:

@@ -142,10 +142,13 @@ def test_a_bundle_cannot_pick_a_function_of_the_users_checkout(nan_bundle, tmp_p
     assert "build = scripts.deploy:main" in out and "--entry build=scripts.deploy:main,step=rk_mlp:train_step" in out
     # Confirming the usual entry points does not confirm the bundle's other choice.
     rc, out = cli("replay", str(nan_bundle), "--code", str(code), "--entry", "build=rk_mlp:build,step=rk_mlp:train_step")
-    assert rc == 2 and "build = scripts.deploy:main was not confirmed" in out, out
+    assert rc == 2 and "not confirmed with --entry: build = scripts.deploy:main" in out, out
     for cmd in (["shrink", str(nan_bundle), "-o", str(tmp_path / "small")], ["bisect", "steps", str(nan_bundle)]):
         rc, out = cli(*cmd, "--code", str(code))
         assert rc == 2 and "not confirmed with --entry" in out, out
+    # bisect commits replays each commit's checkout as --code: the same confirmation, asked before any git work.
+    rc, out = cli("bisect", "commits", str(nan_bundle), "--good", "HEAD~1", "--bad", "HEAD")
+    assert rc == 2 and "each commit's checkout" in out and "not confirmed with --entry: build = scripts.deploy:main" in out, out
     assert not marker.exists()
 
 
@@ -156,7 +159,7 @@ def test_confirmed_entry_points_replay_from_the_checkout(nan_bundle, tmp_path):
     assert rc == 1 and out.startswith("REPRODUCED"), out
     assert f"code from {code}" in out
     rc, out = cli("replay", str(nan_bundle), "--code", str(code), "--entry", "step=rk_mlp:train_step")
-    assert rc == 2 and "build = rk_mlp:build was not confirmed" in out, out
+    assert rc == 2 and "not confirmed with --entry: build = rk_mlp:build" in out, out
     rc, out = cli("replay", str(nan_bundle), "--entry", "build=rk_mlp:build")
     assert rc == 2 and "--entry only applies with --code" in out, out
 
