@@ -252,11 +252,13 @@ class Session:
         self._stack = ExitStack()
         self.code_dir = self.user_code
         """Where build/step are imported from: ``--code``, or a private copy of the snapshot's verified bytes."""
+        self._code_copy: weakref.finalize | None = None
         if self.user_code is None and bundle.code_dir is not None:
             # Never the bundle folder itself: a file swapped there after verification would run unchecked.
             self.code_dir, remove = materialize(bundle.code_files())
-            # Removed once the session is gone (extract copies it after the session closed), at the latest at exit.
-            weakref.finalize(self, remove)
+            # Removed by drop_code_copy(), else once the session is gone (extract copies it after the session
+            # closed), at the latest at exit.
+            self._code_copy = weakref.finalize(self, remove)
         self.code_label = str(self.user_code or bundle.code_dir or "installed modules")
         """What the report names as the code replayed: the --code folder, or the bundle's code/ (a verified copy)."""
         # run.json comes from whoever sent the bundle: its refs may only name the code replay runs.
@@ -308,6 +310,11 @@ class Session:
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
+
+    def drop_code_copy(self) -> None:
+        """Remove the private copy of the code snapshot now (after the session closed; nothing imports it then)."""
+        if self._code_copy is not None:
+            self._code_copy()
 
     def _read_steps_ahead(self) -> None:
         """Read the window's batches on a thread while the state is read: the first :meth:`inputs` takes them."""
@@ -579,23 +586,32 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
     bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     if not as_rank:  # one rank of an N-rank incident replay runs a peer's window too: its collectives need it
         _refuse_peer(bundle)
-    with session(bundle, device=device, code=code, preload=True) as s:
-        inputs = s.inputs()
-        runs = []
-        for i in range(times):
-            runs.append(s.run(inputs))
-            if progress:
-                progress(i + 1, times)
-        for r in runs:
-            r.fidelity = s.fidelity(r)
-        fidelity = dict(runs[0].fidelity or {})  # the report's: the first run's, and whether the others match it
-        fidelity["runs_bit_identical"] = all(
-            r.losses.keys() == runs[0].losses.keys()
-            and all(_same_float(a, b) for a, b in zip(r.losses.values(), runs[0].losses.values())
-                    if a is not None and b is not None)
-            for r in runs[1:])
-        return ReplayReport(s.bundle.path, s.recorded, runs, fidelity, str(s.device),
-                            s.code_label, s.bundle.run.get("distributed"))
+    s = Session(bundle, device=device, code=code, preload=True)
+    try:
+        with s:
+            return _replay_runs(s, times, progress)
+    finally:
+        s.drop_code_copy()  # now, not at garbage collection: a rank's process leaves with os._exit
+
+
+def _replay_runs(s: Session, times: int, progress: Any) -> ReplayReport:
+    """The runs of :func:`replay` in an entered session, and their report."""
+    inputs = s.inputs()
+    runs = []
+    for i in range(times):
+        runs.append(s.run(inputs))
+        if progress:
+            progress(i + 1, times)
+    for r in runs:
+        r.fidelity = s.fidelity(r)
+    fidelity = dict(runs[0].fidelity or {})  # the report's: the first run's, and whether the others match it
+    fidelity["runs_bit_identical"] = all(
+        r.losses.keys() == runs[0].losses.keys()
+        and all(_same_float(a, b) for a, b in zip(r.losses.values(), runs[0].losses.values())
+                if a is not None and b is not None)
+        for r in runs[1:])
+    return ReplayReport(s.bundle.path, s.recorded, runs, fidelity, str(s.device),
+                        s.code_label, s.bundle.run.get("distributed"))
 
 
 def foreign_code_note(bundle: Bundle, archive: bool, code: str | Path | None = None) -> str | None:
