@@ -220,9 +220,14 @@ def test_one_run_is_not_called_deterministic(nan_bundle):
     assert d["verdict"] == "deterministic" and d["determinism_checked"] is True
 
 
-def test_assert_fixed_does_not_call_one_run_deterministic(nan_bundle):
+def test_assert_fixed_does_not_call_one_run_deterministic(nan_bundle, tmp_path):
     from reprokit.testing import StillFails, assert_fixed
 
     with pytest.raises(StillFails) as e:
         assert_fixed(nan_bundle)
     assert "1/1 runs, reproduced once" in str(e.value) and "deterministic)" not in str(e.value)
+    code = checkout_of(nan_bundle, tmp_path / "checkout")
+    with pytest.raises(StillFails) as e:
+        assert_fixed(nan_bundle, code=code)
+    # The command it suggests runs as suggested: --code needs the --entry.
+    assert f"--code {code} --entry build=rk_mlp:build,step=rk_mlp:train_step`" in str(e.value)
