@@ -715,6 +715,34 @@ class Bundle:
         d = self.path / CODE
         return d if d.is_dir() else None
 
+    def code_files(self) -> dict[str, bytes]:
+        """The code snapshot's files, ``{"code/train.py": bytes}``, each read once and kept only if those bytes
+        hash to the manifest's digest: replay imports a private copy written from them (:func:`reprokit.code.
+        materialize`), never the bundle folder, where a file swapped after verification would run unchecked.
+
+        Raises:
+            BundleError: a code file cannot be read, is not a regular file, or changed since the manifest was
+                checked.
+        """
+        out = {}
+        for rel, meta in sorted(self.manifest["files"].items()):
+            if not rel.startswith(f"{CODE}/"):
+                continue
+            try:
+                with hashing.open_regular(self.path / rel) as f:
+                    data = f.read(meta["size"] + 1)  # one byte more: a longer file shows as a size mismatch
+            except OSError as e:
+                raise BundleError(f"{self.path}: {rel} cannot be read ({e.strerror or e}). {_FIX}",
+                                  [{"file": rel, "problem": f"cannot be read: {e.strerror or e}"}]) from None
+            found = hashlib.sha256(data).hexdigest()
+            if len(data) != meta["size"] or found != meta["sha256"]:
+                raise BundleError(f"{self.path}: {rel} changed since the manifest was checked (sha256 {found}, the "
+                                  f"manifest says {meta['sha256']}); refusing to import it. {_FIX}",
+                                  [{"file": rel, "problem": "checksum mismatch", "expected": meta["sha256"],
+                                    "found": found}])
+            out[rel] = data
+        return out
+
     def state(self, on_part: Callable[[dict[str, torch.Tensor]], None] | None = None
               ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """``(tree, tensors)`` of the snapshot the window starts from (a state another rank's bundle holds, for a bundle

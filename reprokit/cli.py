@@ -263,6 +263,23 @@ def _refuse_folder_of_bundles(path: Path) -> None:
         raise BundleError(message)
 
 
+ENTRY_HELP = ("With --code: the functions of your checkout the bundle may run, [ROLE=]MODULE:QUALNAME, comma-separated "
+              "or repeated (e.g. build=train:build,step=train:train_step); the bundle's own refs are refused "
+              "otherwise, since a bundle may come from anyone.")
+entry_opt = click.option("--entry", "entries", multiple=True, metavar="[ROLE=]MODULE:QUALNAME", help=ENTRY_HELP)
+
+
+def _confirm_entries(opened: Any, code: Path | None, entries: tuple[str, ...]) -> None:
+    """With --code, refuse (exit 2) refs of the opened bundle that --entry does not name; without, refuse --entry."""
+    from reprokit.code import confirm_entries
+
+    if code is None:
+        if entries:
+            raise click.UsageError("--entry only applies with --code (the bundle's own snapshot runs its own refs)")
+        return
+    confirm_entries(opened.run.get("refs"), entries, code, snapshot=opened.code_dir, source=opened.path / "run.json")
+
+
 def _open(bundle: Path, kw: dict[str, Any]) -> Any:
     """Context manager yielding a bundle folder for a folder or a (safely extracted) archive."""
     from reprokit.archive import Limits, bundle_dir
@@ -281,13 +298,14 @@ def _open(bundle: Path, kw: dict[str, Any]) -> Any:
               help="Where to replay (default: where it was recorded, if available).")
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Import build/step from this checkout instead of the bundle's code snapshot.")
+@entry_opt
 @click.option("--trust", is_flag=True, help="Do not print the note that replaying runs the bundle's code.")
 @click.option("--nproc", type=click.IntRange(1, 1024), default=None,
               help="For an incident folder of a multi-rank run: the number of ranks (default: the run's world size).")
 @archive_opts
 @json_opt
-def replay(bundle: Path, times: int, device: str | None, code: Path | None, trust: bool, nproc: int | None,
-           as_json: bool, **kw: Any) -> None:
+def replay(bundle: Path, times: int, device: str | None, code: Path | None, entries: tuple[str, ...], trust: bool,
+           nproc: int | None, as_json: bool, **kw: Any) -> None:
     """Re-run BUNDLE and report whether it fails the same way at the same step.
 
     Replaying runs code: build() and the step function are imported from the bundle's
@@ -295,7 +313,11 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, trus
     yourself; verify, inspect and pack never import it. A bundle from elsewhere (a packed
     archive, or recorded on another host) gets a one-line note saying so on stderr.
 
-    Verdicts: deterministic (every run reproduced), flaky (some did), different_failure
+    With --code DIR, only the functions --entry names run (build=MOD:FN,step=MOD:FN): a
+    bundle may come from anyone, so it does not choose which functions of DIR run.
+
+    Verdicts: deterministic (every run reproduced; with one run, "reproduced once": --times N
+    tells deterministic from flaky), flaky (some did), different_failure
     (none did, some failed with another signature or at another step), not_reproduced
     (marked transient, not a fix, when the bundle's own code on the recording device was
     bit-exact up to the failing step).
@@ -309,10 +331,11 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, trus
     from reprokit.replay import replay as do_replay
 
     if is_incident(bundle) or nproc is not None:
-        _replay_incident(bundle, times, device, code, nproc, as_json)
+        _replay_incident(bundle, times, device, code, entries, nproc, as_json)
 
     with _progress(times, "replay", enabled=not as_json and times > 1) as update, _open(bundle, kw) as path:
         opened = open_bundle(path)  # verified once, here
+        _confirm_entries(opened, code, entries)
         note = None if trust else foreign_code_note(opened, is_archive(bundle), code)
         if note:
             _echo(note, err=True)
@@ -327,13 +350,16 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, trus
     sys.exit(report.exit_code)
 
 
-def _replay_incident(folder: Path, times: int, device: str | None, code: Path | None, nproc: int | None,
-                     as_json: bool) -> None:
-    from reprokit.distributed.incident import is_incident, replay_incident
+def _replay_incident(folder: Path, times: int, device: str | None, code: Path | None, entries: tuple[str, ...],
+                     nproc: int | None, as_json: bool) -> None:
+    from reprokit.distributed.incident import is_incident, rank_bundles, replay_incident
     from reprokit.report import format_incident
 
     if not is_incident(folder):
         raise click.UsageError(f"--nproc needs an incident folder of a multi-rank run; {folder} is not one")
+    if code is not None or entries:
+        for opened in rank_bundles(folder).values():
+            _confirm_entries(opened, code, entries)
     report = replay_incident(folder, times=times, device=device, nproc=nproc, code=code)
     d = report.to_json()
     if as_json:
@@ -449,21 +475,26 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
               help="Seconds per isolated candidate before it counts as not failing.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay candidates.")
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Import build/step from this checkout instead of the bundle's code snapshot.")
+              help="Import build/step from this checkout instead of the bundle's code snapshot; the shrunk bundle "
+                   "then carries the files of it that ran (what the failure was confirmed against).")
+@entry_opt
 @archive_opts
 @json_opt
 def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, isolate: bool, timeout: float,
-           device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
+           device: str | None, code: Path | None, entries: tuple[str, ...], as_json: bool, **kw: Any) -> None:
     """Minimise BUNDLE to the fewest steps, rows, sequence positions and tokens that fail the same way.
 
     Exit 0 with the shrunk bundle written to OUTPUT; exit 1 if BUNDLE does not
     reproduce to begin with; 3 invalid bundle; 125 code does not import or state
     does not fit.
     """
+    from reprokit.bundle import open_bundle
     from reprokit.shrink import shrink as do_shrink
 
     with _progress(budget, "shrink", enabled=not as_json) as update, _open(bundle, kw) as path:
-        result = do_shrink(path, output, budget=budget, passes=[p.strip() for p in passes.split(",") if p.strip()],
+        opened = open_bundle(path)
+        _confirm_entries(opened, code, entries)
+        result = do_shrink(opened, output, budget=budget, passes=[p.strip() for p in passes.split(",") if p.strip()],
                            pad_id=pad_id, isolate=isolate, timeout=timeout, device=device, code=code,
                            progress=lambda name, replays, size: update(replays, f"{name}, best: {size}"))
     from reprokit.report import format_shrink
@@ -515,9 +546,11 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Import build/step from this checkout instead of the bundle's code snapshot.")
+@entry_opt
 @archive_opts
 @json_opt
-def extract(bundle: Path, output: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
+def extract(bundle: Path, output: Path, device: str | None, code: Path | None, entries: tuple[str, ...],
+            as_json: bool, **kw: Any) -> None:
     """Cut the module that failed out of BUNDLE: a small bundle of that module alone.
 
     The extract holds the module's class (source from the code snapshot, or a torch
@@ -533,7 +566,9 @@ def extract(bundle: Path, output: Path, device: str | None, code: Path | None, a
     from reprokit.extract import format_extract
 
     with _open(bundle, kw) as path:
-        result = do_extract(open_bundle(path), output, device=device, code=code, source=bundle)
+        opened = open_bundle(path)
+        _confirm_entries(opened, code, entries)
+        result = do_extract(opened, output, device=device, code=code, source=bundle)
     d = result.to_json()
     _emit(d) if as_json else _echo(format_extract(d))
 
@@ -555,6 +590,7 @@ def _bisect_axis(axis: str, bundle: Path, device: str | None, code: Path | None,
     fmt: Any = AXES[axis][1]
     with _open(bundle, kw) as path:
         opened = open_bundle(path)
+        _confirm_entries(opened, code, kw.pop("entries"))
         d = fn(opened, device=device, code=code, **opts)
     if d.get("reproduced") is False:
         d["note"] = d.get("note") or not_reproduced_note(opened)
@@ -579,6 +615,7 @@ code_opt = click.option("--code", type=click.Path(exists=True, file_okay=False, 
 @bundle_arg
 @device_opt
 @code_opt
+@entry_opt
 @archive_opts
 @json_opt
 def bisect_steps(bundle: Path, device: str | None, code: Path | None, as_json: bool, **kw: Any) -> None:
@@ -595,6 +632,7 @@ def bisect_steps(bundle: Path, device: str | None, code: Path | None, as_json: b
 @bundle_arg
 @device_opt
 @code_opt
+@entry_opt
 @click.option("--keep", default=20, show_default=True, type=click.IntRange(1),
               help="How many module frames before the culprit to show.")
 @archive_opts
@@ -613,6 +651,7 @@ def bisect_layers(bundle: Path, device: str | None, code: Path | None, keep: int
 @bundle_arg
 @device_opt
 @code_opt
+@entry_opt
 @click.option("--variants", default=None,
               help="Comma-separated subset of variants to run (default: all): " + ", ".join(PRECISION_VARIANTS) + ".")
 @archive_opts
@@ -651,10 +690,14 @@ def bisect_precision(bundle: Path, device: str | None, code: Path | None, varian
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Seconds per probe before it is skipped.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
+@click.option("--entry", "entries", multiple=True, metavar="[ROLE=]MODULE:QUALNAME",
+              help="The functions of your commits the bundle may run (each commit's checkout is replayed as "
+                   "--code), e.g. build=train:build,step=train:train_step; needed for the project's own refs, "
+                   "since a bundle may come from anyone.")
 @archive_opts
 @json_opt
 def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_parent: bool, timeout: float,
-                   device: str | None, as_json: bool, **kw: Any) -> None:
+                   device: str | None, entries: tuple[str, ...], as_json: bool, **kw: Any) -> None:
     """Find the first commit between --good and --bad at which BUNDLE fails the same way.
 
     Each probed commit is checked out into a temporary git worktree (your working
@@ -667,10 +710,16 @@ def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_p
     def progress(p: Any, n: int) -> None:
         _echo(f"  {p.role:<8} {p.sha[:10]}  {p.verdict:<4}  {p.seconds:5.1f}s  {p.reason[:90]}", err=True)
 
+    from reprokit.bundle import open_bundle
+    from reprokit.code import confirm_entries
+
     with _open(bundle, kw) as path:
+        opened = open_bundle(path)
+        confirm_entries(opened.run.get("refs"), entries, None, snapshot=opened.code_dir,
+                        source=opened.path / "run.json")
         if not as_json:
             _echo(f"bisecting {good}..{bad} with {path}", err=True)
-        result = run(path, good=good, bad=bad, repo=repo, first_parent=first_parent, timeout=timeout, device=device,
+        result = run(opened, good=good, bad=bad, repo=repo, first_parent=first_parent, timeout=timeout, device=device,
                      progress=None if as_json else progress)
     d = result.to_json()
     if as_json:

@@ -18,12 +18,14 @@ import importlib.machinery
 import importlib.util
 import keyword
 import os
+import shutil
 import sys
-from collections.abc import Callable, Iterator
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from reprokit.errors import BundleError, CaptureError, CodeLoadError
+from reprokit.errors import BundleError, CaptureError, CodeLoadError, ConfigError, ReprokitError
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 # reprokit's own modules a ref may name: the demo's build/step, and the integrations' build/step (which import the
@@ -141,6 +143,85 @@ def check_refs(refs: Any, *, snapshot: Path | None, code: Path | None, source: s
         raise CodeLoadError(f"--code {code}: this bundle's build and step are reprokit's own "
                             f"({ref_label(refs['build'])}, {ref_label(refs['step'])}), so nothing would be imported from "
                             f"{code}; drop --code to replay it.")
+
+
+# --- confirming the entry points that run from a --code checkout -------------------
+
+_ROLES = {"build": "build", "step": "step", "predicates": "predicate", "objects": "object"}
+
+
+def entry_points(refs: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(role, "module:qualname")`` of every ref in ``refs`` that imports the project's code (not reprokit's own):
+    build, step, each predicate and each object (a class an integration's build makes)."""
+    out = []
+    for key, role in _ROLES.items():
+        items = refs.get(key)
+        for ref in items if isinstance(items, list) else [items]:
+            if ref is not None and ref.get("module") not in OWN_MODULES:
+                out.append((role, ref_label(ref)))
+    return out
+
+
+def parse_entries(values: Sequence[str]) -> set[tuple[str | None, str]]:
+    """``--entry`` values (``build=train:build,step=train:train_step``; repeatable; a role may be left out) as
+    ``{(role or None, "module:qualname")}``.
+
+    Raises:
+        ConfigError: (exit 2) an item that is not ``[ROLE=]MODULE:QUALNAME`` or names an unknown role.
+    """
+    out: set[tuple[str | None, str]] = set()
+    for value in values:
+        for item in (x.strip() for x in value.split(",")):
+            if not item:
+                continue
+            role, _, label = item.rpartition("=")
+            if (role and role not in _ROLES.values()) or label.count(":") != 1:
+                raise ConfigError(f"--entry {item!r}: expected [ROLE=]MODULE:QUALNAME with ROLE one of "
+                                  f"{', '.join(_ROLES.values())}, e.g. --entry build=train:build,step=train:train_step")
+            out.add((role or None, label))
+    return out
+
+
+def confirm_entries(refs: Any, entries: Sequence[str], code: Path | str | None, *, snapshot: Path | None,
+                    source: str | Path = "run.json") -> None:
+    """Refuse to run functions of the user's ``--code`` checkout that the user did not name with ``--entry``.
+
+    With ``--code DIR`` the code is the user's own, but which of its functions run is said by the bundle's run.json,
+    and a bundle may come from anyone: unchecked, it could call any function of the checkout (``scripts.deploy:
+    main``) with a config of its choosing. No file in the bundle can vouch for a ref (its snapshot and listing are
+    the sender's too), so the user does: every build, step, predicate and object ref that would be imported from
+    DIR must be among ``entries``. Call it on the same opened bundle that is then replayed. Imports nothing.
+    ``code`` None: DIR is each commit's checkout (``bisect commits``), checked against the snapshot only here.
+
+    Raises:
+        BundleError, CodeLoadError: what :func:`check_refs` raises, first (an invalid bundle stays exit 3).
+        ReprokitError: (exit 2) a ref the user did not confirm; the message lists the refs and the ``--entry`` to
+            pass after checking them.
+    """
+    if code is not None or snapshot is not None:
+        check_refs(refs, snapshot=snapshot, code=Path(code) if code is not None else None, source=source)
+    elif not isinstance(refs, dict):
+        return  # malformed: each commit's replay refuses it (exit 3) before anything is imported
+    confirmed = parse_entries(entries)
+    wanted = entry_points(refs)
+    missing = [(role, label) for role, label in wanted
+               if (role, label) not in confirmed and (None, label) not in confirmed]
+    if not missing:
+        return
+    listing = ", ".join(f"{role} = {label}" for role, label in wanted)
+    arg = ",".join(f"{role}={label}" for role, label in wanted)
+    where = f"--code {code}" if code is not None else "each commit's checkout"
+    raise ReprokitError(
+        f"{where}: {source} asks to run {listing} from your code; not confirmed with --entry: "
+        f"{', '.join(f'{r} = {lbl}' for r, lbl in missing)}. A bundle may come from anyone, so it does not choose "
+        f"which functions of your code run. Check that these are your training entry points, then pass: --entry {arg}")
+
+
+def entry_args(refs: dict[str, Any]) -> list[str]:
+    """``["--entry", "build=...,step=..."]`` for a subprocess replaying ``refs`` already confirmed here (nothing
+    when no ref imports project code)."""
+    wanted = entry_points(refs)
+    return ["--entry", ",".join(f"{role}={label}" for role, label in wanted)] if wanted else []
 
 
 _IDENT_ERR = "must be dotted Python identifiers (no dunder names)"
@@ -275,6 +356,37 @@ def _protected(name: str, mod: Any) -> bool:
 
 
 # --- importing ----------------------------------------------------------------------
+
+def materialize(files: Mapping[str, bytes]) -> tuple[Path, Callable[[], None]]:
+    """Write a code snapshot's verified bytes into a fresh private folder: ``(folder, remove)``.
+
+    ``files`` maps ``code/REL`` to the bytes that hashed right (:meth:`reprokit.bundle.Bundle.code_files`). The
+    folder is made by :func:`tempfile.mkdtemp` (mode 0700, a name no one else chose), so what replay imports is what
+    was verified: a file swapped in the bundle folder after verification is never read again. ``remove()`` deletes
+    the folder (also when called twice).
+
+    Raises:
+        BundleError: a path that would leave the folder (verification refuses those first).
+    """
+    top = Path(tempfile.mkdtemp(prefix="reprokit-code-"))
+    root = top / "code"
+    try:
+        root.mkdir(mode=0o700)
+        for rel, data in files.items():
+            parts = rel.split("/")[1:]
+            if not parts or any(p in ("", ".", "..") for p in parts):
+                raise BundleError(f"{rel}: not a plain path inside code/; nothing was imported",
+                                  [{"file": rel, "problem": "unsafe path"}])
+            target = root.joinpath(*parts)
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+    except BaseException:
+        shutil.rmtree(top, ignore_errors=True)
+        raise
+    return root, lambda: shutil.rmtree(top, ignore_errors=True)
+
 
 _ACTIVE: list[Path | None] = []
 """The code folders of the :func:`imported` contexts now open (the innermost last)."""

@@ -15,6 +15,7 @@ import platform
 import re
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -28,7 +29,7 @@ import torch
 
 from reprokit import pytree
 from reprokit.bundle import REPLICATED, Bundle, jsonable, open_bundle
-from reprokit.code import check_refs, imported, resolve
+from reprokit.code import check_refs, imported, materialize, resolve
 from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
 from reprokit.errors import CodeLoadError, ReprokitError, StateMismatchError
@@ -110,6 +111,14 @@ VERDICT_EXIT_CODES = {"deterministic": 1, "flaky": 1, "different_failure": 125, 
 VERDICT_HEADLINES = {"deterministic": "REPRODUCED", "flaky": "REPRODUCED (flaky)",
                      "different_failure": "DIFFERENT FAILURE", "not_reproduced": "NOT REPRODUCED"}
 
+ONCE = "reproduced once; --times N tells deterministic from flaky"
+
+
+def verdict_phrase(verdict: str, runs: int | None) -> str:
+    """The verdict in words for people: ``deterministic`` is said only when more than one run showed it (the JSON
+    verdict of a single reproducing run stays ``deterministic``; ``determinism_checked`` tells them apart)."""
+    return ONCE if verdict == "deterministic" and (runs or 0) <= 1 else verdict
+
 TRANSIENT_NOTE = (
     "transient: the recorded code, state and batches replayed on the same kind of device, bit-exact up to the "
     "failing step, and the failure did not recur. Nothing recorded explains it (a hardware fault, a data race, "
@@ -129,7 +138,8 @@ class ReplayReport:
     """N replays of a bundle and what they add up to.
 
     Verdicts: ``deterministic`` (every run failed with the recorded signature at the
-    recorded step), ``flaky`` (some did; the others passed or failed differently:
+    recorded step; from one run, that one run did: ``determinism_checked`` is then false),
+    ``flaky`` (some did; the others passed or failed differently:
     ``per_run`` says which), ``different_failure`` (none did, and at least one run
     failed with another signature or at another step), ``not_reproduced`` (every
     run passed). ``exit_code`` is what ``reprokit replay`` exits with.
@@ -190,6 +200,8 @@ class ReplayReport:
             "failed_runs": self.failed_runs,
             "different_runs": self.different_runs,
             "verdict": self.verdict,
+            # One run cannot tell deterministic from flaky: the verdict key keeps its value, this says it was unchecked.
+            "determinism_checked": len(self.runs) > 1,
             "exit_code": self.exit_code,
             "transient": self.transient,
             "failure": _failure_summary(first),
@@ -233,14 +245,26 @@ class Session:
         self.device = torch.device(device or default_device(bundle))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ReprokitError("--device cuda was asked for, but torch sees no CUDA device here; use --device cpu")
-        self.code_dir = Path(code).resolve() if code else bundle.code_dir
-        if code and not (self.code_dir and self.code_dir.is_dir()):
+        self.user_code: Path | None = Path(code).resolve() if code else None
+        """The ``--code`` folder (None: the bundle's own snapshot is replayed)."""
+        if code and not (self.user_code and self.user_code.is_dir()):
             raise CodeLoadError(f"--code {code}: no such directory")
-        # run.json comes from whoever sent the bundle: its refs may only name the code replay runs.
-        check_refs(bundle.run.get("refs"), snapshot=bundle.code_dir, code=self.code_dir if code else None,
-                   source=bundle.path / "run.json")
-        self.recorded = bundle.failure
         self._stack = ExitStack()
+        self.code_dir = self.user_code
+        """Where build/step are imported from: ``--code``, or a private copy of the snapshot's verified bytes."""
+        self._code_copy: weakref.finalize | None = None
+        if self.user_code is None and bundle.code_dir is not None:
+            # Never the bundle folder itself: a file swapped there after verification would run unchecked.
+            self.code_dir, remove = materialize(bundle.code_files())
+            # Removed by drop_code_copy(), else once the session is gone (extract copies it after the session
+            # closed), at the latest at exit.
+            self._code_copy = weakref.finalize(self, remove)
+        self.code_label = str(self.user_code or bundle.code_dir or "installed modules")
+        """What the report names as the code replayed: the --code folder, or the bundle's code/ (a verified copy)."""
+        # run.json comes from whoever sent the bundle: its refs may only name the code replay runs.
+        check_refs(bundle.run.get("refs"), snapshot=self.code_dir if self.user_code is None else bundle.code_dir,
+                   code=self.user_code, source=bundle.path / "run.json")
+        self.recorded = bundle.failure
         self.state: TrainState | None = None
 
     def __enter__(self) -> Session:
@@ -288,6 +312,11 @@ class Session:
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
+
+    def drop_code_copy(self) -> None:
+        """Remove the private copy of the code snapshot now (after the session closed; nothing imports it then)."""
+        if self._code_copy is not None:
+            self._code_copy()
 
     def _read_steps_ahead(self) -> None:
         """Read the window's batches on a thread while the state is read: the first :meth:`inputs` takes them."""
@@ -397,7 +426,7 @@ class Session:
                 max_diff = max(max_diff, abs(a - v))
         exact = compared > 0 and first is None
         same_device = self.same_device()
-        same_code = self.code_dir == self.bundle.code_dir
+        same_code = self.user_code is None
         return {"steps_compared": compared, "max_abs_diff": max_diff, "bit_exact": exact,
                 "first_diverging_step": first["step"] if first else None, "first_diverging": first,
                 "recorded_device": str(self.bundle.run.get("device", "cpu")), "same_device": same_device,
@@ -559,23 +588,32 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
     bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     if not as_rank:  # one rank of an N-rank incident replay runs a peer's window too: its collectives need it
         _refuse_peer(bundle)
-    with session(bundle, device=device, code=code, preload=True) as s:
-        inputs = s.inputs()
-        runs = []
-        for i in range(times):
-            runs.append(s.run(inputs))
-            if progress:
-                progress(i + 1, times)
-        for r in runs:
-            r.fidelity = s.fidelity(r)
-        fidelity = dict(runs[0].fidelity or {})  # the report's: the first run's, and whether the others match it
-        fidelity["runs_bit_identical"] = all(
-            r.losses.keys() == runs[0].losses.keys()
-            and all(_same_float(a, b) for a, b in zip(r.losses.values(), runs[0].losses.values())
-                    if a is not None and b is not None)
-            for r in runs[1:])
-        return ReplayReport(s.bundle.path, s.recorded, runs, fidelity, str(s.device),
-                            str(s.code_dir) if s.code_dir else "installed modules", s.bundle.run.get("distributed"))
+    s = Session(bundle, device=device, code=code, preload=True)
+    try:
+        with s:
+            return _replay_runs(s, times, progress)
+    finally:
+        s.drop_code_copy()  # now, not at garbage collection: a rank's process leaves with os._exit
+
+
+def _replay_runs(s: Session, times: int, progress: Any) -> ReplayReport:
+    """The runs of :func:`replay` in an entered session, and their report."""
+    inputs = s.inputs()
+    runs = []
+    for i in range(times):
+        runs.append(s.run(inputs))
+        if progress:
+            progress(i + 1, times)
+    for r in runs:
+        r.fidelity = s.fidelity(r)
+    fidelity = dict(runs[0].fidelity or {})  # the report's: the first run's, and whether the others match it
+    fidelity["runs_bit_identical"] = all(
+        r.losses.keys() == runs[0].losses.keys()
+        and all(_same_float(a, b) for a, b in zip(r.losses.values(), runs[0].losses.values())
+                if a is not None and b is not None)
+        for r in runs[1:])
+    return ReplayReport(s.bundle.path, s.recorded, runs, fidelity, str(s.device),
+                        s.code_label, s.bundle.run.get("distributed"))
 
 
 def foreign_code_note(bundle: Bundle, archive: bool, code: str | Path | None = None) -> str | None:
@@ -677,7 +715,8 @@ def format_report(d: dict[str, Any]) -> str:
     counts = f"{d['failed_runs']}/{d['runs']} runs failed the same way at the same step"
     if d.get("different_runs"):
         counts += f", {d['different_runs']} failed differently"
-    lines = [f"{VERDICT_HEADLINES[verdict]}: {counts} ({verdict})", f"  recorded: {fail_line(rec)}"]
+    lines = [f"{VERDICT_HEADLINES[verdict]}: {counts} ({verdict_phrase(verdict, d['runs'])})",
+             f"  recorded: {fail_line(rec)}"]
     if got and not d["reproduced"]:
         lines.append(f"  replay hit a DIFFERENT failure: {fail_line(got)}")
         if got["step"] != rec["step"]:

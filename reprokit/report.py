@@ -451,9 +451,13 @@ def _finite_or_none(x: Any) -> float | None:
 
 def format_incident(d: dict[str, Any]) -> str:
     """The human summary of an N-rank incident replay (``IncidentReport.to_json()``)."""
+    from reprokit.replay import verdict_phrase
+
     inc = d.get("incident") or {}
+    failing: dict[str, Any] = next((r for r in d["ranks"] if r.get("rank") == d["failing_rank"]), {})
     lines = [f"incident {inc.get('incident', d['folder'])}: rank {d['failing_rank']} failed in training "
-             f"({inc.get('what', 'see its bundle')}); replayed on {d['world_size']} ranks: {d['verdict']}"]
+             f"({inc.get('what', 'see its bundle')}); replayed on {d['world_size']} ranks: "
+             f"{verdict_phrase(d['verdict'], failing.get('runs'))}"]
     for r in d["ranks"]:
         if r.get("error"):
             what = f"error: {r['error']}"
@@ -463,7 +467,7 @@ def format_incident(d: dict[str, Any]) -> str:
             f = r.get("failure") or {}
             got = f"{f.get('kind')} at step {f.get('step')}" if f else "no failure"
             recorded = (r.get("recorded_failure") or {}).get("kind")
-            what = f"{r.get('verdict')} (recorded {recorded}, replayed {got})"
+            what = f"{verdict_phrase(str(r.get('verdict')), r.get('runs'))} (recorded {recorded}, replayed {got})"
         lines.append(f"  rank {r.get('rank')}: {what}")
     return "\n".join(lines)
 
@@ -500,6 +504,11 @@ def format_shrink(d: dict[str, Any]) -> str:
                                           f"replay{'' if v['replays'] == 1 else 's'}"
                                           for k, v in d["passes"].items()))
     lines.append(f"  still fails: {summary_line(d['failure'])}")
+    if d.get("code"):
+        c = d["code"]
+        commit = f" at git {c['git_commit'][:12]}{' (dirty)' if c.get('git_dirty') else ''}" if c.get("git_commit") else ""
+        lines.append(f"  code: shrunk against --code {c['shrunk_against']}{commit}; the result carries the files of it "
+                     "that ran, so it replays as shrink confirmed (without --code)")
     lines.append(f"wrote {d['output']}")
     return "\n".join(lines)
 

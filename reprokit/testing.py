@@ -81,18 +81,23 @@ def assert_fixed(bundle: str | Path, *, code: str | Path | None = None, times: i
     """
     from reprokit.archive import bundle_dir
     from reprokit.bundle import open_bundle
-    from reprokit.replay import replay
+    from reprokit.code import entry_args
+    from reprokit.replay import replay, verdict_phrase
 
     with bundle_dir(bundle, sha256=sha256) as path:
-        report = replay(open_bundle(path), times=times, device=device, code=code)
+        opened = open_bundle(path)
+        report = replay(opened, times=times, device=device, code=code)
+    entry = " ".join(entry_args(opened.run["refs"]))
     d = report.to_json()
     recorded = _describe(d["recorded_failure"])
     with_code = f"with the code in {code}" if code is not None else "with the bundle's own code snapshot"
     if report.verdict in ("deterministic", "flaky"):
         raise StillFails(
             f"{bundle} still fails {with_code}: {_describe(d['failure'])} "
-            f"({report.failed_runs}/{len(report.runs)} runs, {report.verdict}); expected it to pass once fixed. "
-            f"Debug it with `reprokit replay {bundle}" + (f" --code {code}`" if code is not None else "`"))
+            f"({report.failed_runs}/{len(report.runs)} runs, {verdict_phrase(report.verdict, len(report.runs))}); "
+            "expected it to pass once fixed. "
+            f"Debug it with `reprokit replay {bundle}" + (f" --code {code} {entry}`".replace(" `", "`")
+                                                          if code is not None else "`"))
     if report.verdict == "different_failure":
         raise DifferentFailure(
             f"{bundle} fails differently {with_code}: {_describe(d['failure'])}, recorded: {recorded}. "

@@ -84,3 +84,11 @@ def reseal(bundle: Path, manifest_edit: Callable[[dict], object] | None = None, 
         manifest_edit(m)
     m["self_sha256"] = B._self_digest(m)
     (bundle / B.MANIFEST).write_text(raw_manifest.replace("@SELF@", m["self_sha256"]) if raw_manifest else json.dumps(m))
+
+
+def entries(bundle: Path) -> list[str]:
+    """``["--entry", "build=...,step=..."]``: the user's confirmation of a bundle's refs that ``--code`` needs
+    (a test made the bundle, so it vouches for them)."""
+    from reprokit.code import entry_args
+
+    return entry_args(json.loads((Path(bundle) / "run.json").read_text())["refs"])

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from reprokit.bundle import Bundle, open_bundle
+from reprokit.code import entry_args
 from reprokit.errors import ReprokitError
 from reprokit.signature import summary_line
 
@@ -127,7 +128,7 @@ class _Prober:
         if not code.is_dir():
             return "skip", f"the project folder {self.subdir!r} does not exist at this commit"
         cmd = [sys.executable, "-m", "reprokit", "replay", str(self.bundle.path.resolve()), "--code", str(code),
-               "--json", "--times", str(self.times)]
+               *entry_args(self.bundle.run["refs"]), "--json", "--times", str(self.times)]
         if self.device:
             cmd += ["--device", self.device]
         try:

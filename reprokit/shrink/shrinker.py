@@ -15,6 +15,7 @@ from typing import Any
 
 from reprokit import pytree
 from reprokit.bundle import MANIFEST, Bundle, BundleWriter, StepRecord, jsonable, open_bundle, sha256_file, write_bundle
+from reprokit.code import entry_args, git_info, snapshot_files
 from reprokit.errors import DidNotReproduce, ReprokitError
 from reprokit.origin import Origin, same_origin, watch_step
 from reprokit.replay import RunOutcome, Session, StepInput, alone_hint
@@ -79,6 +80,8 @@ class ShrinkResult:
     origin_checks: int = 0
     origin_changed: int = 0
     confirm_runs: int = 0
+    code: dict[str, Any] | None = None
+    """With ``--code DIR``: DIR and its git commit, whose files the result carries (None: the source's snapshot)."""
 
     def to_json(self) -> dict[str, Any]:
         return jsonable({
@@ -95,6 +98,7 @@ class ShrinkResult:
             "origin_checks": self.origin_checks,
             "origin_changed": self.origin_changed,
             "confirm_runs": self.confirm_runs,
+            "code": self.code,
             "seconds": round(self.seconds, 3),
             "failure": self.failure.summary(),
             "passes": {k: vars(v) | {"seconds": round(v.seconds, 3)} for k, v in self.passes.items()},
@@ -282,8 +286,8 @@ class Shrinker:
         with tempfile.TemporaryDirectory(prefix="reprokit-candidate-") as tmp:
             path = write_case(self.session, case, Path(tmp), "candidate", self.session.recorded.to_json(), None, {})
             cmd = [sys.executable, "-m", "reprokit", "replay", str(path), "--json", "--device", self.session.device.type]
-            if self.session.code_dir and self.session.code_dir != self.session.bundle.code_dir:
-                cmd += ["--code", str(self.session.code_dir)]
+            if self.session.user_code is not None:
+                cmd += ["--code", str(self.session.user_code), *entry_args(self.session.bundle.run["refs"])]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
                 d = json.loads(proc.stdout) if proc.returncode in (0, 1, 125) and proc.stdout.strip() else {}
@@ -377,11 +381,20 @@ def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: 
         records.append(StepRecord(inp.step, tree, {**tensors, **inp.rng_tensors}, inp.rng, losses.get(inp.step)))
     snap_tree, snap_tensors = case.snapshot
     snap_tree = {**snap_tree, "step": steps[0]}
-    code_dir = src.code_dir
-    code = [(p.relative_to(code_dir).as_posix(), p) for p in sorted(code_dir.rglob("*")) if p.is_file()] \
-        if code_dir else []
     return write_bundle(BundleWriter(out_dir, name), failure=failure, run=run, env=src.env,
-                          state=(snap_tree, snap_tensors), steps=records, code=code)
+                        state=(snap_tree, snap_tensors), steps=records, code=code_replayed(session))
+
+
+def code_replayed(session: Session) -> list[tuple[str, Path]]:
+    """The code the session runs, as ``(rel, file)`` for a bundle's ``code/``: with ``--code DIR``, the files of DIR
+    it imported (what the shrink verified the failure against, not the source bundle's snapshot, which may differ);
+    else the snapshot's verified private copy, whole. Call inside the session (its imports are still loaded)."""
+    if session.code_dir is None:
+        return []
+    root = session.code_dir.resolve()
+    files = snapshot_files(root) if session.user_code is not None else \
+        sorted(p for p in root.rglob("*") if p.is_file() and p.suffix == ".py" and "__pycache__" not in p.parts)
+    return [(p.relative_to(root.resolve()).as_posix(), p) for p in files]
 
 
 def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300,
@@ -472,6 +485,11 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             "seq_window": window,
             "before": before,
         }
+        if session.user_code is not None:
+            # The result carries the --code files it was verified against: say where they came from.
+            git = git_info(session.user_code) or {}
+            provenance["code"] = {"shrunk_against": str(session.user_code), "git_commit": git.get("commit"),
+                                  "git_dirty": git.get("dirty")}
         output.parent.mkdir(parents=True, exist_ok=True)
         if output.exists():
             output.rmdir()
@@ -479,4 +497,4 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                              out if isinstance(out, RunOutcome) else None, provenance)
         return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
                             time.perf_counter() - t0, exhausted, failure, sh.different_failures, sh.origin,
-                            sh.origin_checks, sh.origin_changed, sh.confirm_runs)
+                            sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"))

@@ -11,6 +11,7 @@ import git
 import pytest
 import torch
 from click.testing import CliRunner
+from rk_testing import entries
 
 import reprokit
 from reprokit.bisect import BisectError, bisect_commits
@@ -127,7 +128,7 @@ def test_ambiguous_answer_lists_the_candidates(recorded):
     # Commit 4 cannot be imported and sits right before the first bad commit (5): either could be first.
     repo, shas, bundle = recorded(n=8, bug_at=5, syntax_error=(4,))
     result = CliRunner().invoke(main, ["bisect", "commits", str(bundle), "--good", shas[0], "--bad", shas[-1],
-                                       "--json"])
+                                       *entries(bundle), "--json"])
     d = json.loads(result.output)
     assert d["first_bad"] is None and d["candidates"] == [shas[3], shas[4]] and d["skipped"] == [shas[3]]
     assert "SyntaxError" in next(p["reason"] for p in d["probes"] if p["sha"] == shas[3])
@@ -153,7 +154,7 @@ def test_users_working_tree_is_untouched(recorded, tmp_path):
     before = (repo.git.status("--porcelain"), repo.head.commit.hexsha, repo.active_branch.name,
               repo.git.stash("list"), (proj / "trainer.py").read_text())
     result = CliRunner().invoke(main, ["bisect", "commits", str(bundle), "--good", shas[0], "--bad", "HEAD",
-                                       "--repo", str(proj), "--json"])
+                                       "--repo", str(proj), *entries(bundle), "--json"])
     assert result.exit_code == 0, result.output
     d = json.loads(result.output)
     assert d["first_bad"] == shas[4] and {"candidates", "probes", "replays"} <= d.keys()
@@ -170,7 +171,8 @@ def test_plain_git_bisect_run_gives_the_same_answer(recorded, tmp_path):
     repo, shas, bundle = recorded(n=8, bug_at=5, syntax_error=(3,))
     repo.git.bisect("start", shas[-1], shas[0])
     try:
-        out = repo.git.bisect("run", sys.executable, "-m", "reprokit", "replay", str(bundle), "--code", ".")
+        out = repo.git.bisect("run", sys.executable, "-m", "reprokit", "replay", str(bundle),
+                              "--code", ".", *entries(bundle))
     finally:
         repo.git.bisect("reset")
     assert f"{shas[4]} is the first bad commit" in out

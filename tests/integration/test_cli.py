@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import bundle_of, record
+from rk_testing import bundle_of, entries, record
 
 from reprokit.cli import main
 
@@ -90,7 +90,7 @@ def test_code_that_does_not_import_exits_125(nan_bundle, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "rk_mlp.py").write_text("def build(:\n")
-    result = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(broken)])
+    result = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(broken), *entries(nan_bundle)])
     assert result.exit_code == 125
     assert "cannot import rk_mlp:build" in result.output and "SyntaxError" in result.output
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import record_mlp_nan
+from rk_testing import entries, record_mlp_nan
 
 import reprokit
 from reprokit import bundle as B
@@ -127,7 +127,7 @@ def test_attribute_chain_to_a_foreign_function_is_refused(nan_bundle, tmp_path):
     marker = tmp_path / "MARKER"
     code = checkout_of(nan_bundle, tmp_path / "checkout", append="\nimport os  # noqa\n")
     reseal(nan_bundle, set_ref("build", {"module": "rk_mlp", "qualname": "os.system"}, config=f"touch {marker}"))
-    rc, out = cli("replay", str(nan_bundle), "--code", str(code))
+    rc, out = cli("replay", str(nan_bundle), "--code", str(code), *entries(nan_bundle))
     assert not marker.exists()
     assert rc == 3, out
     assert "refs.build = rk_mlp:os.system names an object defined in" in out

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from rk_testing import entries
 
 from reprokit.bundle import open_bundle
 from reprokit.cli import main as cli
@@ -124,11 +125,12 @@ def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     assert by_rank[1]["failure"]["kind"] == "nonfinite_loss" and by_rank[1]["reproduced"]
     assert by_rank[0]["failure"]["kind"] == "nonfinite_grad" and by_rank[0]["reproduced"], by_rank[0]
     human = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "2"])
-    assert human.exit_code == 1 and "rank 0: deterministic" in human.stdout, human.output
+    assert human.exit_code == 1 and "rank 0: reproduced once; --times N" in human.stdout, human.output
     bad = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "3"])
     assert bad.exit_code == 2 and "recorded on 2 ranks" in bad.output
     # --code: every rank imports build/step from a checkout; one without the project is refused before any rank runs
-    coded = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(ROOT / "tests" / "projects"), "--json"])
+    coded = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(ROOT / "tests" / "projects"),
+                                         *entries(_incident(out)[1][0]), "--json"])
     assert coded.exit_code == 1 and json.loads(coded.stdout)["verdict"] == "deterministic", coded.output
     empty = tmp_path / "empty-checkout"
     empty.mkdir()

@@ -11,7 +11,7 @@ from pathlib import Path
 import git
 import pytest
 from click.testing import CliRunner
-from rk_testing import bundle_of, record
+from rk_testing import bundle_of, entries, record
 
 from reprokit.cli import main
 
@@ -156,7 +156,7 @@ def build(config):
 def test_internal_error_is_70_with_one_line_and_a_saved_traceback(targets, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     code = checkout(targets["valid"], tmp_path / "code", UNMOVABLE)
-    result = CliRunner().invoke(main, ["replay", str(targets["valid"]), "--code", str(code)])
+    result = CliRunner().invoke(main, ["replay", str(targets["valid"]), "--code", str(code), *entries(targets["valid"])])
     assert result.exit_code == 70, result.output
     assert result.stdout == ""
     err = result.stderr.strip()
@@ -165,7 +165,8 @@ def test_internal_error_is_70_with_one_line_and_a_saved_traceback(targets, tmp_p
     assert saved.parent == tmp_path and "RuntimeError: this model refuses to move" in saved.read_text()
     assert "Traceback (most recent call last)" in saved.read_text()
 
-    result = CliRunner().invoke(main, ["replay", str(targets["valid"]), "--code", str(code), "--json"])
+    result = CliRunner().invoke(main, ["replay", str(targets["valid"]), "--code", str(code),
+                                       *entries(targets["valid"]), "--json"])
     assert result.exit_code == 70
     e = json.loads(result.stdout)["error"]
     assert e["type"] == "RuntimeError" and e["exit_code"] == 70 and e["internal"] is True
@@ -174,7 +175,8 @@ def test_internal_error_is_70_with_one_line_and_a_saved_traceback(targets, tmp_p
 
 def test_interrupt_is_130_not_an_answer(targets, tmp_path):
     code = checkout(targets["valid"], tmp_path / "code", "\n\ndef build(config):\n    raise KeyboardInterrupt\n")
-    result = CliRunner().invoke(main, ["replay", str(targets["valid"]), "--code", str(code), "--json"])
+    result = CliRunner().invoke(main, ["replay", str(targets["valid"]), "--code", str(code),
+                                       *entries(targets["valid"]), "--json"])
     assert result.exit_code == 130 and json.loads(result.stdout)["error"]["type"] == "Interrupted"
 
 
@@ -182,7 +184,8 @@ def test_user_prints_do_not_break_the_json(targets, tmp_path):
     code = checkout(targets["valid"], tmp_path / "code",
                     "\n\n_step = train_step\n\n\ndef train_step(state, batch):\n    print('loss is', 1.0)\n"
                     "    return _step(state, batch)\n")
-    result = CliRunner().invoke(main, ["replay", str(targets["valid"]), "--code", str(code), "--json"])
+    result = CliRunner().invoke(main, ["replay", str(targets["valid"]), "--code", str(code),
+                                       *entries(targets["valid"]), "--json"])
     assert result.exit_code == 1, result.output
     assert json.loads(result.stdout)["verdict"] == "deterministic"
     assert "loss is 1.0" in result.stderr

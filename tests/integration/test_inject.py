@@ -6,7 +6,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import bundle_of, record
+from rk_testing import bundle_of, entries, record
 
 import reprokit
 from reprokit.cli import main
@@ -64,7 +64,7 @@ def test_a_nan_loss_replayed_with_other_code_is_not_called_transient(projects, t
         if f.name == "rk_inject.py":
             text = text.replace('FaultInjector("nan_loss", steps=[5])', 'FaultInjector("nan_loss", steps=[99])')
         (fixed / f.name).write_text(text)
-    r = CliRunner().invoke(main, ["replay", str(bundle_of(exc)), "--code", str(fixed), "--json"])
+    r = CliRunner().invoke(main, ["replay", str(bundle_of(exc)), "--code", str(fixed), *entries(bundle_of(exc)), "--json"])
     d = json.loads(r.stdout)
     assert (d["verdict"], r.exit_code, d["transient"]) == ("not_reproduced", 0, False), r.output
 

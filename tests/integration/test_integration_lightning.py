@@ -7,7 +7,7 @@ import json
 import lightning  # noqa: F401  the test extra installs it: a missing one must fail, not skip
 import pytest
 from click.testing import CliRunner
-from rk_testing import bundle_of
+from rk_testing import bundle_of, entries
 
 import reprokit
 from reprokit.bisect import bisect_layers
@@ -105,7 +105,7 @@ def test_replay_follows_the_code_an_edit_that_fixes_the_module_passes(projects, 
     marker = "per_sample = (ce.sum(1) + 1e-4 * z) / count"
     assert marker in src
     (fixed / "rk_lightning.py").write_text(src.replace(marker, marker + ".clamp(min=1)"))
-    out = CliRunner().invoke(main, ["replay", str(bundle), "--code", str(fixed)])
+    out = CliRunner().invoke(main, ["replay", str(bundle), "--code", str(fixed), *entries(bundle)])
     assert out.exit_code == 0, out.output
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
-from rk_testing import bundle_of, record
+from rk_testing import bundle_of, entries, record
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_replay_says_it_runs_code_for_a_bundle_from_elsewhere(projects, tmp_path
     trusted = runner.invoke(main, ["replay", str(packed), "--trust"])
     assert trusted.exit_code == 1 and "replaying runs code" not in trusted.stderr
     # With --code, the code that runs is the user's own checkout: nothing to warn about.
-    own = runner.invoke(main, ["replay", str(packed), "--code", str(Path(mlp.__file__).parent)])
+    own = runner.invoke(main, ["replay", str(packed), "--code", str(Path(mlp.__file__).parent), *entries(bundle)])
     assert own.exit_code == 1 and "replaying runs code" not in own.stderr, own.output
     env = _json.loads((bundle / "env.json").read_text())
     assert env["host"], "the recording host is in env.json"

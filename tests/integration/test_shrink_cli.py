@@ -6,7 +6,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import record
+from rk_testing import entries, record
 
 from reprokit import bundle as B
 from reprokit.cli import main
@@ -67,5 +67,6 @@ def test_shrink_errors(nan_bundle, tmp_path, projects):
         "def train_step(state, batch):\n",
         "def train_step(state, batch):\n    batch = {**batch, 'x': torch.nan_to_num(batch['x'])}\n")
     (fixed / "rk_mlp.py").write_text(src)
-    gone = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(tmp_path / "y"), "--code", str(fixed)])
+    gone = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(tmp_path / "y"), "--code", str(fixed),
+                                     *entries(nan_bundle)])
     assert gone.exit_code == 1 and "does not reproduce" in gone.output

@@ -11,7 +11,7 @@ import git
 import pytest
 import torch
 from click.testing import CliRunner
-from rk_testing import bundle_of, record, reseal
+from rk_testing import bundle_of, entries, record, reseal
 
 import reprokit
 from reprokit import bundle as B
@@ -54,7 +54,7 @@ def test_same_signature_at_an_earlier_step_is_a_different_failure(nan_bundle, tm
     assert report.verdict == "different_failure" and not report.reproduced and report.exit_code == 125
     assert report.fidelity["first_diverging_step"] == 10 and not report.fidelity["bit_exact"]
 
-    result = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code)])
+    result = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code), *entries(nan_bundle)])
     assert result.exit_code == 125, result.output
     out = result.stdout
     assert out.startswith("DIFFERENT FAILURE: 0/1 runs failed the same way at the same step, 1 failed differently")
@@ -62,7 +62,8 @@ def test_same_signature_at_an_earlier_step_is_a_different_failure(nan_bundle, tm
     assert "replay hit a DIFFERENT failure: nonfinite_loss (loss = nan) at step 10" in out
     assert "first diverged at step 10" in out
 
-    d = json.loads(CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code), "--json"]).stdout)
+    d = json.loads(CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code),
+                                              *entries(nan_bundle), "--json"]).stdout)
     assert d["verdict"] == "different_failure" and d["exit_code"] == 125 and d["different_runs"] == 1
     assert d["recorded_failure"]["step"] == 11 and d["failure"]["step"] == 10
     assert d["per_run"][0]["verdict"] == "different_failure" and d["per_run"][0]["failure_step"] == 10
@@ -71,7 +72,8 @@ def test_same_signature_at_an_earlier_step_is_a_different_failure(nan_bundle, tm
 def test_times_n_with_a_mix_is_flaky_and_lists_each_runs_failure_step(nan_bundle, tmp_path):
     # Half the runs go NaN at step 10 (a different failure), the others reach the recorded failure at step 11.
     code = checkout_failing_early(nan_bundle, tmp_path, condition="__import__('os').urandom(1)[0] < 128")
-    result = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code), "--times", "20", "--json"])
+    result = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code),
+                                         *entries(nan_bundle), "--times", "20", "--json"])
     d = json.loads(result.stdout)
     steps = [r["failure_step"] for r in d["per_run"]]
     # All-or-nothing has probability 2 * 2**-20.
@@ -81,7 +83,8 @@ def test_times_n_with_a_mix_is_flaky_and_lists_each_runs_failure_step(nan_bundle
     assert all(r["verdict"] == ("reproduced" if r["failure_step"] == 11 else "different_failure")
                for r in d["per_run"])
 
-    text = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code), "--times", "20"]).stdout
+    text = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code),
+                                       *entries(nan_bundle), "--times", "20"]).stdout
     assert text.startswith("REPRODUCED (flaky): ")
     lines = [ln.strip() for ln in text.splitlines()]
     assert any(ln.startswith("1: ") for ln in lines) and any(ln.startswith("20: ") for ln in lines)
@@ -97,7 +100,8 @@ def test_every_verdict_shows_its_fidelity(nan_bundle, tmp_path):
     shutil.copytree(nan_bundle / "code", fixed)
     src = (fixed / "rk_mlp.py").read_text()
     (fixed / "rk_mlp.py").write_text(src.replace('model(batch["x"])', 'model(torch.nan_to_num(batch["x"]))'))
-    result = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(fixed)])
+    result = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(fixed),
+                                     *entries(nan_bundle)])
     assert result.exit_code == 0 and result.stdout.startswith("NOT REPRODUCED: 0/1")
     # Every loss before the failing step matched: said so, rather than "NOT bit-exact" beside a transient note.
     assert "fidelity: bit-exact before the failing step 11, which differs (recorded nan, replayed " in result.stdout
