@@ -5,8 +5,9 @@ Built on ``torch.distributed`` (the process group that torchrun, or the user, in
 rank, world size, local rank and backend from it. Coordination at failure time needs no collective, since a rank
 blocked in one would never answer: the first rank that fails creates an incident file under
 ``out_dir/.reprokit-incidents/`` (``O_EXCL``: exactly one wins), and a watcher thread on every rank polls for it and
-writes that rank's window from host memory, where the snapshot and batches already are. So ``out_dir`` must be on
-a filesystem every rank sees (one node, or a shared filesystem).
+writes that rank's window from host memory, where the snapshot and batches already are. A run's incidents are
+numbered (a loop may catch a failure and go on): each rank handles every one once, so all agree on the next.
+So ``out_dir`` must be on a filesystem every rank sees (one node, or a shared filesystem).
 
 The only collective is at attach time: rank 0 broadcasts a random nonce that names this run's incident file, so a
 file left by an earlier run is never mistaken for a new incident. Every rank must therefore create its Recorder,
@@ -72,7 +73,10 @@ def rank_info() -> RankInfo | None:
 
 
 class IncidentBoard:
-    """The incident file of one run, and a watcher thread that reports a new incident once.
+    """The incident files of one run, and a watcher thread that reports each new incident once.
+
+    A run can have several incidents (a loop that catches a failure, skips the step and goes on): they are numbered
+    in the order they happen, every rank handles each one once, so every rank agrees on the number of the next.
 
     Example:
         >>> board = IncidentBoard(Path("repros"), info)                     # doctest: +SKIP
@@ -82,64 +86,86 @@ class IncidentBoard:
     def __init__(self, out_dir: Path, info: RankInfo, poll_s: float = 0.2):
         self.info = info
         self.path = Path(out_dir) / INCIDENTS_DIR / f"{info.run_key}.json"
+        """This run's own file name; each incident is a numbered file beside it (:meth:`incident_path`)."""
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.seen: str | None = None
         """The incident this rank has written its window for (by its own failure or the watcher)."""
+        self.current: dict[str, Any] | None = None
+        """That incident's document (with its ``number``)."""
+        self.handled = 0
+        """How many incidents this rank has handled: the next one is number ``handled``."""
+
+    def incident_path(self, number: int) -> Path:
+        return self.path.with_name(f"{self.info.run_key}.{number}.json")
 
     def declare(self, step: int, rank: int, what: str) -> dict[str, Any]:
-        """This rank failed: create the incident (or join the one another rank created first) and return it."""
+        """This rank failed: create the next incident (or join it, when another rank created it first) and return
+        it. The incident's name carries this run's key, so two runs writing into one ``out_dir`` never share an
+        incident folder."""
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        doc = {"incident": f"incident-{stamp}-step{step:08d}", "step": step, "rank": rank, "what": what,
-               "world_size": self.info.world_size}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{rank}.tmp")
+        number = self.handled
+        doc = {"incident": f"incident-{stamp}-step{step:08d}-{self.info.run_key[:8]}", "step": step, "rank": rank,
+               "what": what, "world_size": self.info.world_size, "number": number}
+        path = self.incident_path(number)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{rank}.tmp")
         tmp.write_text(json.dumps(doc))
         try:
-            os.link(tmp, self.path)  # atomic and exclusive: the first failing rank's incident wins
+            os.link(tmp, path)  # atomic and exclusive: the first failing rank's incident wins
         except FileExistsError:
             pass
         finally:
             tmp.unlink(missing_ok=True)
-        return self.read() or doc
+        return self.read(number) or doc
 
-    def read(self) -> dict[str, Any] | None:
+    def read(self, number: int) -> dict[str, Any] | None:
         try:
-            doc = json.loads(self.path.read_text())
+            doc = json.loads(self.incident_path(number).read_text())
         except (OSError, ValueError):
             return None
-        return doc if isinstance(doc, dict) and isinstance(doc.get("incident"), str) else None
+        ok = isinstance(doc, dict) and isinstance(doc.get("incident"), str) and doc.get("number") == number
+        return doc if ok else None
+
+    def handle(self, doc: dict[str, Any]) -> None:
+        """This rank writes (or has given up writing) its window for incident ``doc``: the next one is the one after."""
+        self.seen, self.current = doc["incident"], doc
+        self.handled = max(self.handled, int(doc["number"]) + 1)
 
     def done(self, rank: int) -> None:
         """Mark that ``rank`` has written its window for the current incident (or given up trying)."""
         try:
-            self._done_path(rank).write_text(self.seen or "")
+            self.done_path(rank).write_text(self.seen or "")
         except OSError:
             pass
 
     def wait_for_all(self, timeout_s: float) -> list[int]:
-        """Wait until every rank marked the incident done, at most ``timeout_s``; returns the ranks still missing."""
+        """Wait until every rank marked the current incident done, at most ``timeout_s``; returns the ranks still
+        missing."""
         deadline = time.monotonic() + timeout_s
         while True:
-            missing = [r for r in range(self.info.world_size) if not self._done_path(r).exists()]
+            missing = [r for r in range(self.info.world_size) if not self.done_path(r).exists()]
             if not missing or time.monotonic() >= deadline:
                 return missing
             time.sleep(min(self.poll_s / 2, 0.05))
 
-    def _done_path(self, rank: int) -> Path:
-        return self.path.with_name(f"{self.info.run_key}.rank{rank}.done")
+    def done_path(self, rank: int) -> Path:
+        """``rank``'s mark of the current incident (the last one this rank handled)."""
+        number = int(self.current["number"]) if self.current else 0
+        return self.path.with_name(f"{self.info.run_key}.{number}.rank{rank}.done")
 
     def watch(self, on_incident: Callable[[dict[str, Any]], None]) -> None:
         """Call ``on_incident(doc)`` from a daemon thread when an incident this rank has not written appears."""
         def loop() -> None:
             while not self._stop.wait(self.poll_s):
-                doc = self.read() if self.path.exists() else None
+                number = self.handled
+                doc = self.read(number) if self.incident_path(number).exists() else None
                 if doc is not None and doc["incident"] != self.seen:
                     try:
                         on_incident(doc)
                     except Exception:  # never let the watcher die loudly inside a training job
-                        self.seen = doc["incident"]
+                        self.handle(doc)
                         self.done(self.info.rank)
 
         self._thread = threading.Thread(target=loop, name="reprokit-incidents", daemon=True)

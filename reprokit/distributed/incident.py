@@ -113,7 +113,7 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
     ``reprokit replay --code``).
 
     Example:
-        >>> report = replay_incident("repros/incident-20261126-142501-step00000006")   # doctest: +SKIP
+        >>> report = replay_incident("repros/incident-20261126-142501-step00000006-3f9c2a1b")  # doctest: +SKIP
         >>> report.verdict, [r.get("verdict") for r in report.ranks]                    # doctest: +SKIP
         ('deterministic', ['deterministic', 'deterministic'])
     """

@@ -1,0 +1,103 @@
+"""Incidents of a multi-rank run beyond the first failure: a loop that recovers and fails again, two runs sharing one
+``out_dir``, an output folder where no incident can be declared (gloo on the CPU)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from click.testing import CliRunner
+
+import reprokit
+from reprokit.bundle import open_bundle
+from reprokit.cli import main as cli
+from reprokit.distributed import IncidentBoard, RankInfo
+from reprokit.distributed.incident import free_port
+from reprokit.errors import RecorderWarning
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECTS = ROOT / "tests" / "projects"
+sys.path.insert(0, str(PROJECTS))
+
+import rk_s11_dist  # noqa: E402
+
+
+def _torchrun(out: Path, scenario: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{PROJECTS}", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(free_port()), str(PROJECTS / "rk_s11_dist.py"), str(out),
+                           scenario], env=env, capture_output=True, text=True, timeout=120, cwd=out.parent)
+
+
+def test_a_second_incident_after_recovery_gets_its_own_folder_on_every_rank(tmp_path):
+    """Rank 1 feeds a NaN at step 3, every rank skips the step and goes on, rank 1 feeds another at step 9. The
+    second failure is an incident of its own: every rank writes its window of step 9 into a second folder (it was
+    reported as the first incident's bundle, and no window of step 9 was written)."""
+    out = tmp_path / "repros"
+    proc = _torchrun(out, "recover")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folders = sorted(p for p in out.iterdir() if p.name.startswith("incident-"))
+    assert [int(p.name.split("-step")[1][:8]) for p in folders] == [3, 9], folders
+    for folder, step in zip(folders, (3, 9)):
+        by_rank = {}
+        for b in folder.iterdir():
+            bundle = open_bundle(b)
+            assert bundle.run["distributed"]["incident"] == folder.name
+            assert bundle.failure.step == step and bundle.steps[-1] == step, (b, bundle.steps)
+            by_rank[bundle.run["distributed"]["rank"]] = bundle.failure.kind
+        assert by_rank == {1: "nonfinite_loss", 0: "nonfinite_grad"}, (folder, by_rank)
+    # each rank's error names the bundle of the incident it belongs to
+    for rank in (0, 1):
+        lines = [x for x in proc.stdout.splitlines() if x.startswith(f"rank {rank} step ")]
+        assert len(lines) == 2 and f"/{folders[0].name}/" in lines[0] and f"/{folders[1].name}/" in lines[1], lines
+    # the second incident's windows line up: replayed on two ranks, it fails as recorded
+    r = CliRunner().invoke(cli, ["replay", str(folders[1]), "--json"])
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1 and d["verdict"] == "deterministic" and d["incident"]["step"] == 9, r.output
+    assert all(x["reproduced"] for x in d["ranks"]), d["ranks"]
+
+
+def test_two_runs_failing_at_the_same_step_in_one_out_dir_never_share_an_incident(tmp_path):
+    """Two jobs of a sweep write into one ``out_dir`` and fail at the same step in the same second: their incidents
+    (folders, and what rank 1 matches rank 0's bundle by) must differ."""
+    a = IncidentBoard(tmp_path, RankInfo(0, 2, 0, "gloo", "3f9c2a1b5e6d7c80"))
+    b = IncidentBoard(tmp_path, RankInfo(0, 2, 0, "gloo", "0b1e44d2a9f03c17"))
+    first, second = a.declare(6, 0, "non-finite loss"), b.declare(6, 0, "non-finite loss")
+    assert first["incident"] != second["incident"], (first, second)
+    assert a.declare(6, 1, "x")["incident"] == first["incident"], "a rank of the same run joins the same incident"
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_incident_that_cannot_be_declared_leaves_the_training_s_own_error(tmp_path, world_of_one):
+    """``out_dir`` is a file (a read-only or full disk behaves alike): the step's own IndexError reaches the loop,
+    with a warning, never an OSError of reprokit's bookkeeping."""
+    out = tmp_path / "not-a-folder"
+    out.write_text("")
+    state = rk_s11_dist.build({})
+    rec = reprokit.Recorder(state, rk_s11_dist.train_step, build=rk_s11_dist.build, config={}, out_dir=out,
+                            snapshot_every=2, incident_wait_s=1)
+    try:
+        x = torch.randn(8, 8)
+        rec.step({"x": x, "y": x.sum(1), "boom": torch.tensor(False)})
+        with pytest.warns(RecorderWarning, match="could not be declared"), \
+                pytest.raises(IndexError, match="out of bounds") as e:
+            rec.step({"x": x, "y": x.sum(1), "boom": torch.tensor(True)})
+        assert "no bundle could be written" in "".join(getattr(e.value, "__notes__", []))
+    finally:
+        rec.close()

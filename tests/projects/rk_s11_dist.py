@@ -1,0 +1,76 @@
+"""torchrun (gloo, CPU) scenarios for the multi-rank recorder: recovery after an incident, ranks failing at
+different steps, an unwritable output folder on one rank. ``python rk_s11_dist.py OUT_DIR SCENARIO``."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import reprokit
+
+
+def build(config):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    if dist.is_available() and dist.is_initialized():
+        model = DistributedDataParallel(model)
+    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+
+
+def train_step(state, batch):
+    if bool(batch["boom"]):
+        raise IndexError("index 99 is out of bounds on this rank")
+    loss = nn.functional.mse_loss(state.model(batch["x"]).squeeze(-1), batch["y"])
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+# scenario: {rank: {step: "nan" | "raise"}}; a failure is caught and training goes on ("recover")
+SCENARIOS = {
+    "recover": {1: {3: "nan", 9: "nan"}},
+    "recover-raise": {1: {3: "raise"}, 0: {9: "raise"}},
+}
+
+
+def main(out_dir: str, scenario: str) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    state = build({})
+    if scenario == "readonly" and rank == 1:
+        out_dir = os.path.join(out_dir, "ro", "sub")  # under a folder this rank cannot write
+    rec = reprokit.Recorder(state, train_step, build=build, config={}, out_dir=out_dir, snapshot_every=2,
+                            incident_wait_s=float(os.environ.get("RK_WAIT", "20")), replicated_state=False)
+    plan = SCENARIOS.get(scenario, {1: {3: "raise"}}).get(rank, {})
+    g = torch.Generator().manual_seed(rank)
+    for step in range(12):
+        x = torch.randn(8, 8, generator=g)
+        batch = {"x": x, "y": x.sum(1), "boom": torch.tensor(False)}
+        what = plan.get(step)
+        if what == "nan":
+            batch["x"][0, 0] = float("nan")
+        elif what == "raise":
+            batch["boom"] = torch.tensor(True)
+        try:
+            rec.step(batch)
+        except (reprokit.TrainingFailure, IndexError) as e:
+            print(f"rank {rank} step {step}: {type(e).__name__}: bundle {getattr(e, 'bundle', None)}", flush=True)
+            if scenario == "readonly":
+                raise
+            # recover: restore finite weights (all ranks agree), skip this step
+            with torch.no_grad():
+                for p in state.model.parameters():
+                    p.nan_to_num_(0.0)
+                    dist.broadcast(p, 0)
+    print(f"rank {rank} bundles: {[str(b) for b in rec.bundles]}", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
