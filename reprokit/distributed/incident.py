@@ -89,9 +89,10 @@ class IncidentReport:
 
     @property
     def verdict(self) -> str:
-        """The verdict of the rank that failed in training: did the incident happen again?"""
+        """The verdict of the rank that failed in training: did the incident happen again? (``error``, exit 125, when
+        that rank could not say: its replay raised, or its process died.)"""
         r = next((x for x in self.ranks if x.get("rank") == self.failing_rank), None)
-        return str(r.get("verdict", "not_reproduced")) if r else "not_reproduced"
+        return str(r.get("verdict", "error")) if r else "error"  # a rank without a report never says "fixed"
 
     @property
     def exit_code(self) -> int:
@@ -140,8 +141,9 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
         # Each rank is told where its bundle is: verified here once, not again by every rank.
         _write(Path(out) / "ranks.json", {str(r): str(b.path) for r, b in bundles.items()})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), "-m", "reprokit.distributed.incident", str(folder), out,
-               str(times), device, str(Path(code).resolve()) if code is not None else ""]
+               "127.0.0.1", "--master_port", str(free_port()), "--log-dir", str(Path(out) / "logs"), "--redirects",
+               "3", "-m", "reprokit.distributed.incident", str(folder), out, str(times), device,
+               str(Path(code).resolve()) if code is not None else ""]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -151,11 +153,24 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
             path = Path(out) / f"rank{r}.json"
             if path.exists():
                 ranks.append(json.loads(path.read_text()))
-            else:
-                tail = proc.stderr.strip().splitlines()[-3:]
-                ranks.append({"rank": r, "error": f"rank {r} wrote no report (torchrun exit {proc.returncode}): "
-                                                  + " | ".join(tail)})
+            else:  # its process died (a crash, a kill, an error outside the replay): nothing says it reproduced
+                ranks.append({"rank": r, "verdict": "error", "error": (
+                    f"rank {r}'s process ended without a report (torchrun exit {proc.returncode}); the last lines of "
+                    f"its output: {_output_tail(Path(out) / 'logs', r) or '(none)'}")})
     return IncidentReport(folder, incident, ranks)
+
+
+def _output_tail(logs: Path, rank: int, lines: int = 3) -> str:
+    """The last lines rank ``rank`` wrote to stderr (torch.distributed.run's ``--log-dir``), joined with `` | ``."""
+    found = sorted(logs.glob(f"*/attempt_*/{rank}/stderr.log"))
+    if not found:
+        return ""
+    try:
+        text = found[-1].read_text(errors="replace")
+    except OSError:
+        return ""
+    kept = [x.removeprefix(f"[rank{rank}]:").strip() for x in text.splitlines()]
+    return " | ".join([x for x in kept if x and set(x) != {"^"}][-lines:])
 
 
 def free_port() -> int:
@@ -206,7 +221,7 @@ def _rank_main(folder: str, out: str, times: str, device: str, code: str = "") -
         mine_bundle = json.loads((Path(out) / "ranks.json").read_text())[str(rank)]
         report = replay(mine_bundle, times=int(times), device=device, code=code or None, as_rank=True)
         doc = {"rank": rank, **report.to_json()}
-    except ReprokitError as e:
+    except Exception as e:  # a report, not a traceback: the peers' collectives then break and they report too
         doc = {"rank": rank, "error": f"{type(e).__name__}: {e}", "verdict": "error"}
     _write(mine, doc)
     os._exit(0)  # peers may still be blocked in a collective: leave without one (no destroy_process_group)

@@ -21,6 +21,7 @@ from reprokit.cli import main as cli
 from reprokit.distributed import IncidentBoard, RankInfo
 from reprokit.distributed.incident import free_port
 from reprokit.errors import RecorderWarning
+from reprokit.report import format_incident
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECTS = ROOT / "tests" / "projects"
@@ -101,3 +102,20 @@ def test_an_incident_that_cannot_be_declared_leaves_the_training_s_own_error(tmp
         assert "no bundle could be written" in "".join(getattr(e.value, "__notes__", []))
     finally:
         rec.close()
+
+
+def test_a_rank_whose_process_dies_in_the_replay_is_an_error_never_fixed(tmp_path):
+    """The failing rank's process dies in the failing step of the replay (a segfault, an OOM kill): it writes no
+    report. That is no evidence of a fix: the incident replay says `error` and exits 125 (it said not_reproduced,
+    exit 0, the verdict of a fixed bug)."""
+    out = tmp_path / "repros"
+    proc = _torchrun(out, "crash-on-replay")
+    assert proc.returncode != 0 and "IndexError" in proc.stderr, proc.stderr[-3000:]
+    (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
+    (out / "crash").write_text("")  # from now on the failing step kills its process
+    r = CliRunner().invoke(cli, ["replay", str(folder), "--json"])
+    d = json.loads(r.stdout)
+    assert r.exit_code == 125 and d["verdict"] == "error" and not d["reproduced"], r.output
+    failing = next(x for x in d["ranks"] if x["rank"] == 1)
+    assert "ended without a report" in failing["error"], failing
+    assert "rank 1: error: rank 1's process ended without a report" in format_incident(d), format_incident(d)

@@ -16,14 +16,18 @@ import reprokit
 
 
 def build(config):
+    """``config["crash_flag"]``: once that file exists, the failing step kills its process instead of raising."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     if dist.is_available() and dist.is_initialized():
         model = DistributedDataParallel(model)
-    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                               extra={"crash_flag": config.get("crash_flag", "")})
 
 
 def train_step(state, batch):
+    if bool(batch["boom"]) and os.path.exists(state.extra.get("crash_flag", "")):
+        os._exit(7)  # the process dies in the failing step (as in a segfault or an OOM kill)
     if bool(batch["boom"]):
         raise IndexError("index 99 is out of bounds on this rank")
     loss = nn.functional.mse_loss(state.model(batch["x"]).squeeze(-1), batch["y"])
@@ -43,10 +47,11 @@ SCENARIOS = {
 def main(out_dir: str, scenario: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    state = build({})
+    config = {"crash_flag": os.path.join(out_dir, "crash")} if scenario == "crash-on-replay" else {}
+    state = build(config)
     if scenario == "readonly" and rank == 1:
         out_dir = os.path.join(out_dir, "ro", "sub")  # under a folder this rank cannot write
-    rec = reprokit.Recorder(state, train_step, build=build, config={}, out_dir=out_dir, snapshot_every=2,
+    rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir, snapshot_every=2,
                             incident_wait_s=float(os.environ.get("RK_WAIT", "20")), replicated_state=False)
     plan = SCENARIOS.get(scenario, {1: {3: "raise"}}).get(rank, {})
     g = torch.Generator().manual_seed(rank)
@@ -62,7 +67,7 @@ def main(out_dir: str, scenario: str) -> None:
             rec.step(batch)
         except (reprokit.TrainingFailure, IndexError) as e:
             print(f"rank {rank} step {step}: {type(e).__name__}: bundle {getattr(e, 'bundle', None)}", flush=True)
-            if scenario == "readonly":
+            if scenario in ("readonly", "crash-on-replay"):
                 raise
             # recover: restore finite weights (all ranks agree), skip this step
             with torch.no_grad():
