@@ -122,7 +122,8 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
     bundles = rank_bundles(folder)
     world = len(bundles)
     if nproc is not None and nproc != world:
-        raise ReprokitError(f"--nproc {nproc}: this incident was recorded on {world} ranks")
+        raise ReprokitError(f"--nproc {nproc}: this incident was recorded on {world} ranks, and each rank replays its "
+                            f"own bundle; pass --nproc {world} or leave --nproc out")
     first = bundles[0]
     incident = (first.failure.detail or {}).get("incident") or {}
     for b in bundles.values():
@@ -135,14 +136,26 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
 
         for b in bundles.values():
             check_refs(b.run.get("refs"), snapshot=b.code_dir, code=Path(code), source=b.path / "run.json")
+    # One launch per run: a rank whose failure skips a collective (it raised before backward) leaves its peers
+    # inside that collective, so a second run in the same processes would pair its collectives with the peers' first
+    # run (gradients averaged across runs). Fresh processes start every run aligned.
+    launches = [_launch(folder, bundles, device, code, timeout_s) for _ in range(times)]
+    ranks = [_merge([launch[r] for launch in launches]) for r in range(world)]
+    return IncidentReport(folder, incident, ranks)
+
+
+def _launch(folder: Path, bundles: dict[int, Bundle], device: str, code: str | Path | None,
+            timeout_s: float) -> list[dict[str, Any]]:
+    """One run of every rank under ``torch.distributed.run``: each rank's report (or why it has none)."""
     import tempfile
 
+    world = len(bundles)
     with tempfile.TemporaryDirectory(prefix="reprokit-incident-") as out:
         # Each rank is told where its bundle is: verified here once, not again by every rank.
         _write(Path(out) / "ranks.json", {str(r): str(b.path) for r, b in bundles.items()})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), "--log-dir", str(Path(out) / "logs"), "--redirects",
-               "3", "-m", "reprokit.distributed.incident", str(folder), out, str(times), device,
+               "3", "-m", "reprokit.distributed.incident", str(folder), out, "1", device,
                str(Path(code).resolve()) if code is not None else ""]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -157,7 +170,46 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
                 ranks.append({"rank": r, "verdict": "error", "error": (
                     f"rank {r}'s process ended without a report (torchrun exit {proc.returncode}); the last lines of "
                     f"its output: {_output_tail(Path(out) / 'logs', r) or '(none)'}")})
-    return IncidentReport(folder, incident, ranks)
+        return ranks
+
+
+def _merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rank's reports of several launches (one run each) as one report, its verdict counted as
+    :class:`reprokit.replay.ReplayReport` counts it. A launch where the rank errored makes the whole an error (it
+    could not say); one where it stayed blocked in a collective counts as a run that failed otherwise."""
+    from reprokit.replay import VERDICT_EXIT_CODES
+
+    if len(docs) == 1:
+        return docs[0]
+    if err := next((d for d in docs if d.get("verdict") == "error"), None):
+        return {**err, "note": f"in one of {len(docs)} runs"}
+    ran = [d for d in docs if not d.get("blocked")]
+    if not ran:
+        return {**docs[0], "note": f"{docs[0].get('note', '')} (in each of {len(docs)} runs)"}
+    out = dict(ran[0])
+    blocked = len(docs) - len(ran)
+    out["per_run"] = [x for d in ran for x in d["per_run"]]
+    out["runs"] = len(docs)
+    out["failed_runs"] = sum(d["failed_runs"] for d in ran)
+    out["different_runs"] = sum(d["different_runs"] for d in ran) + blocked
+    n = out["failed_runs"]
+    out["verdict"] = ("deterministic" if n == len(docs) else "flaky") if n else \
+        "different_failure" if out["different_runs"] else "not_reproduced"
+    out["exit_code"] = VERDICT_EXIT_CODES[out["verdict"]]
+    out["reproduced"] = n > 0
+    out["transient"] = out["verdict"] == "not_reproduced" and all(d.get("transient") for d in ran)
+    out["failure"] = next((d["failure"] for d in ran if d.get("reproduced")), None) or next(
+        (d["failure"] for d in ran if d.get("failure")), None)
+    losses = [[(x["step"], _bits(x["loss"])) for x in r["losses"]] for r in out["per_run"]]
+    out["fidelity"] = {**out.get("fidelity", {}), "runs_bit_identical": all(x == losses[0] for x in losses[1:])}
+    if blocked:
+        out["note"] = f"blocked in a collective in {blocked} of {len(docs)} runs"
+    return out
+
+
+def _bits(x: Any) -> Any:
+    """A loss as it compares bit for bit (NaN equal to NaN)."""
+    return "nan" if isinstance(x, float) and x != x else x
 
 
 def _output_tail(logs: Path, rank: int, lines: int = 3) -> str:

@@ -119,3 +119,22 @@ def test_a_rank_whose_process_dies_in_the_replay_is_an_error_never_fixed(tmp_pat
     failing = next(x for x in d["ranks"] if x["rank"] == 1)
     assert "ended without a report" in failing["error"], failing
     assert "rank 1: error: rank 1's process ended without a report" in format_incident(d), format_incident(d)
+
+
+def test_times_replays_each_run_with_every_rank_starting_it_together(tmp_path):
+    """Rank 1 raises before its backward at step 7 (window 4..7): rank 0 waits in step 7's all-reduce. With
+    --times 2 the second run must not pair rank 1's step-4 all-reduce with rank 0's first-run step 7 (its
+    gradients then mixed two runs' and its losses from step 5 on were another training's): both runs of rank 1
+    see the same losses."""
+    out = tmp_path / "repros"
+    proc = _torchrun(out, "raise-late")
+    assert proc.returncode != 0 and "IndexError" in proc.stderr, proc.stderr[-3000:]
+    (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
+    r = CliRunner().invoke(cli, ["replay", str(folder), "--times", "2", "--json"])
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1 and d["verdict"] == "deterministic", r.output
+    failing = next(x for x in d["ranks"] if x["rank"] == 1)
+    assert (failing["runs"], failing["failed_runs"]) == (2, 2), failing
+    losses = [[x["loss"] for x in run["losses"]] for run in failing["per_run"]]
+    assert len(losses[0]) == 4 and losses[0] == losses[1], losses
+    assert failing["fidelity"]["runs_bit_identical"] is True

@@ -40,7 +40,7 @@ def train_step(state, batch):
 # scenario: {rank: {step: "nan" | "raise"}}; a failure is caught and training goes on ("recover")
 SCENARIOS = {
     "recover": {1: {3: "nan", 9: "nan"}},
-    "recover-raise": {1: {3: "raise"}, 0: {9: "raise"}},
+    "raise-late": {1: {7: "raise"}},  # with snapshot_every=4: a window of steps 4..7 before rank 1 raises
 }
 
 
@@ -51,7 +51,8 @@ def main(out_dir: str, scenario: str) -> None:
     state = build(config)
     if scenario == "readonly" and rank == 1:
         out_dir = os.path.join(out_dir, "ro", "sub")  # under a folder this rank cannot write
-    rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir, snapshot_every=2,
+    rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir,
+                            snapshot_every=4 if scenario == "raise-late" else 2,
                             incident_wait_s=float(os.environ.get("RK_WAIT", "20")), replicated_state=False)
     plan = SCENARIOS.get(scenario, {1: {3: "raise"}}).get(rank, {})
     g = torch.Generator().manual_seed(rank)
@@ -67,7 +68,7 @@ def main(out_dir: str, scenario: str) -> None:
             rec.step(batch)
         except (reprokit.TrainingFailure, IndexError) as e:
             print(f"rank {rank} step {step}: {type(e).__name__}: bundle {getattr(e, 'bundle', None)}", flush=True)
-            if scenario in ("readonly", "crash-on-replay"):
+            if scenario in ("readonly", "crash-on-replay", "raise-late"):
                 raise
             # recover: restore finite weights (all ranks agree), skip this step
             with torch.no_grad():
