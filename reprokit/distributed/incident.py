@@ -62,12 +62,17 @@ def rank_bundles(folder: Path) -> dict[int, Bundle]:
     if not found:
         raise BundleError(f"{folder}: no bundles in this folder")
     if len(worlds) != 1 or len(incidents) != 1:
-        raise BundleError(f"{folder}: bundles of different runs or incidents (world sizes {sorted(map(str, worlds))})")
+        each = "; ".join(f"{b.path.name}: rank {r} of {b.run['distributed'].get('world_size')}, incident "
+                         f"{b.run['distributed'].get('incident')}" for r, b in sorted(found.items()))
+        raise BundleError(f"{folder} mixes bundles of different runs or incidents ({each}); the ranks of one incident "
+                          "replay together. Keep one incident's bundles in the folder (each rank's bundle replays "
+                          "alone too).")
     world = worlds.pop()
     if not isinstance(world, int) or sorted(found) != list(range(world)):
         missing = sorted(set(range(world if isinstance(world, int) else 0)) - set(found))
-        raise BundleError(f"{folder}: ranks {missing} of {world} have no bundle; an N-rank replay needs every rank "
-                          "(replay one rank's bundle alone instead)")
+        some = next((b.path for b in found.values() if b.failure.kind != "peer"), found[min(found)].path)
+        raise BundleError(f"{folder}: ranks {missing} of {world} have no bundle; an N-rank replay needs every rank. "
+                          f"Replay one rank's bundle alone instead, e.g. `reprokit replay {some}`")
     if len(starts) != 1:
         raise BundleError(f"{folder}: the ranks' windows start at different steps {sorted(starts)}; their "
                           "collectives cannot line up in a replay")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,21 @@ def test_a_second_incident_after_recovery_gets_its_own_folder_on_every_rank(tmp_
     d = json.loads(r.stdout)
     assert r.exit_code == 1 and d["verdict"] == "deterministic" and d["incident"]["step"] == 9, r.output
     assert all(x["reproduced"] for x in d["ranks"]), d["ranks"]
+    # rank 1's bundle of the second incident copied over the first's: refused, naming each bundle's incident
+    mixed = tmp_path / "mixed"
+    shutil.copytree(folders[0], mixed)
+    (rank1,) = mixed.glob("*rank1of2")
+    shutil.rmtree(rank1)
+    (later,) = folders[1].glob("*rank1of2")
+    shutil.copytree(later, mixed / later.name)
+    r = CliRunner().invoke(cli, ["replay", str(mixed)])
+    assert r.exit_code == 3 and "mixes bundles of different runs or incidents" in r.output, r.output
+    assert folders[0].name in r.output and folders[1].name in r.output, r.output
+    # a rank missing: named, with the command that replays a rank that failed itself alone
+    shutil.rmtree(mixed / later.name)
+    r = CliRunner().invoke(cli, ["replay", str(mixed)])
+    assert r.exit_code == 3 and "ranks [1] of 2 have no bundle" in r.output, r.output
+    assert "reprokit replay " in r.output and "rank0of2" in r.output, r.output
 
 
 def test_two_runs_failing_at_the_same_step_in_one_out_dir_never_share_an_incident(tmp_path):
