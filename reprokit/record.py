@@ -56,7 +56,7 @@ from reprokit.bundle import (
 from reprokit.code import ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
-from reprokit.distributed import IncidentBoard, rank_info, replicated
+from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
 from reprokit.env import capture_env, determinism_flags, split_flags
 from reprokit.errors import CaptureError, RecorderWarning, TrainingFailure
 from reprokit.rng import RNGState, check_generators
@@ -304,7 +304,13 @@ class Recorder:
         self._current_other = RNG_STEP_BYTES
         self._mention_leftovers()
         self.incident_wait_s = incident_wait_s
-        self.rank = rank_info()  # collective under a process group: every rank creates its Recorder
+        self.rank = rank_info(self.out_dir)  # collective under a process group: every rank creates its Recorder
+        if self.rank is not None and self.rank.rank != 0 and not sees_rank0(self.out_dir, self.rank):
+            self._warn("", f"reprokit: rank {self.rank.rank} records into {self.out_dir}, where rank 0's mark of this "
+                           "run is not (a per-rank out_dir, a disk of this node only, or one rank 0 cannot write): "
+                           "a failure on one rank will not make the others write their windows, and a rank blocked "
+                           "in a collective writes none. Give every rank the same out_dir on a filesystem they all "
+                           "see.")
         self._lock: Any = contextlib.nullcontext()
         self._board: IncidentBoard | None = None
         self._stepped_since_incident = True

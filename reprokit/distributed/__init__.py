@@ -52,8 +52,10 @@ class RankInfo:
                 "backend": self.backend}
 
 
-def rank_info() -> RankInfo | None:
+def rank_info(out_dir: Path | None = None) -> RankInfo | None:
     """This process's place in the default process group, or None when there is none (a single-process run).
+
+    ``out_dir``: rank 0 leaves a mark of this run there before the broadcast, for :func:`sees_rank0`.
 
     Collective: with a process group, every rank must call it (it broadcasts rank 0's run key).
     """
@@ -67,9 +69,32 @@ def rank_info() -> RankInfo | None:
     if "nccl" in backend and "gloo" not in backend:  # NCCL moves only CUDA tensors
         device = torch.device("cuda", torch.cuda.current_device())
     nonce = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
+    if out_dir is not None and dist.get_rank() == 0:
+        try:
+            mark = _run_mark(Path(out_dir), f"{int(nonce.item()):016x}")
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.write_text("")
+        except OSError:
+            pass  # the other ranks then say that they do not see it
     dist.broadcast(nonce, src=0)
     return RankInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())),
                     backend, f"{int(nonce.item()):016x}")
+
+
+def _run_mark(out_dir: Path, run_key: str) -> Path:
+    return out_dir / INCIDENTS_DIR / f"{run_key}.run"
+
+
+def sees_rank0(out_dir: Path, info: RankInfo, wait_s: float = 2.0) -> bool:
+    """Whether this rank sees the mark rank 0 left in its ``out_dir`` at attach (:func:`rank_info`): else the ranks
+    record into different folders (a per-rank ``out_dir``, or a node-local disk), and no rank would see another's
+    incident. Waits up to ``wait_s`` for a shared filesystem to show it."""
+    deadline = time.monotonic() + wait_s
+    while not _run_mark(Path(out_dir), info.run_key).exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 class IncidentBoard:

@@ -45,6 +45,7 @@ def test_a_second_incident_after_recovery_gets_its_own_folder_on_every_rank(tmp_
     out = tmp_path / "repros"
     proc = _torchrun(out, "recover")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mark of this run" not in proc.stderr, "every rank shares out_dir"
     folders = sorted(p for p in out.iterdir() if p.name.startswith("incident-"))
     assert [int(p.name.split("-step")[1][:8]) for p in folders] == [3, 9], folders
     for folder, step in zip(folders, (3, 9)):
@@ -154,3 +155,13 @@ def test_times_replays_each_run_with_every_rank_starting_it_together(tmp_path):
     losses = [[x["loss"] for x in run["losses"]] for run in failing["per_run"]]
     assert len(losses[0]) == 4 and losses[0] == losses[1], losses
     assert failing["fidelity"]["runs_bit_identical"] is True
+
+
+def test_a_rank_recording_into_another_folder_than_rank_0_is_told_at_attach(tmp_path):
+    """``out_dir=f"repros/rank{rank}"``: no rank would see another's incident (and a rank blocked in a collective
+    would write nothing). Rank 1 says so when its Recorder attaches, before any failure."""
+    out = tmp_path / "repros"
+    proc = _torchrun(out, "split")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [x for x in proc.stderr.splitlines() if "mark of this run is not" in x]
+    assert len(warned) == 1 and "rank 1 records into" in warned[0] and "rank1" in warned[0], proc.stderr[-3000:]

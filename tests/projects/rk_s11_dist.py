@@ -1,5 +1,5 @@
 """torchrun (gloo, CPU) scenarios for the multi-rank recorder: recovery after an incident, ranks failing at
-different steps, an unwritable output folder on one rank. ``python rk_s11_dist.py OUT_DIR SCENARIO``."""
+different steps, a folder per rank. ``python rk_s11_dist.py OUT_DIR SCENARIO``."""
 
 from __future__ import annotations
 
@@ -49,12 +49,12 @@ def main(out_dir: str, scenario: str) -> None:
     rank = dist.get_rank()
     config = {"crash_flag": os.path.join(out_dir, "crash")} if scenario == "crash-on-replay" else {}
     state = build(config)
-    if scenario == "readonly" and rank == 1:
-        out_dir = os.path.join(out_dir, "ro", "sub")  # under a folder this rank cannot write
+    if scenario == "split":
+        out_dir = os.path.join(out_dir, f"rank{rank}")  # a folder per rank: no rank sees another's incident
     rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir,
                             snapshot_every=4 if scenario == "raise-late" else 2,
                             incident_wait_s=float(os.environ.get("RK_WAIT", "20")), replicated_state=False)
-    plan = SCENARIOS.get(scenario, {1: {3: "raise"}}).get(rank, {})
+    plan = SCENARIOS.get(scenario, {} if scenario == "split" else {1: {3: "raise"}}).get(rank, {})
     g = torch.Generator().manual_seed(rank)
     for step in range(12):
         x = torch.randn(8, 8, generator=g)
@@ -68,7 +68,7 @@ def main(out_dir: str, scenario: str) -> None:
             rec.step(batch)
         except (reprokit.TrainingFailure, IndexError) as e:
             print(f"rank {rank} step {step}: {type(e).__name__}: bundle {getattr(e, 'bundle', None)}", flush=True)
-            if scenario in ("readonly", "crash-on-replay", "raise-late"):
+            if scenario in ("crash-on-replay", "raise-late"):
                 raise
             # recover: restore finite weights (all ranks agree), skip this step
             with torch.no_grad():
