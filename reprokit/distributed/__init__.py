@@ -40,6 +40,8 @@ class RankInfo:
     backend: str
     run_key: str
     """Shared by every rank of this run (a nonce rank 0 broadcast at attach time)."""
+    restart: int = 0
+    """How many times torchrun restarted the workers before this attempt (``TORCHELASTIC_RESTART_COUNT``)."""
 
     @property
     def tag(self) -> str:
@@ -49,7 +51,7 @@ class RankInfo:
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
-                "backend": self.backend}
+                "backend": self.backend, "restart": self.restart}
 
 
 def rank_info(out_dir: Path | None = None) -> RankInfo | None:
@@ -78,7 +80,7 @@ def rank_info(out_dir: Path | None = None) -> RankInfo | None:
             pass  # the other ranks then say that they do not see it
     dist.broadcast(nonce, src=0)
     return RankInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())),
-                    backend, f"{int(nonce.item()):016x}")
+                    backend, f"{int(nonce.item()):016x}", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
 
 
 def _run_mark(out_dir: Path, run_key: str) -> Path:

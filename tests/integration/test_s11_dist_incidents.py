@@ -165,3 +165,26 @@ def test_a_rank_recording_into_another_folder_than_rank_0_is_told_at_attach(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     warned = [x for x in proc.stderr.splitlines() if "mark of this run is not" in x]
     assert len(warned) == 1 and "rank 1 records into" in warned[0] and "rank1" in warned[0], proc.stderr[-3000:]
+
+
+def test_run_json_and_inspect_say_which_attempt_rank_local_rank_and_backend_wrote_a_bundle(tmp_path, world_of_one,
+                                                                                         monkeypatch):
+    """Under ``torchrun --max-restarts``, every attempt records its own incidents: ``restart`` (the attempt),
+    ``local_rank`` and ``backend`` are in run.json and ``inspect --json`` (which showed rank and world size only)."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    state = rk_s11_dist.build({})
+    rec = reprokit.Recorder(state, rk_s11_dist.train_step, build=rk_s11_dist.build, config={},
+                            out_dir=tmp_path / "repros", snapshot_every=2, incident_wait_s=1)
+    try:
+        x = torch.randn(8, 8)
+        rec.step({"x": x, "y": x.sum(1), "boom": torch.tensor(False)})
+        with pytest.raises(IndexError):
+            rec.step({"x": x, "y": x.sum(1), "boom": torch.tensor(True)})
+    finally:
+        rec.close()
+    (bundle,) = rec.bundles
+    assert open_bundle(bundle).run["distributed"]["restart"] == 1
+    d = json.loads(CliRunner().invoke(cli, ["inspect", str(bundle), "--json"]).stdout)
+    assert (d["rank"], d["world_size"], d["local_rank"], d["backend"], d["restart"]) == (0, 1, 0, "gloo", 1), d
+    assert d["incident"] == bundle.parent.name
