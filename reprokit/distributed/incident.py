@@ -40,6 +40,7 @@ def rank_bundles(folder: Path) -> dict[int, Bundle]:
     Raises:
         BundleError: naming what does not fit.
     """
+    _refuse_mixed(folder)
     found: dict[int, Bundle] = {}
     worlds: set[Any] = set()
     incidents: set[Any] = set()
@@ -62,11 +63,7 @@ def rank_bundles(folder: Path) -> dict[int, Bundle]:
     if not found:
         raise BundleError(f"{folder}: no bundles in this folder")
     if len(worlds) != 1 or len(incidents) != 1:
-        each = "; ".join(f"{b.path.name}: rank {r} of {b.run['distributed'].get('world_size')}, incident "
-                         f"{b.run['distributed'].get('incident')}" for r, b in sorted(found.items()))
-        raise BundleError(f"{folder} mixes bundles of different runs or incidents ({each}); the ranks of one incident "
-                          "replay together. Keep one incident's bundles in the folder (each rank's bundle replays "
-                          "alone too).")
+        _refuse_mixed(folder, {b.path.name: b.run["distributed"] for b in found.values()})
     world = worlds.pop()
     if not isinstance(world, int) or sorted(found) != list(range(world)):
         missing = sorted(set(range(world if isinstance(world, int) else 0)) - set(found))
@@ -77,6 +74,28 @@ def rank_bundles(folder: Path) -> dict[int, Bundle]:
         raise BundleError(f"{folder}: the ranks' windows start at different steps {sorted(starts)}; their "
                           "collectives cannot line up in a replay")
     return found
+
+
+def _refuse_mixed(folder: Path, dists: dict[str, Any] | None = None) -> None:
+    """Refuse a folder whose bundles name different incidents or world sizes, naming each. Read first from the
+    run.json files as they are (only to refuse, never to go on: every bundle is verified after), so that a bundle
+    copied in from another incident is named as such rather than as one whose referenced state is missing."""
+    if dists is None:
+        dists = {}
+        for p in sorted(folder.iterdir()):
+            try:
+                d = json.loads((p / "run.json").read_text()).get("distributed")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(d, dict):
+                dists[p.name] = d
+    if len({(str(d.get("incident")), str(d.get("world_size"))) for d in dists.values()}) <= 1:
+        return
+    each = "; ".join(f"{name}: rank {d.get('rank')} of {d.get('world_size')}, incident {d.get('incident')}"
+                     for name, d in sorted(dists.items()))
+    raise BundleError(f"{folder} mixes bundles of different runs or incidents ({each}); the ranks of one incident "
+                      "replay together. Keep one incident's bundles in the folder (each rank's bundle replays alone "
+                      "too).")
 
 
 @dataclass

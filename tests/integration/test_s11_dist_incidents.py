@@ -17,7 +17,7 @@ import torch.distributed as dist
 from click.testing import CliRunner
 
 import reprokit
-from reprokit.bundle import open_bundle
+from reprokit.bundle import REPLICATED, open_bundle
 from reprokit.cli import main as cli
 from reprokit.distributed import IncidentBoard, RankInfo
 from reprokit.distributed.incident import free_port
@@ -41,9 +41,10 @@ def _torchrun(out: Path, scenario: str) -> subprocess.CompletedProcess:
 def test_a_second_incident_after_recovery_gets_its_own_folder_on_every_rank(tmp_path):
     """Rank 1 feeds a NaN at step 3, every rank skips the step and goes on, rank 1 feeds another at step 9. The
     second failure is an incident of its own: every rank writes its window of step 9 into a second folder (it was
-    reported as the first incident's bundle, and no window of step 9 was written)."""
+    reported as the first incident's bundle, and no window of step 9 was written), and rank 1's bundle references
+    rank 0's state of that incident (replicated DDP state)."""
     out = tmp_path / "repros"
-    proc = _torchrun(out, "recover")
+    proc = _torchrun(out, "recover-replicated")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mark of this run" not in proc.stderr, "every rank shares out_dir"
     folders = sorted(p for p in out.iterdir() if p.name.startswith("incident-"))
@@ -56,6 +57,9 @@ def test_a_second_incident_after_recovery_gets_its_own_folder_on_every_rank(tmp_
             assert bundle.failure.step == step and bundle.steps[-1] == step, (b, bundle.steps)
             by_rank[bundle.run["distributed"]["rank"]] = bundle.failure.kind
         assert by_rank == {1: "nonfinite_loss", 0: "nonfinite_grad"}, (folder, by_rank)
+        (rank1,) = folder.glob("*rank1of2")
+        owner = json.loads((rank1 / REPLICATED).read_text())["owner"]
+        assert (folder / owner["bundle"]).is_dir() and owner["step"] == step - 1, owner
     # each rank's error names the bundle of the incident it belongs to
     for rank in (0, 1):
         lines = [x for x in proc.stdout.splitlines() if x.startswith(f"rank {rank} step ")]

@@ -22,7 +22,7 @@ def build(config):
     if dist.is_available() and dist.is_initialized():
         model = DistributedDataParallel(model)
     return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-                               extra={"crash_flag": config.get("crash_flag", "")})
+                               extra={"crash_flag": config["crash_flag"]} if "crash_flag" in config else {})
 
 
 def train_step(state, batch):
@@ -39,7 +39,7 @@ def train_step(state, batch):
 
 # scenario: {rank: {step: "nan" | "raise"}}; a failure is caught and training goes on ("recover")
 SCENARIOS = {
-    "recover": {1: {3: "nan", 9: "nan"}},
+    "recover-replicated": {1: {3: "nan", 9: "nan"}},  # rank 1's bundles reference rank 0's state
     "raise-late": {1: {7: "raise"}},  # with snapshot_every=4: a window of steps 4..7 before rank 1 raises
 }
 
@@ -53,7 +53,7 @@ def main(out_dir: str, scenario: str) -> None:
         out_dir = os.path.join(out_dir, f"rank{rank}")  # a folder per rank: no rank sees another's incident
     rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir,
                             snapshot_every=4 if scenario == "raise-late" else 2,
-                            incident_wait_s=float(os.environ.get("RK_WAIT", "20")), replicated_state=False)
+                            incident_wait_s=20, replicated_state=scenario.endswith("-replicated"))
     plan = SCENARIOS.get(scenario, {} if scenario == "split" else {1: {3: "raise"}}).get(rank, {})
     g = torch.Generator().manual_seed(rank)
     for step in range(12):
@@ -68,7 +68,7 @@ def main(out_dir: str, scenario: str) -> None:
             rec.step(batch)
         except (reprokit.TrainingFailure, IndexError) as e:
             print(f"rank {rank} step {step}: {type(e).__name__}: bundle {getattr(e, 'bundle', None)}", flush=True)
-            if scenario != "recover":
+            if not scenario.startswith("recover"):
                 raise
             # recover: restore finite weights (all ranks agree), skip this step
             with torch.no_grad():
