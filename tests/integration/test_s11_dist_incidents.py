@@ -69,6 +69,10 @@ def test_a_second_incident_after_recovery_gets_its_own_folder_on_every_rank(tmp_
     d = json.loads(r.stdout)
     assert r.exit_code == 1 and d["verdict"] == "deterministic" and d["incident"]["step"] == 9, r.output
     assert all(x["reproduced"] for x in d["ranks"]), d["ranks"]
+    # the run's out_dir itself (what a user passes first): named as a folder of incidents, with the command
+    r = CliRunner().invoke(cli, ["replay", str(out)])
+    assert r.exit_code == 3 and "2 incident folder(s)" in r.output, r.output
+    assert f"`reprokit replay {folders[1]}`" in r.output and folders[0].name in r.output, r.output
     # rank 1's bundle of the second incident copied over the first's: refused, naming each bundle's incident
     mixed = tmp_path / "mixed"
     shutil.copytree(folders[0], mixed)
