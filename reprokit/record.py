@@ -320,6 +320,7 @@ class Recorder:
         if self.rank is not None:
             self._lock = threading.RLock()  # the incident watcher writes the window from another thread
             self._board = IncidentBoard(self.out_dir, self.rank)
+            self._board.attach()
         try:
             # This rank references the owner's state instead of snapshotting its own (a non-owner, replicated).
             self._refer = self._replication(replicated_state)

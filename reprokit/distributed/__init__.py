@@ -9,14 +9,15 @@ writes that rank's window from host memory, where the snapshot and batches alrea
 numbered (a loop may catch a failure and go on): each rank handles every one once, so all agree on the next.
 So ``out_dir`` must be on a filesystem every rank sees (one node, or a shared filesystem).
 
-The only collective is at attach time: rank 0 broadcasts a random nonce that names this run's incident file, so a
-file left by an earlier run is never mistaken for a new incident. Every rank must therefore create its Recorder,
-as SPMD training loops do.
+At attach time rank 0 puts a random run key in the process group's store (no collective) that names this run's
+incident files, so a file left by an earlier run is never mistaken for a new incident. A rank other than 0 waits for
+rank 0's key: rank 0 must create a Recorder whenever another rank does, as SPMD training loops do.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import json
 import os
 import secrets
@@ -54,33 +55,51 @@ class RankInfo:
                 "backend": self.backend, "restart": self.restart}
 
 
+_ATTACHES = itertools.count()
+"""Recorders attached in this process: the n-th of every rank shares the n-th run key rank 0 put in the store."""
+
+
 def rank_info(out_dir: Path | None = None) -> RankInfo | None:
     """This process's place in the default process group, or None when there is none (a single-process run).
 
-    ``out_dir``: rank 0 leaves a mark of this run there before the broadcast, for :func:`sees_rank0`.
+    ``out_dir``: rank 0 leaves a mark of this run there, for :func:`sees_rank0`.
 
-    Collective: with a process group, every rank must call it (it broadcasts rank 0's run key).
+    No collective: rank 0 puts a random run key in the process group's store and the other ranks read it, so a
+    Recorder on some ranks only (tooling on rank 0 alone) neither hangs nor pairs with the training's collectives.
+    A rank other than 0 waits (the store's timeout) for rank 0's Recorder to attach.
+
+    Raises:
+        CaptureError: rank 0 attached no Recorder within the store's timeout.
     """
-    import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    backend = str(dist.get_backend())
-    device = torch.device("cpu")
-    if "nccl" in backend and "gloo" not in backend:  # NCCL moves only CUDA tensors
-        device = torch.device("cuda", torch.cuda.current_device())
-    nonce = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
-    if out_dir is not None and dist.get_rank() == 0:
+    rank = dist.get_rank()
+    name = f"reprokit/run/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_ATTACHES)}"
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        key = f"{secrets.randbits(62):016x}"
+        if out_dir is not None:
+            try:
+                mark = _run_mark(Path(out_dir), key)
+                mark.parent.mkdir(parents=True, exist_ok=True)
+                mark.write_text("")
+            except OSError:
+                pass  # the other ranks then say that they do not see it
+        store.set(name, key)
+    else:
         try:
-            mark = _run_mark(Path(out_dir), f"{int(nonce.item()):016x}")
-            mark.parent.mkdir(parents=True, exist_ok=True)
-            mark.write_text("")
-        except OSError:
-            pass  # the other ranks then say that they do not see it
-    dist.broadcast(nonce, src=0)
-    return RankInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())),
-                    backend, f"{int(nonce.item()):016x}", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+            store.wait([name])
+            key = store.get(name).decode()
+        except Exception as e:  # the store's own timeout error (DistStoreError, RuntimeError)
+            from reprokit.errors import CaptureError
+
+            raise CaptureError(f"rank {rank}: rank 0 attached no reprokit Recorder within the process group's store "
+                               f"timeout ({e}). Rank 0 names every run's incidents: create a Recorder on every rank "
+                               "(or on rank 0 too), in the same order.") from None
+    return RankInfo(rank, dist.get_world_size(), int(os.environ.get("LOCAL_RANK", rank)), str(dist.get_backend()),
+                    key, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
 
 
 def _run_mark(out_dir: Path, run_key: str) -> Path:
@@ -167,12 +186,23 @@ class IncidentBoard:
         except OSError:
             pass
 
+    def attach(self) -> None:
+        """Say that this rank records (a rank without a Recorder, or one whose out_dir is elsewhere, is never
+        waited for)."""
+        try:
+            path = self.path.with_name(f"{self.info.run_key}.rank{self.info.rank}.attached")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+        except OSError:
+            pass
+
     def wait_for_all(self, timeout_s: float) -> list[int]:
-        """Wait until every rank marked the current incident done, at most ``timeout_s``; returns the ranks still
-        missing."""
+        """Wait until every rank that records here marked the current incident done, at most ``timeout_s``; returns
+        the ranks still missing."""
         deadline = time.monotonic() + timeout_s
         while True:
-            missing = [r for r in range(self.info.world_size) if not self.done_path(r).exists()]
+            missing = [r for r in range(self.info.world_size) if not self.done_path(r).exists() and (
+                r == self.info.rank or self.path.with_name(f"{self.info.run_key}.rank{r}.attached").exists())]
             if not missing or time.monotonic() >= deadline:
                 return missing
             time.sleep(min(self.poll_s / 2, 0.05))

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,18 @@ def test_run_json_and_inspect_say_which_attempt_rank_local_rank_and_backend_wrot
     d = json.loads(CliRunner().invoke(cli, ["inspect", str(bundle), "--json"]).stdout)
     assert (d["rank"], d["world_size"], d["local_rank"], d["backend"], d["restart"]) == (0, 1, 0, "gloo", 1), d
     assert d["incident"] == bundle.parent.name
+
+
+def test_a_recorder_on_rank_0_only_neither_hangs_nor_waits_for_ranks_that_record_nothing(tmp_path):
+    """Tooling on rank 0 alone: attaching took a collective rank 1 never joined (training hung for the process
+    group's timeout, then died in gloo). Now rank 0 records its NaN at step 3 at once, and does not wait
+    ``incident_wait_s`` (20 s here) for a rank that has no Recorder."""
+    out = tmp_path / "repros"
+    t0 = time.monotonic()
+    proc = _torchrun(out, "rank0-only")
+    seconds = time.monotonic() - t0
+    assert "rank 0 step 3: TrainingFailure" in proc.stdout, proc.stderr[-3000:]
+    assert seconds < 18 and "did not write their window" not in proc.stderr, (seconds, proc.stderr[-3000:])
+    (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
+    (bundle,) = folder.iterdir()
+    assert open_bundle(bundle).failure.kind == "nonfinite_loss" and bundle.name.endswith("rank0of2")

@@ -40,6 +40,7 @@ def train_step(state, batch):
 # scenario: {rank: {step: "nan" | "raise"}}; a failure is caught and training goes on ("recover")
 SCENARIOS = {
     "recover-replicated": {1: {3: "nan", 9: "nan"}},  # rank 1's bundles reference rank 0's state
+    "rank0-only": {0: {3: "nan"}},  # only rank 0 creates a Recorder
     "raise-late": {1: {7: "raise"}},  # with snapshot_every=4: a window of steps 4..7 before rank 1 raises
 }
 
@@ -51,9 +52,11 @@ def main(out_dir: str, scenario: str) -> None:
     state = build(config)
     if scenario == "split":
         out_dir = os.path.join(out_dir, f"rank{rank}")  # a folder per rank: no rank sees another's incident
-    rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir,
-                            snapshot_every=4 if scenario == "raise-late" else 2,
-                            incident_wait_s=20, replicated_state=scenario.endswith("-replicated"))
+    rec = None
+    if scenario != "rank0-only" or rank == 0:  # rank0-only: tooling on rank 0 only, the others train without it
+        rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir,
+                                snapshot_every=4 if scenario == "raise-late" else 2,
+                                incident_wait_s=20, replicated_state=scenario.endswith("-replicated"))
     plan = SCENARIOS.get(scenario, {} if scenario == "split" else {1: {3: "raise"}}).get(rank, {})
     g = torch.Generator().manual_seed(rank)
     for step in range(12):
@@ -65,7 +68,7 @@ def main(out_dir: str, scenario: str) -> None:
         elif what == "raise":
             batch["boom"] = torch.tensor(True)
         try:
-            rec.step(batch)
+            rec.step(batch) if rec is not None else train_step(state, batch)
         except (reprokit.TrainingFailure, IndexError) as e:
             print(f"rank {rank} step {step}: {type(e).__name__}: bundle {getattr(e, 'bundle', None)}", flush=True)
             if not scenario.startswith("recover"):
@@ -75,7 +78,7 @@ def main(out_dir: str, scenario: str) -> None:
                 for p in state.model.parameters():
                     p.nan_to_num_(0.0)
                     dist.broadcast(p, 0)
-    print(f"rank {rank} bundles: {[str(b) for b in rec.bundles]}", flush=True)
+    print(f"rank {rank} bundles: {[str(b) for b in rec.bundles] if rec else None}", flush=True)
 
 
 if __name__ == "__main__":
