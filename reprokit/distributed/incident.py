@@ -154,7 +154,18 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
         f = b.failure
         if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
             incident = f.detail["incident"]
-    device = device or ("cuda" if str(first.run.get("device", "cpu")).startswith("cuda") else "cpu")
+    if device is None:  # where it was recorded, when this machine has a GPU per rank (as a bundle replays alone)
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device = "cuda" if str(first.run.get("device", "cpu")).startswith("cuda") and gpus >= world else "cpu"
+    if device == "cuda":  # refused here, once: in the ranks it would only be an error each (or a wrong device)
+        import torch
+
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if seen < world:
+            raise ReprokitError(f"--device cuda: this incident replays one rank per GPU, {world} ranks, but torch sees "
+                                f"{seen} CUDA device(s) here; use --device cpu (gloo), or a machine with {world} GPUs")
     if code is not None:  # refuse a checkout without the project here, once, not in every rank
         from reprokit.code import check_refs
 

@@ -145,6 +145,9 @@ def test_a_rank_whose_process_dies_in_the_replay_is_an_error_never_fixed(tmp_pat
     failing = next(x for x in d["ranks"] if x["rank"] == 1)
     assert "ended without a report" in failing["error"], failing
     assert "rank 1: error: rank 1's process ended without a report" in format_incident(d), format_incident(d)
+    if torch.cuda.device_count() < 2:  # ranks that cannot start where asked: refused before any starts (was exit 0)
+        r = CliRunner().invoke(cli, ["replay", str(folder), "--device", "cuda"])
+        assert r.exit_code == 2 and "use --device cpu" in r.output, r.output
 
 
 def test_times_replays_each_run_with_every_rank_starting_it_together(tmp_path):
