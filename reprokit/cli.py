@@ -248,7 +248,16 @@ def _folder_of_bundles(path: Path) -> str | None:
         return None
     inner = sorted(p for p in path.iterdir() if p.is_dir() and (p / MANIFEST).is_file())
     if not inner:
-        return None
+        from reprokit.distributed.incident import is_incident
+
+        incidents = sorted(p for p in path.iterdir() if is_incident(p))  # the out_dir of a multi-rank run
+        if not incidents:
+            return None
+        shown = ", ".join(p.name for p in incidents[-3:]) + (f" and {len(incidents) - 3} more" if len(incidents) > 3
+                                                             else "")
+        return (f"{path} is not a bundle but a folder holding {len(incidents)} incident folder(s) of a multi-rank "
+                f"run: {shown}. Replay one whole, e.g. `reprokit replay {incidents[-1]}`, or pass one rank's bundle "
+                "in it.")
     shown = ", ".join(p.name for p in inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
     return (f"{path} is not a bundle but a folder holding {len(inner)} bundle folder(s): {shown}. Pass one of "
             f"them, e.g. {inner[-1]} (an incident folder of a multi-rank run replays whole with "

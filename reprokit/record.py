@@ -56,7 +56,7 @@ from reprokit.bundle import (
 from reprokit.code import ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
-from reprokit.distributed import IncidentBoard, rank_info, replicated
+from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
 from reprokit.env import capture_env, determinism_flags, split_flags
 from reprokit.errors import CaptureError, RecorderWarning, TrainingFailure
 from reprokit.rng import RNGState, check_generators
@@ -304,12 +304,23 @@ class Recorder:
         self._current_other = RNG_STEP_BYTES
         self._mention_leftovers()
         self.incident_wait_s = incident_wait_s
-        self.rank = rank_info()  # collective under a process group: every rank creates its Recorder
+        self.rank = rank_info(self.out_dir)  # collective under a process group: every rank creates its Recorder
+        if self.rank is not None and self.rank.rank != 0 and not sees_rank0(self.out_dir, self.rank):
+            self._warn("", f"reprokit: rank {self.rank.rank} records into {self.out_dir}, where rank 0's mark of this "
+                           "run is not (a per-rank out_dir, a disk of this node only, or one rank 0 cannot write): "
+                           "a failure on one rank will not make the others write their windows, and a rank blocked "
+                           "in a collective writes none. Give every rank the same out_dir on a filesystem they all "
+                           "see.")
         self._lock: Any = contextlib.nullcontext()
         self._board: IncidentBoard | None = None
+        self._stepped_since_incident = True
+        """This rank finished a step since the last incident it handled: a failure now is a new incident."""
+        self._incident_bundle: Path | None = None
+        """This rank's bundle of the last incident it handled."""
         if self.rank is not None:
             self._lock = threading.RLock()  # the incident watcher writes the window from another thread
             self._board = IncidentBoard(self.out_dir, self.rank)
+            self._board.attach()
         try:
             # This rank references the owner's state instead of snapshotting its own (a non-owner, replicated).
             self._refer = self._replication(replicated_state)
@@ -398,6 +409,7 @@ class Recorder:
             record.loss, record.grad_norm = result.loss, result.grad_norm
         self._history.append((k, result.loss, result.grad_norm, *_lr_and_scale(self.state, self.monitor.last_scale)))
         if result.failure is None:
+            self._stepped_since_incident = True
             return result.value
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
         hint = failure_note(batch, self._tables)
@@ -710,19 +722,28 @@ class Recorder:
 
     def _dump_incident(self, failure: Failure) -> Path | None:
         """This rank failed: declare the incident (or join the one a peer declared), write this rank's window into
-        the incident folder unless the watcher already did, then wait (bounded) for every rank to write its own."""
+        the incident folder unless the watcher already did, then wait (bounded) for every rank to write its own.
+
+        A failure in the step this rank was in when an incident came (a peer that failed and left this rank's
+        collective hanging, or the NaN a peer all-reduced into this rank's gradients) belongs to that incident; once
+        this rank has finished a step since, a failure is a new incident (a loop that skipped the failing step)."""
         board = self._board
         assert board is not None and self.rank is not None
         with self._lock:
-            doc = board.declare(failure.step, self.rank.rank, failure.describe())
-            path = None
-            if board.seen != doc["incident"]:
-                board.seen = doc["incident"]
-                failure.detail = {**failure.detail, "incident": doc}
-                path = self._dump(failure, incident=doc["incident"])
-                board.done(self.rank.rank)
+            if board.current is not None and not self._stepped_since_incident:
+                doc, path = board.current, self._incident_bundle
             else:
-                path = self.bundles[-1] if self.bundles else None
+                try:
+                    doc = board.declare(failure.step, self.rank.rank, failure.describe())
+                except OSError as e:  # never let our bookkeeping replace the training's own error
+                    self._warn("", f"reprokit: {failure.describe()}, but the incident could not be declared under "
+                                   f"{board.path.parent} ({e!r}); no bundle")
+                    return None
+                board.handle(doc)
+                self._stepped_since_incident = False
+                failure.detail = {**failure.detail, "incident": doc}
+                path = self._incident_bundle = self._dump(failure, incident=doc["incident"])
+                board.done(self.rank.rank)
         missing = board.wait_for_all(self.incident_wait_s)
         if missing:
             self._warn("", f"reprokit: incident {doc['incident']}: ranks {missing} did not write their window within "
@@ -737,14 +758,15 @@ class Recorder:
         # its own failure: give its main thread a moment before writing this rank's window as a peer's.
         time.sleep(INCIDENT_GRACE_S)
         with self._lock:
-            if board.seen == doc["incident"]:
+            if board.seen == doc["incident"] or int(doc["number"]) < board.handled:
                 return
-            board.seen = doc["incident"]
+            board.handle(doc)
+            self._stepped_since_incident = False
             step = max(self.step_index, self._ring[-1].step if self._ring else self.step_index)
             failure = Failure(kind="peer", step=int(doc.get("step", step)),
                               message=f"rank {doc.get('rank')} failed: {doc.get('what')}",
                               detail={"incident": doc, "this_rank_step": step})
-            self._dump(failure, incident=doc["incident"], from_watcher=True)
+            self._incident_bundle = self._dump(failure, incident=doc["incident"], from_watcher=True)
             board.done(self.rank.rank)
 
     def _dump(self, failure: Failure, incident: str | None = None, from_watcher: bool = False) -> Path | None:
@@ -817,7 +839,7 @@ class Recorder:
         ref, owner_tree = replicated.find_owner(
             w.out_dir, world_size=self.rank.world_size, incident=incident or "", step=snap.step,
             timeout_s=self.incident_wait_s,
-            done=board._done_path(replicated.OWNER_RANK) if board is not None else None)
+            done=board.done_path(replicated.OWNER_RANK) if board is not None else None)
         if ref.get("problem"):
             self._warn("", f"reprokit: rank {self.rank.rank}'s bundle references rank {replicated.OWNER_RANK}'s state,"
                            f" but {ref['problem']}. It is written without a state and cannot replay alone; replay "

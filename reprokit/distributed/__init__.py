@@ -5,17 +5,19 @@ Built on ``torch.distributed`` (the process group that torchrun, or the user, in
 rank, world size, local rank and backend from it. Coordination at failure time needs no collective, since a rank
 blocked in one would never answer: the first rank that fails creates an incident file under
 ``out_dir/.reprokit-incidents/`` (``O_EXCL``: exactly one wins), and a watcher thread on every rank polls for it and
-writes that rank's window from host memory, where the snapshot and batches already are. So ``out_dir`` must be on
-a filesystem every rank sees (one node, or a shared filesystem).
+writes that rank's window from host memory, where the snapshot and batches already are. A run's incidents are
+numbered (a loop may catch a failure and go on): each rank handles every one once, so all agree on the next.
+So ``out_dir`` must be on a filesystem every rank sees (one node, or a shared filesystem).
 
-The only collective is at attach time: rank 0 broadcasts a random nonce that names this run's incident file, so a
-file left by an earlier run is never mistaken for a new incident. Every rank must therefore create its Recorder,
-as SPMD training loops do.
+At attach time rank 0 puts a random run key in the process group's store (no collective) that names this run's
+incident files, so a file left by an earlier run is never mistaken for a new incident. A rank other than 0 waits for
+rank 0's key: rank 0 must create a Recorder whenever another rank does, as SPMD training loops do.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import json
 import os
 import secrets
@@ -39,6 +41,8 @@ class RankInfo:
     backend: str
     run_key: str
     """Shared by every rank of this run (a nonce rank 0 broadcast at attach time)."""
+    restart: int = 0
+    """How many times torchrun restarted the workers before this attempt (``TORCHELASTIC_RESTART_COUNT``)."""
 
     @property
     def tag(self) -> str:
@@ -48,31 +52,77 @@ class RankInfo:
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
-                "backend": self.backend}
+                "backend": self.backend, "restart": self.restart}
 
 
-def rank_info() -> RankInfo | None:
+_ATTACHES = itertools.count()
+"""Recorders attached in this process: the n-th of every rank shares the n-th run key rank 0 put in the store."""
+
+
+def rank_info(out_dir: Path | None = None) -> RankInfo | None:
     """This process's place in the default process group, or None when there is none (a single-process run).
 
-    Collective: with a process group, every rank must call it (it broadcasts rank 0's run key).
+    ``out_dir``: rank 0 leaves a mark of this run there, for :func:`sees_rank0`.
+
+    No collective: rank 0 puts a random run key in the process group's store and the other ranks read it, so a
+    Recorder on some ranks only (tooling on rank 0 alone) neither hangs nor pairs with the training's collectives.
+    A rank other than 0 waits (the store's timeout) for rank 0's Recorder to attach.
+
+    Raises:
+        CaptureError: rank 0 attached no Recorder within the store's timeout.
     """
-    import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    backend = str(dist.get_backend())
-    device = torch.device("cpu")
-    if "nccl" in backend and "gloo" not in backend:  # NCCL moves only CUDA tensors
-        device = torch.device("cuda", torch.cuda.current_device())
-    nonce = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
-    dist.broadcast(nonce, src=0)
-    return RankInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())),
-                    backend, f"{int(nonce.item()):016x}")
+    rank = dist.get_rank()
+    name = f"reprokit/run/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_ATTACHES)}"
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        key = f"{secrets.randbits(62):016x}"
+        if out_dir is not None:
+            try:
+                mark = _run_mark(Path(out_dir), key)
+                mark.parent.mkdir(parents=True, exist_ok=True)
+                mark.write_text("")
+            except OSError:
+                pass  # the other ranks then say that they do not see it
+        store.set(name, key)
+    else:
+        try:
+            store.wait([name])
+            key = store.get(name).decode()
+        except Exception as e:  # the store's own timeout error (DistStoreError, RuntimeError)
+            from reprokit.errors import CaptureError
+
+            raise CaptureError(f"rank {rank}: rank 0 attached no reprokit Recorder within the process group's store "
+                               f"timeout ({e}). Rank 0 names every run's incidents: create a Recorder on every rank "
+                               "(or on rank 0 too), in the same order.") from None
+    return RankInfo(rank, dist.get_world_size(), int(os.environ.get("LOCAL_RANK", rank)), str(dist.get_backend()),
+                    key, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+
+
+def _run_mark(out_dir: Path, run_key: str) -> Path:
+    return out_dir / INCIDENTS_DIR / f"{run_key}.run"
+
+
+def sees_rank0(out_dir: Path, info: RankInfo, wait_s: float = 2.0) -> bool:
+    """Whether this rank sees the mark rank 0 left in its ``out_dir`` at attach (:func:`rank_info`): else the ranks
+    record into different folders (a per-rank ``out_dir``, or a node-local disk), and no rank would see another's
+    incident. Waits up to ``wait_s`` for a shared filesystem to show it."""
+    deadline = time.monotonic() + wait_s
+    while not _run_mark(Path(out_dir), info.run_key).exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 class IncidentBoard:
-    """The incident file of one run, and a watcher thread that reports a new incident once.
+    """The incident files of one run, and a watcher thread that reports each new incident once.
+
+    A run can have several incidents (a loop that catches a failure, skips the step and goes on): they are numbered
+    in the order they happen, every rank handles each one once, so every rank agrees on the number of the next.
 
     Example:
         >>> board = IncidentBoard(Path("repros"), info)                     # doctest: +SKIP
@@ -82,64 +132,97 @@ class IncidentBoard:
     def __init__(self, out_dir: Path, info: RankInfo, poll_s: float = 0.2):
         self.info = info
         self.path = Path(out_dir) / INCIDENTS_DIR / f"{info.run_key}.json"
+        """This run's own file name; each incident is a numbered file beside it (:meth:`incident_path`)."""
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.seen: str | None = None
         """The incident this rank has written its window for (by its own failure or the watcher)."""
+        self.current: dict[str, Any] | None = None
+        """That incident's document (with its ``number``)."""
+        self.handled = 0
+        """How many incidents this rank has handled: the next one is number ``handled``."""
+
+    def incident_path(self, number: int) -> Path:
+        return self.path.with_name(f"{self.info.run_key}.{number}.json")
 
     def declare(self, step: int, rank: int, what: str) -> dict[str, Any]:
-        """This rank failed: create the incident (or join the one another rank created first) and return it."""
+        """This rank failed: create the next incident (or join it, when another rank created it first) and return
+        it. The incident's name carries this run's key, so two runs writing into one ``out_dir`` never share an
+        incident folder."""
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        doc = {"incident": f"incident-{stamp}-step{step:08d}", "step": step, "rank": rank, "what": what,
-               "world_size": self.info.world_size}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{rank}.tmp")
+        number = self.handled
+        doc = {"incident": f"incident-{stamp}-step{step:08d}-{self.info.run_key[:8]}", "step": step, "rank": rank,
+               "what": what, "world_size": self.info.world_size, "number": number}
+        path = self.incident_path(number)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{rank}.tmp")
         tmp.write_text(json.dumps(doc))
         try:
-            os.link(tmp, self.path)  # atomic and exclusive: the first failing rank's incident wins
+            os.link(tmp, path)  # atomic and exclusive: the first failing rank's incident wins
         except FileExistsError:
             pass
         finally:
             tmp.unlink(missing_ok=True)
-        return self.read() or doc
+        return self.read(number) or doc
 
-    def read(self) -> dict[str, Any] | None:
+    def read(self, number: int) -> dict[str, Any] | None:
         try:
-            doc = json.loads(self.path.read_text())
+            doc = json.loads(self.incident_path(number).read_text())
         except (OSError, ValueError):
             return None
-        return doc if isinstance(doc, dict) and isinstance(doc.get("incident"), str) else None
+        ok = isinstance(doc, dict) and isinstance(doc.get("incident"), str) and doc.get("number") == number
+        return doc if ok else None
+
+    def handle(self, doc: dict[str, Any]) -> None:
+        """This rank writes (or has given up writing) its window for incident ``doc``: the next one is the one after."""
+        self.seen, self.current = doc["incident"], doc
+        self.handled = max(self.handled, int(doc["number"]) + 1)
 
     def done(self, rank: int) -> None:
         """Mark that ``rank`` has written its window for the current incident (or given up trying)."""
         try:
-            self._done_path(rank).write_text(self.seen or "")
+            self.done_path(rank).write_text(self.seen or "")
+        except OSError:
+            pass
+
+    def attach(self) -> None:
+        """Say that this rank records (a rank without a Recorder, or one whose out_dir is elsewhere, is never
+        waited for)."""
+        try:
+            path = self.path.with_name(f"{self.info.run_key}.rank{self.info.rank}.attached")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
         except OSError:
             pass
 
     def wait_for_all(self, timeout_s: float) -> list[int]:
-        """Wait until every rank marked the incident done, at most ``timeout_s``; returns the ranks still missing."""
+        """Wait until every rank that records here marked the current incident done, at most ``timeout_s``; returns
+        the ranks still missing."""
         deadline = time.monotonic() + timeout_s
         while True:
-            missing = [r for r in range(self.info.world_size) if not self._done_path(r).exists()]
+            missing = [r for r in range(self.info.world_size) if not self.done_path(r).exists() and (
+                r == self.info.rank or self.path.with_name(f"{self.info.run_key}.rank{r}.attached").exists())]
             if not missing or time.monotonic() >= deadline:
                 return missing
             time.sleep(min(self.poll_s / 2, 0.05))
 
-    def _done_path(self, rank: int) -> Path:
-        return self.path.with_name(f"{self.info.run_key}.rank{rank}.done")
+    def done_path(self, rank: int) -> Path:
+        """``rank``'s mark of the current incident (the last one this rank handled)."""
+        number = int(self.current["number"]) if self.current else 0
+        return self.path.with_name(f"{self.info.run_key}.{number}.rank{rank}.done")
 
     def watch(self, on_incident: Callable[[dict[str, Any]], None]) -> None:
         """Call ``on_incident(doc)`` from a daemon thread when an incident this rank has not written appears."""
         def loop() -> None:
             while not self._stop.wait(self.poll_s):
-                doc = self.read() if self.path.exists() else None
+                number = self.handled
+                doc = self.read(number) if self.incident_path(number).exists() else None
                 if doc is not None and doc["incident"] != self.seen:
                     try:
                         on_incident(doc)
                     except Exception:  # never let the watcher die loudly inside a training job
-                        self.seen = doc["incident"]
+                        self.handle(doc)
                         self.done(self.info.rank)
 
         self._thread = threading.Thread(target=loop, name="reprokit-incidents", daemon=True)

@@ -40,6 +40,7 @@ def rank_bundles(folder: Path) -> dict[int, Bundle]:
     Raises:
         BundleError: naming what does not fit.
     """
+    _refuse_mixed(folder)
     found: dict[int, Bundle] = {}
     worlds: set[Any] = set()
     incidents: set[Any] = set()
@@ -62,16 +63,39 @@ def rank_bundles(folder: Path) -> dict[int, Bundle]:
     if not found:
         raise BundleError(f"{folder}: no bundles in this folder")
     if len(worlds) != 1 or len(incidents) != 1:
-        raise BundleError(f"{folder}: bundles of different runs or incidents (world sizes {sorted(map(str, worlds))})")
+        _refuse_mixed(folder, {b.path.name: b.run["distributed"] for b in found.values()})
     world = worlds.pop()
     if not isinstance(world, int) or sorted(found) != list(range(world)):
         missing = sorted(set(range(world if isinstance(world, int) else 0)) - set(found))
-        raise BundleError(f"{folder}: ranks {missing} of {world} have no bundle; an N-rank replay needs every rank "
-                          "(replay one rank's bundle alone instead)")
+        some = next((b.path for b in found.values() if b.failure.kind != "peer"), found[min(found)].path)
+        raise BundleError(f"{folder}: ranks {missing} of {world} have no bundle; an N-rank replay needs every rank. "
+                          f"Replay one rank's bundle alone instead, e.g. `reprokit replay {some}`")
     if len(starts) != 1:
         raise BundleError(f"{folder}: the ranks' windows start at different steps {sorted(starts)}; their "
                           "collectives cannot line up in a replay")
     return found
+
+
+def _refuse_mixed(folder: Path, dists: dict[str, Any] | None = None) -> None:
+    """Refuse a folder whose bundles name different incidents or world sizes, naming each. Read first from the
+    run.json files as they are (only to refuse, never to go on: every bundle is verified after), so that a bundle
+    copied in from another incident is named as such rather than as one whose referenced state is missing."""
+    if dists is None:
+        dists = {}
+        for p in sorted(folder.iterdir()):
+            try:
+                d = json.loads((p / "run.json").read_text()).get("distributed")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(d, dict):
+                dists[p.name] = d
+    if len({(str(d.get("incident")), str(d.get("world_size"))) for d in dists.values()}) <= 1:
+        return
+    each = "; ".join(f"{name}: rank {d.get('rank')} of {d.get('world_size')}, incident {d.get('incident')}"
+                     for name, d in sorted(dists.items()))
+    raise BundleError(f"{folder} mixes bundles of different runs or incidents ({each}); the ranks of one incident "
+                      "replay together. Keep one incident's bundles in the folder (each rank's bundle replays alone "
+                      "too).")
 
 
 @dataclass
@@ -89,9 +113,10 @@ class IncidentReport:
 
     @property
     def verdict(self) -> str:
-        """The verdict of the rank that failed in training: did the incident happen again?"""
+        """The verdict of the rank that failed in training: did the incident happen again? (``error``, exit 125, when
+        that rank could not say: its replay raised, or its process died.)"""
         r = next((x for x in self.ranks if x.get("rank") == self.failing_rank), None)
-        return str(r.get("verdict", "not_reproduced")) if r else "not_reproduced"
+        return str(r.get("verdict", "error")) if r else "error"  # a rank without a report never says "fixed"
 
     @property
     def exit_code(self) -> int:
@@ -113,7 +138,7 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
     ``reprokit replay --code``).
 
     Example:
-        >>> report = replay_incident("repros/incident-20261126-142501-step00000006")   # doctest: +SKIP
+        >>> report = replay_incident("repros/incident-20261126-142501-step00000006-3f9c2a1b")  # doctest: +SKIP
         >>> report.verdict, [r.get("verdict") for r in report.ranks]                    # doctest: +SKIP
         ('deterministic', ['deterministic', 'deterministic'])
     """
@@ -121,27 +146,52 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
     bundles = rank_bundles(folder)
     world = len(bundles)
     if nproc is not None and nproc != world:
-        raise ReprokitError(f"--nproc {nproc}: this incident was recorded on {world} ranks")
+        raise ReprokitError(f"--nproc {nproc}: this incident was recorded on {world} ranks, and each rank replays its "
+                            f"own bundle; pass --nproc {world} or leave --nproc out")
     first = bundles[0]
     incident = (first.failure.detail or {}).get("incident") or {}
     for b in bundles.values():
         f = b.failure
         if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
             incident = f.detail["incident"]
-    device = device or ("cuda" if str(first.run.get("device", "cpu")).startswith("cuda") else "cpu")
+    if device is None:  # where it was recorded, when this machine has a GPU per rank (as a bundle replays alone)
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device = "cuda" if str(first.run.get("device", "cpu")).startswith("cuda") and gpus >= world else "cpu"
+    if device == "cuda":  # refused here, once: in the ranks it would only be an error each (or a wrong device)
+        import torch
+
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if seen < world:
+            raise ReprokitError(f"--device cuda: this incident replays one rank per GPU, {world} ranks, but torch sees "
+                                f"{seen} CUDA device(s) here; use --device cpu (gloo), or a machine with {world} GPUs")
     if code is not None:  # refuse a checkout without the project here, once, not in every rank
         from reprokit.code import check_refs
 
         for b in bundles.values():
             check_refs(b.run.get("refs"), snapshot=b.code_dir, code=Path(code), source=b.path / "run.json")
+    # One launch per run: a rank whose failure skips a collective (it raised before backward) leaves its peers
+    # inside that collective, so a second run in the same processes would pair its collectives with the peers' first
+    # run (gradients averaged across runs). Fresh processes start every run aligned.
+    launches = [_launch(folder, bundles, device, code, timeout_s) for _ in range(times)]
+    ranks = [_merge([launch[r] for launch in launches]) for r in range(world)]
+    return IncidentReport(folder, incident, ranks)
+
+
+def _launch(folder: Path, bundles: dict[int, Bundle], device: str, code: str | Path | None,
+            timeout_s: float) -> list[dict[str, Any]]:
+    """One run of every rank under ``torch.distributed.run``: each rank's report (or why it has none)."""
     import tempfile
 
+    world = len(bundles)
     with tempfile.TemporaryDirectory(prefix="reprokit-incident-") as out:
         # Each rank is told where its bundle is: verified here once, not again by every rank.
         _write(Path(out) / "ranks.json", {str(r): str(b.path) for r, b in bundles.items()})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), "-m", "reprokit.distributed.incident", str(folder), out,
-               str(times), device, str(Path(code).resolve()) if code is not None else ""]
+               "127.0.0.1", "--master_port", str(free_port()), "--log-dir", str(Path(out) / "logs"), "--redirects",
+               "3", "-m", "reprokit.distributed.incident", str(folder), out, "1", device,
+               str(Path(code).resolve()) if code is not None else ""]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -151,11 +201,63 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
             path = Path(out) / f"rank{r}.json"
             if path.exists():
                 ranks.append(json.loads(path.read_text()))
-            else:
-                tail = proc.stderr.strip().splitlines()[-3:]
-                ranks.append({"rank": r, "error": f"rank {r} wrote no report (torchrun exit {proc.returncode}): "
-                                                  + " | ".join(tail)})
-    return IncidentReport(folder, incident, ranks)
+            else:  # its process died (a crash, a kill, an error outside the replay): nothing says it reproduced
+                ranks.append({"rank": r, "verdict": "error", "error": (
+                    f"rank {r}'s process ended without a report (torchrun exit {proc.returncode}); the last lines of "
+                    f"its output: {_output_tail(Path(out) / 'logs', r) or '(none)'}")})
+        return ranks
+
+
+def _merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rank's reports of several launches (one run each) as one report, its verdict counted as
+    :class:`reprokit.replay.ReplayReport` counts it. A launch where the rank errored makes the whole an error (it
+    could not say); one where it stayed blocked in a collective counts as a run that failed otherwise."""
+    from reprokit.replay import VERDICT_EXIT_CODES
+
+    if len(docs) == 1:
+        return docs[0]
+    if err := next((d for d in docs if d.get("verdict") == "error"), None):
+        return {**err, "note": f"in one of {len(docs)} runs"}
+    ran = [d for d in docs if not d.get("blocked")]
+    if not ran:
+        return {**docs[0], "note": f"{docs[0].get('note', '')} (in each of {len(docs)} runs)"}
+    out = dict(ran[0])
+    blocked = len(docs) - len(ran)
+    out["per_run"] = [x for d in ran for x in d["per_run"]]
+    out["runs"] = len(docs)
+    out["failed_runs"] = sum(d["failed_runs"] for d in ran)
+    out["different_runs"] = sum(d["different_runs"] for d in ran) + blocked
+    n = out["failed_runs"]
+    out["verdict"] = ("deterministic" if n == len(docs) else "flaky") if n else \
+        "different_failure" if out["different_runs"] else "not_reproduced"
+    out["exit_code"] = VERDICT_EXIT_CODES[out["verdict"]]
+    out["reproduced"] = n > 0
+    out["transient"] = out["verdict"] == "not_reproduced" and all(d.get("transient") for d in ran)
+    out["failure"] = next((d["failure"] for d in ran if d.get("reproduced")), None) or next(
+        (d["failure"] for d in ran if d.get("failure")), None)
+    losses = [[(x["step"], _bits(x["loss"])) for x in r["losses"]] for r in out["per_run"]]
+    out["fidelity"] = {**out.get("fidelity", {}), "runs_bit_identical": all(x == losses[0] for x in losses[1:])}
+    if blocked:
+        out["note"] = f"blocked in a collective in {blocked} of {len(docs)} runs"
+    return out
+
+
+def _bits(x: Any) -> Any:
+    """A loss as it compares bit for bit (NaN equal to NaN)."""
+    return "nan" if isinstance(x, float) and x != x else x
+
+
+def _output_tail(logs: Path, rank: int, lines: int = 3) -> str:
+    """The last lines rank ``rank`` wrote to stderr (torch.distributed.run's ``--log-dir``), joined with `` | ``."""
+    found = sorted(logs.glob(f"*/attempt_*/{rank}/stderr.log"))
+    if not found:
+        return ""
+    try:
+        text = found[-1].read_text(errors="replace")
+    except OSError:
+        return ""
+    kept = [x.removeprefix(f"[rank{rank}]:").strip() for x in text.splitlines()]
+    return " | ".join([x for x in kept if x and set(x) != {"^"}][-lines:])
 
 
 def free_port() -> int:
@@ -206,7 +308,7 @@ def _rank_main(folder: str, out: str, times: str, device: str, code: str = "") -
         mine_bundle = json.loads((Path(out) / "ranks.json").read_text())[str(rank)]
         report = replay(mine_bundle, times=int(times), device=device, code=code or None, as_rank=True)
         doc = {"rank": rank, **report.to_json()}
-    except ReprokitError as e:
+    except Exception as e:  # a report, not a traceback: the peers' collectives then break and they report too
         doc = {"rank": rank, "error": f"{type(e).__name__}: {e}", "verdict": "error"}
     _write(mine, doc)
     os._exit(0)  # peers may still be blocked in a collective: leave without one (no destroy_process_group)

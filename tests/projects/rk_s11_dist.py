@@ -1,0 +1,85 @@
+"""torchrun (gloo, CPU) scenarios for the multi-rank recorder: recovery after an incident, ranks failing at
+different steps, a folder per rank. ``python rk_s11_dist.py OUT_DIR SCENARIO``."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import reprokit
+
+
+def build(config):
+    """``config["crash_flag"]``: once that file exists, the failing step kills its process instead of raising."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    if dist.is_available() and dist.is_initialized():
+        model = DistributedDataParallel(model)
+    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                               extra={"crash_flag": config["crash_flag"]} if "crash_flag" in config else {})
+
+
+def train_step(state, batch):
+    if bool(batch["boom"]) and os.path.exists(state.extra.get("crash_flag", "")):
+        os._exit(7)  # the process dies in the failing step (as in a segfault or an OOM kill)
+    if bool(batch["boom"]):
+        raise IndexError("index 99 is out of bounds on this rank")
+    loss = nn.functional.mse_loss(state.model(batch["x"]).squeeze(-1), batch["y"])
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+# scenario: {rank: {step: "nan" | "raise"}}; a failure is caught and training goes on ("recover")
+SCENARIOS = {
+    "recover-replicated": {1: {3: "nan", 9: "nan"}},  # rank 1's bundles reference rank 0's state
+    "rank0-only": {0: {3: "nan"}},  # only rank 0 creates a Recorder
+    "raise-late": {1: {7: "raise"}},  # with snapshot_every=4: a window of steps 4..7 before rank 1 raises
+}
+
+
+def main(out_dir: str, scenario: str) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    config = {"crash_flag": os.path.join(out_dir, "crash")} if scenario == "crash-on-replay" else {}
+    state = build(config)
+    if scenario == "split":
+        out_dir = os.path.join(out_dir, f"rank{rank}")  # a folder per rank: no rank sees another's incident
+    rec = None
+    if scenario != "rank0-only" or rank == 0:  # rank0-only: tooling on rank 0 only, the others train without it
+        rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir,
+                                snapshot_every=4 if scenario == "raise-late" else 2,
+                                incident_wait_s=20, replicated_state=scenario.endswith("-replicated"))
+    plan = SCENARIOS.get(scenario, {} if scenario == "split" else {1: {3: "raise"}}).get(rank, {})
+    g = torch.Generator().manual_seed(rank)
+    for step in range(12):
+        x = torch.randn(8, 8, generator=g)
+        batch = {"x": x, "y": x.sum(1), "boom": torch.tensor(False)}
+        what = plan.get(step)
+        if what == "nan":
+            batch["x"][0, 0] = float("nan")
+        elif what == "raise":
+            batch["boom"] = torch.tensor(True)
+        try:
+            rec.step(batch) if rec is not None else train_step(state, batch)
+        except (reprokit.TrainingFailure, IndexError) as e:
+            print(f"rank {rank} step {step}: {type(e).__name__}: bundle {getattr(e, 'bundle', None)}", flush=True)
+            if not scenario.startswith("recover"):
+                raise
+            # recover: restore finite weights (all ranks agree), skip this step
+            with torch.no_grad():
+                for p in state.model.parameters():
+                    p.nan_to_num_(0.0)
+                    dist.broadcast(p, 0)
+    print(f"rank {rank} bundles: {[str(b) for b in rec.bundles] if rec else None}", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
