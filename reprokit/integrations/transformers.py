@@ -31,6 +31,7 @@ import importlib
 import inspect
 import shutil
 import tempfile
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -307,8 +308,18 @@ class ReprokitCallback(TrainerCallback):
         self._batch: dict[str, Any] | None = None
         self._loss: torch.Tensor | None = None
         self._indices: deque[list[int]] = deque()
+        self._given: tuple[Any, list[str]] | None = None  # (weakref to a Trainer, what its constructor was given)
 
     # --- Trainer events ------------------------------------------------------------------
+
+    def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        # Only the constructor's end shows whether the optimizer and scheduler are the user's own (passed as
+        # ``optimizers=``): by train start the Trainer has made its own in their place.
+        trainer = _calling_trainer()
+        if trainer is not None:
+            given = [f"optimizers=({'optimizer' if i == 0 else 'scheduler'} given)" for i, part in
+                     enumerate((trainer.optimizer, trainer.lr_scheduler)) if part is not None]
+            self._given = (weakref.ref(trainer), given)
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = _calling_trainer()
@@ -320,6 +331,7 @@ class ReprokitCallback(TrainerCallback):
             raise CaptureError(f"ReprokitCallback: this Trainer ({type(trainer).__qualname__}, transformers "
                                f"{transformers.__version__}) has no {', '.join(missing)}; the callback follows the "
                                "training loop of transformers 5 (tested with 5.24): upgrade transformers")
+        self._refuse_what_replay_cannot_rebuild(trainer)
         if self.recorder is not None:
             self.recorder.close()
         self._trainer = trainer
@@ -356,6 +368,22 @@ class ReprokitCallback(TrainerCallback):
         if self.recorder is not None:
             self.recorder.close()
         self._unwrap()
+
+    def _refuse_what_replay_cannot_rebuild(self, trainer: Any) -> None:
+        """Replay makes ``TrainerClass(model=..., args=...)`` and nothing else: a loss function, optimizer or scheduler
+        handed to the constructor would be replaced by the Trainer's defaults, a replay of another run (its losses
+        differ, and a deterministic failure reads "not reproduced"). Refused before the first step."""
+        parts = list(self._given[1]) if self._given is not None and self._given[0]() is trainer else []
+        for name in ("compute_loss_func", "optimizer_cls_and_kwargs"):
+            if getattr(trainer, name, None) is not None:
+                parts.append(f"{name}=")
+        if parts:
+            raise CaptureError(
+                f"ReprokitCallback: this Trainer was given {', '.join(parts)}, which replay cannot rebuild (it makes "
+                f"{type(trainer).__qualname__}(model=..., args=...) from the recorded TrainingArguments, so it would "
+                "train with the Trainer's default loss, optimizer and scheduler instead, and not reproduce the run). "
+                "Move them into a Trainer subclass in your project (override compute_loss, create_optimizer, "
+                "create_scheduler): the subclass travels in the bundle's code snapshot and replay runs it")
 
     # --- what the bundle needs --------------------------------------------------------------
 
