@@ -61,7 +61,7 @@ def test_accumulation_with_evaluation_and_warmup_records_the_failing_update_and_
         runs.append(t.model.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(runs[0].values(), runs[1].values(), strict=True))
 
-    bad = 9
+    bad = 4  # in update 3 (seed 3); the test reads where it landed from the bundle all the same
     with pytest.raises(TrainingFailure) as info:
         trainer(tmp_path, Embeds(16, bad), [ReprokitCallback(out_dir=tmp_path / "repros", snapshot_every=2)],
                 args=args, eval_dataset=Embeds(4)).train()
