@@ -18,7 +18,7 @@ followed by the ``interval="step"`` LR schedulers Lightning steps after it.
   (batch, RNG and state are taken at its start; an exception or a non-finite loss writes a bundle and is
   raised through Lightning, which calls ``on_exception`` and stops). The recorded batch is
   ``{"batch": BATCH, "lightning": {"batch_idx", "optimizer_step"}}``: whether this batch ended an
-  accumulation is recorded, not recomputed.
+  accumulation (and, on an epoch's last batch, ``epoch_end`` and ``epoch``) is recorded, not recomputed.
 * Replay: ``build(config)`` imports the LightningModule class from the bundle's code snapshot (vetted like
   every ref), constructs it from its ``save_hyperparameters()`` values (JSON in run.json, never a pickle),
   and connects it to a headless ``Trainer`` made with the recorded precision, clipping and accumulation
@@ -34,7 +34,9 @@ behind Lightning's DDP strategy in the process group replay starts, and replays 
 Limits (said at attach time when they apply): one optimizer and at most one LR scheduler; ``self.log`` calls
 are no-ops on replay (logging does not change training); hooks that run outside the optimization
 (``on_train_batch_start/end``, callbacks changing weights, an EMA) are not part of the replayed step;
-``ReduceLROnPlateau`` and ``interval="epoch"`` schedulers step between epochs, outside the replayed window.
+``ReduceLROnPlateau`` steps on a validation metric, which replay does not have. An ``interval="epoch"``
+scheduler (the default of ``return [opt], [sched]``) steps after an epoch's last batch: that batch is
+recorded with ``epoch_end`` and its epoch, and replay steps the scheduler there as Lightning does.
 """
 
 from __future__ import annotations
@@ -115,9 +117,13 @@ class ReprokitCallback(Callback):
 
     def _step(self, trainer: pl.Trainer, run: Any, args: tuple[Any, ...], kwargs: OrderedDict, batch_idx: int) -> Any:
         assert self.recorder is not None
-        steps = not trainer.fit_loop._should_accumulate()
+        loop = trainer.fit_loop
+        steps = not loop._should_accumulate()
+        meta = {"batch_idx": batch_idx, "optimizer_step": steps}
+        if loop.epoch_loop._num_ready_batches_reached():  # Lightning steps interval="epoch" schedulers after it
+            meta.update(epoch_end=True, epoch=int(trainer.current_epoch))
         self._live, self._output = (run, args), None
-        self.recorder.step({BATCH: kwargs[BATCH], META: {"batch_idx": batch_idx, "optimizer_step": steps}})
+        self.recorder.step({BATCH: kwargs[BATCH], META: meta})
         return self._output
 
     def _run_live(self, state: TrainState, batch: Any) -> Any:
@@ -235,10 +241,18 @@ def train_step(state: TrainState, batch: dict[str, Any]) -> Any:
     if module.automatic_optimization:
         output = loop.automatic_optimization.run(trainer.optimizers[0], idx, kwargs)
         if steps:  # TrainingEpochLoop.update_lr_schedulers("step", update_plateau_schedulers=False)
-            for cfg in trainer.lr_scheduler_configs:
-                if cfg.interval == "step" and not cfg.reduce_on_plateau and (idx + 1) % cfg.frequency == 0:
-                    call._call_lightning_module_hook(trainer, "lr_scheduler_step", cfg.scheduler, None)
+            _step_schedulers(trainer, "step", idx + 1)
+        if meta.get("epoch_end"):  # the epoch's last batch: then the "epoch" ones (update_lr_schedulers("epoch"))
+            _step_schedulers(trainer, "epoch", int(meta["epoch"]) + 1)
     else:
         output = loop.manual_optimization.run(kwargs)
     loss = _loss_of(output)
     return loss if isinstance(loss, torch.Tensor) else None
+
+
+def _step_schedulers(trainer: Any, interval: str, index: int) -> None:
+    """Step the non-plateau schedulers of ``interval`` as ``TrainingEpochLoop._update_learning_rates`` does
+    (``index`` counts from 1: the batch in the epoch for "step", the epoch for "epoch")."""
+    for cfg in trainer.lr_scheduler_configs:
+        if cfg.interval == interval and not cfg.reduce_on_plateau and index % cfg.frequency == 0:
+            call._call_lightning_module_hook(trainer, "lr_scheduler_step", cfg.scheduler, None)

@@ -77,8 +77,8 @@ def loader(dataset, batch_size=4):
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)
 
 
-def trainer(callbacks, devices=1, **kw):
-    return pl.Trainer(accelerator="cpu", devices=devices, max_epochs=1, logger=False, enable_checkpointing=False,
+def trainer(callbacks, devices=1, max_epochs=1, **kw):
+    return pl.Trainer(accelerator="cpu", devices=devices, max_epochs=max_epochs, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kw)
 
 
@@ -87,3 +87,18 @@ class Unsaved(TinyLit):
 
     def __init__(self, width: int):
         super().__init__(d=width)
+
+
+class EpochStepLR(TinyLit):
+    """configure_optimizers in its shortest form: ``[opt], [sched]``, a scheduler Lightning steps once per epoch."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)]
+
+
+class WithVal(TinyLit):
+    """A validation loop too: Lightning runs it between training batches."""
+
+    def validation_step(self, batch, batch_idx):
+        return self.loss(batch)
