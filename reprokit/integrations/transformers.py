@@ -100,8 +100,18 @@ def build(config: dict[str, Any]) -> HFTrainState:
         trainer = trainer_cls(model=model, args=args)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    _attach_train_hooks(trainer)
     trainer._prepare_for_training(int(config["max_steps"]), None, None)
     return _state_of(trainer)
+
+
+def _attach_train_hooks(trainer: Any) -> None:
+    """What ``Trainer.train`` attaches to the model before preparing it and that changes what a step computes:
+    NEFTune's embedding noise (``neftune_noise_alpha``; drawn from the recorded RNG). Replay never calls ``train``."""
+    if getattr(trainer, "neftune_noise_alpha", None) is not None:
+        neftune = importlib.import_module("transformers.integrations.neftune")
+        trainer.neftune_hook_handle = neftune.activate_neftune(trainer.model, trainer.neftune_noise_alpha,
+                                                               trainer.accelerator)
 
 
 def _check_gpu_count(recorded: Any, here: int) -> None:

@@ -101,3 +101,32 @@ def test_what_replay_cannot_rebuild_is_refused_before_the_first_step(tmp_path, g
         t.train()
     assert all(torch.equal(before[k], v) for k, v in t.model.state_dict().items()), "no step ran"
     assert not (tmp_path / "repros").exists() or not any((tmp_path / "repros").iterdir())
+
+
+
+class Ids(torch.utils.data.Dataset):
+    """``n`` rows of token ids; row ``bad`` holds an id past the vocabulary (an IndexError in the embedding)."""
+
+    def __init__(self, n: int, bad: int):
+        self.ids = torch.randint(1, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(0))
+        self.ids[bad, 3] = VOCAB + 5
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def test_neftune_noise_is_part_of_the_replayed_step(tmp_path):
+    """``neftune_noise_alpha`` adds noise to the embeddings through a hook ``Trainer.train`` attaches; replay never
+    calls ``train``, so its steps ran without the noise (not bit-exact from the first step)."""
+    with pytest.raises(IndexError):  # row 3 is in update 3 (seed 3): updates 2 and 3 are the window
+        trainer(tmp_path, Ids(16, bad=3), [ReprokitCallback(out_dir=tmp_path / "repros", snapshot_every=2)],
+                args={"neftune_noise_alpha": 5.0}).train()
+    (bundle,) = (tmp_path / "repros").iterdir()
+    assert open_bundle(bundle).run["window"]["steps"] == [2, 3]
+    out = CliRunner().invoke(main, ["replay", str(bundle), "--json"])
+    assert out.exit_code == 1, out.output
+    d = json.loads(out.output)
+    assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"], d["fidelity"]
