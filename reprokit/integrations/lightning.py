@@ -100,6 +100,8 @@ class ReprokitCallback(Callback):
         rec._refs["objects"] = [cls_ref]
         rec._root = root  # build and step are reprokit's: the code snapshot is the LightningModule's project
         rec._scripts = [root / cls_ref["script"]] if "script" in cls_ref else []
+        # Steps are the fit's batches: a fit resumed from a checkpoint (ckpt_path=) counts on from its batches.
+        rec.step_index = int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
         self.recorder = rec
         loop = trainer.fit_loop.epoch_loop
         auto, manual = loop.automatic_optimization, loop.manual_optimization

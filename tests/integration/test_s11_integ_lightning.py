@@ -99,3 +99,36 @@ def test_validation_accumulation_clipping_bf16_over_epochs_leave_training_unchan
                                                                  "epoch_end": True, "epoch": 1}
     d = replayed(b.path)
     assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] == 3
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning")  # the resumed fit's own
+def test_a_fit_resumed_from_a_checkpoint_numbers_its_steps_from_the_checkpoint(projects, tmp_path):
+    """``fit(ckpt_path=...)`` goes on from the checkpoint's batch: the bundle's step is that batch's index in the whole
+    run (the Trainer's global step here, no accumulation), not the count since the resumed fit started."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from reprokit.integrations.lightning import ReprokitCallback
+
+    L = projects("rk_lightning")
+    data = late_tokens(L, 40, 30, 1)  # 10 batches an epoch; sample 30 first read in epoch 1, batch 7: batch 17
+    quiet = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
+             "enable_model_summary": False, "default_root_dir": tmp_path}
+    pl.seed_everything(0)
+    first = pl.Trainer(callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3)], max_steps=3,
+                       **quiet)
+    first.fit(L.TinyLit(), L.loader(data))
+    (ckpt,) = (tmp_path / "ck").iterdir()
+    seen = []
+
+    class Steps(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            seen.append(trainer.global_step)
+
+    pl.seed_everything(0)
+    resumed = pl.Trainer(callbacks=[ReprokitCallback(out_dir=tmp_path / "repros", snapshot_every=4), Steps()],
+                         max_epochs=2, enable_checkpointing=False, **quiet)
+    with pytest.raises(reprokit.TrainingFailure) as info:
+        resumed.fit(L.TinyLit(), L.loader(data), ckpt_path=ckpt)
+    assert seen[0] == 3 and info.value.failure.step == seen[-1] == 17
+    d = replayed(bundle_of(info.value))
+    assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"]
