@@ -34,7 +34,8 @@ behind Lightning's DDP strategy in the process group replay starts, and replays 
 Limits (said at attach time when they apply): one optimizer and at most one LR scheduler; ``self.log`` calls
 are no-ops on replay (logging does not change training); hooks that run outside the optimization
 (``on_train_batch_start/end``, callbacks changing weights, an EMA) are not part of the replayed step;
-``ReduceLROnPlateau`` steps on a validation metric, which replay does not have. An ``interval="epoch"``
+``ReduceLROnPlateau`` steps on a metric between epochs, which replay cannot recompute: with one, the batch after
+an epoch end starts a new window (a fresh snapshot), so no window runs over its step. An ``interval="epoch"``
 scheduler (the default of ``return [opt], [sched]``) steps after an epoch's last batch: that batch is
 recorded with ``epoch_end`` and its epoch, and replay steps the scheduler there as Lightning does.
 """
@@ -126,6 +127,10 @@ class ReprokitCallback(Callback):
             meta.update(epoch_end=True, epoch=int(trainer.current_epoch))
         self._live, self._output = (run, args), None
         self.recorder.step({BATCH: kwargs[BATCH], META: meta})
+        if meta.get("epoch_end") and any(cfg.reduce_on_plateau for cfg in trainer.lr_scheduler_configs):
+            # ReduceLROnPlateau steps on a metric after this batch, which replay cannot recompute: the next
+            # batch starts a window of its own (a snapshot holds the scheduler as the metric left it).
+            self.recorder._resnap = True
         return self._output
 
     def _run_live(self, state: TrainState, batch: Any) -> Any:

@@ -132,3 +132,17 @@ def test_a_fit_resumed_from_a_checkpoint_numbers_its_steps_from_the_checkpoint(p
     assert seen[0] == 3 and info.value.failure.step == seen[-1] == 17
     d = replayed(bundle_of(info.value))
     assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"]
+
+
+def test_a_window_starts_again_after_a_plateau_schedulers_epoch_end(projects, tmp_path):
+    """ReduceLROnPlateau steps on a metric between epochs, which replay cannot recompute: the recorder takes a new
+    snapshot after each epoch end, so no window runs over a cut it would replay at the old LR."""
+    L = projects("rk_lightning")
+    with pytest.raises(reprokit.TrainingFailure) as info:
+        fit(L, L.PlateauLit, late_tokens(L, 10, 9, 3), tmp_path / "repros", max_epochs=4)
+    b = open_bundle(bundle_of(info.value))
+    lrs = {h["step"]: h["lr"] for h in b.run["history"]}
+    assert lrs[5] > lrs[6], "the plateau scheduler cut the LR after step 5, the end of epoch 1"
+    d = replayed(b.path)
+    assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"], d["fidelity"]
+    assert (b.failure.step, b.run["window"]["steps"]) == (8, [6, 7, 8])

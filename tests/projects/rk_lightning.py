@@ -102,3 +102,13 @@ class WithVal(TinyLit):
 
     def validation_step(self, batch, batch_idx):
         return self.loss(batch)
+
+
+class PlateauLit(TinyLit):
+    """ReduceLROnPlateau on the logged training loss (``mode="max"``, no patience: it cuts the LR every epoch end
+    after the first); Lightning steps it between epochs, on the metric, outside any batch."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.1, patience=0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "train_loss"}}
