@@ -95,7 +95,15 @@ class ReprokitCallback(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state, config, cls_ref, root = _describe(trainer, pl_module)
-        rec = Recorder(state, train_step, build=build, config=config, out_dir=self.out_dir, **self.options)
+        try:
+            rec = Recorder(state, train_step, build=build, config=config, out_dir=self.out_dir, **self.options)
+        except CaptureError as e:
+            if "config/hparams/" not in str(e):
+                raise
+            raise CaptureError(f"{e}. Replay rebuilds {type(pl_module).__qualname__} from its saved hyperparameters, "
+                               "kept as JSON in the bundle: take plain values in __init__ (a config dataclass as "
+                               "its fields, or a dict), or leave the others out with save_hyperparameters(ignore=[...]) "
+                               "and give them defaults") from None
         # Replay runs reprokit's train_step on a headless trainer; while recording, the step is the live one.
         rec.train_step = self._run_live
         rec._refs["objects"] = [cls_ref]

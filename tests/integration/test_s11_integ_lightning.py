@@ -146,3 +146,12 @@ def test_a_window_starts_again_after_a_plateau_schedulers_epoch_end(projects, tm
     d = replayed(b.path)
     assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"], d["fidelity"]
     assert (b.failure.step, b.run["window"]["steps"]) == (8, [6, 7, 8])
+
+
+def test_hyperparameters_without_a_json_form_are_refused_with_what_to_do(projects, tmp_path):
+    from reprokit.errors import CaptureError
+    from reprokit.integrations.lightning import ReprokitCallback
+
+    L = projects("rk_lightning")
+    with pytest.raises(CaptureError, match=r"type Shape.*Replay rebuilds ShapedLit.*save_hyperparameters\(ignore="):
+        L.trainer([ReprokitCallback(out_dir=tmp_path / "r")]).fit(L.ShapedLit(), L.loader(L.Tokens()))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -112,3 +114,23 @@ class PlateauLit(TinyLit):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.1, patience=0)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "train_loss"}}
+
+
+@dataclasses.dataclass
+class Shape:
+    d: int = 8
+
+
+class ShapedLit(pl.LightningModule):
+    """Takes a config dataclass, which save_hyperparameters keeps as it is (no JSON form)."""
+
+    def __init__(self, shape: Shape = Shape()):  # noqa: B008 - a default instance, never mutated
+        super().__init__()
+        self.save_hyperparameters()
+        self.head = nn.Linear(shape.d, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(torch.ones(1, self.hparams.shape.d)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
