@@ -166,7 +166,9 @@ def _describe(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[TrainSta
     if len(trainer.optimizers) != 1 or len(trainer.lr_scheduler_configs) > 1:
         raise CaptureError(f"reprokit's Lightning callback records one optimizer and at most one LR scheduler; "
                            f"configure_optimizers gave {len(trainer.optimizers)} optimizer(s) and "
-                           f"{len(trainer.lr_scheduler_configs)} scheduler(s)")
+                           f"{len(trainer.lr_scheduler_configs)} scheduler(s), which replay could not rebuild. Return one "
+                           "optimizer (and one scheduler) from configure_optimizers, or train this module without "
+                           "ReprokitCallback")
     cls = type(module)
     try:
         cls_ref, root = ref_of(cls, "the LightningModule class")
