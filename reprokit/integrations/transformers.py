@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import shutil
 import tempfile
 import weakref
@@ -215,18 +216,19 @@ def _args_for_replay(recorded: dict[str, Any]) -> dict[str, Any]:
 
 
 def _args_to_record(args: TrainingArguments) -> dict[str, Any]:
-    """The ``TrainingArguments`` fields, as JSON-able values (tokens left out)."""
+    """The ``TrainingArguments`` fields, as JSON-able values (credentials, ``hub_token``, left out).
+
+    Only secrets are left out by name: ``average_tokens_across_devices`` changes the loss scaling of a
+    multi-process run. Nested lists and dicts (``lr_scheduler_kwargs``) are kept as JSON.
+    """
     out: dict[str, Any] = {}
     for k, v in args.to_dict().items():
-        if "token" in k:
+        if k.endswith("token"):
             continue
-        if isinstance(v, (str, int, float, bool)) or v is None:
-            out[k] = v
-        elif isinstance(v, (list, tuple)) and all(isinstance(x, (str, int, float, bool)) for x in v):
-            out[k] = list(v)
-        elif isinstance(v, dict) and all(isinstance(x, (str, int, float, bool)) or x is None for x in v.values()):
-            out[k] = dict(v)
-        # anything else (callables, objects) stays at its default on replay
+        try:
+            out[k] = json.loads(json.dumps(v, allow_nan=False))
+        except (TypeError, ValueError):
+            pass  # anything else (callables, objects) stays at its default on replay
     return out
 
 

@@ -130,3 +130,16 @@ def test_neftune_noise_is_part_of_the_replayed_step(tmp_path):
     assert out.exit_code == 1, out.output
     d = json.loads(out.output)
     assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"], d["fidelity"]
+
+
+def test_every_argument_with_a_json_form_is_recorded_and_only_the_hub_token_left_out(tmp_path):
+    """Arguments were left out when their name held "token": ``average_tokens_across_devices`` (the loss scaling of
+    a multi-process run) came back at its default on replay."""
+    with pytest.raises(IndexError):
+        trainer(tmp_path, Ids(4, bad=0), [ReprokitCallback(out_dir=tmp_path / "repros")],
+                args={"average_tokens_across_devices": False, "hub_token": "hf_secret"}).train()
+    (bundle,) = (tmp_path / "repros").iterdir()
+    text = (bundle / "run.json").read_text()
+    args = json.loads(text)["config"]["args"]
+    assert args["average_tokens_across_devices"] is False
+    assert "hub_token" not in args and "hf_secret" not in text
