@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import transformers
 from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import IntervalStrategy
 
 from reprokit.code import ref_label, ref_of, resolve_project, snapshot_files
 from reprokit.errors import CaptureError, CodeLoadError, StateMismatchError
@@ -97,6 +98,9 @@ def build(config: dict[str, Any]) -> HFTrainState:
     scratch = tempfile.mkdtemp(prefix="reprokit-trainer-")  # the Trainer makes its output_dir; replay writes nothing
     try:
         args = TrainingArguments(**{**_args_for_replay(config["args"]), "output_dir": scratch})
+        # Replay never evaluates; set after the arguments' own checks, which want an eval strategy for a scheduler
+        # that steps on eval metrics (reduce_lr_on_plateau), and before the Trainer's, which want an eval_dataset.
+        args.eval_strategy = IntervalStrategy.NO
         _check_gpu_count(config.get(N_GPU), args.n_gpu)
         trainer = trainer_cls(model=model, args=args)
     finally:
@@ -204,7 +208,8 @@ def _import_class(ref: dict[str, Any], what: str, base: type) -> Any:
 
 
 _NOT_REPLAYED: dict[str, Any] = {"output_dir": None, "report_to": [], "push_to_hub": False, "hub_token": None,
-                 "logging_dir": None, "save_strategy": "no", "eval_strategy": "no", "dataloader_num_workers": 0}
+                 "logging_dir": None, "save_strategy": "no", "load_best_model_at_end": False,
+                 "dataloader_num_workers": 0}
 """Arguments that decide where a run writes or reports, never what a step computes: replay writes nowhere."""
 
 
@@ -321,6 +326,7 @@ class ReprokitCallback(TrainerCallback):
         self._loss: torch.Tensor | None = None
         self._indices: deque[list[int]] = deque()
         self._given: tuple[Any, list[str]] | None = None  # (weakref to a Trainer, what its constructor was given)
+        self._lrs_after: list[Any] | None = None  # the optimizer's LRs as the last update left them
 
     # --- Trainer events ------------------------------------------------------------------
 
@@ -344,6 +350,7 @@ class ReprokitCallback(TrainerCallback):
                                f"{transformers.__version__}) has no {', '.join(missing)}; the callback follows the "
                                "training loop of transformers 5 (tested with 5.24): upgrade transformers")
         self._refuse_what_replay_cannot_rebuild(trainer)
+        self._lrs_after = None
         if self.recorder is not None:
             self.recorder.close()
         self._trainer = trainer
@@ -363,6 +370,11 @@ class ReprokitCallback(TrainerCallback):
             return
         self._loss = None
         batch, self._batch = self._batch, None
+        lrs = self._lrs()
+        if self._lrs_after is not None and lrs != self._lrs_after:
+            # The LR changed between updates (a scheduler stepped on eval metrics, reduce_lr_on_plateau, or a
+            # callback): replay runs updates only, so this one starts a window of its own (a fresh snapshot).
+            rec._resnap = True
         if batch is None:  # the update's micro-batches were not seen: it cannot be replayed, nor the window
             rec.skip(f"reprokit: update {rec.step_index}'s micro-batches were not captured; no bundle until the "
                      "next snapshot")
@@ -374,6 +386,7 @@ class ReprokitCallback(TrainerCallback):
         if rec is None or not rec.active:
             return
         loss, self._loss = self._loss, None
+        self._lrs_after = self._lrs()
         rec.end(loss)
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
@@ -396,6 +409,11 @@ class ReprokitCallback(TrainerCallback):
                 "train with the Trainer's default loss, optimizer and scheduler instead, and not reproduce the run). "
                 "Move them into a Trainer subclass in your project (override compute_loss, create_optimizer, "
                 "create_scheduler): the subclass travels in the bundle's code snapshot and replay runs it")
+
+    def _lrs(self) -> list[Any]:
+        trainer = self._trainer
+        opt = _unwrap(trainer.optimizer, "optimizer") if trainer is not None else None
+        return [group.get("lr") for group in getattr(opt, "param_groups", [])]
 
     # --- what the bundle needs --------------------------------------------------------------
 

@@ -43,9 +43,9 @@ def tiny() -> GPT2LMHeadModel:
 
 
 def trainer(tmp_path, train_ds, callbacks, **kw) -> Trainer:
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=4, seed=3,
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, seed=3,
                              report_to=[], logging_strategy="no", save_strategy="no", disable_tqdm=True, use_cpu=True,
-                             **kw.pop("args", {}))
+                             **{"max_steps": 4, **kw.pop("args", {})})
     return Trainer(model=kw.pop("model", None) or tiny(), args=args, train_dataset=train_ds, callbacks=callbacks, **kw)
 
 
@@ -143,3 +143,24 @@ def test_every_argument_with_a_json_form_is_recorded_and_only_the_hub_token_left
     args = json.loads(text)["config"]["args"]
     assert args["average_tokens_across_devices"] is False
     assert "hub_token" not in args and "hf_secret" not in text
+
+
+def test_a_scheduler_stepped_on_eval_metrics_replays_and_no_window_runs_over_its_step(tmp_path):
+    """reduce_lr_on_plateau needs an eval strategy, which replay turned off (build failed: nothing replayed), and the
+    Trainer steps it on the metrics between updates: an update after an LR change starts a window of its own."""
+    args = {"lr_scheduler_type": "reduce_lr_on_plateau", "learning_rate": 1e-2, "max_steps": 8,
+            # no eval is an improvement (threshold), and a long cooldown: one cut, at the first eval (after update 0)
+            "lr_scheduler_kwargs": {"threshold": 10.0, "patience": 0, "factor": 0.1, "cooldown": 100},
+            "eval_strategy": "steps",
+            "eval_steps": 1}
+    with pytest.raises(TrainingFailure) as info:
+        trainer(tmp_path, Embeds(16, bad=3), [ReprokitCallback(out_dir=tmp_path / "repros", snapshot_every=4)],
+                args=args, eval_dataset=Embeds(4)).train()
+    b = open_bundle(info.value.bundle)
+    lrs = {h["step"]: h["lr"] for h in b.run["history"]}
+    assert lrs[0] == 10 * lrs[1] == 10 * lrs[3], lrs  # cut between updates 0 and 1 (the LR after each update)
+    out = CliRunner().invoke(main, ["replay", str(b.path), "--json"])
+    assert out.exit_code == 1, out.output
+    d = json.loads(out.output)
+    assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"], d["fidelity"]
+    assert (b.failure.step, b.run["window"]["steps"]) == (3, [1, 2, 3])  # not [0, 1, 2, 3], over the cut
