@@ -413,7 +413,8 @@ class ReprokitCallback(TrainerCallback):
     def _lrs(self) -> list[Any]:
         trainer = self._trainer
         opt = _unwrap(trainer.optimizer, "optimizer") if trainer is not None else None
-        return [group.get("lr") for group in getattr(opt, "param_groups", [])]
+        lrs = [group.get("lr") for group in getattr(opt, "param_groups", [])]
+        return [float(lr) if isinstance(lr, torch.Tensor) else lr for lr in lrs]  # a tensor LR changes in place
 
     # --- what the bundle needs --------------------------------------------------------------
 
