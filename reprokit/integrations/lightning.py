@@ -34,8 +34,8 @@ behind Lightning's DDP strategy in the process group replay starts, and replays 
 Limits (said at attach time when they apply): one optimizer and at most one LR scheduler; ``self.log`` calls
 are no-ops on replay (logging does not change training); hooks that run outside the optimization
 (``on_train_batch_start/end``, callbacks changing weights, an EMA) are not part of the replayed step;
-``ReduceLROnPlateau`` steps on a metric between epochs, which replay cannot recompute: with one, the batch after
-an epoch end starts a new window (a fresh snapshot), so no window runs over its step. An ``interval="epoch"``
+``ReduceLROnPlateau`` steps on a metric between batches, which replay cannot recompute: with one, the batch after
+an epoch end or a validation starts a new window (a fresh snapshot), so no window runs over its step. An ``interval="epoch"``
 scheduler (the default of ``return [opt], [sched]``) steps after an epoch's last batch: that batch is
 recorded with ``epoch_end`` and its epoch, and replay steps the scheduler there as Lightning does.
 """
@@ -92,6 +92,7 @@ class ReprokitCallback(Callback):
         self._live: tuple[Any, tuple[Any, ...]] | None = None
         self._output: Any = None
         self._restore: tuple[Any, ...] = ()
+        self._lrs_at_validation: list[float] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state, config, cls_ref, root = _describe(trainer, pl_module)
@@ -133,6 +134,10 @@ class ReprokitCallback(Callback):
         meta = {"batch_idx": batch_idx, "optimizer_step": steps}
         if loop.epoch_loop._num_ready_batches_reached():  # Lightning steps interval="epoch" schedulers after it
             meta.update(epoch_end=True, epoch=int(trainer.current_epoch))
+        if self._lrs_at_validation is not None:
+            if _lrs(trainer) != self._lrs_at_validation:
+                self.recorder._resnap = True
+            self._lrs_at_validation = None
         self._live, self._output = (run, args), None
         self.recorder.step({BATCH: kwargs[BATCH], META: meta})
         if meta.get("epoch_end") and any(cfg.reduce_on_plateau for cfg in trainer.lr_scheduler_configs):
@@ -146,6 +151,12 @@ class ReprokitCallback(Callback):
         run, args = self._live
         self._output = run(*args)
         return _loss_of(self._output)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning steps a ReduceLROnPlateau on the metrics right after a validation, between training batches
+        # (val_check_interval) or at an epoch end: the next batch starts a window of its own, as in _step.
+        if self.recorder is not None and any(cfg.reduce_on_plateau for cfg in trainer.lr_scheduler_configs):
+            self._lrs_at_validation = _lrs(trainer)  # _step compares: only a cut needs a new window
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._detach()
@@ -192,6 +203,10 @@ def _describe(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[TrainSta
               "automatic_optimization": module.automatic_optimization,
               "accelerator": "gpu" if module.device.type == "cuda" else "cpu"}
     return state, config, cls_ref, root
+
+
+def _lrs(trainer: pl.Trainer) -> list[float]:
+    return [float(group["lr"]) for opt in trainer.optimizers for group in opt.param_groups]
 
 
 def _loss_of(output: Any) -> Any:

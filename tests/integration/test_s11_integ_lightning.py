@@ -155,3 +155,22 @@ def test_hyperparameters_without_a_json_form_are_refused_with_what_to_do(project
     L = projects("rk_lightning")
     with pytest.raises(CaptureError, match=r"type Shape.*Replay rebuilds ShapedLit.*save_hyperparameters\(ignore="):
         L.trainer([ReprokitCallback(out_dir=tmp_path / "r")]).fit(L.ShapedLit(), L.loader(L.Tokens()))
+
+
+def test_a_window_starts_again_after_a_validation_that_steps_a_plateau_scheduler(projects, tmp_path):
+    """With ``val_check_interval``, Lightning steps an ``interval="step"`` ReduceLROnPlateau after each validation,
+    between training batches of an epoch: the batch after a validation starts a window of its own."""
+    from reprokit.integrations.lightning import ReprokitCallback
+
+    L = projects("rk_lightning")
+    pl.seed_everything(0)
+    trainer = L.trainer([ReprokitCallback(out_dir=tmp_path / "repros", snapshot_every=5)], val_check_interval=2,
+                        num_sanity_val_steps=0)
+    with pytest.raises(reprokit.TrainingFailure) as info:  # sample 17 in batch 4; validation after batches 1 and 3
+        trainer.fit(L.ValPlateauLit(), L.loader(L.Tokens(ignored=17)), L.loader(L.Tokens(n=4)))
+    b = open_bundle(bundle_of(info.value))
+    lrs = {h["step"]: h["lr"] for h in b.run["history"]}
+    assert lrs[1] > lrs[2] == lrs[3], lrs  # cut by the first validation, after batch 1
+    d = replayed(b.path)
+    assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"], d["fidelity"]
+    assert (b.failure.step, b.run["window"]["steps"]) == (4, [2, 3, 4])

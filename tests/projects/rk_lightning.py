@@ -134,3 +134,17 @@ class ShapedLit(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ValPlateauLit(TinyLit):
+    """ReduceLROnPlateau on the validation loss, stepped after each validation (``interval="step"``), which
+    ``val_check_interval`` runs between training batches; no eval is an improvement (threshold), one cut."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, threshold=10.0, patience=0, factor=0.1, cooldown=100)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss", "interval": "step",
+                                                   "frequency": 2}}  # after batches 1, 3...: after each validation
