@@ -64,7 +64,7 @@ from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
 from reprokit.signature import Failure
 from reprokit.snapshot import SnapshotEngine, mib
-from reprokit.state import TrainState, capture_state
+from reprokit.state import TrainState, accumulation_phase, capture_state
 from reprokit.tensorfile import WrittenFile
 
 StepFn = Callable[[TrainState, Any], Any]
@@ -297,6 +297,7 @@ class Recorder:
         self._snapshot: _Snapshot | None = None
         self._ring: list[_Step] = []
         self._window_ok = False
+        self._resnap = False  # take a snapshot at the next synced step (see reprokit.state.accumulation_phase)
         self._history: deque[tuple[int, float | None, float | None, float | None, float | None]] = deque(
             maxlen=loss_history)
         self._warned: set[str] = set()
@@ -435,7 +436,13 @@ class Recorder:
                 self._drop_window("torn", f"reprokit: the snapshot at step {self._snapshot.step if self._snapshot else k}"
                                           f" is not the state that step started from ({torn}); a new one is taken at "
                                           f"step {k}, with those tensors copied in stream order from now on.")
-            due = bool(torn) or self._snapshot is None or k - self._snapshot.step >= self.snapshot_every
+            due = bool(torn) or self._snapshot is None or k - self._snapshot.step >= self.snapshot_every or \
+                self._resnap
+            boundary, last_batch = accumulation_phase(self.state.optimizer)
+            if due and not torn and not boundary:
+                due = False  # mid-accumulation under accelerate: the snapshot waits for the next synced step
+            # A dataloader's last batch syncs early, which replay would not: the window restarts after it.
+            self._resnap = last_batch or (self._resnap and not due)
             if not due:
                 self._engine.discard_prepared()  # prepared for a snapshot that is not taken now: stale later
             if not due and not self._window_ok:

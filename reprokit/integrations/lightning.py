@@ -18,7 +18,7 @@ followed by the ``interval="step"`` LR schedulers Lightning steps after it.
   (batch, RNG and state are taken at its start; an exception or a non-finite loss writes a bundle and is
   raised through Lightning, which calls ``on_exception`` and stops). The recorded batch is
   ``{"batch": BATCH, "lightning": {"batch_idx", "optimizer_step"}}``: whether this batch ended an
-  accumulation is recorded, not recomputed.
+  accumulation (and, on an epoch's last batch, ``epoch_end`` and ``epoch``) is recorded, not recomputed.
 * Replay: ``build(config)`` imports the LightningModule class from the bundle's code snapshot (vetted like
   every ref), constructs it from its ``save_hyperparameters()`` values (JSON in run.json, never a pickle),
   and connects it to a headless ``Trainer`` made with the recorded precision, clipping and accumulation
@@ -34,7 +34,10 @@ behind Lightning's DDP strategy in the process group replay starts, and replays 
 Limits (said at attach time when they apply): one optimizer and at most one LR scheduler; ``self.log`` calls
 are no-ops on replay (logging does not change training); hooks that run outside the optimization
 (``on_train_batch_start/end``, callbacks changing weights, an EMA) are not part of the replayed step;
-``ReduceLROnPlateau`` and ``interval="epoch"`` schedulers step between epochs, outside the replayed window.
+``ReduceLROnPlateau`` steps on a metric between batches, which replay cannot recompute: with one, the batch after
+an epoch end or a validation starts a new window (a fresh snapshot), so no window runs over its step. An ``interval="epoch"``
+scheduler (the default of ``return [opt], [sched]``) steps after an epoch's last batch: that batch is
+recorded with ``epoch_end`` and its epoch, and replay steps the scheduler there as Lightning does.
 """
 
 from __future__ import annotations
@@ -89,15 +92,26 @@ class ReprokitCallback(Callback):
         self._live: tuple[Any, tuple[Any, ...]] | None = None
         self._output: Any = None
         self._restore: tuple[Any, ...] = ()
+        self._lrs_at_validation: list[float] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state, config, cls_ref, root = _describe(trainer, pl_module)
-        rec = Recorder(state, train_step, build=build, config=config, out_dir=self.out_dir, **self.options)
+        try:
+            rec = Recorder(state, train_step, build=build, config=config, out_dir=self.out_dir, **self.options)
+        except CaptureError as e:
+            if "config/hparams/" not in str(e):
+                raise
+            raise CaptureError(f"{e}. Replay rebuilds {type(pl_module).__qualname__} from its saved hyperparameters, "
+                               "kept as JSON in the bundle: take plain values in __init__ (a config dataclass as "
+                               "its fields, or a dict), or leave the others out with save_hyperparameters(ignore=[...]) "
+                               "and give them defaults") from None
         # Replay runs reprokit's train_step on a headless trainer; while recording, the step is the live one.
         rec.train_step = self._run_live
         rec._refs["objects"] = [cls_ref]
         rec._root = root  # build and step are reprokit's: the code snapshot is the LightningModule's project
         rec._scripts = [root / cls_ref["script"]] if "script" in cls_ref else []
+        # Steps are the fit's batches: a fit resumed from a checkpoint (ckpt_path=) counts on from its batches.
+        rec.step_index = int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
         self.recorder = rec
         loop = trainer.fit_loop.epoch_loop
         auto, manual = loop.automatic_optimization, loop.manual_optimization
@@ -115,9 +129,21 @@ class ReprokitCallback(Callback):
 
     def _step(self, trainer: pl.Trainer, run: Any, args: tuple[Any, ...], kwargs: OrderedDict, batch_idx: int) -> Any:
         assert self.recorder is not None
-        steps = not trainer.fit_loop._should_accumulate()
+        loop = trainer.fit_loop
+        steps = not loop._should_accumulate()
+        meta = {"batch_idx": batch_idx, "optimizer_step": steps}
+        if loop.epoch_loop._num_ready_batches_reached():  # Lightning steps interval="epoch" schedulers after it
+            meta.update(epoch_end=True, epoch=int(trainer.current_epoch))
+        if self._lrs_at_validation is not None:
+            if _lrs(trainer) != self._lrs_at_validation:
+                self.recorder._resnap = True
+            self._lrs_at_validation = None
         self._live, self._output = (run, args), None
-        self.recorder.step({BATCH: kwargs[BATCH], META: {"batch_idx": batch_idx, "optimizer_step": steps}})
+        self.recorder.step({BATCH: kwargs[BATCH], META: meta})
+        if meta.get("epoch_end") and any(cfg.reduce_on_plateau for cfg in trainer.lr_scheduler_configs):
+            # ReduceLROnPlateau steps on a metric after this batch, which replay cannot recompute: the next
+            # batch starts a window of its own (a snapshot holds the scheduler as the metric left it).
+            self.recorder._resnap = True
         return self._output
 
     def _run_live(self, state: TrainState, batch: Any) -> Any:
@@ -125,6 +151,12 @@ class ReprokitCallback(Callback):
         run, args = self._live
         self._output = run(*args)
         return _loss_of(self._output)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning steps a ReduceLROnPlateau on the metrics right after a validation, between training batches
+        # (val_check_interval) or at an epoch end: the next batch starts a window of its own, as in _step.
+        if self.recorder is not None and any(cfg.reduce_on_plateau for cfg in trainer.lr_scheduler_configs):
+            self._lrs_at_validation = _lrs(trainer)  # _step compares: only a cut needs a new window
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._detach()
@@ -145,7 +177,9 @@ def _describe(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[TrainSta
     if len(trainer.optimizers) != 1 or len(trainer.lr_scheduler_configs) > 1:
         raise CaptureError(f"reprokit's Lightning callback records one optimizer and at most one LR scheduler; "
                            f"configure_optimizers gave {len(trainer.optimizers)} optimizer(s) and "
-                           f"{len(trainer.lr_scheduler_configs)} scheduler(s)")
+                           f"{len(trainer.lr_scheduler_configs)} scheduler(s), which replay could not rebuild. Return one "
+                           "optimizer (and one scheduler) from configure_optimizers, or train this module without "
+                           "ReprokitCallback")
     cls = type(module)
     try:
         cls_ref, root = ref_of(cls, "the LightningModule class")
@@ -169,6 +203,10 @@ def _describe(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[TrainSta
               "automatic_optimization": module.automatic_optimization,
               "accelerator": "gpu" if module.device.type == "cuda" else "cpu"}
     return state, config, cls_ref, root
+
+
+def _lrs(trainer: pl.Trainer) -> list[float]:
+    return [float(group["lr"]) for opt in trainer.optimizers for group in opt.param_groups]
 
 
 def _loss_of(output: Any) -> Any:
@@ -235,10 +273,18 @@ def train_step(state: TrainState, batch: dict[str, Any]) -> Any:
     if module.automatic_optimization:
         output = loop.automatic_optimization.run(trainer.optimizers[0], idx, kwargs)
         if steps:  # TrainingEpochLoop.update_lr_schedulers("step", update_plateau_schedulers=False)
-            for cfg in trainer.lr_scheduler_configs:
-                if cfg.interval == "step" and not cfg.reduce_on_plateau and (idx + 1) % cfg.frequency == 0:
-                    call._call_lightning_module_hook(trainer, "lr_scheduler_step", cfg.scheduler, None)
+            _step_schedulers(trainer, "step", idx + 1)
+        if meta.get("epoch_end"):  # the epoch's last batch: then the "epoch" ones (update_lr_schedulers("epoch"))
+            _step_schedulers(trainer, "epoch", int(meta["epoch"]) + 1)
     else:
         output = loop.manual_optimization.run(kwargs)
     loss = _loss_of(output)
     return loss if isinstance(loss, torch.Tensor) else None
+
+
+def _step_schedulers(trainer: Any, interval: str, index: int) -> None:
+    """Step the non-plateau schedulers of ``interval`` as ``TrainingEpochLoop._update_learning_rates`` does
+    (``index`` counts from 1: the batch in the epoch for "step", the epoch for "epoch")."""
+    for cfg in trainer.lr_scheduler_configs:
+        if cfg.interval == interval and not cfg.reduce_on_plateau and index % cfg.frequency == 0:
+            call._call_lightning_module_hook(trainer, "lr_scheduler_step", cfg.scheduler, None)

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import shutil
 import tempfile
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 import transformers
 from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import IntervalStrategy
 
 from reprokit.code import ref_label, ref_of, resolve_project, snapshot_files
 from reprokit.errors import CaptureError, CodeLoadError, StateMismatchError
@@ -95,12 +98,25 @@ def build(config: dict[str, Any]) -> HFTrainState:
     scratch = tempfile.mkdtemp(prefix="reprokit-trainer-")  # the Trainer makes its output_dir; replay writes nothing
     try:
         args = TrainingArguments(**{**_args_for_replay(config["args"]), "output_dir": scratch})
+        # Replay never evaluates; set after the arguments' own checks, which want an eval strategy for a scheduler
+        # that steps on eval metrics (reduce_lr_on_plateau), and before the Trainer's, which want an eval_dataset.
+        args.eval_strategy = IntervalStrategy.NO
         _check_gpu_count(config.get(N_GPU), args.n_gpu)
         trainer = trainer_cls(model=model, args=args)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    _attach_train_hooks(trainer)
     trainer._prepare_for_training(int(config["max_steps"]), None, None)
     return _state_of(trainer)
+
+
+def _attach_train_hooks(trainer: Any) -> None:
+    """What ``Trainer.train`` attaches to the model before preparing it and that changes what a step computes:
+    NEFTune's embedding noise (``neftune_noise_alpha``; drawn from the recorded RNG). Replay never calls ``train``."""
+    if getattr(trainer, "neftune_noise_alpha", None) is not None:
+        neftune = importlib.import_module("transformers.integrations.neftune")
+        trainer.neftune_hook_handle = neftune.activate_neftune(trainer.model, trainer.neftune_noise_alpha,
+                                                               trainer.accelerator)
 
 
 def _check_gpu_count(recorded: Any, here: int) -> None:
@@ -192,7 +208,8 @@ def _import_class(ref: dict[str, Any], what: str, base: type) -> Any:
 
 
 _NOT_REPLAYED: dict[str, Any] = {"output_dir": None, "report_to": [], "push_to_hub": False, "hub_token": None,
-                 "logging_dir": None, "save_strategy": "no", "eval_strategy": "no", "dataloader_num_workers": 0}
+                 "logging_dir": None, "save_strategy": "no", "load_best_model_at_end": False,
+                 "dataloader_num_workers": 0}
 """Arguments that decide where a run writes or reports, never what a step computes: replay writes nowhere."""
 
 
@@ -204,18 +221,19 @@ def _args_for_replay(recorded: dict[str, Any]) -> dict[str, Any]:
 
 
 def _args_to_record(args: TrainingArguments) -> dict[str, Any]:
-    """The ``TrainingArguments`` fields, as JSON-able values (tokens left out)."""
+    """The ``TrainingArguments`` fields, as JSON-able values (credentials, ``hub_token``, left out).
+
+    Only secrets are left out by name: ``average_tokens_across_devices`` changes the loss scaling of a
+    multi-process run. Nested lists and dicts (``lr_scheduler_kwargs``) are kept as JSON.
+    """
     out: dict[str, Any] = {}
     for k, v in args.to_dict().items():
-        if "token" in k:
+        if k.endswith("token"):
             continue
-        if isinstance(v, (str, int, float, bool)) or v is None:
-            out[k] = v
-        elif isinstance(v, (list, tuple)) and all(isinstance(x, (str, int, float, bool)) for x in v):
-            out[k] = list(v)
-        elif isinstance(v, dict) and all(isinstance(x, (str, int, float, bool)) or x is None for x in v.values()):
-            out[k] = dict(v)
-        # anything else (callables, objects) stays at its default on replay
+        try:
+            out[k] = json.loads(json.dumps(v, allow_nan=False))
+        except (TypeError, ValueError):
+            pass  # anything else (callables, objects) stays at its default on replay
     return out
 
 
@@ -307,8 +325,19 @@ class ReprokitCallback(TrainerCallback):
         self._batch: dict[str, Any] | None = None
         self._loss: torch.Tensor | None = None
         self._indices: deque[list[int]] = deque()
+        self._given: tuple[Any, list[str]] | None = None  # (weakref to a Trainer, what its constructor was given)
+        self._lrs_after: list[Any] | None = None  # the optimizer's LRs as the last update left them
 
     # --- Trainer events ------------------------------------------------------------------
+
+    def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        # Only the constructor's end shows whether the optimizer and scheduler are the user's own (passed as
+        # ``optimizers=``): by train start the Trainer has made its own in their place.
+        trainer = _calling_trainer()
+        if trainer is not None:
+            given = [f"optimizers=({'optimizer' if i == 0 else 'scheduler'} given)" for i, part in
+                     enumerate((trainer.optimizer, trainer.lr_scheduler)) if part is not None]
+            self._given = (weakref.ref(trainer), given)
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = _calling_trainer()
@@ -320,6 +349,8 @@ class ReprokitCallback(TrainerCallback):
             raise CaptureError(f"ReprokitCallback: this Trainer ({type(trainer).__qualname__}, transformers "
                                f"{transformers.__version__}) has no {', '.join(missing)}; the callback follows the "
                                "training loop of transformers 5 (tested with 5.24): upgrade transformers")
+        self._refuse_what_replay_cannot_rebuild(trainer)
+        self._lrs_after = None
         if self.recorder is not None:
             self.recorder.close()
         self._trainer = trainer
@@ -339,6 +370,11 @@ class ReprokitCallback(TrainerCallback):
             return
         self._loss = None
         batch, self._batch = self._batch, None
+        lrs = self._lrs()
+        if self._lrs_after is not None and lrs != self._lrs_after:
+            # The LR changed between updates (a scheduler stepped on eval metrics, reduce_lr_on_plateau, or a
+            # callback): replay runs updates only, so this one starts a window of its own (a fresh snapshot).
+            rec._resnap = True
         if batch is None:  # the update's micro-batches were not seen: it cannot be replayed, nor the window
             rec.skip(f"reprokit: update {rec.step_index}'s micro-batches were not captured; no bundle until the "
                      "next snapshot")
@@ -350,12 +386,35 @@ class ReprokitCallback(TrainerCallback):
         if rec is None or not rec.active:
             return
         loss, self._loss = self._loss, None
+        self._lrs_after = self._lrs()
         rec.end(loss)
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recorder is not None:
             self.recorder.close()
         self._unwrap()
+
+    def _refuse_what_replay_cannot_rebuild(self, trainer: Any) -> None:
+        """Replay makes ``TrainerClass(model=..., args=...)`` and nothing else: a loss function, optimizer or scheduler
+        handed to the constructor would be replaced by the Trainer's defaults, a replay of another run (its losses
+        differ, and a deterministic failure reads "not reproduced"). Refused before the first step."""
+        parts = list(self._given[1]) if self._given is not None and self._given[0]() is trainer else []
+        for name in ("compute_loss_func", "optimizer_cls_and_kwargs"):
+            if getattr(trainer, name, None) is not None:
+                parts.append(f"{name}=")
+        if parts:
+            raise CaptureError(
+                f"ReprokitCallback: this Trainer was given {', '.join(parts)}, which replay cannot rebuild (it makes "
+                f"{type(trainer).__qualname__}(model=..., args=...) from the recorded TrainingArguments, so it would "
+                "train with the Trainer's default loss, optimizer and scheduler instead, and not reproduce the run). "
+                "Move them into a Trainer subclass in your project (override compute_loss, create_optimizer, "
+                "create_scheduler): the subclass travels in the bundle's code snapshot and replay runs it")
+
+    def _lrs(self) -> list[Any]:
+        trainer = self._trainer
+        opt = _unwrap(trainer.optimizer, "optimizer") if trainer is not None else None
+        lrs = [group.get("lr") for group in getattr(opt, "param_groups", [])]
+        return [float(lr) if isinstance(lr, torch.Tensor) else lr for lr in lrs]  # a tensor LR changes in place
 
     # --- what the bundle needs --------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -77,8 +79,8 @@ def loader(dataset, batch_size=4):
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)
 
 
-def trainer(callbacks, devices=1, **kw):
-    return pl.Trainer(accelerator="cpu", devices=devices, max_epochs=1, logger=False, enable_checkpointing=False,
+def trainer(callbacks, devices=1, max_epochs=1, **kw):
+    return pl.Trainer(accelerator="cpu", devices=devices, max_epochs=max_epochs, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kw)
 
 
@@ -87,3 +89,62 @@ class Unsaved(TinyLit):
 
     def __init__(self, width: int):
         super().__init__(d=width)
+
+
+class EpochStepLR(TinyLit):
+    """configure_optimizers in its shortest form: ``[opt], [sched]``, a scheduler Lightning steps once per epoch."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)]
+
+
+class WithVal(TinyLit):
+    """A validation loop too: Lightning runs it between training batches."""
+
+    def validation_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+
+class PlateauLit(TinyLit):
+    """ReduceLROnPlateau on the logged training loss (``mode="max"``, no patience: it cuts the LR every epoch end
+    after the first); Lightning steps it between epochs, on the metric, outside any batch."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.1, patience=0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "train_loss"}}
+
+
+@dataclasses.dataclass
+class Shape:
+    d: int = 8
+
+
+class ShapedLit(pl.LightningModule):
+    """Takes a config dataclass, which save_hyperparameters keeps as it is (no JSON form)."""
+
+    def __init__(self, shape: Shape = Shape()):  # noqa: B008 - a default instance, never mutated
+        super().__init__()
+        self.save_hyperparameters()
+        self.head = nn.Linear(shape.d, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(torch.ones(1, self.hparams.shape.d)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ValPlateauLit(TinyLit):
+    """ReduceLROnPlateau on the validation loss, stepped after each validation (``interval="step"``), which
+    ``val_check_interval`` runs between training batches; no eval is an improvement (threshold), one cut."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, threshold=10.0, patience=0, factor=0.1, cooldown=100)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss", "interval": "step",
+                                                   "frequency": 2}}  # after batches 1, 3...: after each validation
