@@ -193,7 +193,11 @@ def _launch(folder: Path, bundles: dict[int, Bundle], device: str, code: str | P
                "3", "-m", "reprokit.distributed.incident", str(folder), out, "1", device,
                str(Path(code).resolve()) if code is not None else ""]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            # The ranks' temporary files (their private code copies) go inside ``out``, removed below even when a
+            # rank is killed before it can remove its own (torchrun ends the others with SIGTERM when one dies).
+            (Path(out) / "tmp").mkdir()
+            env = {**os.environ, "TMPDIR": str(Path(out) / "tmp")}
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         except subprocess.TimeoutExpired:
             raise ReprokitError(f"the {world}-rank replay of {folder} did not finish within {timeout_s:.0f} s") from None
         ranks = []

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def test_an_incident_that_cannot_be_declared_leaves_the_training_s_own_error(tmp
         rec.close()
 
 
-def test_a_rank_whose_process_dies_in_the_replay_is_an_error_never_fixed(tmp_path):
+def test_a_rank_whose_process_dies_in_the_replay_is_an_error_never_fixed(tmp_path, monkeypatch):
     """The failing rank's process dies in the failing step of the replay (a segfault, an OOM kill): it writes no
     report. That is no evidence of a fix: the incident replay says `error` and exits 125 (it said not_reproduced,
     exit 0, the verdict of a fixed bug)."""
@@ -139,9 +140,14 @@ def test_a_rank_whose_process_dies_in_the_replay_is_an_error_never_fixed(tmp_pat
     assert proc.returncode != 0 and "IndexError" in proc.stderr, proc.stderr[-3000:]
     (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
     (out / "crash").write_text("")  # from now on the failing step kills its process
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
     r = CliRunner().invoke(cli, ["replay", str(folder), "--json"])
     d = json.loads(r.stdout)
     assert r.exit_code == 125 and d["verdict"] == "error" and not d["reproduced"], r.output
+    assert list(scratch.iterdir()) == []  # the killed ranks' private code copies went too
     failing = next(x for x in d["ranks"] if x["rank"] == 1)
     assert "ended without a report" in failing["error"], failing
     assert "rank 1: error: rank 1's process ended without a report" in format_incident(d), format_incident(d)
