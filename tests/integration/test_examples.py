@@ -18,6 +18,12 @@ EXPECT = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _scratch_in_tmp_path(tmp_path, monkeypatch):
+    """The scripts keep their output in a temporary folder for the user to look at: here, inside pytest's own."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
 def test_every_example_is_listed():
     assert sorted(p.name for p in EXAMPLES) == sorted([*EXPECT, *ZOO])
 
