@@ -306,7 +306,8 @@ def _open(bundle: Path, kw: dict[str, Any]) -> Any:
 @main.command()
 @bundle_arg
 @click.option("--times", "-n", default=1, show_default=True, type=click.IntRange(1, 1000),
-              help="Replay this many times to tell deterministic from flaky.")
+              help="Replay this many times to tell deterministic from flaky (an incident folder: every run "
+                   "launches all ranks afresh).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="Where to replay (default: where it was recorded, if available).")
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -717,7 +718,10 @@ def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_p
     Each probed commit is checked out into a temporary git worktree (your working
     tree, index, branch and stash are left alone) and replayed in a subprocess.
     Commits that do not import, whose state does not fit, or that fail
-    differently are skipped with the reason.
+    differently are skipped with the reason. Exit 0 found (or the remaining
+    candidates listed); 2 a wrong end (the bad end does not fail the same way
+    on each of three replays, or the good end does not pass) or a ref --entry
+    does not name; 3 invalid bundle.
     """
     from reprokit.bisect import bisect_commits as run
 
