@@ -51,7 +51,7 @@ from reprokit.errors import ReprokitError
 CONTEXT = {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "REPROKIT"}
 
 EXIT_USAGE = 2
-EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h): not 0 / 1 / 125, which git bisect run reads as good / bad / skip
+EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h); plain `git bisect run` reads it as bad: the README's recipe stops on it
 EXIT_INTERRUPTED = 130
 
 # Where --json output goes: the real stdout, saved while the command's own stdout is sent to stderr.
