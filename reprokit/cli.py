@@ -16,8 +16,9 @@ Exit codes, the same for every command (the README's table says which apply to e
 ====  ==============================================================================
 
 1, 0 and 125 are what ``git bisect run`` reads as bad, good and skip, so
-``git bisect run reprokit replay BUNDLE --code .`` works; an internal error (70)
-or an interruption (130) is none of them. With ``--json`` every command prints
+``git bisect run reprokit replay BUNDLE --code . --entry build=M:F,step=M:F`` works;
+git reads 2, 3 and 70 as bad too (README: "Which commit broke it?" stops on them)
+and 130 as stop. With ``--json`` every command prints
 exactly one JSON object on stdout, also on failure:
 ``{"error": {"type": ..., "message": ..., "exit_code": ...}}``; anything the
 user's code prints goes to stderr meanwhile.
@@ -50,7 +51,7 @@ from reprokit.errors import ReprokitError
 CONTEXT = {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "REPROKIT"}
 
 EXIT_USAGE = 2
-EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h): not 0 / 1 / 125, which git bisect run reads as good / bad / skip
+EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h); plain `git bisect run` reads it as bad: the README's recipe stops on it
 EXIT_INTERRUPTED = 130
 
 # Where --json output goes: the real stdout, saved while the command's own stdout is sent to stderr.
@@ -177,9 +178,11 @@ def main() -> None:
 
     A bundle is a test case: `replay` exits 1 while the failure reproduces, 0 once
     it is fixed and 125 when it fails differently, so `git bisect run reprokit
-    replay BUNDLE --code .` works. Exit codes of every command: 0 ok, 1 see the
-    command, 2 usage, 3 invalid bundle, 70 internal error (traceback saved),
-    125 code does not import / state does not fit, 130 interrupted.
+    replay BUNDLE --code . --entry build=train.py:build,step=train.py:train_step`
+    works (run it once on the bad commit first: git reads 2, 3 and 70 as bad too).
+    Exit codes of every command: 0 ok, 1 see the command, 2 usage, 3 invalid
+    bundle, 70 internal error (traceback saved), 125 code does not import / state
+    does not fit, 130 interrupted.
     """
 
 
@@ -273,7 +276,8 @@ def _refuse_folder_of_bundles(path: Path) -> None:
 
 
 ENTRY_HELP = ("With --code: the functions of your checkout the bundle may run, [ROLE=]MODULE:QUALNAME, comma-separated "
-              "or repeated (e.g. build=train:build,step=train:train_step); the bundle's own refs are refused "
+              "or repeated (e.g. build=train:build,step=train:train_step; a script run as `python train.py` is "
+              "train.py:build; `reprokit inspect` lists the refs); the bundle's own refs are refused "
               "otherwise, since a bundle may come from anyone.")
 entry_opt = click.option("--entry", "entries", multiple=True, metavar="[ROLE=]MODULE:QUALNAME", help=ENTRY_HELP)
 
@@ -302,7 +306,8 @@ def _open(bundle: Path, kw: dict[str, Any]) -> Any:
 @main.command()
 @bundle_arg
 @click.option("--times", "-n", default=1, show_default=True, type=click.IntRange(1, 1000),
-              help="Replay this many times to tell deterministic from flaky.")
+              help="Replay this many times to tell deterministic from flaky (an incident folder: every run "
+                   "launches all ranks afresh).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="Where to replay (default: where it was recorded, if available).")
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -701,7 +706,8 @@ def bisect_precision(bundle: Path, device: str | None, code: Path | None, varian
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
 @click.option("--entry", "entries", multiple=True, metavar="[ROLE=]MODULE:QUALNAME",
               help="The functions of your commits the bundle may run (each commit's checkout is replayed as "
-                   "--code), e.g. build=train:build,step=train:train_step; needed for the project's own refs, "
+                   "--code), e.g. build=train:build,step=train:train_step (a script run as `python train.py`: "
+                   "train.py:build; `reprokit inspect` lists the refs); needed for the project's own refs, "
                    "since a bundle may come from anyone.")
 @archive_opts
 @json_opt
@@ -712,7 +718,10 @@ def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_p
     Each probed commit is checked out into a temporary git worktree (your working
     tree, index, branch and stash are left alone) and replayed in a subprocess.
     Commits that do not import, whose state does not fit, or that fail
-    differently are skipped with the reason.
+    differently are skipped with the reason. Exit 0 found (or the remaining
+    candidates listed); 2 a wrong end (the bad end does not fail the same way
+    on each of three replays, or the good end does not pass) or a ref --entry
+    does not name; 3 invalid bundle.
     """
     from reprokit.bisect import bisect_commits as run
 

@@ -211,9 +211,15 @@ def confirm_entries(refs: Any, entries: Sequence[str], code: Path | str | None, 
     listing = ", ".join(f"{role} = {label}" for role, label in wanted)
     arg = ",".join(f"{role}={label}" for role, label in wanted)
     where = f"--code {code}" if code is not None else "each commit's checkout"
+    given = ", ".join(f"{r} = {lbl}" if r else lbl for r, lbl in sorted(confirmed, key=lambda e: (e[0] or "", e[1])))
+    # `train:build` given for a script's `train.py:build`: the one mix-up worth naming.
+    as_script = {f"{m.replace('.', '/')}.py:{q}" for _, lbl in confirmed for m, _, q in [lbl.partition(":")]}
+    script = next((lbl for _, lbl in missing if lbl in as_script), None)
+    hint = (f" (you passed {given}" + (f"; a script run as `python FILE.py` is named by its file: {script}"
+                                       if script else "") + ")") if confirmed else ""
     raise ReprokitError(
         f"{where}: {source} asks to run {listing} from your code; not confirmed with --entry: "
-        f"{', '.join(f'{r} = {lbl}' for r, lbl in missing)}. A bundle may come from anyone, so it does not choose "
+        f"{', '.join(f'{r} = {lbl}' for r, lbl in missing)}{hint}. A bundle may come from anyone, so it does not choose "
         f"which functions of your code run. Check that these are your training entry points, then pass: --entry {arg}")
 
 

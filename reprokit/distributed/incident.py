@@ -51,9 +51,10 @@ def rank_bundles(folder: Path) -> dict[int, Bundle]:
         b = open_bundle(p)
         d = b.run.get("distributed")
         if not isinstance(d, dict) or not isinstance(d.get("rank"), int):
+            newest = max(q for q in folder.iterdir() if (q / MANIFEST).exists())  # names sort by time
             raise BundleError(f"{folder} is not a bundle, nor the incident folder of a multi-rank run: {p.name} in it "
-                              "is a bundle of one process (its run.json has no `distributed` section). Pass one "
-                              f"bundle folder, e.g. {p}")
+                              "is a bundle of one process (its run.json has no `distributed` section); the folder "
+                              f"looks like the recorder's out_dir. Pass one bundle folder in it, e.g. {newest}")
         if d["rank"] in found:
             raise BundleError(f"{folder}: two bundles of rank {d['rank']} ({found[d['rank']].path.name}, {p.name})")
         found[d["rank"]] = b
