@@ -190,6 +190,9 @@ class OriginWatcher(TorchDispatchMode):
         self.first_nonfinite: dict[str, Any] | None = None
         self.created_call: tuple[Any, Any, Any] | None = None
         """``(func, args, kwargs)`` of the op that made the origin (``reprokit extract``'s one-op repro)."""
+        self.nan_counts = True
+        """False when the failing value is +-inf: a NaN, which no later op turns into an inf, cannot be its origin
+        (a NaN that AdamW makes of a batch's inf, after the loss was already inf, made nothing that failed)."""
 
     @property
     def origin(self) -> Origin | None:
@@ -217,6 +220,10 @@ class OriginWatcher(TorchDispatchMode):
             return
         nan = _has(bad, [], torch.isnan, math.isnan)
         inf = _has(bad, [], torch.isinf, math.isinf)
+        if not self.nan_counts:
+            nan = False
+            if not inf:
+                return
         value = "nan" if nan and not ins.nan else "inf" if inf and not ins.inf else None
         if self.first_nonfinite is None:
             self.first_nonfinite = {"op": str(func.overloadpacket.__name__), "overload": str(func),
@@ -353,9 +360,18 @@ def watch_step(session: Session, inp: StepInput, snapshot: tuple[dict, dict] | N
         'nan made by aten.div.Tensor in the step function, outside every module at lm.py:31, forward, rows [5]'
     """
     watcher = watcher or OriginWatcher(rows)
+    watcher.nan_counts = not _infinite_only(session.bundle.failure)
     with _hooks(session, watcher):
         out = session.run([inp], snapshot)
     return out, watcher.origin
+
+
+def _infinite_only(failure: Any) -> bool:
+    """The failure is a non-finite loss, gradient norm or parameter norm whose value is +-inf (so holds no NaN)."""
+    if failure.kind not in ("nonfinite_loss", "nonfinite_grad", "nonfinite_param"):
+        return False
+    value = failure.message.rpartition("= ")[2].strip()
+    return value in ("inf", "-inf")
 
 
 def same_origin(ref: Origin, got: Origin | None, row_ids: list[int] | None) -> bool:
