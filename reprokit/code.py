@@ -388,6 +388,15 @@ def materialize(files: Mapping[str, bytes]) -> tuple[Path, Callable[[], None]]:
     return root, lambda: shutil.rmtree(top, ignore_errors=True)
 
 
+def child_env(scratch: str | Path) -> dict[str, str]:
+    """The environment for a child process that may replay (and so :func:`materialize` a private code copy): its
+    temporary folders go under ``scratch``, a folder the parent removes, so a child that is killed (a timeout) or
+    leaves with ``os._exit`` (a rank blocked in a collective) leaves no copy behind in the system's temp folder."""
+    tmp = Path(scratch) / "tmp"
+    tmp.mkdir(mode=0o700, exist_ok=True)
+    return {**os.environ, "TMPDIR": str(tmp), "TEMP": str(tmp), "TMP": str(tmp)}
+
+
 _ACTIVE: list[Path | None] = []
 """The code folders of the :func:`imported` contexts now open (the innermost last)."""
 

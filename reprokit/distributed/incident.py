@@ -193,7 +193,11 @@ def _launch(folder: Path, bundles: dict[int, Bundle], device: str, code: str | P
                "3", "-m", "reprokit.distributed.incident", str(folder), out, "1", device,
                str(Path(code).resolve()) if code is not None else ""]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            from reprokit.code import child_env
+
+            # Each rank's private code copy goes under out: a rank blocked in a collective leaves with os._exit
+            # (no cleanup), and a timeout kills them all; removing out removes the copies too.
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env(out))
         except subprocess.TimeoutExpired:
             raise ReprokitError(f"the {world}-rank replay of {folder} did not finish within {timeout_s:.0f} s") from None
         ranks = []
