@@ -455,6 +455,13 @@ class Recorder:
             if not self._fits(k, position, need):
                 if self._refer and not due and position > 0:
                     self._leave_replication(k, "its window reached the host-memory budget")
+                if not due and not boundary:
+                    # An early snapshot here would start mid-accumulation, where replay's fresh Accelerator syncs
+                    # elsewhere: the window ends, and the next synced step starts a new one.
+                    self._engine.discard_prepared()
+                    self._skip(k, need, due)
+                    self._resnap = True
+                    return None
                 if due or position == 0 or not self._fits(k, 0, need, early=True):
                     self._engine.discard_prepared()
                     self._skip(k, need, due)

@@ -1,13 +1,17 @@
-"""Review of session 11: the private code copy replay imports never outlives a child process that dies."""
+"""Review of session 11: where the session's changes met (the private code copy and the processes that die; the
+memory budget and accelerate's accumulation)."""
 
 from __future__ import annotations
 
 import os
+import warnings
 
+import pytest
 from rk_testing import record
 
+import reprokit
 from reprokit.bundle import open_bundle
-from reprokit.replay import Session
+from reprokit.replay import Session, replay
 from reprokit.shrink.shrinker import Case, Shrinker
 
 
@@ -29,3 +33,26 @@ def test_an_isolated_candidate_that_crashes_leaves_no_private_code_copy(projects
         reproduced, d = Shrinker(session, budget=1, pad_id=0, isolate=True, timeout=120, progress=None)._isolated(case)
     assert (reproduced, d) == (False, {}), d  # the child died: no report
     assert not list(system_tmp.glob("reprokit-code-*")), list(system_tmp.iterdir())
+
+
+def test_a_full_window_never_restarts_mid_accumulation(projects, tmp_path):
+    """accelerate accumulation over 2 (syncs at steps 1, 3, 5) with a host-memory budget that holds 3 steps: the
+    window fills at step 3, mid-accumulation. An early snapshot there replayed step 3 with a fresh Accelerator that
+    does not sync where the run did (not bit-exact: replay trains another model); the window must end and the next
+    synced step (4) start the new one."""
+    acc = projects("rk_accumulate")
+    config = {"accumulate": 2}
+    state = acc.build(config)
+    rec = reprokit.Recorder(state, acc.train_step, build=acc.build, config=config, out_dir=tmp_path / "repros",
+                            snapshot_every=100, host_memory_budget=130_000)
+    with warnings.catch_warnings(), pytest.raises(reprokit.TrainingFailure) as info:
+        warnings.simplefilter("ignore", reprokit.RecorderWarning)  # the budget's notes
+        try:
+            for batch in acc.loader(acc.Rows(40, bad=21)):  # row 21: step 5
+                rec.step(batch)
+        finally:
+            rec.close()
+    b = open_bundle(info.value.bundle)
+    report = replay(b)
+    assert report.verdict == "deterministic" and report.fidelity["bit_exact"], (b.run["window"], report.fidelity)
+    assert b.run["window"]["steps"][0] % 2 == 0, b.run["window"]  # right after a synced step
