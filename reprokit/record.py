@@ -305,7 +305,7 @@ class Recorder:
         self._current_other = RNG_STEP_BYTES
         self._mention_leftovers()
         self.incident_wait_s = incident_wait_s
-        self.rank = rank_info(self.out_dir)  # collective under a process group: every rank creates its Recorder
+        self.rank = rank_info(self.out_dir)  # under a process group: rank 0's Recorder names the run (store)
         if self.rank is not None and self.rank.rank != 0 and not sees_rank0(self.out_dir, self.rank):
             self._warn("", f"reprokit: rank {self.rank.rank} records into {self.out_dir}, where rank 0's mark of this "
                            "run is not (a per-rank out_dir, a disk of this node only, or one rank 0 cannot write): "
