@@ -443,6 +443,18 @@ class Recorder:
                 due = False  # mid-accumulation under accelerate: the snapshot waits for the next synced step
             # A dataloader's last batch syncs early, which replay would not: the window restarts after it.
             self._resnap = last_batch or (self._resnap and not due)
+            if last_batch and not torn:
+                # accelerate syncs here because the dataloader ends; replay, fed from the bundle, syncs only where its
+                # fresh counter (0 at the window's start) reaches the accumulation: else this step cannot replay.
+                n = int(getattr(getattr(self.state.optimizer, "gradient_state", None), "num_steps", 1) or 1)
+                at = 1 if due or self._snapshot is None else k - self._snapshot.step + 1
+                if at % n:
+                    self._engine.discard_prepared()
+                    self._drop_window("last_batch", f"reprokit: step {k} is a dataloader's last batch, where "
+                                                    f"accelerate steps the optimizer early (after {at} of {n} "
+                                                    "accumulated batches); replay, fed from the bundle, would not, so "
+                                                    f"no bundle for it; the next window starts at step {k + 1}.")
+                    return None
             if not due:
                 self._engine.discard_prepared()  # prepared for a snapshot that is not taken now: stale later
             if not due and not self._window_ok:

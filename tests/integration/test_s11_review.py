@@ -56,3 +56,27 @@ def test_a_full_window_never_restarts_mid_accumulation(projects, tmp_path):
     report = replay(b)
     assert report.verdict == "deterministic" and report.fidelity["bit_exact"], (b.run["window"], report.fidelity)
     assert b.run["window"]["steps"][0] % 2 == 0, b.run["window"]  # right after a synced step
+
+
+def test_a_failure_at_a_dataloaders_last_batch_writes_no_bundle_replay_would_contradict(projects, tmp_path):
+    """10 batches, accumulation over 4: accelerate steps the optimizer early at batch 9, the last one, because the
+    dataloader ends. A NaN gradient there fails at that step. Replay from the snapshot at step 8 runs 8 and 9 with a
+    fresh Accelerator that does not step at 9: it read "not reproduced" (bit-exact, so "transient") for a failure
+    that happens every time. Step 9 cannot be replayed: no bundle, and the recorder says why."""
+    acc = projects("rk_s11_review_acc")
+    config = {"accumulate": 4}
+    state = acc.build(config)
+    rec = reprokit.Recorder(state, acc.train_step, build=acc.build, config=config, out_dir=tmp_path / "repros",
+                            snapshot_every=4)
+    with warnings.catch_warnings(record=True) as said, pytest.raises(reprokit.TrainingFailure) as info:
+        warnings.simplefilter("always", reprokit.RecorderWarning)
+        try:
+            for batch in acc.loader(acc.GradOnly(40, bad=37)):  # row 37: batch 9, the last
+                rec.step(batch)
+        finally:
+            rec.close()
+    assert (info.value.failure.kind, info.value.failure.step) == ("nonfinite_grad", 9)
+    if info.value.bundle is not None:  # the old recorder wrote one; say what its replay said
+        report = replay(open_bundle(info.value.bundle))
+        raise AssertionError(f"a bundle was written for step 9: its replay says {report.verdict}")
+    assert any("step 9 is a dataloader's last batch" in str(w.message) for w in said), [str(w.message) for w in said]
