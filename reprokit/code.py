@@ -363,6 +363,10 @@ def _protected(name: str, mod: Any) -> bool:
 
 # --- importing ----------------------------------------------------------------------
 
+CODE_COPIES_ENV = "REPROKIT_CODE_COPIES"
+"""Where :func:`materialize` makes its folders when set (a child process's, see :func:`child_env`)."""
+
+
 def materialize(files: Mapping[str, bytes]) -> tuple[Path, Callable[[], None]]:
     """Write a code snapshot's verified bytes into a fresh private folder: ``(folder, remove)``.
 
@@ -374,7 +378,7 @@ def materialize(files: Mapping[str, bytes]) -> tuple[Path, Callable[[], None]]:
     Raises:
         BundleError: a path that would leave the folder (verification refuses those first).
     """
-    top = Path(tempfile.mkdtemp(prefix="reprokit-code-"))
+    top = Path(tempfile.mkdtemp(prefix="reprokit-code-", dir=os.environ.get(CODE_COPIES_ENV) or None))
     root = top / "code"
     try:
         root.mkdir(mode=0o700)
@@ -392,6 +396,15 @@ def materialize(files: Mapping[str, bytes]) -> tuple[Path, Callable[[], None]]:
         shutil.rmtree(top, ignore_errors=True)
         raise
     return root, lambda: shutil.rmtree(top, ignore_errors=True)
+
+
+def child_env(scratch: str | Path) -> dict[str, str]:
+    """The environment for a child process that may replay (and so :func:`materialize` a private code copy): its
+    copies go under ``scratch``, a folder the parent removes, so a child that is killed (a timeout) or leaves with
+    ``os._exit`` (a rank blocked in a collective) leaves no copy behind in the system's temp folder."""
+    copies = Path(scratch) / "code-copies"
+    copies.mkdir(mode=0o700, exist_ok=True)
+    return {**os.environ, CODE_COPIES_ENV: str(copies)}
 
 
 _ACTIVE: list[Path | None] = []

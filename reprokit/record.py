@@ -305,7 +305,7 @@ class Recorder:
         self._current_other = RNG_STEP_BYTES
         self._mention_leftovers()
         self.incident_wait_s = incident_wait_s
-        self.rank = rank_info(self.out_dir)  # collective under a process group: every rank creates its Recorder
+        self.rank = rank_info(self.out_dir)  # under a process group: rank 0's Recorder names the run (store)
         if self.rank is not None and self.rank.rank != 0 and not sees_rank0(self.out_dir, self.rank):
             self._warn("", f"reprokit: rank {self.rank.rank} records into {self.out_dir}, where rank 0's mark of this "
                            "run is not (a per-rank out_dir, a disk of this node only, or one rank 0 cannot write): "
@@ -443,6 +443,18 @@ class Recorder:
                 due = False  # mid-accumulation under accelerate: the snapshot waits for the next synced step
             # A dataloader's last batch syncs early, which replay would not: the window restarts after it.
             self._resnap = last_batch or (self._resnap and not due)
+            if last_batch and not torn:
+                # accelerate syncs here because the dataloader ends; replay, fed from the bundle, syncs only where its
+                # fresh counter (0 at the window's start) reaches the accumulation: else this step cannot replay.
+                n = int(getattr(getattr(self.state.optimizer, "gradient_state", None), "num_steps", 1) or 1)
+                at = 1 if due or self._snapshot is None else k - self._snapshot.step + 1
+                if at % n:
+                    self._engine.discard_prepared()
+                    self._drop_window("last_batch", f"reprokit: step {k} is a dataloader's last batch, where "
+                                                    f"accelerate steps the optimizer early (after {at} of {n} "
+                                                    "accumulated batches); replay, fed from the bundle, would not, so "
+                                                    f"no bundle for it; the next window starts at step {k + 1}.")
+                    return None
             if not due:
                 self._engine.discard_prepared()  # prepared for a snapshot that is not taken now: stale later
             if not due and not self._window_ok:
@@ -455,6 +467,13 @@ class Recorder:
             if not self._fits(k, position, need):
                 if self._refer and not due and position > 0:
                     self._leave_replication(k, "its window reached the host-memory budget")
+                if not due and not boundary:
+                    # An early snapshot here would start mid-accumulation, where replay's fresh Accelerator syncs
+                    # elsewhere: the window ends, and the next synced step starts a new one.
+                    self._engine.discard_prepared()
+                    self._skip(k, need, due)
+                    self._resnap = True
+                    return None
                 if due or position == 0 or not self._fits(k, 0, need, early=True):
                     self._engine.discard_prepared()
                     self._skip(k, need, due)

@@ -40,7 +40,7 @@ class RankInfo:
     local_rank: int
     backend: str
     run_key: str
-    """Shared by every rank of this run (a nonce rank 0 broadcast at attach time)."""
+    """Shared by every rank of this run (a nonce rank 0 puts in the process group's store at attach time)."""
     restart: int = 0
     """How many times torchrun restarted the workers before this attempt (``TORCHELASTIC_RESTART_COUNT``)."""
 

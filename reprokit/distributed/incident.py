@@ -194,11 +194,11 @@ def _launch(folder: Path, bundles: dict[int, Bundle], device: str, code: str | P
                "3", "-m", "reprokit.distributed.incident", str(folder), out, "1", device,
                str(Path(code).resolve()) if code is not None else ""]
         try:
-            # The ranks' temporary files (their private code copies) go inside ``out``, removed below even when a
-            # rank is killed before it can remove its own (torchrun ends the others with SIGTERM when one dies).
-            (Path(out) / "tmp").mkdir()
-            env = {**os.environ, "TMPDIR": str(Path(out) / "tmp")}
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+            from reprokit.code import child_env
+
+            # Each rank's private code copy goes under out: a rank blocked in a collective leaves with os._exit
+            # (no cleanup), and a timeout kills them all; removing out removes the copies too.
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env(out))
         except subprocess.TimeoutExpired:
             raise ReprokitError(f"the {world}-rank replay of {folder} did not finish within {timeout_s:.0f} s") from None
         ranks = []
@@ -230,6 +230,7 @@ def _merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     blocked = len(docs) - len(ran)
     out["per_run"] = [x for d in ran for x in d["per_run"]]
     out["runs"] = len(docs)
+    out["determinism_checked"] = True  # each launch ran once (False in each doc); together they ran len(docs) times
     out["failed_runs"] = sum(d["failed_runs"] for d in ran)
     out["different_runs"] = sum(d["different_runs"] for d in ran) + blocked
     n = out["failed_runs"]

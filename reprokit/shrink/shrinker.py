@@ -15,7 +15,7 @@ from typing import Any
 
 from reprokit import pytree
 from reprokit.bundle import MANIFEST, Bundle, BundleWriter, StepRecord, jsonable, open_bundle, sha256_file, write_bundle
-from reprokit.code import entry_args, git_info, snapshot_files
+from reprokit.code import child_env, entry_args, git_info, snapshot_files
 from reprokit.errors import DidNotReproduce, ReprokitError
 from reprokit.origin import Origin, same_origin, watch_step
 from reprokit.replay import RunOutcome, Session, StepInput, alone_hint
@@ -289,7 +289,8 @@ class Shrinker:
             if self.session.user_code is not None:
                 cmd += ["--code", str(self.session.user_code), *entry_args(self.session.bundle.run["refs"])]
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
+                # its private code copy goes under tmp, removed here even when the candidate is killed or crashes
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout, env=child_env(tmp))
                 d = json.loads(proc.stdout) if proc.returncode in (0, 1, 125) and proc.stdout.strip() else {}
             except (subprocess.TimeoutExpired, ValueError):
                 d = {}

@@ -138,10 +138,15 @@ def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     assert refused.exit_code == 125 and "does not hold the bundle's code" in refused.output, refused.output
 
 
-def test_an_incident_whose_rank_raised_replays_with_the_peer_blocked(raise_run):
+def test_an_incident_whose_rank_raised_replays_with_the_peer_blocked(raise_run, tmp_path, monkeypatch):
     out = raise_run[0]
     folder, _ = _incident(out)
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(system_tmp))  # what the rank processes take as their temp folder
     r = CliRunner().invoke(cli, ["replay", str(folder), "--json"])
+    # a rank blocked in a collective leaves with os._exit: its private code copy must not stay behind
+    assert not list(system_tmp.glob("reprokit-code-*")), list(system_tmp.iterdir())
     d = json.loads(r.stdout)
     assert r.exit_code == 1 and d["verdict"] == "deterministic", d
     by_rank = {x["rank"]: x for x in d["ranks"]}
