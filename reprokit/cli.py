@@ -374,7 +374,8 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
     if code is not None or entries:
         for opened in rank_bundles(folder).values():
             _confirm_entries(opened, code, entries)
-    report = replay_incident(folder, times=times, device=device, nproc=nproc, code=code)
+    report = replay_incident(folder, times=times, device=device, nproc=nproc, code=code,
+                             entries=entries if code is not None else None)
     d = report.to_json()
     if as_json:
         _emit(d)

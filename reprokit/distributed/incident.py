@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,11 +133,14 @@ class IncidentReport:
 
 
 def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = None, nproc: int | None = None,
-                    code: str | Path | None = None, timeout_s: float = 600) -> IncidentReport:
+                    code: str | Path | None = None, timeout_s: float = 600,
+                    entries: Sequence[str] | None = None) -> IncidentReport:
     """Replay every rank of an incident together, as many processes as the run had.
 
     ``code``: a checkout every rank imports build/step from instead of its bundle's code snapshot (as
-    ``reprokit replay --code``).
+    ``reprokit replay --code``). ``entries``: the ``--entry`` values the caller confirmed; with ``code``, each rank
+    checks them again on the bundle it opens and replays (the folder may have changed since the caller checked).
+    None: the refs are the caller's choice, as for :func:`reprokit.replay`.
 
     Example:
         >>> report = replay_incident("repros/incident-20261126-142501-step00000006-3f9c2a1b")  # doctest: +SKIP
@@ -175,13 +179,13 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
     # One launch per run: a rank whose failure skips a collective (it raised before backward) leaves its peers
     # inside that collective, so a second run in the same processes would pair its collectives with the peers' first
     # run (gradients averaged across runs). Fresh processes start every run aligned.
-    launches = [_launch(folder, bundles, device, code, timeout_s) for _ in range(times)]
+    launches = [_launch(folder, bundles, device, code, timeout_s, entries) for _ in range(times)]
     ranks = [_merge([launch[r] for launch in launches]) for r in range(world)]
     return IncidentReport(folder, incident, ranks)
 
 
 def _launch(folder: Path, bundles: dict[int, Bundle], device: str, code: str | Path | None,
-            timeout_s: float) -> list[dict[str, Any]]:
+            timeout_s: float, entries: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """One run of every rank under ``torch.distributed.run``: each rank's report (or why it has none)."""
     import tempfile
 
@@ -192,7 +196,8 @@ def _launch(folder: Path, bundles: dict[int, Bundle], device: str, code: str | P
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), "--log-dir", str(Path(out) / "logs"), "--redirects",
                "3", "-m", "reprokit.distributed.incident", str(folder), out, "1", device,
-               str(Path(code).resolve()) if code is not None else ""]
+               str(Path(code).resolve()) if code is not None else "",
+               json.dumps(list(entries)) if code is not None and entries is not None else ""]
         try:
             from reprokit.code import child_env
 
@@ -273,7 +278,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(folder: str, out: str, times: str, device: str, code: str = "") -> None:
+def _rank_main(folder: str, out: str, times: str, device: str, code: str = "", entries: str = "") -> None:
     """One rank, under torch.distributed.run: init the process group, replay this rank's bundle, write its report."""
     import datetime
     import threading
@@ -311,7 +316,13 @@ def _rank_main(folder: str, out: str, times: str, device: str, code: str = "") -
 
     threading.Thread(target=watch_peers, daemon=True).start()
     try:
-        mine_bundle = json.loads((Path(out) / "ranks.json").read_text())[str(rank)]
+        mine_bundle: Any = json.loads((Path(out) / "ranks.json").read_text())[str(rank)]
+        if code and entries:  # the --entry check again, on the very bundle this rank replays
+            from reprokit.code import confirm_entries
+
+            mine_bundle = open_bundle(mine_bundle)
+            confirm_entries(mine_bundle.run.get("refs"), json.loads(entries), code, snapshot=mine_bundle.code_dir,
+                            source=mine_bundle.path / "run.json")
         report = replay(mine_bundle, times=int(times), device=device, code=code or None, as_rank=True)
         doc = {"rank": rank, **report.to_json()}
     except Exception as e:  # a report, not a traceback: the peers' collectives then break and they report too
@@ -327,4 +338,4 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    _rank_main(*sys.argv[1:6])
+    _rank_main(*sys.argv[1:7])

@@ -136,6 +136,12 @@ def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     empty.mkdir()
     refused = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(empty)])
     assert refused.exit_code == 125 and "does not hold the bundle's code" in refused.output, refused.output
+    # Each rank checks --entry again on the bundle it opens itself (the folder may change after the CLI's check): a
+    # ref not confirmed makes that rank an error, never a run of code the user did not name.
+    from reprokit.distributed.incident import replay_incident
+    report = replay_incident(folder, code=ROOT / "tests" / "projects", entries=["step=nothing:here"])
+    assert report.verdict == "error" and report.exit_code == 125, report.to_json()
+    assert all("not confirmed with --entry" in x["error"] for x in report.to_json()["ranks"]), report.to_json()
 
 
 def test_an_incident_whose_rank_raised_replays_with_the_peer_blocked(raise_run, tmp_path, monkeypatch):
