@@ -69,8 +69,9 @@ def run_demo(out: Path, say: Callable[[str], None] = print, config: dict[str, An
         again = replay(open_bundle(folder))
     if problems:
         raise ReprokitError(f"the demo's own tarball failed verification ({problems[0]}); please report this as a bug")
-    say(f"   ok: every file matches; the tarball replays {again.verdict} "
-        f"({again.failed_runs}/{len(again.runs)}), {fidelity_word(again.fidelity)}.")
+    said = "reproduces the failure" if again.reproduced else f"replays {again.verdict}"  # one run: not "deterministic"
+    say(f"   ok: every file matches; the tarball {said} "
+        f"({again.failed_runs}/{len(again.runs)} runs), {fidelity_word(again.fidelity)}.")
     say(f"Next: reprokit inspect {packed.output}, or send it: tar xzf {packed.output} && python {packed.folder}/repro.py")
     return {"bundle": str(failure.bundle), "failure": f.to_json(), "replay": report.to_json(),
             "shrink": small.to_json(), "layers": layers, "pack": packed.to_json(),

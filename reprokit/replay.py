@@ -111,13 +111,13 @@ VERDICT_EXIT_CODES = {"deterministic": 1, "flaky": 1, "different_failure": 125, 
 VERDICT_HEADLINES = {"deterministic": "REPRODUCED", "flaky": "REPRODUCED (flaky)",
                      "different_failure": "DIFFERENT FAILURE", "not_reproduced": "NOT REPRODUCED"}
 
-ONCE = "reproduced once; --times N tells deterministic from flaky"
-
-
-def verdict_phrase(verdict: str, runs: int | None) -> str:
+def verdict_phrase(verdict: str, runs: int | None, times_flag: str | None = "--times N") -> str:
     """The verdict in words for people: ``deterministic`` is said only when more than one run showed it (the JSON
-    verdict of a single reproducing run stays ``deterministic``; ``determinism_checked`` tells them apart)."""
-    return ONCE if verdict == "deterministic" and (runs or 0) <= 1 else verdict
+    verdict of a single reproducing run stays ``deterministic``; ``determinism_checked`` tells them apart).
+    ``times_flag``: the option that asks for more runs where the phrase is read (None: the phrase alone)."""
+    if verdict == "deterministic" and (runs or 0) <= 1:
+        return "reproduced once" + (f"; {times_flag} tells deterministic from flaky" if times_flag else "")
+    return verdict
 
 TRANSIENT_NOTE = (
     "transient: the recorded code, state and batches replayed on the same kind of device, bit-exact up to the "

@@ -470,7 +470,7 @@ def format_incident(d: dict[str, Any]) -> str:
             f = r.get("failure") or {}
             got = f"{f.get('kind')} at step {f.get('step')}" if f else "no failure"
             recorded = (r.get("recorded_failure") or {}).get("kind")
-            what = f"{verdict_phrase(str(r.get('verdict')), r.get('runs'))} (recorded {recorded}, replayed {got})"
+            what = f"{verdict_phrase(str(r.get('verdict')), r.get('runs'), None)} (recorded {recorded}, replayed {got})"
         lines.append(f"  rank {r.get('rank')}: {what}")
     return "\n".join(lines)
 

@@ -92,9 +92,10 @@ def assert_fixed(bundle: str | Path, *, code: str | Path | None = None, times: i
     recorded = _describe(d["recorded_failure"])
     with_code = f"with the code in {code}" if code is not None else "with the bundle's own code snapshot"
     if report.verdict in ("deterministic", "flaky"):
+        phrase = verdict_phrase(report.verdict, len(report.runs), "times=N (--reprokit-times N)")
         raise StillFails(
             f"{bundle} still fails {with_code}: {_describe(d['failure'])} "
-            f"({report.failed_runs}/{len(report.runs)} runs, {verdict_phrase(report.verdict, len(report.runs))}); "
+            f"({report.failed_runs}/{len(report.runs)} runs, {phrase}); "
             "expected it to pass once fixed. "
             f"Debug it with `reprokit replay {bundle}" + (f" --code {code} {entry}`".replace(" `", "`")
                                                           if code is not None else "`"))

@@ -129,7 +129,9 @@ class IncidentReport:
     def to_json(self) -> dict[str, Any]:
         return {"incident": self.incident, "folder": str(self.folder), "world_size": len(self.ranks),
                 "failing_rank": self.failing_rank, "verdict": self.verdict, "exit_code": self.exit_code,
-                "reproduced": self.verdict in ("deterministic", "flaky"), "ranks": self.ranks}
+                "reproduced": self.verdict in ("deterministic", "flaky"),
+                "determinism_checked": bool(self.ranks) and all((r.get("runs") or 0) > 1 for r in self.ranks),
+                "ranks": self.ranks}
 
 
 def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = None, nproc: int | None = None,

@@ -121,7 +121,7 @@ def test_subprocess_demo(tmp_path):
     assert "non-finite loss at step 250" in proc.stdout
     assert "reproduced 3/3, deterministic, losses bit-exact" in proc.stdout
     assert "first module with a non-finite value: 0 (Linear), forward; its input was already non-finite" in proc.stdout
-    assert "ok: every file matches; the tarball replays deterministic (1/1)" in proc.stdout
+    assert "ok: every file matches; the tarball reproduces the failure (1/1 runs)" in proc.stdout
     assert (tmp_path / "repro.tar.gz").is_file() and (tmp_path / "repro.tar.gz.sha256").is_file()
     assert f"tar xzf {tmp_path / 'repro.tar.gz'} && python" in proc.stdout, "the next step works from any folder"
     bundles = list(tmp_path.glob("bundle-*"))

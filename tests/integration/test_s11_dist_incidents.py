@@ -171,7 +171,7 @@ def test_times_replays_each_run_with_every_rank_starting_it_together(tmp_path):
     failing = next(x for x in d["ranks"] if x["rank"] == 1)
     assert (failing["runs"], failing["failed_runs"]) == (2, 2), failing
     # two runs (one launch each) did tell deterministic from flaky: the JSON must not say it was unchecked
-    assert failing["determinism_checked"] is True, failing
+    assert failing["determinism_checked"] is True and d["determinism_checked"] is True, (failing, d)
     losses = [[x["loss"] for x in run["losses"]] for run in failing["per_run"]]
     assert len(losses[0]) == 4 and losses[0] == losses[1], losses
     assert failing["fidelity"]["runs_bit_identical"] is True

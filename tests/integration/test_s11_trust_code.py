@@ -225,7 +225,8 @@ def test_assert_fixed_does_not_call_one_run_deterministic(nan_bundle, tmp_path):
 
     with pytest.raises(StillFails) as e:
         assert_fixed(nan_bundle)
-    assert "1/1 runs, reproduced once" in str(e.value) and "deterministic)" not in str(e.value)
+    assert "1/1 runs, reproduced once; times=N (--reprokit-times N)" in str(e.value), str(e.value)
+    assert "deterministic)" not in str(e.value)
     code = checkout_of(nan_bundle, tmp_path / "checkout")
     with pytest.raises(StillFails) as e:
         assert_fixed(nan_bundle, code=code)
