@@ -852,6 +852,29 @@ class Bundle:
 _FIX = "Ask the sender for an intact copy, or run `reprokit verify` for details."
 
 
+def folder_of_bundles(path: Path) -> str | None:
+    """What to say when PATH is a folder that holds bundles (the recorder's ``out_dir``, an incident folder) but is
+    not one itself, so that the user reads the bundles' names rather than only that ``manifest.json`` is missing."""
+    if not path.is_dir() or (path / MANIFEST).exists():
+        return None
+    inner = sorted(p for p in path.iterdir() if p.is_dir() and (p / MANIFEST).is_file())
+    if not inner:
+        from reprokit.distributed.incident import is_incident
+
+        incidents = sorted(p for p in path.iterdir() if is_incident(p))  # the out_dir of a multi-rank run
+        if not incidents:
+            return None
+        shown = ", ".join(p.name for p in incidents[-3:]) + (f" and {len(incidents) - 3} more" if len(incidents) > 3
+                                                             else "")
+        return (f"{path} is not a bundle but a folder holding {len(incidents)} incident folder(s) of a multi-rank "
+                f"run: {shown}. Replay one whole, e.g. `reprokit replay {incidents[-1]}`, or pass one rank's bundle "
+                "in it.")
+    shown = ", ".join(p.name for p in inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
+    return (f"{path} is not a bundle but a folder holding {len(inner)} bundle folder(s): {shown}. Pass one of "
+            f"them, e.g. {inner[-1]} (an incident folder of a multi-rank run replays whole with "
+            "`reprokit replay FOLDER`).")
+
+
 def open_bundle(path: str | Path) -> Bundle:
     """Verify a bundle directory, then open it.
 
@@ -872,6 +895,9 @@ def open_bundle(path: str | Path) -> Bundle:
     if path.is_dir() and next(path.iterdir(), None) is None:
         raise BundleError(f"{path} is an empty folder, not a bundle; pass a bundle folder the recorder wrote "
                           "(bundle-..., with manifest.json in it)", [{"file": MANIFEST, "problem": "missing"}])
+    hint = folder_of_bundles(path)  # the recorder's out_dir, or an incident folder, passed where one bundle goes
+    if hint:
+        raise BundleError(hint, [{"file": MANIFEST, "problem": "missing"}])
     manifest, problems = _verify(path, hash_tensors=False)
     if problems or manifest is None:
         lines = "\n".join(f"  {p['file']}: {p['problem']}" for p in problems[:20])

@@ -242,35 +242,11 @@ def archive_opts(fn: Any) -> Any:
     return fn
 
 
-def _folder_of_bundles(path: Path) -> str | None:
-    """What to say when PATH is a folder that holds bundles (the recorder's ``out_dir``, an incident folder) but is
-    not one itself, so that the user reads the bundles' names rather than only that ``manifest.json`` is missing."""
-    from reprokit.bundle import MANIFEST
-
-    if not path.is_dir() or (path / MANIFEST).exists():
-        return None
-    inner = sorted(p for p in path.iterdir() if p.is_dir() and (p / MANIFEST).is_file())
-    if not inner:
-        from reprokit.distributed.incident import is_incident
-
-        incidents = sorted(p for p in path.iterdir() if is_incident(p))  # the out_dir of a multi-rank run
-        if not incidents:
-            return None
-        shown = ", ".join(p.name for p in incidents[-3:]) + (f" and {len(incidents) - 3} more" if len(incidents) > 3
-                                                             else "")
-        return (f"{path} is not a bundle but a folder holding {len(incidents)} incident folder(s) of a multi-rank "
-                f"run: {shown}. Replay one whole, e.g. `reprokit replay {incidents[-1]}`, or pass one rank's bundle "
-                "in it.")
-    shown = ", ".join(p.name for p in inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
-    return (f"{path} is not a bundle but a folder holding {len(inner)} bundle folder(s): {shown}. Pass one of "
-            f"them, e.g. {inner[-1]} (an incident folder of a multi-rank run replays whole with "
-            "`reprokit replay FOLDER`).")
-
-
 def _refuse_folder_of_bundles(path: Path) -> None:
+    from reprokit.bundle import folder_of_bundles
     from reprokit.errors import BundleError
 
-    message = _folder_of_bundles(path)
+    message = folder_of_bundles(path)
     if message:
         raise BundleError(message)
 
@@ -442,7 +418,9 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     from reprokit.errors import BundleError
 
     origin = digest_source(bundle, kw["sha256"]) if is_archive(bundle) else None
-    parent = _folder_of_bundles(bundle)
+    from reprokit.bundle import folder_of_bundles
+
+    parent = folder_of_bundles(bundle)
     try:
         if parent:  # listed as the problem (exit 1), as for any folder that is not a bundle
             problems = [{"file": MANIFEST, "problem": f"missing: {parent}"}]

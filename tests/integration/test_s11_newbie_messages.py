@@ -23,9 +23,6 @@ def test_replaying_the_out_dir_suggests_its_newest_bundle(tmp_path):
     assert "looks like the recorder's out_dir" in r.output and f"e.g. {later}" in r.output, r.output
 
 
-@pytest.mark.xfail(strict=True, reason="reprokit.replay(out_dir) (the Python API) says the folder 'failed "
-                                       "verification' and to ask the sender for an intact copy, where the CLI "
-                                       "names the bundles in it; open_bundle has no folder-of-bundles check")
 def test_python_replay_of_the_out_dir_names_a_bundle_in_it(tmp_path):
     out_dir = tmp_path / "repros"
     bundle = record_mlp_nan(out_dir, steps=6, poison_step=4, snapshot_every=2)
