@@ -91,7 +91,6 @@ def test_precision_help_lists_every_variant_and_replay_axes_give_their_exit_code
 
 
 def test_inspect_says_where_the_plot_went(out_dir, tmp_path):
-    pytest.importorskip("matplotlib")  # the [plot] extra; the [test] extra installs it
     png = tmp_path / "history.png"
     r = CliRunner().invoke(main, ["inspect", str(_bundle(out_dir)), "--plot", str(png)])
     assert r.exit_code == 0, r.output
