@@ -438,7 +438,7 @@ class Recorder:
                                           f"step {k}, with those tensors copied in stream order from now on.")
             due = bool(torn) or self._snapshot is None or k - self._snapshot.step >= self.snapshot_every or \
                 self._resnap
-            boundary, last_batch = accumulation_phase(self.state.optimizer)
+            boundary, last_batch, n = accumulation_phase(self.state.optimizer)
             if due and not torn and not boundary:
                 due = False  # mid-accumulation under accelerate: the snapshot waits for the next synced step
             # A dataloader's last batch syncs early, which replay would not: the window restarts after it.
@@ -446,7 +446,6 @@ class Recorder:
             if last_batch and not torn:
                 # accelerate syncs here because the dataloader ends; replay, fed from the bundle, syncs only where its
                 # fresh counter (0 at the window's start) reaches the accumulation: else this step cannot replay.
-                n = int(getattr(getattr(self.state.optimizer, "gradient_state", None), "num_steps", 1) or 1)
                 at = 1 if due or self._snapshot is None else k - self._snapshot.step + 1
                 if at % n:
                     self._engine.discard_prepared()

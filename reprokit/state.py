@@ -91,22 +91,22 @@ def unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
     return inner
 
 
-def accumulation_phase(opt: Any) -> tuple[bool, bool]:
-    """``(at_boundary, last_batch)`` for a step about to start under accelerate's gradient accumulation.
+def accumulation_phase(opt: Any) -> tuple[bool, bool, int]:
+    """``(at_boundary, last_batch, steps)`` for a step about to start under accelerate's gradient accumulation.
 
     ``Accelerator.accumulate`` syncs (steps the optimizer) when its own counter, which no ``state_dict`` holds,
     reaches ``gradient_accumulation_steps``, or on a prepared dataloader's last batch. Replay's ``build`` makes a
     fresh ``Accelerator`` (counter 0), so a window must start right after a synced step (``at_boundary``: the
     last ``accumulate`` synced, or none ran yet), and must not run past a last batch (``last_batch``), whose early
-    sync replay, fed from the bundle and not from the dataloader, would not make. ``(True, False)`` for anything
-    else (a plain optimizer, no accumulation).
+    sync replay, fed from the bundle and not from the dataloader, would not make. ``steps``: the batches one update
+    accumulates. ``(True, False, 1)`` for anything else (a plain optimizer, no accumulation).
     """
     grad_state = getattr(opt, "gradient_state", None)
-    if grad_state is None or type(opt).__module__.split(".")[0] != "accelerate" or \
-            int(getattr(grad_state, "num_steps", 1) or 1) <= 1:
-        return True, False
+    steps = int(getattr(grad_state, "num_steps", 1) or 1) if grad_state is not None else 1
+    if steps <= 1 or type(opt).__module__.split(".")[0] != "accelerate":
+        return True, False, 1
     last = bool(getattr(grad_state, "sync_with_dataloader", True) and getattr(grad_state, "end_of_dataloader", False))
-    return bool(getattr(grad_state, "sync_gradients", True)), last
+    return bool(getattr(grad_state, "sync_gradients", True)), last, steps
 
 
 def _hook_through(opt: torch.optim.Optimizer) -> None:
