@@ -111,6 +111,13 @@ VERDICT_EXIT_CODES = {"deterministic": 1, "flaky": 1, "different_failure": 125, 
 VERDICT_HEADLINES = {"deterministic": "REPRODUCED", "flaky": "REPRODUCED (flaky)",
                      "different_failure": "DIFFERENT FAILURE", "not_reproduced": "NOT REPRODUCED"}
 
+def verdict_of(failed: int, different: int, runs: int) -> str:
+    """The verdict of ``runs`` replays of which ``failed`` failed the recorded way and ``different`` otherwise."""
+    if failed:
+        return "deterministic" if failed == runs else "flaky"
+    return "different_failure" if different else "not_reproduced"
+
+
 def verdict_phrase(verdict: str, runs: int | None, times_flag: str | None = "--times N") -> str:
     """The verdict in words for people: ``deterministic`` is said only when more than one run showed it (the JSON
     verdict of a single reproducing run stays ``deterministic``; ``determinism_checked`` tells them apart).
@@ -170,10 +177,7 @@ class ReplayReport:
 
     @property
     def verdict(self) -> str:
-        n = self.failed_runs
-        if n:
-            return "deterministic" if n == len(self.runs) else "flaky"
-        return "different_failure" if self.different_runs else "not_reproduced"
+        return verdict_of(self.failed_runs, self.different_runs, len(self.runs))
 
     @property
     def exit_code(self) -> int:

@@ -190,7 +190,7 @@ class IncidentBoard:
         """Say that this rank records (a rank without a Recorder, or one whose out_dir is elsewhere, is never
         waited for)."""
         try:
-            path = self.path.with_name(f"{self.info.run_key}.rank{self.info.rank}.attached")
+            path = self._attached_path(self.info.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("")
         except OSError:
@@ -202,10 +202,13 @@ class IncidentBoard:
         deadline = time.monotonic() + timeout_s
         while True:
             missing = [r for r in range(self.info.world_size) if not self.done_path(r).exists() and (
-                r == self.info.rank or self.path.with_name(f"{self.info.run_key}.rank{r}.attached").exists())]
+                r == self.info.rank or self._attached_path(r).exists())]
             if not missing or time.monotonic() >= deadline:
                 return missing
             time.sleep(min(self.poll_s / 2, 0.05))
+
+    def _attached_path(self, rank: int) -> Path:
+        return self.path.with_name(f"{self.info.run_key}.rank{rank}.attached")
 
     def done_path(self, rank: int) -> Path:
         """``rank``'s mark of the current incident (the last one this rank handled)."""

@@ -161,18 +161,15 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
         f = b.failure
         if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
             incident = f.detail["incident"]
-    if device is None:  # where it was recorded, when this machine has a GPU per rank (as a bundle replays alone)
-        import torch
+    import torch
 
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device is None:  # where it was recorded, when this machine has a GPU per rank (as a bundle replays alone)
         device = "cuda" if str(first.run.get("device", "cpu")).startswith("cuda") and gpus >= world else "cpu"
     if device == "cuda":  # refused here, once: in the ranks it would only be an error each (or a wrong device)
-        import torch
-
-        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if seen < world:
+        if gpus < world:
             raise ReprokitError(f"--device cuda: this incident replays one rank per GPU, {world} ranks, but torch sees "
-                                f"{seen} CUDA device(s) here; use --device cpu (gloo), or a machine with {world} GPUs")
+                                f"{gpus} CUDA device(s) here; use --device cpu (gloo), or a machine with {world} GPUs")
     if code is not None:  # refuse a checkout without the project here, once, not in every rank
         from reprokit.code import check_refs
 
@@ -224,7 +221,7 @@ def _merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """One rank's reports of several launches (one run each) as one report, its verdict counted as
     :class:`reprokit.replay.ReplayReport` counts it. A launch where the rank errored makes the whole an error (it
     could not say); one where it stayed blocked in a collective counts as a run that failed otherwise."""
-    from reprokit.replay import VERDICT_EXIT_CODES
+    from reprokit.replay import VERDICT_EXIT_CODES, verdict_of
 
     if len(docs) == 1:
         return docs[0]
@@ -240,11 +237,9 @@ def _merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     out["determinism_checked"] = True  # each launch ran once (False in each doc); together they ran len(docs) times
     out["failed_runs"] = sum(d["failed_runs"] for d in ran)
     out["different_runs"] = sum(d["different_runs"] for d in ran) + blocked
-    n = out["failed_runs"]
-    out["verdict"] = ("deterministic" if n == len(docs) else "flaky") if n else \
-        "different_failure" if out["different_runs"] else "not_reproduced"
+    out["verdict"] = verdict_of(out["failed_runs"], out["different_runs"], len(docs))
     out["exit_code"] = VERDICT_EXIT_CODES[out["verdict"]]
-    out["reproduced"] = n > 0
+    out["reproduced"] = out["failed_runs"] > 0
     out["transient"] = out["verdict"] == "not_reproduced" and all(d.get("transient") for d in ran)
     out["failure"] = next((d["failure"] for d in ran if d.get("reproduced")), None) or next(
         (d["failure"] for d in ran if d.get("failure")), None)

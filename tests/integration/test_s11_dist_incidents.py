@@ -47,7 +47,7 @@ def test_a_second_incident_after_recovery_gets_its_own_folder_on_every_rank(tmp_
     rank 0's state of that incident (replicated DDP state)."""
     out = tmp_path / "repros"
     proc = _torchrun(out, "recover-replicated")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "mark of this run" not in proc.stderr, "every rank shares out_dir"
     folders = sorted(p for p in out.iterdir() if p.name.startswith("incident-"))
     assert [int(p.name.split("-step")[1][:8]) for p in folders] == [3, 9], folders

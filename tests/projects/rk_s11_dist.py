@@ -79,6 +79,12 @@ def main(out_dir: str, scenario: str) -> None:
                     p.nan_to_num_(0.0)
                     dist.broadcast(p, 0)
     print(f"rank {rank} bundles: {[str(b) for b in rec.bundles] if rec else None}", flush=True)
+    # Tear down as a training script should: the incident watcher stopped, the process group destroyed (left to
+    # interpreter exit, gloo's teardown aborted a rank now and then on a loaded machine, after main had finished).
+    if rec is not None:
+        rec.close()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
