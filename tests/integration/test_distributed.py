@@ -23,7 +23,8 @@ PROJECT = ROOT / "tests" / "projects" / "rk_ddp.py"
 
 
 def _torchrun(out: Path, mode: str, device: str = "cpu") -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PROJECT), str(out),
@@ -173,7 +174,8 @@ def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp
     its rank's shards and their layout; replayed on two ranks (build() shards the model again), both reproduce
     bit-exactly. Replayed alone, the shards mean nothing: refused before build(), pointing at the incident."""
     out = tmp_path / "repros"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                            str(ROOT / "tests" / "projects" / "rk_fsdp.py"), str(out), device],

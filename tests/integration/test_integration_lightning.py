@@ -129,7 +129,8 @@ def test_under_torchrun_every_rank_records_into_one_incident(tmp_path):
     from reprokit.distributed.incident import free_port
 
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}
     out = tmp_path / "repros"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                            "127.0.0.1", "--master_port", str(free_port()), str(root / "tests" / "projects" /

@@ -313,7 +313,8 @@ def test_callback_refuses_a_build_of_its_own():
 
 def test_trainer_under_torchrun_records_every_rank_and_the_incident_replays(tmp_path):
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                           "127.0.0.1", "--master_port", str(free_port()), str(root / "tests/projects/rk_hf_ddp.py"),
                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)

@@ -34,7 +34,8 @@ import rk_s11_dist  # noqa: E402
 
 
 def _torchrun(out: Path, scenario: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{PROJECTS}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{PROJECTS}", "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                            "127.0.0.1", "--master_port", str(free_port()), str(PROJECTS / "rk_s11_dist.py"), str(out),
                            scenario], env=env, capture_output=True, text=True, timeout=120, cwd=out.parent)
@@ -219,7 +220,10 @@ def test_a_recorder_on_rank_0_only_neither_hangs_nor_waits_for_ranks_that_record
     proc = _torchrun(out, "rank0-only")
     seconds = time.monotonic() - t0
     assert "rank 0 step 3: TrainingFailure" in proc.stdout, proc.stderr[-3000:]
-    assert seconds < 18 and "did not write their window" not in proc.stderr, (seconds, proc.stderr[-3000:])
+    # No wait for rank 1: the warning would say so (a wall-clock bound alone misfires on a loaded machine). No hang:
+    # the old collective at attach held training for the process group's timeout (60 s).
+    assert "did not write their window" not in proc.stderr, proc.stderr[-3000:]
+    assert seconds < 50, (seconds, proc.stderr[-3000:])
     (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
     (bundle,) = folder.iterdir()
     assert open_bundle(bundle).failure.kind == "nonfinite_loss" and bundle.name.endswith("rank0of2")

@@ -4,6 +4,7 @@ different steps, a folder per rank. ``python rk_s11_dist.py OUT_DIR SCENARIO``."
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 
@@ -79,12 +80,17 @@ def main(out_dir: str, scenario: str) -> None:
                     p.nan_to_num_(0.0)
                     dist.broadcast(p, 0)
     print(f"rank {rank} bundles: {[str(b) for b in rec.bundles] if rec else None}", flush=True)
-    # Tear down as a training script should: the incident watcher stopped, the process group destroyed (left to
-    # interpreter exit, gloo's teardown aborted a rank now and then on a loaded machine, after main had finished).
+    # Tear down as a training script should, while the interpreter is fully alive: the incident watcher stopped, the
+    # DDP model dropped (its reducer holds the process group, so destroy_process_group alone leaves gloo's worker
+    # threads to interpreter exit, where gloo aborted a rank now and then on a loaded machine: "terminate called
+    # without an active exception", after main had finished), then the process group destroyed.
     if rec is not None:
         rec.close()
+    del rec, state
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    print(f"rank {rank} tore down", flush=True)
 
 
 if __name__ == "__main__":
