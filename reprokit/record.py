@@ -432,18 +432,21 @@ class Recorder:
         a GPU the batch's small copy does not wait behind the state's)."""
         try:
             torn = self._engine.torn
+            boundary, last_batch, n = accumulation_phase(self.state.optimizer)
             if torn:
+                when = f"step {k}" if boundary else "the next step that starts an update (accelerate accumulates)"
                 self._drop_window("torn", f"reprokit: the snapshot at step {self._snapshot.step if self._snapshot else k}"
                                           f" is not the state that step started from ({torn}); a new one is taken at "
-                                          f"step {k}, with those tensors copied in stream order from now on.")
+                                          f"{when}, with those tensors copied in stream order from now on.")
             due = bool(torn) or self._snapshot is None or k - self._snapshot.step >= self.snapshot_every or \
                 self._resnap
-            boundary, last_batch, n = accumulation_phase(self.state.optimizer)
-            if due and not torn and not boundary:
-                due = False  # mid-accumulation under accelerate: the snapshot waits for the next synced step
+            if due and not boundary:
+                # Mid-accumulation under accelerate: the snapshot (a torn one's replacement too) waits for the next
+                # synced step, where replay's fresh Accelerator starts counting as the run did.
+                due = False
             # A dataloader's last batch syncs early, which replay would not: the window restarts after it.
             self._resnap = last_batch or (self._resnap and not due)
-            if last_batch and not torn:
+            if last_batch:
                 # accelerate syncs here because the dataloader ends; replay, fed from the bundle, syncs only where its
                 # fresh counter (0 at the window's start) reaches the accumulation: else this step cannot replay.
                 at = 1 if due or self._snapshot is None else k - self._snapshot.step + 1

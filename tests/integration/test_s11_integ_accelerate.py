@@ -63,3 +63,28 @@ def test_a_window_restarts_after_the_early_sync_of_an_epochs_last_batch(projects
     d = replayed(b.path)
     assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"], d["fidelity"]
     assert (b.failure.step, b.run["window"]["steps"]) == (13, [10, 11, 12, 13])
+
+
+def test_a_torn_snapshot_mid_accumulation_is_replaced_at_the_synced_step(projects, tmp_path):
+    """A torn snapshot (a tensor written while its asynchronous copy was in flight: on a GPU only, simulated here by
+    setting the engine's own ``torn``, which is what its version check sets) is replaced by a new one, but under
+    accelerate's accumulation not mid-update: it was taken at once, at step 3 (mid-accumulation over 2), so replay's
+    fresh Accelerator synced at other steps than the run. Now the new snapshot waits for step 4 (synced)."""
+    acc = projects("rk_accumulate")
+    config = {"accumulate": 2}
+    state = acc.build(config)
+    rec = reprokit.Recorder(state, acc.train_step, build=acc.build, config=config, out_dir=tmp_path / "repros",
+                            snapshot_every=100)
+    try:
+        with pytest.warns(reprokit.RecorderWarning, match="not the state that step started from"), \
+                pytest.raises(reprokit.TrainingFailure) as info:
+            for k, batch in enumerate(acc.loader(acc.Rows(40, bad=21))):  # row 21: step 5
+                if k == 3:
+                    rec._engine.torn = "1 tensor(s) (simulated) were written while being copied"
+                rec.step(batch)
+    finally:
+        rec.close()
+    b = open_bundle(bundle_of(info.value))
+    assert (b.failure.step, b.run["window"]["steps"]) == (5, [4, 5]), b.run["window"]
+    d = replayed(b.path)
+    assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"], d["fidelity"]
