@@ -370,8 +370,7 @@ class ReprokitCallback(TrainerCallback):
             return
         self._loss = None
         batch, self._batch = self._batch, None
-        lrs = self._lrs()
-        if self._lrs_after is not None and lrs != self._lrs_after:
+        if self._lrs_after is not None and not rec._resnap and _lrs_differ(self._lrs(), self._lrs_after):
             # The LR changed between updates (a scheduler stepped on eval metrics, reduce_lr_on_plateau, or a
             # callback): replay runs updates only, so this one starts a window of its own (a fresh snapshot).
             rec._resnap = True
@@ -386,7 +385,7 @@ class ReprokitCallback(TrainerCallback):
         if rec is None or not rec.active:
             return
         loss, self._loss = self._loss, None
-        self._lrs_after = self._lrs()
+        self._lrs_after = self._lrs(copy=True)
         rec.end(loss)
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
@@ -422,11 +421,13 @@ class ReprokitCallback(TrainerCallback):
                 "travels in the bundle's code snapshot and replay runs it. If it was not, pass the callback in "
                 "Trainer(callbacks=[ReprokitCallback(...)]), where it sees the constructor's arguments")
 
-    def _lrs(self) -> list[Any]:
+    def _lrs(self, copy: bool = False) -> list[Any]:
+        """The optimizer's LRs; with ``copy``, a tensor LR (which a scheduler changes in place) as a copy on its
+        device, queued in stream order: no sync."""
         trainer = self._trainer
         opt = _unwrap(trainer.optimizer, "optimizer") if trainer is not None else None
         lrs = [group.get("lr") for group in getattr(opt, "param_groups", [])]
-        return [float(lr) if isinstance(lr, torch.Tensor) else lr for lr in lrs]  # a tensor LR changes in place
+        return [lr.detach().clone() if copy and isinstance(lr, torch.Tensor) else lr for lr in lrs]
 
     # --- what the bundle needs --------------------------------------------------------------
 
@@ -525,6 +526,23 @@ class ReprokitCallback(TrainerCallback):
         return batch
 
 
+def _lrs_differ(now: list[Any], before: list[Any]) -> bool:
+    """Whether any LR differs from its earlier value: numbers on the host; tensors compared on their device and read
+    back together, one sync per device for all groups (reading each group's LR before and after an update took two
+    per group)."""
+    if len(now) != len(before):
+        return True
+    unequal: dict[torch.device, list[torch.Tensor]] = {}
+    for a, b in zip(now, before, strict=True):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+                return True
+            unequal.setdefault(a.device, []).append(torch.ne(a, b).any())  # NaN reads as changed, as float() did
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
+            return True
+    return any(bool(torch.stack(flags).any()) for flags in unequal.values())
+
+
 def _not_the_trainers_own(trainer: Any) -> str | None:
     """Why the optimizer or LR scheduler may not be the one replay's Trainer makes (None: it is), for a Trainer whose
     constructor the callback did not see.
@@ -548,8 +566,7 @@ def _not_the_trainers_own(trainer: Any) -> str | None:
 
 def _optimizer_differs(trainer: Any) -> str | None:
     """How the Trainer's optimizer differs from the one ``Trainer.create_optimizer`` makes (None: it does not): its
-    class, its parameter groups (decayed, then not) and every hyperparameter of each group (the LR as the group
-    started, before a scheduler scaled it)."""
+    class, its parameter groups (decayed, then not) and every hyperparameter of each group."""
     opt = _unwrap(trainer.optimizer, "optimizer")
     args, model = trainer.args, trainer.model
     try:
@@ -576,14 +593,21 @@ def _optimizer_differs(trainer: Any) -> str | None:
         return (f"its optimizer has {n} parameter group{'s' if n != 1 else ''}, where the Trainer makes "
                 f"{len(expected)} (weight-decayed parameters, then the others)")
     for i, (got, want) in enumerate(zip(opt.param_groups, expected, strict=True)):
-        if [id(p) for p in got["params"]] != [id(p) for p in want["params"]]:
-            return (f"its optimizer's parameter group {i} holds other parameters than the Trainer's would "
-                    "(weight-decayed parameters, then the others)")
-        for key, value in want.items():
-            have = got.get("initial_lr", got.get("lr")) if key == "lr" else got.get(key, _ABSENT)
-            if key != "params" and not _same(have, value):
-                return (f"its optimizer's parameter group {i} has {key}={'(none)' if have is _ABSENT else have!r}, "
-                        f"where the Trainer's would have {value!r}")
+        why = _group_differs(got, want)
+        if why is not None:
+            return f"its optimizer's parameter group {i} {why}"
+    return None
+
+
+def _group_differs(got: dict[str, Any], want: dict[str, Any]) -> str | None:
+    """How a parameter group differs from the Trainer's (None: it does not). Its LR is compared as the group started
+    (``initial_lr``, which the Trainer's schedulers set and scale from), not as a warmup left it."""
+    if [id(p) for p in got["params"]] != [id(p) for p in want["params"]]:
+        return "holds other parameters than the Trainer's would (weight-decayed parameters, then the others)"
+    for key, value in want.items():
+        have = got.get("initial_lr", got.get("lr")) if key == "lr" else got.get(key, _ABSENT)
+        if key != "params" and not _same(have, value):
+            return f"has {key}={'(none)' if have is _ABSENT else have!r}, where the Trainer's would have {value!r}"
     return None
 
 

@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from reprokit import TrainingFailure
+from reprokit.bundle import open_bundle
 from reprokit.cli import main
 from reprokit.errors import CaptureError
 from reprokit.integrations.transformers import ReprokitCallback
@@ -43,13 +44,13 @@ def tiny() -> GPT2LMHeadModel:
                                       bos_token_id=0, eos_token_id=0))
 
 
-def added(tmp_path, dataset, trainer_cls=Trainer, model=None, **kw) -> Trainer:
+def added(tmp_path, dataset, trainer_cls=Trainer, model=None, snapshot_every=4, **kw) -> Trainer:
     """The user's script: a Trainer made first, the callback added to it afterwards."""
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, seed=3, max_steps=6,
                              warmup_steps=2, report_to=[], logging_strategy="no", save_strategy="no",
                              disable_tqdm=True, use_cpu=True)
     t = trainer_cls(model=model or tiny(), args=args, train_dataset=dataset, **kw)
-    t.add_callback(ReprokitCallback(out_dir=tmp_path / "repros", snapshot_every=4))
+    t.add_callback(ReprokitCallback(out_dir=tmp_path / "repros", snapshot_every=snapshot_every))
     return t
 
 
@@ -129,3 +130,32 @@ def test_an_added_callback_accepts_a_subclass_that_makes_its_own_optimizer(tmp_p
     t = added(tmp_path / "given", Embeds(16, bad=5), model=model,
               optimizers=(torch.optim.SGD(model.parameters(), lr=5e-5, momentum=0.9), None))
     refused(tmp_path / "given", t, "optimizer is a torch.optim.sgd.SGD")
+
+
+class CutTheLR(TrainerCallback):
+    """Scales each tensor LR by 0.1 in place after update ``after`` (between two updates, as a callback might)."""
+
+    def __init__(self, after: int):
+        self.after = after
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if state.global_step == self.after + 1:
+            for group in optimizer.param_groups:
+                group["lr"].mul_(0.1)
+
+
+def test_a_tensor_lr_changed_in_place_between_updates_starts_a_window(tmp_path, projects):
+    """The LRs after an update are kept as device copies of the tensors (no sync) and compared at the next update's
+    start: the in-place cut after update 1 starts a window at update 2, whose snapshot holds the cut LR. A window
+    from update 0 would replay update 2 at the scheduler's LR, and the NaN update 3 would not replay bit-exact."""
+    own = projects("rk_hf_model")
+    # Row 3 is in update 3 (seed 3); snapshots every 8 updates: one window, unless the cut starts another.
+    t = added(tmp_path, Embeds(16, bad=3), trainer_cls=own.TensorLRTrainer, snapshot_every=8)
+    t.add_callback(CutTheLR(after=1))  # after ReprokitCallback's on_step_end, which copied the LRs
+    with pytest.raises(TrainingFailure) as info:
+        t.train()
+    assert isinstance(t.optimizer.param_groups[0]["lr"], torch.Tensor)
+    b = open_bundle(info.value.bundle)
+    assert (b.failure.step, b.run["window"]["steps"]) == (3, [2, 3])
+    d = replayed(b.path)
+    assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"], d["fidelity"]
