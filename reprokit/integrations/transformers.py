@@ -370,8 +370,7 @@ class ReprokitCallback(TrainerCallback):
             return
         self._loss = None
         batch, self._batch = self._batch, None
-        lrs = self._lrs()
-        if self._lrs_after is not None and lrs != self._lrs_after:
+        if self._lrs_after is not None and not rec._resnap and _lrs_differ(self._lrs(), self._lrs_after):
             # The LR changed between updates (a scheduler stepped on eval metrics, reduce_lr_on_plateau, or a
             # callback): replay runs updates only, so this one starts a window of its own (a fresh snapshot).
             rec._resnap = True
@@ -386,7 +385,7 @@ class ReprokitCallback(TrainerCallback):
         if rec is None or not rec.active:
             return
         loss, self._loss = self._loss, None
-        self._lrs_after = self._lrs()
+        self._lrs_after = self._lrs(copy=True)
         rec.end(loss)
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
@@ -398,7 +397,8 @@ class ReprokitCallback(TrainerCallback):
         """Replay makes ``TrainerClass(model=..., args=...)`` and nothing else: a loss function, optimizer or scheduler
         handed to the constructor would be replaced by the Trainer's defaults, a replay of another run (its losses
         differ, and a deterministic failure reads "not reproduced"). Refused before the first step."""
-        parts = list(self._given[1]) if self._given is not None and self._given[0]() is trainer else []
+        seen = self._given is not None and self._given[0]() is trainer
+        parts = list(self._given[1]) if seen else []  # type: ignore[index]
         for name in ("compute_loss_func", "optimizer_cls_and_kwargs"):
             if getattr(trainer, name, None) is not None:
                 parts.append(f"{name}=")
@@ -409,12 +409,25 @@ class ReprokitCallback(TrainerCallback):
                 "train with the Trainer's default loss, optimizer and scheduler instead, and not reproduce the run). "
                 "Move them into a Trainer subclass in your project (override compute_loss, create_optimizer, "
                 "create_scheduler): the subclass travels in the bundle's code snapshot and replay runs it")
+        why = None if seen else _not_the_trainers_own(trainer)
+        if why is not None:
+            # Added with trainer.add_callback: the constructor's end (and its optimizers=) went unseen.
+            raise CaptureError(
+                f"ReprokitCallback: it was added after this Trainer was made (trainer.add_callback), so it did not see "
+                f"what the constructor was given, and {why}. Replay makes {type(trainer).__qualname__}(model=..., "
+                "args=...) from the recorded TrainingArguments and would train with the optimizer and scheduler that "
+                "Trainer makes itself, not reproducing this run. If the Trainer was given optimizers=, move them into "
+                "a Trainer subclass in your project (override create_optimizer, create_scheduler): the subclass "
+                "travels in the bundle's code snapshot and replay runs it. If it was not, pass the callback in "
+                "Trainer(callbacks=[ReprokitCallback(...)]), where it sees the constructor's arguments")
 
-    def _lrs(self) -> list[Any]:
+    def _lrs(self, copy: bool = False) -> list[Any]:
+        """The optimizer's LRs; with ``copy``, a tensor LR (which a scheduler changes in place) as a copy on its
+        device, queued in stream order: no sync."""
         trainer = self._trainer
         opt = _unwrap(trainer.optimizer, "optimizer") if trainer is not None else None
         lrs = [group.get("lr") for group in getattr(opt, "param_groups", [])]
-        return [float(lr) if isinstance(lr, torch.Tensor) else lr for lr in lrs]  # a tensor LR changes in place
+        return [lr.detach().clone() if copy and isinstance(lr, torch.Tensor) else lr for lr in lrs]
 
     # --- what the bundle needs --------------------------------------------------------------
 
@@ -511,6 +524,107 @@ class ReprokitCallback(TrainerCallback):
         if trainer is not None and trainer.accelerator.num_processes > 1 and num_items is not None:
             batch[NUM_ITEMS] = num_items  # gathered over ranks: a single-process replay cannot count it again
         return batch
+
+
+def _lrs_differ(now: list[Any], before: list[Any]) -> bool:
+    """Whether any LR differs from its earlier value: numbers on the host; tensors compared on their device and read
+    back together, one sync per device for all groups (reading each group's LR before and after an update took two
+    per group)."""
+    if len(now) != len(before):
+        return True
+    unequal: dict[torch.device, list[torch.Tensor]] = {}
+    for a, b in zip(now, before, strict=True):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+                return True
+            unequal.setdefault(a.device, []).append(torch.ne(a, b).any())  # NaN reads as changed, as float() did
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
+            return True
+    return any(bool(torch.stack(flags).any()) for flags in unequal.values())
+
+
+def _not_the_trainers_own(trainer: Any) -> str | None:
+    """Why the optimizer or LR scheduler may not be the one replay's Trainer makes (None: it is), for a Trainer whose
+    constructor the callback did not see.
+
+    An optimizer or scheduler given to the constructor (``optimizers=``) leaves no mark on the Trainer, so each is
+    compared with what ``Trainer.create_optimizer`` / ``create_scheduler`` make from the same arguments and model. A
+    Trainer subclass that overrides one of them makes its own on replay too (it travels in the code snapshot).
+    """
+    cls = type(trainer)
+    if cls.create_optimizer is Trainer.create_optimizer:
+        why = _optimizer_differs(trainer)
+        if why is not None:
+            return why
+    # create_scheduler sets this flag only when it made the scheduler itself (the Trainer rebuilds only those on a
+    # later train()); a scheduler given as optimizers=(..., scheduler) never has it.
+    if cls.create_scheduler is Trainer.create_scheduler and getattr(trainer, "_created_lr_scheduler", None) is not True:
+        return (f"its LR scheduler ({type(_unwrap(trainer.lr_scheduler, 'scheduler')).__qualname__}) was not made by "
+                "Trainer.create_scheduler")
+    return None
+
+
+def _optimizer_differs(trainer: Any) -> str | None:
+    """How the Trainer's optimizer differs from the one ``Trainer.create_optimizer`` makes (None: it does not): its
+    class, its parameter groups (decayed, then not) and every hyperparameter of each group."""
+    opt = _unwrap(trainer.optimizer, "optimizer")
+    args, model = trainer.args, trainer.model
+    try:
+        opt_cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)
+        kwargs = dict(kwargs)
+        if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)) \
+                or {"params", "model", "optimizer_dict"} & kwargs.keys():
+            return (f"for optim={args.optim!r} the Trainer builds its optimizer in a way reprokit cannot compare "
+                    "with the one it trains with")
+        decay = set(trainer.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        # A torch optimizer holds no state until it steps: this one only fills in each group's defaults.
+        expected = opt_cls(groups, **kwargs).param_groups
+    except Exception as e:
+        return (f"the optimizer the Trainer would make could not be built to compare with its own "
+                f"({type(e).__name__}: {e})")
+    if type(opt) is not opt_cls:
+        return (f"its optimizer is a {type(opt).__module__}.{type(opt).__qualname__}, where the Trainer makes a "
+                f"{opt_cls.__module__}.{opt_cls.__qualname__} (optim={args.optim!r})")
+    if len(opt.param_groups) != len(expected):
+        n = len(opt.param_groups)
+        return (f"its optimizer has {n} parameter group{'s' if n != 1 else ''}, where the Trainer makes "
+                f"{len(expected)} (weight-decayed parameters, then the others)")
+    for i, (got, want) in enumerate(zip(opt.param_groups, expected, strict=True)):
+        why = _group_differs(got, want)
+        if why is not None:
+            return f"its optimizer's parameter group {i} {why}"
+    return None
+
+
+def _group_differs(got: dict[str, Any], want: dict[str, Any]) -> str | None:
+    """How a parameter group differs from the Trainer's (None: it does not). Its LR is compared as the group started
+    (``initial_lr``, which the Trainer's schedulers set and scale from), not as a warmup left it."""
+    if [id(p) for p in got["params"]] != [id(p) for p in want["params"]]:
+        return "holds other parameters than the Trainer's would (weight-decayed parameters, then the others)"
+    for key, value in want.items():
+        have = got.get("initial_lr", got.get("lr")) if key == "lr" else got.get(key, _ABSENT)
+        if key != "params" and not _same(have, value):
+            return f"has {key}={'(none)' if have is _ABSENT else have!r}, where the Trainer's would have {value!r}"
+    return None
+
+
+_ABSENT = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal hyperparameters: a tensor only equals a tensor of the same dtype, device and value."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.device == b.device and a.shape == b.shape and bool(torch.equal(a, b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def _rows(inputs: Any) -> int | None:

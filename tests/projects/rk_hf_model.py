@@ -1,5 +1,5 @@
 """A project's own Hugging Face classes: a GPT-2 subclass and a Trainer with its own loss (for the transformers
-integration tests: replay must import them from the bundle's code snapshot)."""
+integration tests: replay must import them from the bundle's code snapshot), and Trainers with their own optimizers."""
 
 from __future__ import annotations
 
@@ -29,3 +29,23 @@ class MaskedMeanTrainer(Trainer):
                                                reduction="none").reshape(target.shape)
         loss = (ce * mask).sum() / mask.sum()
         return (loss, outputs) if return_outputs else loss
+
+
+class SGDTrainer(Trainer):
+    """A Trainer that makes its own optimizer, SGD with momentum, in place of the arguments' AdamW."""
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = torch.optim.SGD((model or self.model).parameters(), lr=self.args.learning_rate,
+                                             momentum=0.9)
+        return self.optimizer
+
+
+class TensorLRTrainer(Trainer):
+    """A Trainer whose AdamW holds its LR as a tensor, which LR schedulers change in place."""
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW((model or self.model).parameters(),
+                                               lr=torch.tensor(self.args.learning_rate), foreach=False)
+        return self.optimizer
