@@ -136,10 +136,19 @@ def select_rows(batch: Any, n: int, keep: list[int]) -> Any:
 
 def select_seq(batch: Any, n: int | None, s: int, lo: int, hi: int) -> Any:
     """Slice ``[:, lo:hi]`` out of every ``[n, s, ...]`` tensor leaf: the token tensors (``s`` is their
-    :func:`seq_len`) and the leaves sharing their length (masks, labels, per-position features)."""
+    :func:`seq_len`) and the leaves sharing their length (masks, labels, per-position features).
+
+    A position-by-position mask (a 4-D attention mask ``[n, 1, s, s]`` or ``[n, heads, s, s]``, of any dtype, or
+    a boolean or integer ``[n, s, s]``) has both of its last two dimensions cut, which leaves the mask over the
+    kept positions. A floating ``[n, s, s]`` is cut along dim 1 only: it may be features whose width happens to
+    equal ``s``."""
     if isinstance(batch, torch.Tensor):
-        ok = batch.dim() >= 2 and batch.shape[1] == s and (n is None or batch.shape[0] == n)
-        return batch[:, lo:hi].contiguous() if ok else batch
+        if batch.dim() < 2 or (n is not None and batch.shape[0] != n):
+            return batch
+        pairwise = batch.dim() >= 4 or (batch.dim() == 3 and not batch.is_floating_point())
+        if pairwise and batch.shape[-2:] == (s, s):
+            return batch[..., lo:hi, lo:hi].contiguous()
+        return batch[:, lo:hi].contiguous() if batch.shape[1] == s else batch
     if isinstance(batch, Mapping):
         return {k: select_seq(v, n, s, lo, hi) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):

@@ -152,3 +152,21 @@ def test_a_candidate_raising_the_same_type_in_the_same_frame_with_another_messag
     assert r.different_failures > 0
     report = reprokit.replay(r.output)
     assert report.reproduced and report.runs[0].failure.message == "a value beyond 1e3 in the batch"
+
+
+def test_a_4d_attention_mask_is_cut_with_the_sequence(projects, tmp_path):
+    """The sequence pass cut ``[n, S]`` tensors only: a ``[n, 1, S, S]`` attention mask kept its S, every shorter
+    window failed with a shape error (another failure), and the sequence stayed 48 long. The mask's two position
+    dimensions are now cut with the tokens (its sub-mask over the kept positions)."""
+    lm = projects("rk_lm_attn4d")
+    cfg = {"vocab": 30, "nan_token": 13}
+    _, exc = record(lm, cfg, lm.batches(cfg, 3, bad=(2, 1, 30)), tmp_path / "r")
+    assert exc.failure.kind == "nonfinite_loss"
+    r = shrink(exc.bundle, tmp_path / "small", passes=["steps", "rows", "sequence"])
+    assert r.before["seq"] == 48 and r.after["rows"] == 1 and r.after["seq"] <= 2, (r.after, r.seq_window)
+    lo, hi = r.seq_window
+    assert lo <= 30 < hi, r.seq_window
+    batch = open_bundle(r.output).step(2)[0]
+    assert batch["attention_mask"].shape == (1, 1, hi - lo, hi - lo)
+    assert torch.equal(batch["attention_mask"][0, 0], torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril())
+    assert reprokit.replay(r.output).reproduced

@@ -84,3 +84,14 @@ def test_concat_rows_appends_one_row_or_says_it_cannot():
     assert c["ids"].tolist() == [[0, 0, 0], [0, 0, 0], [1, 1, 1]] and c["index"].tolist() == [0, 1, 9]
     assert c["src"] == ["a", "b", "z"] and c["k"] == 7
     assert concat_rows(a, 2, {**b, "ids": torch.ones(1, 4, dtype=torch.long)}) is None
+
+
+def test_the_sequence_cut_takes_both_position_dimensions_of_a_pairwise_mask_only():
+    """A 4-D mask (any dtype) and a boolean or integer ``[n, S, S]`` are position-by-position: both dimensions are
+    cut. A floating ``[n, S, S]`` may be features that happen to be S wide: dim 1 only, as any ``[n, S, ...]``."""
+    batch = {"ids": torch.arange(16).reshape(2, 8), "mask4": torch.ones(2, 1, 8, 8).tril(),
+             "mask3": torch.ones(2, 8, 8, dtype=torch.bool), "feats": torch.ones(2, 8, 8), "other": torch.ones(3, 8)}
+    out = select_seq(batch, 2, 8, 2, 5)
+    assert {k: tuple(v.shape) for k, v in out.items()} == {"ids": (2, 3), "mask4": (2, 1, 3, 3), "mask3": (2, 3, 3),
+                                                           "feats": (2, 3, 8), "other": (3, 8)}
+    assert torch.equal(out["mask4"], batch["mask4"][:, :, 2:5, 2:5]) and torch.equal(out["ids"], batch["ids"][:, 2:5])
