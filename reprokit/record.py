@@ -162,6 +162,20 @@ class _Snapshot:
     """Only this rank's RNG and detector state: model and optimizer state are rank 0's (replicated_state)."""
 
 
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (Python 3.11+). Python 3.10 has no ``add_note``: the note goes into the same
+    ``__notes__`` list (where code and tests read it), and to stderr, since 3.10's traceback does not print notes."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)
+        return
+    try:
+        setattr(exc, "__notes__", [*getattr(exc, "__notes__", []), note])  # noqa: B010 (3.10 knows no such attribute)
+    except Exception:  # an exception type that refuses new attributes: stderr still says it
+        pass
+    print(note, file=sys.stderr)
+
+
 class Recorder:
     """Watch a training loop and write a bundle when it fails.
 
@@ -416,15 +430,13 @@ class Recorder:
         hint = failure_note(batch, self._tables)
         if result.exc is not None:
             note = f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written"
-            if hasattr(result.exc, "add_note"):
-                if hint:
-                    result.exc.add_note(hint)
-                result.exc.add_note(note)
+            if hint:
+                _add_note(result.exc, hint)
+            _add_note(result.exc, note)
             raise result.exc
         failure = TrainingFailure(result.failure, path)
-        add_note = getattr(failure, "add_note", None)  # Python 3.11+
-        if hint and add_note is not None:
-            add_note(hint)
+        if hint:
+            _add_note(failure, hint)
         raise failure
 
     def _record_step_start(self, k: int, batch: Any) -> _Step | None:
