@@ -86,10 +86,16 @@ def test_two_failing_attempts_give_two_incidents_each_replaying_on_two_ranks(tmp
     assert first.name[-8:] != second.name[-8:], "each attempt names its incidents with its own run key"
     assert _by_rank(first) == {1: ("exception", 3, 0), 0: ("peer", 3, 0)}, first
     assert _by_rank(second) == {0: ("exception", 5, 1), 1: ("peer", 5, 1)}, second
-    for folder, rank, step in ((first, 1, 3), (second, 0, 5)):
-        r = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "2", "--json"])
-        d = json.loads(r.stdout)
-        assert r.exit_code == 1 and d["verdict"] == "deterministic", r.output
+    # both replays at once (each rank of each waits out its peers): `reprokit replay INCIDENT --nproc 2`
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    replays = [subprocess.Popen([sys.executable, "-m", "reprokit", "replay", str(folder), "--nproc", "2", "--json"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for folder in (first, second)]
+    for replay, rank, step in zip(replays, (1, 0), (3, 5)):
+        stdout, stderr = replay.communicate(timeout=150)
+        assert replay.returncode == 1, stdout + stderr[-3000:]
+        d = json.loads(stdout)
+        assert d["verdict"] == "deterministic" and d["reproduced"], d
         assert (d["failing_rank"], d["incident"]["step"]) == (rank, step), d
         failing = next(x for x in d["ranks"] if x["rank"] == rank)
         assert failing["reproduced"] and failing["failure"]["step"] == step, failing

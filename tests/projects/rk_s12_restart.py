@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,9 @@ def main(out_dir: str, scenario: str) -> None:
     except Exception as e:
         print(f"attempt {attempt} rank {rank}: {type(e).__name__} at step {rec.step_index}", flush=True)
         raise
+    # An attempt that took an earlier attempt's incident file for one of its own would write a peer bundle for it
+    # from its watcher thread (a poll, then a grace of a second): give it time to, before saying what it wrote.
+    time.sleep(3)
     print(f"attempt {attempt} rank {rank}: done, bundles {[str(b) for b in rec.bundles]}", flush=True)
     rec.close()
     dist.barrier()
