@@ -55,8 +55,8 @@ def test_the_restarted_attempt_trains_to_the_end_without_taking_the_first_attemp
     proc = _torchrun(out, "recovers")
     log = proc.stdout + proc.stderr[-4000:]
     assert proc.returncode == 0, log
+    assert "attempt 0 rank 1: IndexError" in proc.stdout, log  # (rank 0 may be killed by torchrun before it says)
     for rank in (0, 1):
-        assert f"attempt 0 rank {rank}: " in proc.stdout, log  # the first attempt did fail
         assert f"attempt 1 rank {rank}: done, bundles []" in proc.stdout, log
     assert "did not write their window" not in proc.stderr and "mark of this run" not in proc.stderr, log
     (folder,) = _incidents(out)
