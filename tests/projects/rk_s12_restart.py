@@ -4,6 +4,7 @@ Recorders again. ``python rk_s12_restart.py OUT_DIR SCENARIO``; the attempt is `
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 import time
@@ -74,7 +75,10 @@ def main(out_dir: str, scenario: str) -> None:
     # from its watcher thread (a poll, then a grace of a second): give it time to, before saying what it wrote.
     time.sleep(3)
     print(f"attempt {attempt} rank {rank}: done, bundles {[str(b) for b in rec.bundles]}", flush=True)
+    # Torn down while the interpreter is alive (see rk_s11_dist.py): the DDP model holds the process group.
     rec.close()
+    del rec, state
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
