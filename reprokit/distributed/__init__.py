@@ -16,6 +16,7 @@ rank 0's key: rank 0 must create a Recorder whenever another rank does, as SPMD 
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import itertools
 import json
@@ -23,12 +24,15 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 INCIDENTS_DIR = ".reprokit-incidents"
+EXIT_WAIT_S = 300.0
+"""How long interpreter exit waits for a window the incident watcher is writing (a large state takes a while)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +146,7 @@ class IncidentBoard:
         """That incident's document (with its ``number``)."""
         self.handled = 0
         """How many incidents this rank has handled: the next one is number ``handled``."""
+        self._on_incident: Callable[[dict[str, Any]], None] | None = None
 
     def incident_path(self, number: int) -> Path:
         return self.path.with_name(f"{self.info.run_key}.{number}.json")
@@ -216,23 +221,67 @@ class IncidentBoard:
         return self.path.with_name(f"{self.info.run_key}.{number}.rank{rank}.done")
 
     def watch(self, on_incident: Callable[[dict[str, Any]], None]) -> None:
-        """Call ``on_incident(doc)`` from a daemon thread when an incident this rank has not written appears."""
+        """Call ``on_incident(doc)`` from a daemon thread when an incident this rank has not written appears.
+
+        At interpreter exit (a script that ends without closing its Recorder) the watcher is not cut off: the window
+        it is writing is finished, and an incident that appeared since its last poll is written from the exiting
+        thread (:meth:`finish`), so a peer that failed in the last steps still gets this rank's window.
+        """
+        self._on_incident = on_incident
+
         def loop() -> None:
             while not self._stop.wait(self.poll_s):
-                number = self.handled
-                doc = self.read(number) if self.incident_path(number).exists() else None
-                if doc is not None and doc["incident"] != self.seen:
-                    try:
-                        on_incident(doc)
-                    except Exception:  # never let the watcher die loudly inside a training job
-                        self.handle(doc)
-                        self.done(self.info.rank)
+                self._poll()
 
         self._thread = threading.Thread(target=loop, name="reprokit-incidents", daemon=True)
         self._thread.start()
+        _watching.add(self)
+        global _exit_hook
+        if not _exit_hook:
+            atexit.register(_finish_all)
+            _exit_hook = True
+
+    def _poll(self) -> None:
+        number = self.handled
+        doc = self.read(number) if self.incident_path(number).exists() else None
+        if doc is not None and doc["incident"] != self.seen and self._on_incident is not None:
+            try:
+                self._on_incident(doc)
+            except Exception:  # never let the watcher die loudly inside a training job
+                self.handle(doc)
+                self.done(self.info.rank)
 
     def close(self) -> None:
+        """Stop watching (the Recorder's ``close``): an incident that appears later is not written."""
+        _watching.discard(self)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+    def finish(self, timeout_s: float = EXIT_WAIT_S) -> None:
+        """At interpreter exit: let the watcher finish the window it is writing (at most ``timeout_s``), then write
+        this rank's window for an incident it has not seen yet. Never raises."""
+        _watching.discard(self)
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=timeout_s)
+            if thread.is_alive():
+                return  # still writing: leave it, rather than a second writer
+        try:
+            self._poll()
+        except Exception:
+            pass
+
+
+_watching: weakref.WeakSet[IncidentBoard] = weakref.WeakSet()
+"""Boards whose watcher runs (not closed)."""
+_exit_hook = False
+
+
+def _finish_all() -> None:
+    """atexit: every watching board finishes (:meth:`IncidentBoard.finish`) before the interpreter tears down, where
+    a daemon thread in the middle of writing would be cut off (and one inside torch's C++ code would abort it)."""
+    for board in list(_watching):
+        board.finish()

@@ -227,3 +227,18 @@ def test_a_recorder_on_rank_0_only_neither_hangs_nor_waits_for_ranks_that_record
     (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
     (bundle,) = folder.iterdir()
     assert open_bundle(bundle).failure.kind == "nonfinite_loss" and bundle.name.endswith("rank0of2")
+
+
+def test_a_script_that_ends_without_closing_its_recorder_still_writes_a_late_peers_window(tmp_path):
+    """Rank 1 raises in the last step, after the all-reduce; rank 0 finishes its loop and its script ends at once,
+    without ``rec.close()``. Its incident watcher had seen the incident and was in its grace second: the interpreter
+    exit cut that daemon thread off, rank 0's window was lost and rank 1 waited ``incident_wait_s`` for it. Exit now
+    lets the watcher finish (or writes the window from the exiting thread)."""
+    out = tmp_path / "repros"
+    proc = _torchrun(out, "exit-unclosed")
+    assert "rank 1 step 11: IndexError" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "rank 0 exits with the incident unwritten: True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "did not write their window" not in proc.stderr, proc.stderr[-3000:]
+    (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
+    kinds = {open_bundle(b).run["distributed"]["rank"]: open_bundle(b).failure.kind for b in folder.iterdir()}
+    assert kinds == {0: "peer", 1: "exception"}, kinds

@@ -7,6 +7,8 @@ import datetime
 import gc
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,8 @@ def train_step(state, batch):
     loss.backward()
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
+    if "late" in batch and bool(batch["late"]):  # after the all-reduce: the other rank finishes its step
+        raise IndexError("index 99 is out of bounds on this rank, after the update")
     return loss
 
 
@@ -43,6 +47,7 @@ SCENARIOS = {
     "recover-replicated": {1: {3: "nan", 9: "nan"}},  # rank 1's bundles reference rank 0's state
     "rank0-only": {0: {3: "nan"}},  # only rank 0 creates a Recorder
     "raise-late": {1: {7: "raise"}},  # with snapshot_every=4: a window of steps 4..7 before rank 1 raises
+    "exit-unclosed": {1: {11: "late"}},  # rank 1 fails in the last step; rank 0 ends without closing its Recorder
 }
 
 
@@ -68,6 +73,8 @@ def main(out_dir: str, scenario: str) -> None:
             batch["x"][0, 0] = float("nan")
         elif what == "raise":
             batch["boom"] = torch.tensor(True)
+        if scenario == "exit-unclosed":
+            batch["late"] = torch.tensor(what == "late")
         try:
             rec.step(batch) if rec is not None else train_step(state, batch)
         except (reprokit.TrainingFailure, IndexError) as e:
@@ -80,6 +87,14 @@ def main(out_dir: str, scenario: str) -> None:
                     p.nan_to_num_(0.0)
                     dist.broadcast(p, 0)
     print(f"rank {rank} bundles: {[str(b) for b in rec.bundles] if rec else None}", flush=True)
+    if scenario == "exit-unclosed":
+        # A script that ends without rec.close(), right after a peer's incident appeared (its watcher is in its
+        # grace second): interpreter exit must not cut the window off.
+        deadline = time.monotonic() + 30
+        while not list(Path(out_dir, ".reprokit-incidents").glob("*.0.json")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(f"rank {rank} exits with the incident unwritten: {rec.bundles == []}", flush=True)
+        return
     # Tear down as a training script should, while the interpreter is fully alive: the incident watcher stopped, the
     # DDP model dropped (its reducer holds the process group, so destroy_process_group alone leaves gloo's worker
     # threads to interpreter exit, where gloo aborted a rank now and then on a loaded machine: "terminate called
