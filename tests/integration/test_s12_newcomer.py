@@ -1,0 +1,102 @@
+"""What a newcomer following README.md met (session 12), each pinned by a test that failed before its fix.
+
+- The Python API block of README.md did not run as printed (``MyModel``, ``cfg`` and ``loader`` undefined).
+- A folder one level above bundles that is not a multi-rank run (a project folder holding its ``repros/``,
+  a folder of unpacked ``repro-*/bundle`` archives) was named "incident folders of a multi-rank run", with a
+  ``reprokit replay`` command that then failed.
+- Any folder that is not a bundle (a project, a download) read "failed verification ... Ask the sender for an
+  intact copy".
+- A truncated archive said what was wrong but not what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rk_testing import record_mlp_nan
+
+from reprokit.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    """One bundle of a NaN loss (rk_mlp, a few steps), inside a project folder's ``repros/``."""
+    out = tmp_path_factory.mktemp("s12nc") / "proj" / "repros"
+    record_mlp_nan(out, steps=8, poison_step=6, snapshot_every=4)
+    (b,) = [p for p in out.iterdir() if p.name.startswith("bundle-")]
+    return b
+
+
+def _error(result) -> dict:
+    assert "Traceback" not in result.output, result.output
+    return json.loads(result.stdout)["error"]
+
+
+def test_the_readmes_python_api_block_runs_as_printed(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n## Python API\n"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code, "no python block under ## Python API"
+    (tmp_path / "train.py").write_text(code.group(1))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "deterministic True", proc.stdout
+    (written,) = (tmp_path / "repros").iterdir()
+    assert written.name.endswith("-step00000057-nonfinite_loss"), written.name
+
+
+def test_a_folder_above_bundles_that_is_no_incident_names_the_bundles_not_incidents(bundle, tmp_path):
+    # /tmp/work: proj/repros/bundle-... is two levels down; repro-abc/bundle (an unpacked archive) one level.
+    top = tmp_path / "work"
+    shutil.copytree(bundle.parent.parent, top / "proj")
+    shutil.copytree(bundle, top / "repro-abc" / "bundle")
+    for words in (["replay"], ["inspect"], ["bisect", "steps"]):
+        r = CliRunner().invoke(main, [*words, str(top), "--json"])
+        err = _error(r)
+        assert r.exit_code == 3, r.output
+        assert "incident" not in err["message"], err
+        assert "repro-abc/bundle" in err["message"], err
+    # and the path it suggests is one that works
+    suggested = _error(CliRunner().invoke(main, ["inspect", str(top), "--json"]))["message"].rsplit("e.g. ", 1)[1]
+    r = CliRunner().invoke(main, ["inspect", suggested.strip(), "--json"])
+    assert r.exit_code == 0, r.output
+
+
+def test_a_folder_that_is_no_bundle_says_so_instead_of_asking_the_sender(tmp_path):
+    other = tmp_path / "downloads"
+    (other / "sub").mkdir(parents=True)
+    (other / "notes.txt").write_text("hello")
+    for words in (["replay"], ["inspect"], ["shrink", "-o", str(tmp_path / "small")]):
+        r = CliRunner().invoke(main, [*words, str(other), "--json"])
+        err = _error(r)
+        assert r.exit_code == 3, r.output
+        assert "is not a bundle folder" in err["message"] and "sender" not in err["message"], err
+    # a bundle folder missing only its manifest (an interrupted copy) still reads as a damaged bundle
+    (other / "run.json").write_text("{}")
+    err = _error(CliRunner().invoke(main, ["inspect", str(other), "--json"]))
+    assert "failed verification" in err["message"] and "sender" in err["message"], err
+
+
+def test_a_truncated_archive_says_to_fetch_it_again(bundle, tmp_path):
+    tar = tmp_path / "repro.tar"
+    r = CliRunner().invoke(main, ["pack", str(bundle), "-o", str(tar)])
+    assert r.exit_code == 0, r.output
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(tar.read_bytes()[: tar.stat().st_size // 2])
+    for words in (["inspect"], ["replay"]):
+        r = CliRunner().invoke(main, [*words, str(cut), "--json"])
+        err = _error(r)
+        assert r.exit_code == 3 and "truncated" in err["message"], err
+        assert "Copy or download the archive again" in err["message"], err
