@@ -363,7 +363,7 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
 @main.command()
 @bundle_arg
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, callback=_writable,
-              help="Also draw loss and grad-norm history, failure marked, to this PNG (needs reprokit[plot]).")
+              help="Also draw loss and grad-norm history, failure marked, to this PNG (needs matplotlib).")
 @click.option("--batch", "show_batch", is_flag=True, help="Also print the failing step's batch itself, row by row.")
 @click.option("--rows", default=None, help="With --batch: only these rows (e.g. 5, 1,4 or 2-6).")
 @archive_opts
@@ -566,7 +566,19 @@ def extract(bundle: Path, output: Path, device: str | None, code: Path | None, e
     _emit(d) if as_json else _echo(format_extract(d))
 
 
-@main.group()
+class _AxisGroup(click.Group):
+    """``bisect``: a bundle given where the axis goes (``reprokit bisect BUNDLE``) gets the axes named."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        if args and args[0] not in self.commands and os.path.exists(args[0]):
+            axes = "|".join(self.commands)  # in the order they are defined: steps first
+            raise click.UsageError(f"bisect needs an axis before the bundle: reprokit bisect {axes} {args[0]} "
+                                   "(steps: the first step that went bad; layers: the first module; precision: "
+                                   "the dtype or kernel that matters; commits: the first bad git commit)", ctx)
+        return super().resolve_command(ctx, args)
+
+
+@main.group(cls=_AxisGroup)
 def bisect() -> None:
     """Localise a failure: over steps, layers/ops, precision and kernels, or git commits."""
 

@@ -389,7 +389,8 @@ def plot_history(bundle: Bundle, out: Path) -> Path:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import ScalarFormatter
     except ImportError:
-        raise ReprokitError("--plot needs matplotlib: pip install 'reprokit[plot]'") from None
+        raise ReprokitError("--plot needs matplotlib, which is not installed: pip install matplotlib (in a checkout "
+                            "of reprokit: pip install -e '.[plot]'), then run the command again") from None
     hist = bundle.run.get("history", [])
     steps = [h["step"] for h in hist]
     panels = plot_panels(hist)

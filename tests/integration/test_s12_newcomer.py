@@ -100,3 +100,13 @@ def test_a_truncated_archive_says_to_fetch_it_again(bundle, tmp_path):
         err = _error(r)
         assert r.exit_code == 3 and "truncated" in err["message"], err
         assert "Copy or download the archive again" in err["message"], err
+
+
+def test_bisect_given_a_bundle_where_the_axis_goes_names_the_axes(bundle):
+    r = CliRunner().invoke(main, ["bisect", str(bundle), "--json"])
+    err = _error(r)
+    assert r.exit_code == 2, r.output
+    assert f"reprokit bisect steps|layers|precision|commits {bundle}" in err["message"], err
+    # a mistyped axis still gets click's suggestion
+    r = CliRunner().invoke(main, ["bisect", "step", str(bundle)])
+    assert r.exit_code == 2 and "Did you mean 'steps'?" in r.output, r.output
