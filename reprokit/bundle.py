@@ -878,9 +878,10 @@ def folder_of_bundles(path: Path) -> str | None:
         return (f"{path} is not a bundle; bundle folders lie one level further down: {shown}. Pass one of them, "
                 f"e.g. {found[-1]}")
     shown = ", ".join(p.name for p in inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
+    whole = (f" (an incident folder of a multi-rank run replays whole: `reprokit replay {path}`)"
+             if _is_incident_folder(path) else "")
     return (f"{path} is not a bundle but a folder holding {len(inner)} bundle folder(s): {shown}. Pass one of "
-            f"them, e.g. {inner[-1]} (an incident folder of a multi-rank run replays whole with "
-            "`reprokit replay FOLDER`).")
+            f"them, e.g. {inner[-1]}{whole}.")
 
 
 _RANK_SUFFIX = re.compile(r"-rank\d+of\d+$")

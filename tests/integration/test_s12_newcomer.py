@@ -68,6 +68,9 @@ def test_a_folder_above_bundles_that_is_no_incident_names_the_bundles_not_incide
         assert r.exit_code == 3, r.output
         assert "incident" not in err["message"], err
         assert "repro-abc/bundle" in err["message"], err
+    # the unpacked repro itself (repro-abc/, its bundle in bundle/): one bundle of one process, no incident
+    err = _error(CliRunner().invoke(main, ["inspect", str(top / "repro-abc"), "--json"]))
+    assert f"e.g. {top / 'repro-abc' / 'bundle'}" in err["message"] and "incident" not in err["message"], err
     # and the path it suggests is one that works
     suggested = _error(CliRunner().invoke(main, ["inspect", str(top), "--json"]))["message"].rsplit("e.g. ", 1)[1]
     r = CliRunner().invoke(main, ["inspect", suggested.strip(), "--json"])
