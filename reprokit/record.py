@@ -53,7 +53,7 @@ from reprokit.bundle import (
     step_name,
     write_bundle,
 )
-from reprokit.code import ref_of, relative, snapshot_files
+from reprokit.code import importing_for_replay, ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
@@ -241,6 +241,12 @@ class Recorder:
     ):
         if snapshot_every < 1:
             raise CaptureError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        importing = importing_for_replay()
+        if importing:
+            raise CaptureError(f"a Recorder was created while replay imported {importing} for build() and the "
+                               "step function: the file trains when it is imported, so every replay would run "
+                               "your whole training again. Put the training loop under "
+                               "`if __name__ == \"__main__\":`, then record the bundle again.")
         self.budget = default_host_budget() if host_memory_budget is None else int(host_memory_budget)
         if self.budget <= 0:
             raise CaptureError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget}")

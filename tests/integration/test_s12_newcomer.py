@@ -113,3 +113,43 @@ def test_bisect_given_a_bundle_where_the_axis_goes_names_the_axes(bundle):
     # a mistyped axis still gets click's suggestion
     r = CliRunner().invoke(main, ["bisect", "step", str(bundle)])
     assert r.exit_code == 2 and "Did you mean 'steps'?" in r.output, r.output
+
+
+UNGUARDED = '''\
+import torch, reprokit
+
+def build(config):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+def train_step(state, batch):
+    loss = (state.model(batch["x"]) ** 2).mean()
+    loss.backward(); state.optimizer.step(); state.optimizer.zero_grad()
+    return loss
+
+# the loop at module level, no `if __name__ == "__main__":` (a newcomer's first script)
+rec = reprokit.Recorder(build({}), train_step, build=build, config={}, out_dir="repros", snapshot_every=2)
+for step in range(6):
+    x = torch.ones(2, 4) * (float("nan") if step == 4 else 1.0)
+    try:
+        rec.step({"x": x})
+    except reprokit.TrainingFailure as e:
+        print(e.bundle)
+        break
+'''
+
+
+def test_a_script_that_trains_when_imported_is_told_to_guard_its_loop(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text(UNGUARDED)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (recorded,) = (tmp_path / "repros").iterdir()
+    monkeypatch.chdir(tmp_path)  # where the script's out_dir "repros" resolves, as when a user replays
+    r = CliRunner().invoke(main, ["replay", str(recorded), "--json"])
+    err = _error(r)
+    assert r.exit_code == 125, r.output
+    assert 'if __name__ == "__main__":' in err["message"] and "train.py" in err["message"], err
+    assert list((tmp_path / "repros").iterdir()) == [recorded], "replay recorded a second bundle"
