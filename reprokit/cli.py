@@ -753,6 +753,10 @@ def demo(out: Path | None, as_json: bool) -> None:
     """Train a tiny model until a poisoned sample kills it, then replay, shrink, localise, pack and verify the bundle."""
     from reprokit.demo_story import run_demo
 
+    if out is not None and (out / "manifest.json").exists():  # files added to a bundle break its manifest
+        raise click.BadParameter(f"{out} is a bundle folder; the demo would write its own bundle, shrunk copy and "
+                                 "tarball into it, and that bundle would no longer verify. Give a new or empty "
+                                 "folder (or leave --out out: a temporary one)", param_hint="--out")
     taken = [name for name in ("shrunk", "repro.tar.gz") if out is not None and (out / name).exists()]
     if taken:  # said before training, not after it
         raise click.BadParameter(f"{out} already holds {' and '.join(taken)} from an earlier demo; give a new or "

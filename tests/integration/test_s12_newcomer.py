@@ -153,3 +153,14 @@ def test_a_script_that_trains_when_imported_is_told_to_guard_its_loop(tmp_path, 
     assert r.exit_code == 125, r.output
     assert 'if __name__ == "__main__":' in err["message"] and "train.py" in err["message"], err
     assert list((tmp_path / "repros").iterdir()) == [recorded], "replay recorded a second bundle"
+
+
+def test_demo_out_on_a_bundle_folder_is_refused_before_training_and_leaves_it_intact(bundle, tmp_path):
+    target = tmp_path / "bundle"
+    shutil.copytree(bundle, target)
+    before = sorted(p.relative_to(target) for p in target.rglob("*"))
+    r = CliRunner().invoke(main, ["demo", "--out", str(target), "--json"])
+    err = _error(r)
+    assert r.exit_code == 2 and "is a bundle folder" in err["message"], err
+    assert sorted(p.relative_to(target) for p in target.rglob("*")) == before
+    assert CliRunner().invoke(main, ["verify", str(target)]).exit_code == 0
