@@ -164,3 +164,12 @@ def test_demo_out_on_a_bundle_folder_is_refused_before_training_and_leaves_it_in
     assert r.exit_code == 2 and "is a bundle folder" in err["message"], err
     assert sorted(p.relative_to(target) for p in target.rglob("*")) == before
     assert CliRunner().invoke(main, ["verify", str(target)]).exit_code == 0
+
+
+def test_replay_of_an_archive_names_its_code_inside_the_archive_not_a_removed_temp_folder(bundle, tmp_path):
+    tar = tmp_path / "repro.tar"
+    assert CliRunner().invoke(main, ["pack", str(bundle), "-o", str(tar)]).exit_code == 0
+    r = CliRunner().invoke(main, ["replay", str(tar), "--trust", "--json"])
+    assert r.exit_code == 1, r.output
+    code = json.loads(r.stdout)["code"]
+    assert re.fullmatch(re.escape(f"{tar}: ") + r"repro-[0-9a-f]{12}/bundle/code", code), code
