@@ -173,3 +173,20 @@ def test_replay_of_an_archive_names_its_code_inside_the_archive_not_a_removed_te
     assert r.exit_code == 1, r.output
     code = json.loads(r.stdout)["code"]
     assert re.fullmatch(re.escape(f"{tar}: ") + r"repro-[0-9a-f]{12}/bundle/code", code), code
+
+
+def test_verify_folds_many_unexpected_files_of_one_folder_into_one_line(bundle, tmp_path):
+    target = tmp_path / "bundle"
+    shutil.copytree(bundle, target)
+    (target / "junk").mkdir()
+    for k in range(6):
+        (target / "junk" / f"f{k}.txt").write_text("x")
+    (target / "stray.txt").write_text("x")
+    r = CliRunner().invoke(main, ["verify", str(target)])
+    assert r.exit_code == 1, r.output
+    lines = r.output.splitlines()
+    assert lines[0] == f"{target}: 7 problem(s)", lines
+    assert "  junk/: 6 unexpected files (junk/f0.txt, ...; --json lists each)" in lines, lines
+    assert "  stray.txt: unexpected file" in lines and len(lines) == 3, lines
+    problems = json.loads(CliRunner().invoke(main, ["verify", str(target), "--json"]).stdout)["problems"]
+    assert sorted(p["file"] for p in problems) == [*(f"junk/f{k}.txt" for k in range(6)), "stray.txt"], problems
