@@ -420,17 +420,24 @@ class Recorder:
             return result.value
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
         hint = failure_note(batch, self._tables)
+        # What to run next, for one process's bundle (an incident folder's replay is said by the incident board).
+        nxt = (f"reprokit: next: `reprokit replay {path} --times 3` (exit 1 while it fails), `reprokit inspect "
+               f"{path}`, `reprokit shrink {path} -o small`" if path and self._board is None else None)
         if result.exc is not None:
             note = f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written"
             if hasattr(result.exc, "add_note"):
                 if hint:
                     result.exc.add_note(hint)
                 result.exc.add_note(note)
+                if nxt:
+                    result.exc.add_note(nxt)
             raise result.exc
         failure = TrainingFailure(result.failure, path)
         add_note = getattr(failure, "add_note", None)  # Python 3.11+
-        if hint and add_note is not None:
-            add_note(hint)
+        if add_note is not None:
+            for line in (hint, nxt):
+                if line:
+                    add_note(line)
         raise failure
 
     def _record_step_start(self, k: int, batch: Any) -> _Step | None:

@@ -190,3 +190,20 @@ def test_verify_folds_many_unexpected_files_of_one_folder_into_one_line(bundle, 
     assert "  stray.txt: unexpected file" in lines and len(lines) == 3, lines
     problems = json.loads(CliRunner().invoke(main, ["verify", str(target), "--json"]).stdout)["problems"]
     assert sorted(p["file"] for p in problems) == [*(f"junk/f{k}.txt" for k in range(6)), "stray.txt"], problems
+
+
+def test_a_failure_in_training_names_the_commands_to_run_next(tmp_path, monkeypatch):
+    # the same script, letting TrainingFailure end it with a traceback, as a first script does
+    script = UNGUARDED.replace("    except reprokit.TrainingFailure as e:\n        print(e.bundle)\n        break\n",
+                               "    finally:\n        pass\n")
+    assert script != UNGUARDED
+    (tmp_path / "train.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "TrainingFailure" in proc.stderr, proc.stderr
+    (recorded,) = (tmp_path / "repros").iterdir()
+    rel = f"repros/{recorded.name}"
+    assert f"reprokit: next: `reprokit replay {rel} --times 3` (exit 1 while it fails)" in proc.stderr, proc.stderr
+    monkeypatch.chdir(tmp_path)  # the command works as printed, from where the script ran
+    assert CliRunner().invoke(main, ["inspect", rel]).exit_code == 0
