@@ -597,7 +597,7 @@ def _find_bundle(root: Path) -> Path:
     candidates = [p.parent for p in root.glob("*/" + MANIFEST)] + [p.parent for p in root.glob("*/bundle/" + MANIFEST)]
     if len(candidates) != 1:
         problem = f"the archive holds {len(candidates)} bundles (folders with {MANIFEST}); expected one"
-        raise BundleError(f"{problem}. Pack one bundle per archive (reprokit pack BUNDLE -o OUT.tar.gz).",
+        raise BundleError(f"{problem}. Pack one bundle per archive (reprokit pack BUNDLE -o OUT.tar).",
                           [{"file": ".", "problem": problem}])
     return candidates[0]
 
@@ -643,7 +643,9 @@ def extracted(path: Path, *, sha256: str | None = None, limits: Limits | None = 
 def _summary(path: Path, problems: list[dict[str, Any]], what: str) -> str:
     lines = "\n".join(f"  {p['file']}: {p['problem']}" for p in problems[:20])
     more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-    return f"{path}: {len(problems)} problem(s), {what}:\n{lines}{more}"
+    return (f"{path}: {len(problems)} problem(s), {what}:\n{lines}{more}\n"
+            "Copy or download the archive again (a cut-off transfer truncates it), or ask the sender for an intact "
+            "one and its .sha256.")
 
 
 @contextlib.contextmanager

@@ -861,18 +861,37 @@ def folder_of_bundles(path: Path) -> str | None:
     if not inner:
         from reprokit.distributed.incident import is_incident
 
-        incidents = sorted(p for p in path.iterdir() if is_incident(p))  # the out_dir of a multi-rank run
-        if not incidents:
+        holders = sorted(p for p in path.iterdir() if is_incident(p))  # folders one level up from bundles
+        incidents = [p for p in holders if _is_incident_folder(p)]  # the out_dir of a multi-rank run
+        if incidents:
+            shown = ", ".join(p.name for p in incidents[-3:]) + (f" and {len(incidents) - 3} more"
+                                                                 if len(incidents) > 3 else "")
+            return (f"{path} is not a bundle but a folder holding {len(incidents)} incident folder(s) of a "
+                    f"multi-rank run: {shown}. Replay one whole, e.g. `reprokit replay {incidents[-1]}`, or pass "
+                    "one rank's bundle in it.")
+        # Not incidents: a project folder holding its out_dir, a folder of unpacked repros (repro-*/bundle).
+        found = [b for h in holders for b in sorted(h.iterdir()) if b.is_dir() and (b / MANIFEST).is_file()]
+        if not found:
             return None
-        shown = ", ".join(p.name for p in incidents[-3:]) + (f" and {len(incidents) - 3} more" if len(incidents) > 3
-                                                             else "")
-        return (f"{path} is not a bundle but a folder holding {len(incidents)} incident folder(s) of a multi-rank "
-                f"run: {shown}. Replay one whole, e.g. `reprokit replay {incidents[-1]}`, or pass one rank's bundle "
-                "in it.")
+        shown = ", ".join(str(b.relative_to(path)) for b in found[:3]) + (f" and {len(found) - 3} more"
+                                                                          if len(found) > 3 else "")
+        return (f"{path} is not a bundle; bundle folders lie one level further down: {shown}. Pass one of them, "
+                f"e.g. {found[-1]}")
     shown = ", ".join(p.name for p in inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
+    whole = (f" (an incident folder of a multi-rank run replays whole: `reprokit replay {path}`)"
+             if _is_incident_folder(path) else "")
     return (f"{path} is not a bundle but a folder holding {len(inner)} bundle folder(s): {shown}. Pass one of "
-            f"them, e.g. {inner[-1]} (an incident folder of a multi-rank run replays whole with "
-            "`reprokit replay FOLDER`).")
+            f"them, e.g. {inner[-1]}{whole}.")
+
+
+_RANK_SUFFIX = re.compile(r"-rank\d+of\d+$")
+
+
+def _is_incident_folder(folder: Path) -> bool:
+    """An incident folder of a multi-rank run, told by the names the recorder gives: ``incident-...``, or
+    bundles named ``...-rankNofM``."""
+    return folder.name.startswith("incident-") or any(
+        _RANK_SUFFIX.search(p.name) for p in folder.iterdir() if p.is_dir() and (p / MANIFEST).is_file())
 
 
 def open_bundle(path: str | Path) -> Bundle:
@@ -898,6 +917,12 @@ def open_bundle(path: str | Path) -> Bundle:
     hint = folder_of_bundles(path)  # the recorder's out_dir, or an incident folder, passed where one bundle goes
     if hint:
         raise BundleError(hint, [{"file": MANIFEST, "problem": "missing"}])
+    if path.is_dir() and not any((path / name).exists() for name in (MANIFEST, RUN, FAILURE, ENV, "state", STEPS)):
+        # Some other folder (a project, a download): not a damaged bundle, so asking the sender is no help.
+        raise BundleError(f"{path} is not a bundle folder: it holds none of a bundle's files ({MANIFEST}, {RUN}, "
+                          f"state/, {STEPS}/). Pass a bundle folder the recorder wrote (bundle-..., with "
+                          f"{MANIFEST} in it) or an archive `reprokit pack` wrote.",
+                          [{"file": MANIFEST, "problem": "missing (not a bundle folder)"}])
     manifest, problems = _verify(path, hash_tensors=False)
     if problems or manifest is None:
         lines = "\n".join(f"  {p['file']}: {p['problem']}" for p in problems[:20])

@@ -333,6 +333,10 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
                            progress=lambda i, n: update(i, f"run {i}/{n}"))
     d = report.to_json()
     d["bundle"] = str(bundle)
+    if is_archive(bundle) and isinstance(d.get("code"), str) and d["code"].startswith(str(path.parent)):
+        # the archive was extracted into a temporary folder, removed by now: name the code inside the archive
+        top = path.parent.parent if path.parent.name.startswith("repro-") else path.parent  # pack's repro-*/
+        d["code"] = f"{bundle}: {Path(d['code']).relative_to(top)}"
     if as_json:
         _emit(d)
     else:
@@ -363,7 +367,7 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
 @main.command()
 @bundle_arg
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, callback=_writable,
-              help="Also draw loss and grad-norm history, failure marked, to this PNG (needs reprokit[plot]).")
+              help="Also draw loss and grad-norm history, failure marked, to this PNG (needs matplotlib).")
 @click.option("--batch", "show_batch", is_flag=True, help="Also print the failing step's batch itself, row by row.")
 @click.option("--rows", default=None, help="With --batch: only these rows (e.g. 5, 1,4 or 2-6).")
 @archive_opts
@@ -566,7 +570,19 @@ def extract(bundle: Path, output: Path, device: str | None, code: Path | None, e
     _emit(d) if as_json else _echo(format_extract(d))
 
 
-@main.group()
+class _AxisGroup(click.Group):
+    """``bisect``: a bundle given where the axis goes (``reprokit bisect BUNDLE``) gets the axes named."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        if args and args[0] not in self.commands and os.path.exists(args[0]):
+            axes = "|".join(self.commands)  # in the order they are defined: steps first
+            raise click.UsageError(f"bisect needs an axis before the bundle: reprokit bisect {axes} {args[0]} "
+                                   "(steps: the first step that went bad; layers: the first module; precision: "
+                                   "the dtype or kernel that matters; commits: the first bad git commit)", ctx)
+        return super().resolve_command(ctx, args)
+
+
+@main.group(cls=_AxisGroup)
 def bisect() -> None:
     """Localise a failure: over steps, layers/ops, precision and kernels, or git commits."""
 
@@ -741,6 +757,10 @@ def demo(out: Path | None, as_json: bool) -> None:
     """Train a tiny model until a poisoned sample kills it, then replay, shrink, localise, pack and verify the bundle."""
     from reprokit.demo_story import run_demo
 
+    if out is not None and (out / "manifest.json").exists():  # files added to a bundle break its manifest
+        raise click.BadParameter(f"{out} is a bundle folder; the demo would write its own bundle, shrunk copy and "
+                                 "tarball into it, and that bundle would no longer verify. Give a new or empty "
+                                 "folder (or leave --out out: a temporary one)", param_hint="--out")
     taken = [name for name in ("shrunk", "repro.tar.gz") if out is not None and (out / name).exists()]
     if taken:  # said before training, not after it
         raise click.BadParameter(f"{out} already holds {' and '.join(taken)} from an earlier demo; give a new or "

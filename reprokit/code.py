@@ -449,6 +449,17 @@ def imported(code_dir: Path | None) -> Iterator[None]:
             sys.modules.update(evicted)
 
 
+_IMPORTING: list[str] = []
+"""The file or module :func:`resolve` is importing now (a Recorder made meanwhile trains at import time)."""
+
+
+def importing_for_replay() -> str | None:
+    """The project file or module that replay is importing right now, else None. A :class:`~reprokit.Recorder`
+    created meanwhile means the script trains when imported (no ``if __name__ == "__main__":``), which would run
+    the whole training again inside every replay."""
+    return _IMPORTING[-1] if _IMPORTING else None
+
+
 def resolve(ref: dict[str, Any], code_dir: Path | None, field: str = "ref") -> Callable:
     """Import the function a ref names. Call inside :func:`imported`, after :func:`check_refs`.
 
@@ -462,6 +473,7 @@ def resolve(ref: dict[str, Any], code_dir: Path | None, field: str = "ref") -> C
     if root is None:
         raise CodeLoadError(f"{ref_label(ref)} is the project's own code; pass --code DIR")
     root = root.resolve()
+    _IMPORTING.append(str(ref.get("script") or ref.get("module")))
     try:
         if "script" in ref:
             path = root / ref["script"]
@@ -485,9 +497,11 @@ def resolve(ref: dict[str, Any], code_dir: Path | None, field: str = "ref") -> C
             raise
         target = ref.get("script") or ref.get("module")
         raise CodeLoadError(
-            f"cannot import {target}:{ref['qualname']}{where}: {type(e).__name__}: {e}. "
+            f"cannot import {target}:{ref['qualname']}{where}: {type(e).__name__}: {str(e).rstrip('.')}. "
             "Check the module imports on its own, or point --code at a checkout that has it."
         ) from None
+    finally:
+        _IMPORTING.pop()
     if _file_of(module, root) is None:
         raise CodeLoadError(f"{ref_label(ref)} was imported from {getattr(module, '__file__', None)}, not from {root}: "
                             "an installed module of that name was already loaded. Rename the project's module.")

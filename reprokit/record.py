@@ -53,7 +53,7 @@ from reprokit.bundle import (
     step_name,
     write_bundle,
 )
-from reprokit.code import ref_of, relative, snapshot_files
+from reprokit.code import importing_for_replay, ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
@@ -255,6 +255,12 @@ class Recorder:
     ):
         if snapshot_every < 1:
             raise CaptureError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        importing = importing_for_replay()
+        if importing:
+            raise CaptureError(f"a Recorder was created while replay imported {importing} for build() and the "
+                               "step function: the file trains when it is imported, so every replay would run "
+                               "your whole training again. Put the training loop under "
+                               "`if __name__ == \"__main__\":`, then record the bundle again.")
         self.budget = default_host_budget() if host_memory_budget is None else int(host_memory_budget)
         if self.budget <= 0:
             raise CaptureError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget}")
@@ -428,15 +434,19 @@ class Recorder:
             return result.value
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
         hint = failure_note(batch, self._tables)
+        # What to run next, for one process's bundle (an incident folder's replay is said by the incident board).
+        nxt = (f"reprokit: next: `reprokit replay {path} --times 3` (exit 1 while it fails), `reprokit inspect "
+               f"{path}`, `reprokit shrink {path} -o small`" if path and self._board is None else None)
         if result.exc is not None:
             note = f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written"
-            if hint:
-                _add_note(result.exc, hint)
-            _add_note(result.exc, note)
+            for line in (hint, note, nxt):
+                if line:
+                    _add_note(result.exc, line)
             raise result.exc
         failure = TrainingFailure(result.failure, path)
-        if hint:
-            _add_note(failure, hint)
+        for line in (hint, nxt):
+            if line:
+                _add_note(failure, line)
         raise failure
 
     def _record_step_start(self, k: int, batch: Any) -> _Step | None:

@@ -263,7 +263,7 @@ class Session:
             # Removed by drop_code_copy(), else once the session is gone (extract copies it after the session
             # closed), at the latest at exit.
             self._code_copy = weakref.finalize(self, remove)
-        self.code_label = str(self.user_code or bundle.code_dir or "installed modules")
+        self.code_label = str(self.user_code or bundle.code_dir or "reprokit's own modules (the bundle holds no project code)")
         """What the report names as the code replayed: the --code folder, or the bundle's code/ (a verified copy)."""
         # run.json comes from whoever sent the bundle: its refs may only name the code replay runs.
         check_refs(bundle.run.get("refs"), snapshot=self.code_dir if self.user_code is None else bundle.code_dir,

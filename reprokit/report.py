@@ -389,7 +389,8 @@ def plot_history(bundle: Bundle, out: Path) -> Path:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import ScalarFormatter
     except ImportError:
-        raise ReprokitError("--plot needs matplotlib: pip install 'reprokit[plot]'") from None
+        raise ReprokitError("--plot needs matplotlib, which is not installed: pip install matplotlib (in a checkout "
+                            "of reprokit: pip install -e '.[plot]'), then run the command again") from None
     hist = bundle.run.get("history", [])
     steps = [h["step"] for h in hist]
     panels = plot_panels(hist)
@@ -479,7 +480,20 @@ def format_verify(d: dict[str, Any]) -> str:
     """``reprokit verify``'s text: every problem, or ok (and the archive digest it matched); the origin note."""
     if d["problems"]:
         lines = [f"{d['bundle']}: {len(d['problems'])} problem(s)"]
+        # Many unexpected files under one folder (a bundle or an output written into this one) read as one line.
+        strays: dict[str, list[str]] = {}
         for p in d["problems"]:
+            if p["problem"] == "unexpected file" and "/" in p["file"]:
+                strays.setdefault(p["file"].split("/", 1)[0], []).append(p["file"])
+        said: set[str] = set()
+        for p in d["problems"]:
+            top = p["file"].split("/", 1)[0]
+            if p["problem"] == "unexpected file" and len(strays.get(top, [])) > 3 and "/" in p["file"]:
+                if top not in said:
+                    said.add(top)
+                    lines.append(f"  {top}/: {len(strays[top])} unexpected files ({strays[top][0]}, ...; "
+                                 "--json lists each)")
+                continue
             extra = "".join(f", {k} {p[k]}" for k in ("expected", "found") if k in p)
             lines.append(f"  {p['file']}: {p['problem']}{extra}")
     else:

@@ -1,0 +1,209 @@
+"""What a newcomer following README.md met (session 12), each pinned by a test that failed before its fix.
+
+- The Python API block of README.md did not run as printed (``MyModel``, ``cfg`` and ``loader`` undefined).
+- A folder one level above bundles that is not a multi-rank run (a project folder holding its ``repros/``,
+  a folder of unpacked ``repro-*/bundle`` archives) was named "incident folders of a multi-rank run", with a
+  ``reprokit replay`` command that then failed.
+- Any folder that is not a bundle (a project, a download) read "failed verification ... Ask the sender for an
+  intact copy".
+- A truncated archive said what was wrong but not what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rk_testing import record_mlp_nan
+
+from reprokit.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    """One bundle of a NaN loss (rk_mlp, a few steps), inside a project folder's ``repros/``."""
+    out = tmp_path_factory.mktemp("s12nc") / "proj" / "repros"
+    record_mlp_nan(out, steps=8, poison_step=6, snapshot_every=4)
+    (b,) = [p for p in out.iterdir() if p.name.startswith("bundle-")]
+    return b
+
+
+def _error(result) -> dict:
+    assert "Traceback" not in result.output, result.output
+    return json.loads(result.stdout)["error"]
+
+
+def test_the_readmes_python_api_block_runs_as_printed(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n## Python API\n"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code, "no python block under ## Python API"
+    (tmp_path / "train.py").write_text(code.group(1))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "deterministic True", proc.stdout
+    (written,) = (tmp_path / "repros").iterdir()
+    assert written.name.endswith("-step00000057-nonfinite_loss"), written.name
+
+
+def test_a_folder_above_bundles_that_is_no_incident_names_the_bundles_not_incidents(bundle, tmp_path):
+    # /tmp/work: proj/repros/bundle-... is two levels down; repro-abc/bundle (an unpacked archive) one level.
+    top = tmp_path / "work"
+    shutil.copytree(bundle.parent.parent, top / "proj")
+    shutil.copytree(bundle, top / "repro-abc" / "bundle")
+    for words in (["replay"], ["inspect"], ["bisect", "steps"]):
+        r = CliRunner().invoke(main, [*words, str(top), "--json"])
+        err = _error(r)
+        assert r.exit_code == 3, r.output
+        assert "incident" not in err["message"], err
+        assert "repro-abc/bundle" in err["message"], err
+    # the unpacked repro itself (repro-abc/, its bundle in bundle/): one bundle of one process, no incident
+    err = _error(CliRunner().invoke(main, ["inspect", str(top / "repro-abc"), "--json"]))
+    assert f"e.g. {top / 'repro-abc' / 'bundle'}" in err["message"] and "incident" not in err["message"], err
+    # and the path it suggests is one that works
+    suggested = _error(CliRunner().invoke(main, ["inspect", str(top), "--json"]))["message"].rsplit("e.g. ", 1)[1]
+    r = CliRunner().invoke(main, ["inspect", suggested.strip(), "--json"])
+    assert r.exit_code == 0, r.output
+
+
+def test_a_folder_that_is_no_bundle_says_so_instead_of_asking_the_sender(tmp_path):
+    other = tmp_path / "downloads"
+    (other / "sub").mkdir(parents=True)
+    (other / "notes.txt").write_text("hello")
+    for words in (["replay"], ["inspect"], ["shrink", "-o", str(tmp_path / "small")]):
+        r = CliRunner().invoke(main, [*words, str(other), "--json"])
+        err = _error(r)
+        assert r.exit_code == 3, r.output
+        assert "is not a bundle folder" in err["message"] and "sender" not in err["message"], err
+    # a bundle folder missing only its manifest (an interrupted copy) still reads as a damaged bundle
+    (other / "run.json").write_text("{}")
+    err = _error(CliRunner().invoke(main, ["inspect", str(other), "--json"]))
+    assert "failed verification" in err["message"] and "sender" in err["message"], err
+
+
+def test_a_truncated_archive_says_to_fetch_it_again(bundle, tmp_path):
+    tar = tmp_path / "repro.tar"
+    r = CliRunner().invoke(main, ["pack", str(bundle), "-o", str(tar)])
+    assert r.exit_code == 0, r.output
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(tar.read_bytes()[: tar.stat().st_size // 2])
+    for words in (["inspect"], ["replay"]):
+        r = CliRunner().invoke(main, [*words, str(cut), "--json"])
+        err = _error(r)
+        assert r.exit_code == 3 and "truncated" in err["message"], err
+        assert "Copy or download the archive again" in err["message"], err
+
+
+def test_bisect_given_a_bundle_where_the_axis_goes_names_the_axes(bundle):
+    r = CliRunner().invoke(main, ["bisect", str(bundle), "--json"])
+    err = _error(r)
+    assert r.exit_code == 2, r.output
+    assert f"reprokit bisect steps|layers|precision|commits {bundle}" in err["message"], err
+    # a mistyped axis still gets click's suggestion
+    r = CliRunner().invoke(main, ["bisect", "step", str(bundle)])
+    assert r.exit_code == 2 and "Did you mean 'steps'?" in r.output, r.output
+
+
+UNGUARDED = '''\
+import torch, reprokit
+
+def build(config):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+def train_step(state, batch):
+    loss = (state.model(batch["x"]) ** 2).mean()
+    loss.backward(); state.optimizer.step(); state.optimizer.zero_grad()
+    return loss
+
+# the loop at module level, no `if __name__ == "__main__":` (a newcomer's first script)
+rec = reprokit.Recorder(build({}), train_step, build=build, config={}, out_dir="repros", snapshot_every=2)
+for step in range(6):
+    x = torch.ones(2, 4) * (float("nan") if step == 4 else 1.0)
+    try:
+        rec.step({"x": x})
+    except reprokit.TrainingFailure as e:
+        print(e.bundle)
+        break
+'''
+
+
+def test_a_script_that_trains_when_imported_is_told_to_guard_its_loop(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text(UNGUARDED)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (recorded,) = (tmp_path / "repros").iterdir()
+    monkeypatch.chdir(tmp_path)  # where the script's out_dir "repros" resolves, as when a user replays
+    r = CliRunner().invoke(main, ["replay", str(recorded), "--json"])
+    err = _error(r)
+    assert r.exit_code == 125, r.output
+    assert 'if __name__ == "__main__":' in err["message"] and "train.py" in err["message"], err
+    assert list((tmp_path / "repros").iterdir()) == [recorded], "replay recorded a second bundle"
+
+
+def test_demo_out_on_a_bundle_folder_is_refused_before_training_and_leaves_it_intact(bundle, tmp_path):
+    target = tmp_path / "bundle"
+    shutil.copytree(bundle, target)
+    before = sorted(p.relative_to(target) for p in target.rglob("*"))
+    r = CliRunner().invoke(main, ["demo", "--out", str(target), "--json"])
+    err = _error(r)
+    assert r.exit_code == 2 and "is a bundle folder" in err["message"], err
+    assert sorted(p.relative_to(target) for p in target.rglob("*")) == before
+    assert CliRunner().invoke(main, ["verify", str(target)]).exit_code == 0
+
+
+def test_replay_of_an_archive_names_its_code_inside_the_archive_not_a_removed_temp_folder(bundle, tmp_path):
+    tar = tmp_path / "repro.tar"
+    assert CliRunner().invoke(main, ["pack", str(bundle), "-o", str(tar)]).exit_code == 0
+    r = CliRunner().invoke(main, ["replay", str(tar), "--trust", "--json"])
+    assert r.exit_code == 1, r.output
+    code = json.loads(r.stdout)["code"]
+    assert re.fullmatch(re.escape(f"{tar}: ") + r"repro-[0-9a-f]{12}/bundle/code", code), code
+
+
+def test_verify_folds_many_unexpected_files_of_one_folder_into_one_line(bundle, tmp_path):
+    target = tmp_path / "bundle"
+    shutil.copytree(bundle, target)
+    (target / "junk").mkdir()
+    for k in range(6):
+        (target / "junk" / f"f{k}.txt").write_text("x")
+    (target / "stray.txt").write_text("x")
+    r = CliRunner().invoke(main, ["verify", str(target)])
+    assert r.exit_code == 1, r.output
+    lines = r.output.splitlines()
+    assert lines[0] == f"{target}: 7 problem(s)", lines
+    assert "  junk/: 6 unexpected files (junk/f0.txt, ...; --json lists each)" in lines, lines
+    assert "  stray.txt: unexpected file" in lines and len(lines) == 3, lines
+    problems = json.loads(CliRunner().invoke(main, ["verify", str(target), "--json"]).stdout)["problems"]
+    assert sorted(p["file"] for p in problems) == [*(f"junk/f{k}.txt" for k in range(6)), "stray.txt"], problems
+
+
+def test_a_failure_in_training_names_the_commands_to_run_next(tmp_path, monkeypatch):
+    # the same script, letting TrainingFailure end it with a traceback, as a first script does
+    script = UNGUARDED.replace("    except reprokit.TrainingFailure as e:\n        print(e.bundle)\n        break\n",
+                               "    finally:\n        pass\n")
+    assert script != UNGUARDED
+    (tmp_path / "train.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "TrainingFailure" in proc.stderr, proc.stderr
+    (recorded,) = (tmp_path / "repros").iterdir()
+    rel = f"repros/{recorded.name}"
+    assert f"reprokit: next: `reprokit replay {rel} --times 3` (exit 1 while it fails)" in proc.stderr, proc.stderr
+    monkeypatch.chdir(tmp_path)  # the command works as printed, from where the script ran
+    assert CliRunner().invoke(main, ["inspect", rel]).exit_code == 0
