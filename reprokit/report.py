@@ -460,7 +460,7 @@ def format_incident(d: dict[str, Any]) -> str:
     inc = d.get("incident") or {}
     failing: dict[str, Any] = next((r for r in d["ranks"] if r.get("rank") == d["failing_rank"]), {})
     lines = [f"incident {inc.get('incident', d['folder'])}: rank {d['failing_rank']} failed in training "
-             f"({inc.get('what', 'see its bundle')}); replayed on {d['world_size']} ranks: "
+             f"({d.get('failing_what') or inc.get('what', 'see its bundle')}); replayed on {d['world_size']} ranks: "
              f"{verdict_phrase(d['verdict'], failing.get('runs'))}"]
     for r in d["ranks"]:
         if r.get("error"):

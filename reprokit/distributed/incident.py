@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +108,19 @@ class IncidentReport:
     incident: dict[str, Any]
     ranks: list[dict[str, Any]]
     """Per rank: its replay report (``ReplayReport.to_json()``), or ``{"rank", "blocked": True, ...}``."""
+    origin: int | None = None
+    """The rank whose failure the incident is about (:func:`origin_rank`); None: the rank that declared it."""
+    what: dict[int, str] = field(default_factory=dict)
+    """Per rank, how it failed in training (its bundle's failure, described)."""
 
     @property
     def failing_rank(self) -> int:
-        return int(self.incident.get("rank", 0))
+        return int(self.incident.get("rank", 0)) if self.origin is None else self.origin
+
+    @property
+    def failing_what(self) -> str | None:
+        """How that rank failed in training (its bundle's failure), else the incident's own words."""
+        return self.what.get(self.failing_rank, self.incident.get("what"))
 
     @property
     def verdict(self) -> str:
@@ -128,7 +137,8 @@ class IncidentReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"incident": self.incident, "folder": str(self.folder), "world_size": len(self.ranks),
-                "failing_rank": self.failing_rank, "verdict": self.verdict, "exit_code": self.exit_code,
+                "failing_rank": self.failing_rank, "failing_what": self.failing_what, "verdict": self.verdict,
+                "exit_code": self.exit_code,
                 "reproduced": self.verdict in ("deterministic", "flaky"),
                 "determinism_checked": bool(self.ranks) and all((r.get("runs") or 0) > 1 for r in self.ranks),
                 "ranks": self.ranks}
@@ -180,7 +190,24 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
     # run (gradients averaged across runs). Fresh processes start every run aligned.
     launches = [_launch(folder, bundles, device, code, timeout_s, entries) for _ in range(times)]
     ranks = [_merge([launch[r] for launch in launches]) for r in range(world)]
-    return IncidentReport(folder, incident, ranks)
+    return IncidentReport(folder, incident, ranks, origin_rank(bundles, incident),
+                          {r: b.failure.describe() for r, b in bundles.items()})
+
+
+_FIRST_IN_A_STEP = ("exception", "nonfinite_loss", "loss_spike", "predicate", "nonfinite_grad", "nonfinite_param")
+"""Failure kinds in the order a step meets them: a rank's own loss goes bad before the all-reduced gradients do."""
+
+
+def origin_rank(bundles: dict[int, Bundle], incident: dict[str, Any]) -> int | None:
+    """The rank whose failure the incident is about. Several ranks often fail in the same step (rank 1's NaN loss
+    reaches rank 0 as a NaN gradient through the all-reduce), and which of them declared the incident is a race: the
+    one whose failure comes first in a step (its own exception or loss before gradients and parameters) is the
+    origin; among equals, the declaring rank, then the lowest. None when no rank failed at the incident's step."""
+    step = incident.get("step")
+    order = {kind: i for i, kind in enumerate(_FIRST_IN_A_STEP)}
+    found = [(order.get(b.failure.kind, len(order)), r != incident.get("rank"), r) for r, b in bundles.items()
+             if b.failure.kind != "peer" and b.failure.step == step]
+    return min(found)[2] if found else None
 
 
 def _launch(folder: Path, bundles: dict[int, Bundle], device: str, code: str | Path | None,
