@@ -513,14 +513,15 @@ def _archive_name(ctx: click.Context, param: click.Parameter, value: Path | None
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), callback=_archive_name,
               help="The archive to write: OUTPUT.tar (uncompressed, fast) or OUTPUT.tar.gz (gzip, much slower: float "
                    "tensors barely compress); OUTPUT.sha256 is written beside it.")
+@click.option("--force", is_flag=True, help="Replace OUTPUT (and its .sha256) if it exists.")
 @json_opt
-def pack(bundle: Path, output: Path, as_json: bool) -> None:
+def pack(bundle: Path, output: Path, force: bool, as_json: bool) -> None:
     """Pack BUNDLE into a deterministic tarball that replays with only torch, numpy and safetensors.
 
     BUNDLE is a bundle folder (an archive is packed already). Inside the tarball: the
     bundle, repro.py, the reprokit runtime and a README. Send the archive and its
-    .sha256; the receiver runs `python repro.py`. Exit 0 written; 3 not a bundle
-    folder, or an invalid or tampered bundle.
+    .sha256; the receiver runs `python repro.py`. Exit 0 written; 2 OUTPUT exists
+    (--force replaces it); 3 not a bundle folder, or an invalid or tampered bundle.
     """
     from reprokit.pack import pack as do_pack
 
@@ -530,6 +531,9 @@ def pack(bundle: Path, output: Path, as_json: bool) -> None:
         raise BundleError(f"{bundle} is not a bundle folder; pack takes the folder the recorder wrote "
                           "(a .tar or .tar.gz is already packed: send it with its .sha256)")
     _refuse_folder_of_bundles(bundle)
+    if output.exists() and not force:  # said before packing; a tarball sent earlier is not replaced unasked
+        raise click.BadParameter(f"{output} already exists; pick another name, or pass --force to replace it",
+                                 param_hint="-o")
     from reprokit.report import format_pack
 
     r = do_pack(bundle, output).to_json()

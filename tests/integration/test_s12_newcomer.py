@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,17 @@ def test_a_failure_in_training_names_the_commands_to_run_next(tmp_path, monkeypa
     assert f"reprokit: next: `reprokit replay {rel} --times 3` (exit 1 while it fails)" in proc.stderr, proc.stderr
     monkeypatch.chdir(tmp_path)  # the command works as printed, from where the script ran
     assert CliRunner().invoke(main, ["inspect", rel]).exit_code == 0
+
+
+def test_pack_does_not_replace_an_existing_tarball_unasked(tmp_path):
+    """``pack -o repro.tar`` over a tarball packed earlier (perhaps of another bundle, perhaps sent already) replaced
+    it silently; ``shrink -o`` refuses an existing folder. Now exit 2 before packing, and ``--force`` replaces it."""
+    bundle = record_mlp_nan(tmp_path / "r", steps=4, poison_step=2, snapshot_every=2)
+    out = tmp_path / "repro.tar"
+    out.write_bytes(b"an earlier tarball")
+    r = CliRunner().invoke(main, ["pack", str(bundle), "-o", str(out)])
+    assert r.exit_code == 2 and "already exists" in r.output and "--force" in r.output, r.output
+    assert out.read_bytes() == b"an earlier tarball"
+    r = CliRunner().invoke(main, ["pack", str(bundle), "-o", str(out), "--force"])
+    assert r.exit_code == 0, r.output
+    assert tarfile.is_tarfile(out) and (tmp_path / "repro.tar.sha256").exists()
