@@ -368,7 +368,8 @@ def _refs_line(refs: Any) -> str:
 
 
 def _mb(n: int) -> str:
-    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+    """A byte count as people read it: ``1.23 MB``, ``4.5 kB``, ``48 B`` (a tiny model's state is not "0.0 kB")."""
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB" if n >= 1e3 else f"{n} B"
 
 
 
@@ -537,5 +538,5 @@ def format_pack(r: dict[str, Any], archive_name: str) -> str:
     flags = "xzf" if archive_name.endswith((".tar.gz", ".tgz")) else "xf"
     return "\n".join([
         f"wrote {r['output']} ({r['bytes'] / 1e6:.2f} MB), sha256 {r['sha256']}",
-        "  contents: " + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in r["breakdown"].items()),
+        "  contents: " + ", ".join(f"{k} {_mb(v)}" for k, v in r["breakdown"].items()),
         f"  receiver: tar {flags} {shlex.quote(archive_name)} && python {r['folder']}/repro.py"])

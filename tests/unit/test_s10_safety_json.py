@@ -105,3 +105,10 @@ def test_the_writer_never_writes_what_the_reader_refuses():
     doc = {"message": "cannot open /data/\udcff.bin", "k\ud800": ["\udfff"]}
     back = schema.parse_json(B.dumps(doc), "failure.json")
     assert back == {"message": "cannot open /data/\\udcff.bin", "k\\ud800": ["\\udfff"]}
+
+
+def test_sizes_read_as_people_read_them():
+    """A tiny model's state read "model 0.0 kB" in ``inspect``."""
+    from reprokit.report import _mb
+
+    assert [_mb(n) for n in (48, 999, 4_500, 99_999, 1_234_567)] == ["48 B", "999 B", "4.5 kB", "100.0 kB", "1.23 MB"]
