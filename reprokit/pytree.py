@@ -122,15 +122,26 @@ def _enc(obj: Any, path: str, out: dict, copy: TensorCopy, skip: bool, shards: d
 _DTENSOR: type | None = None
 
 
+def dtensor_class() -> type | None:
+    """``torch.distributed.tensor.DTensor`` (``torch.distributed._tensor`` before torch 2.5, where FSDP2 is
+    ``torch.distributed._composable.fsdp``); None for a torch built without distributed support."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        try:
+            from torch.distributed._tensor import DTensor  # torch 2.4
+        except ImportError:
+            return None
+    return DTensor  # type: ignore[no-any-return]
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (imported only once a tensor subclass shows up)."""
+    """Whether ``t`` is a DTensor (:func:`dtensor_class`, imported only once a tensor subclass shows up)."""
     global _DTENSOR
     if _DTENSOR is None:
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:  # a torch built without distributed support has no DTensor
+        _DTENSOR = dtensor_class()
+        if _DTENSOR is None:
             return False
-        _DTENSOR = DTensor
     return isinstance(t, _DTENSOR)
 
 

@@ -350,7 +350,7 @@ def _as_shards(state: TrainState, shards: dict[str, dict[str, Any]], tensors: di
                 f"on a mesh of {spec['mesh_shape']}, but build() made a shard {layout['local_shape']} of "
                 f"{layout['shape']} placed {layout['placements']} on a mesh of {layout['mesh_shape']}: replay on "
                 "as many ranks as the run had, sharded the same way")
-        from torch.distributed.tensor import DTensor
+        DTensor: Any = pytree.dtensor_class()  # live is one
         local = tensors[key].to(device=live.to_local().device)
         out[key] = DTensor.from_local(local, live.device_mesh, live.placements, run_check=False,
                                       shape=live.shape, stride=live.stride())

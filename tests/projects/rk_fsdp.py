@@ -13,7 +13,11 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch < 2.6: FSDP2 is not public yet
+    from torch.distributed._composable.fsdp import fully_shard
 
 import reprokit
 
