@@ -213,7 +213,9 @@ class BundleWriter:
                 written = [tensorfile.write_safetensors(targets[0], parts[0])]
             else:
                 with ThreadPoolExecutor(tensorfile.parallelism(len(parts)), thread_name_prefix="reprokit-write") as pool:
-                    written = list(pool.map(tensorfile.write_safetensors, targets, parts))
+                    # submit(): at interpreter exit the pool takes no work, and each file is written here in turn
+                    futures = [hashing.submit(pool, tensorfile.write_safetensors, t, p) for t, p in zip(targets, parts)]
+                    written = [f.result() for f in futures]
         except FileNotFoundError:
             raise self._vanished() from None
         for i, (sha, size) in enumerate(written):

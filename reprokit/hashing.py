@@ -10,12 +10,27 @@ import hashlib
 import io
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 CHUNK = 32 << 20
 """Bytes per write/read call and per hashed piece: large enough for disk speed, small enough to overlap."""
+
+
+def submit(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``pool.submit(fn, *args)``, or ``fn`` run here where the pool can take no work. Once the interpreter exits,
+    ``concurrent.futures`` takes none (and Python 3.12+ starts no thread), yet a bundle may still be written then:
+    the incident watcher finishing a peer's window at exit (:meth:`reprokit.distributed.IncidentBoard.finish`)."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown", "can't create new thread"
+        done: Future[T] = Future()
+        done.set_result(fn(*args))
+        return done
 
 
 def open_regular(path: Path, *, follow_links: bool = False) -> io.FileIO:
@@ -50,7 +65,7 @@ def read_hashed(path: Path, pieces: Iterator[memoryview], *, follow_links: bool 
                 pending.result()
             if not n:
                 break
-            pending = pool.submit(h.update, buf[:n])
+            pending = submit(pool, h.update, buf[:n])
             total += n
             if n < len(buf):
                 break

@@ -58,7 +58,7 @@ from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
 from reprokit.env import capture_env, determinism_flags, split_flags
-from reprokit.errors import CaptureError, RecorderWarning, TrainingFailure
+from reprokit.errors import CaptureError, CodeLoadError, RecorderWarning, TrainingFailure
 from reprokit.rng import RNGState, check_generators
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
@@ -256,8 +256,8 @@ class Recorder:
         if snapshot_every < 1:
             raise CaptureError(f"snapshot_every must be >= 1, got {snapshot_every}")
         importing = importing_for_replay()
-        if importing:
-            raise CaptureError(f"a Recorder was created while replay imported {importing} for build() and the "
+        if importing:  # a CodeLoadError: replay's import passes it on as it is, without its generic advice
+            raise CodeLoadError(f"a Recorder was created while replay imported {importing} for build() and the "
                                "step function: the file trains when it is imported, so every replay would run "
                                "your whole training again. Put the training loop under "
                                "`if __name__ == \"__main__\":`, then record the bundle again.")

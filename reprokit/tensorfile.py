@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, cast
 import torch
 
 from reprokit import schema
-from reprokit.hashing import CHUNK, read_hashed
+from reprokit.hashing import CHUNK, read_hashed, submit
 
 _SMALL = 1 << 20  # pieces below this are hashed inline (a thread hand-off costs more than it saves)
 SHARD_BYTES = 256 << 20
@@ -157,7 +157,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], *, staging: 
                 h.update(piece)
                 _write_all(f, piece)
             else:
-                hashed = pool.submit(h.update, piece)  # the hash of this piece runs while it is written
+                hashed = submit(pool, h.update, piece)  # the hash of this piece runs while it is written
                 _write_all(f, piece)
                 hashed.result()  # before the next piece (the staging buffer is reused)
             size += len(piece)

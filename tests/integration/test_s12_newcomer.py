@@ -153,6 +153,7 @@ def test_a_script_that_trains_when_imported_is_told_to_guard_its_loop(tmp_path, 
     err = _error(r)
     assert r.exit_code == 125, r.output
     assert 'if __name__ == "__main__":' in err["message"] and "train.py" in err["message"], err
+    assert "--code" not in err["message"], err  # not import's generic advice (point --code at a checkout)
     assert list((tmp_path / "repros").iterdir()) == [recorded], "replay recorded a second bundle"
 
 

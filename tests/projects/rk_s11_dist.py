@@ -22,6 +22,8 @@ def build(config):
     """``config["crash_flag"]``: once that file exists, the failing step kills its process instead of raising."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    if config.get("big"):  # a 1 MiB tensor: its bundle file is hashed on a helper thread, as a real model's is
+        model.register_buffer("table", torch.zeros(1 << 18))
     if dist.is_available() and dist.is_initialized():
         model = DistributedDataParallel(model)
     return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
@@ -55,6 +57,8 @@ def main(out_dir: str, scenario: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     config = {"crash_flag": os.path.join(out_dir, "crash")} if scenario == "crash-on-replay" else {}
+    if scenario == "exit-unclosed":
+        config["big"] = True  # written at interpreter exit, where no new thread helps
     state = build(config)
     if scenario == "split":
         out_dir = os.path.join(out_dir, f"rank{rank}")  # a folder per rank: no rank sees another's incident
