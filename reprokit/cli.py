@@ -333,9 +333,9 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
                            progress=lambda i, n: update(i, f"run {i}/{n}"))
     d = report.to_json()
     d["bundle"] = str(bundle)
-    if is_archive(bundle) and isinstance(d.get("code"), str) and d["code"].startswith(str(path.parent)):
+    top = path.parent.parent if path.parent.name.startswith("repro-") else path.parent  # pack's repro-*/
+    if is_archive(bundle) and isinstance(d.get("code"), str) and Path(d["code"]).is_relative_to(top):
         # the archive was extracted into a temporary folder, removed by now: name the code inside the archive
-        top = path.parent.parent if path.parent.name.startswith("repro-") else path.parent  # pack's repro-*/
         d["code"] = f"{bundle}: {Path(d['code']).relative_to(top)}"
     if as_json:
         _emit(d)

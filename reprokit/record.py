@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import os
+import shlex
 import sys
 import threading
 import time
@@ -435,8 +436,9 @@ class Recorder:
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
         hint = failure_note(batch, self._tables)
         # What to run next, for one process's bundle (an incident folder's replay is said by the incident board).
-        nxt = (f"reprokit: next: `reprokit replay {path} --times 3` (exit 1 while it fails), `reprokit inspect "
-               f"{path}`, `reprokit shrink {path} -o small`" if path and self._board is None else None)
+        q = shlex.quote(str(path)) if path else ""
+        nxt = (f"reprokit: next: `reprokit replay {q} --times 3` (exit 1 while it fails), `reprokit inspect {q}`, "
+               f"`reprokit shrink {q} -o small`" if path and self._board is None else None)
         if result.exc is not None:
             note = f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written"
             for line in (hint, note, nxt):

@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import secrets
+import sys
 import threading
 import time
 import weakref
@@ -252,12 +253,13 @@ class IncidentBoard:
                 self.done(self.info.rank)
 
     def close(self) -> None:
-        """Stop watching (the Recorder's ``close``): an incident that appears later is not written."""
+        """Stop watching (the Recorder's ``close``): a window the watcher is writing is finished (at most
+        ``EXIT_WAIT_S``); an incident that appears later is not written."""
         _watching.discard(self)
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._join(thread)
 
     def finish(self, timeout_s: float = EXIT_WAIT_S) -> None:
         """At interpreter exit: let the watcher finish the window it is writing (at most ``timeout_s``), then write
@@ -265,14 +267,22 @@ class IncidentBoard:
         _watching.discard(self)
         self._stop.set()
         thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=timeout_s)
-            if thread.is_alive():
-                return  # still writing: leave it, rather than a second writer
+        if thread is not None and not self._join(thread, timeout_s):
+            return  # still writing: leave it, rather than a second writer
         try:
             self._poll()
         except Exception:
             pass
+
+    def _join(self, thread: threading.Thread, timeout_s: float = EXIT_WAIT_S) -> bool:
+        """Wait for the watcher thread; one that is still writing a window after a second is said on stderr (the
+        wait is not silent). False if it is still running after ``timeout_s``."""
+        thread.join(timeout=min(1.0, timeout_s))
+        if thread.is_alive():
+            print(f"reprokit: rank {self.info.rank} is writing its window of incident {self.seen or '(new)'}; waiting "
+                  f"up to {timeout_s:.0f} s before exiting", file=sys.stderr, flush=True)
+            thread.join(timeout=max(0.0, timeout_s - 1.0))
+        return not thread.is_alive()
 
 
 _watching: weakref.WeakSet[IncidentBoard] = weakref.WeakSet()

@@ -137,7 +137,8 @@ class IncidentReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"incident": self.incident, "folder": str(self.folder), "world_size": len(self.ranks),
-                "failing_rank": self.failing_rank, "failing_what": self.failing_what, "verdict": self.verdict,
+                "failing_rank": self.failing_rank, "failing_what": self.failing_what,
+                "declared_by": self.incident.get("rank"), "verdict": self.verdict,
                 "exit_code": self.exit_code,
                 "reproduced": self.verdict in ("deterministic", "flaky"),
                 "determinism_checked": bool(self.ranks) and all((r.get("runs") or 0) > 1 for r in self.ranks),

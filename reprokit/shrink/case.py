@@ -141,13 +141,15 @@ def select_seq(batch: Any, n: int | None, s: int, lo: int, hi: int) -> Any:
     A position-by-position mask (a 4-D attention mask ``[n, 1, s, s]`` or ``[n, heads, s, s]``, of any dtype, or
     a boolean or integer ``[n, s, s]``) has both of its last two dimensions cut, which leaves the mask over the
     kept positions. A floating ``[n, s, s]`` is cut along dim 1 only: it may be features whose width happens to
-    equal ``s``."""
+    equal ``s``. A broadcast padding mask ``[n, 1, 1, s]`` is cut along its last dimension."""
     if isinstance(batch, torch.Tensor):
         if batch.dim() < 2 or (n is not None and batch.shape[0] != n):
             return batch
         pairwise = batch.dim() >= 4 or (batch.dim() == 3 and not batch.is_floating_point())
         if pairwise and batch.shape[-2:] == (s, s):
             return batch[..., lo:hi, lo:hi].contiguous()
+        if batch.dim() >= 3 and batch.shape[-1] == s and all(d == 1 for d in batch.shape[1:-1]):
+            return batch[..., lo:hi].contiguous()  # a broadcast padding mask [n, 1, 1, s]
         return batch[:, lo:hi].contiguous() if batch.shape[1] == s else batch
     if isinstance(batch, Mapping):
         return {k: select_seq(v, n, s, lo, hi) for k, v in batch.items()}

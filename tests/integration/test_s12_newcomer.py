@@ -223,3 +223,22 @@ def test_pack_does_not_replace_an_existing_tarball_unasked(tmp_path):
     r = CliRunner().invoke(main, ["pack", str(bundle), "-o", str(out), "--force"])
     assert r.exit_code == 0, r.output
     assert tarfile.is_tarfile(out) and (tmp_path / "repro.tar.sha256").exists()
+
+
+def test_the_next_commands_note_quotes_a_path_with_spaces(tmp_path):
+    """The note's commands are copy-pasted into a shell: a bundle folder under "my runs/" split into two arguments."""
+    import importlib
+    import shlex
+
+    from rk_testing import record
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "projects"))
+    try:
+        mlp = importlib.import_module("rk_mlp")
+    finally:
+        sys.path.pop(0)
+    _, exc = record(mlp, {}, mlp.batches({}, 4, poison_step=2), tmp_path / "my runs", snapshot_every=2)
+    (note,) = [n for n in exc.__notes__ if n.startswith("reprokit: next:")]
+    bundle = str(exc.bundle)
+    assert " " in bundle and f"`reprokit replay {shlex.quote(bundle)} --times 3`" in note, note
+    assert shlex.split(note.split("`")[1]) == ["reprokit", "replay", bundle, "--times", "3"]

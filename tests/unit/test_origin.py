@@ -90,8 +90,9 @@ def test_the_sequence_cut_takes_both_position_dimensions_of_a_pairwise_mask_only
     """A 4-D mask (any dtype) and a boolean or integer ``[n, S, S]`` are position-by-position: both dimensions are
     cut. A floating ``[n, S, S]`` may be features that happen to be S wide: dim 1 only, as any ``[n, S, ...]``."""
     batch = {"ids": torch.arange(16).reshape(2, 8), "mask4": torch.ones(2, 1, 8, 8).tril(),
-             "mask3": torch.ones(2, 8, 8, dtype=torch.bool), "feats": torch.ones(2, 8, 8), "other": torch.ones(3, 8)}
+             "mask3": torch.ones(2, 8, 8, dtype=torch.bool), "feats": torch.ones(2, 8, 8), "other": torch.ones(3, 8),
+             "pad": torch.ones(2, 1, 1, 8)}
     out = select_seq(batch, 2, 8, 2, 5)
     assert {k: tuple(v.shape) for k, v in out.items()} == {"ids": (2, 3), "mask4": (2, 1, 3, 3), "mask3": (2, 3, 3),
-                                                           "feats": (2, 3, 8), "other": (3, 8)}
+                                                           "feats": (2, 3, 8), "other": (3, 8), "pad": (2, 1, 1, 3)}
     assert torch.equal(out["mask4"], batch["mask4"][:, :, 2:5, 2:5]) and torch.equal(out["ids"], batch["ids"][:, 2:5])
