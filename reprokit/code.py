@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -449,15 +450,17 @@ def imported(code_dir: Path | None) -> Iterator[None]:
             sys.modules.update(evicted)
 
 
-_IMPORTING: list[str] = []
-"""The file or module :func:`resolve` is importing now (a Recorder made meanwhile trains at import time)."""
+_IMPORTING = threading.local()
+"""Per thread, the files or modules :func:`resolve` is importing now (``.stack``): a Recorder made meanwhile, in the
+importing thread, trains at import time (a Recorder another thread makes then is that thread's own business)."""
 
 
 def importing_for_replay() -> str | None:
     """The project file or module that replay is importing right now, else None. A :class:`~reprokit.Recorder`
     created meanwhile means the script trains when imported (no ``if __name__ == "__main__":``), which would run
     the whole training again inside every replay."""
-    return _IMPORTING[-1] if _IMPORTING else None
+    stack = getattr(_IMPORTING, "stack", None)
+    return stack[-1] if stack else None
 
 
 def resolve(ref: dict[str, Any], code_dir: Path | None, field: str = "ref") -> Callable:
@@ -473,7 +476,8 @@ def resolve(ref: dict[str, Any], code_dir: Path | None, field: str = "ref") -> C
     if root is None:
         raise CodeLoadError(f"{ref_label(ref)} is the project's own code; pass --code DIR")
     root = root.resolve()
-    _IMPORTING.append(str(ref.get("script") or ref.get("module")))
+    stack = _IMPORTING.__dict__.setdefault("stack", [])
+    stack.append(str(ref.get("script") or ref.get("module")))
     try:
         if "script" in ref:
             path = root / ref["script"]
@@ -501,7 +505,7 @@ def resolve(ref: dict[str, Any], code_dir: Path | None, field: str = "ref") -> C
             "Check the module imports on its own, or point --code at a checkout that has it."
         ) from None
     finally:
-        _IMPORTING.pop()
+        stack.pop()
     if _file_of(module, root) is None:
         raise CodeLoadError(f"{ref_label(ref)} was imported from {getattr(module, '__file__', None)}, not from {root}: "
                             "an installed module of that name was already loaded. Rename the project's module.")
