@@ -10,38 +10,14 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from rk_hf_data import Embeds, tiny
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from reprokit import TrainingFailure
 from reprokit.bundle import open_bundle
 from reprokit.cli import main
 from reprokit.errors import CaptureError
 from reprokit.integrations.transformers import ReprokitCallback
-
-VOCAB, SEQ, D = 48, 8, 16
-
-
-class Embeds(torch.utils.data.Dataset):
-    """``n`` rows of ``inputs_embeds`` (and labels); row ``bad`` holds a NaN, which only that update's loss sees."""
-
-    def __init__(self, n: int, bad: int | None = None):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, SEQ, D, generator=g)
-        self.y = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-        if bad is not None:
-            self.x[bad, 2, 3] = float("nan")
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"inputs_embeds": self.x[i], "labels": self.y[i]}
-
-
-def tiny() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=D, n_layer=2, n_head=2,
-                                      bos_token_id=0, eos_token_id=0))
 
 
 def added(tmp_path, dataset, trainer_cls=Trainer, model=None, snapshot_every=4, **kw) -> Trainer:
