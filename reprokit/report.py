@@ -513,6 +513,17 @@ def format_shrink(d: dict[str, Any]) -> str:
              + (" - budget exhausted, result may not be minimal" if d["budget_exhausted"] else ""),
              f"  {'':<8}{'before':>10}{'after':>10}"]
     lines += [f"  {k:<8}{b if b is not None else '-':>10}{a if a is not None else '-':>10}" for k, b, a in rows]
+    grew = ""
+    if isinstance(d.get("bytes_before"), int) and isinstance(d.get("bytes_after"), int):
+        lines.append(f"  {'on disk':<8}{_mb(d['bytes_before']):>10}{_mb(d['bytes_after']):>10}")
+        if d["bytes_after"] > d["bytes_before"]:
+            grew = "  larger on disk: "
+            if d.get("state_bytes_after", 0) > d.get("state_bytes_before", 0):
+                grew += ("it starts from a later state, which holds what the first snapshot did not have yet (an "
+                         "optimizer's moments, say); it replays fewer steps. `--passes rows,sequence,tokens` keeps "
+                         "the original start.")
+            else:
+                grew += "its state is no larger than the source's; other files are (`reprokit inspect` lists them)."
     if d["kept_rows"] is not None:
         lines.append(f"  kept rows {d['kept_rows']} of the failing batch"
                      + (f" (dataset indices {d['dataset_indices']})" if d["dataset_indices"] else ""))
@@ -522,6 +533,8 @@ def format_shrink(d: dict[str, Any]) -> str:
                                           f"replay{'' if v['replays'] == 1 else 's'}"
                                           for k, v in d["passes"].items()))
     lines.append(f"  still fails: {summary_line(d['failure'])}")
+    if grew:
+        lines.append(grew)
     if d.get("code"):
         c = d["code"]
         commit = f" at git {c['git_commit'][:12]}{' (dirty)' if c.get('git_dirty') else ''}" if c.get("git_commit") else ""

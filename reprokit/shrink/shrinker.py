@@ -82,6 +82,9 @@ class ShrinkResult:
     confirm_runs: int = 0
     code: dict[str, Any] | None = None
     """With ``--code DIR``: DIR and its git commit, whose files the result carries (None: the source's snapshot)."""
+    disk: dict[str, int] = field(default_factory=dict)
+    """Bytes on disk of the source and the result, all files and the state alone (``bytes_before``,
+    ``bytes_after``, ``state_bytes_before``, ``state_bytes_after``; the manifests' sizes)."""
 
     def to_json(self) -> dict[str, Any]:
         return jsonable({
@@ -98,6 +101,7 @@ class ShrinkResult:
             "origin_checks": self.origin_checks,
             "origin_changed": self.origin_changed,
             "confirm_runs": self.confirm_runs,
+            **self.disk,
             "code": self.code,
             "seconds": round(self.seconds, 3),
             "failure": self.failure.summary(),
@@ -496,6 +500,18 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             output.rmdir()
         written = write_case(session, best, output.parent, output.name, failure.to_json(),
                              out if isinstance(out, RunOutcome) else None, provenance)
+        disk = {**_disk_bytes(src.manifest, "before"), **_disk_bytes(json.loads((written / MANIFEST).read_text()),
+                                                                         "after")}
         return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
                             time.perf_counter() - t0, exhausted, failure, sh.different_failures, sh.origin,
-                            sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"))
+                            sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"), disk)
+
+
+def _disk_bytes(manifest: dict[str, Any], when: str) -> dict[str, int]:
+    """``bytes_<when>`` and ``state_bytes_<when>``: the sizes a bundle's manifest lists, all files and ``state/``."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return {}
+    sizes = {rel: e["size"] for rel, e in files.items() if isinstance(e, dict) and isinstance(e.get("size"), int)}
+    return {f"bytes_{when}": sum(sizes.values()),
+            f"state_bytes_{when}": sum(n for rel, n in sizes.items() if rel.startswith("state/"))}

@@ -70,3 +70,28 @@ def test_shrink_errors(nan_bundle, tmp_path, projects):
     gone = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(tmp_path / "y"), "--code", str(fixed),
                                      *entries(nan_bundle)])
     assert gone.exit_code == 1 and "does not reproduce" in gone.output
+
+
+def test_a_result_larger_on_disk_says_so_and_why(projects, tmp_path):
+    # A wide model, snapshot at step 0 (Adam has no moments yet), NaN at step 3: the steps pass starts the result
+    # from a later state, which holds Adam's moments, so the result is larger on disk though it replays 1 step.
+    mlp = projects("rk_mlp")
+    cfg = {"batch_size": 4, "dim": 96, "tied": True, "optimizer": "adam"}
+    _, exc = record(mlp, cfg, mlp.batches(cfg, 5, poison_step=3), tmp_path / "repros", snapshot_every=100)
+    out = tmp_path / "small"
+    result = CliRunner().invoke(main, ["shrink", str(exc.bundle), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    on_disk = next(line for line in result.output.splitlines() if line.strip().startswith("on disk"))
+    assert "larger on disk: it starts from a later state" in result.output, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    after = sum(e["size"] for e in manifest["files"].values())
+    assert on_disk.split()[-2:] == [f"{after / 1e6:.2f}", "MB"] or on_disk.endswith(f"{after / 1e3:.1f} kB")
+    d = json.loads(CliRunner().invoke(main, ["shrink", str(exc.bundle), "-o", str(tmp_path / "j"), "--json"]).output)
+    assert d["steps_after"] < d["steps_before"] and d["bytes_after"] > d["bytes_before"] == sum(
+        e["size"] for e in json.loads((exc.bundle / "manifest.json").read_text())["files"].values())
+    assert d["state_bytes_after"] > d["state_bytes_before"] > 0
+    # Keeping the original start keeps the original state: no longer larger for that reason.
+    kept = CliRunner().invoke(main, ["shrink", str(exc.bundle), "-o", str(tmp_path / "k"), "--passes",
+                                     "rows,sequence,tokens", "--json"])
+    k = json.loads(kept.output)
+    assert k["steps_after"] == k["steps_before"] and k["state_bytes_after"] == k["state_bytes_before"]
