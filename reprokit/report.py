@@ -518,7 +518,10 @@ def format_shrink(d: dict[str, Any]) -> str:
         lines.append(f"  {'on disk':<8}{_mb(d['bytes_before']):>10}{_mb(d['bytes_after']):>10}")
         if d["bytes_after"] > d["bytes_before"]:
             grew = "  larger on disk: "
-            if d.get("state_bytes_after", 0) > d.get("state_bytes_before", 0):
+            if d.get("state_referenced_before"):
+                grew += ("the source's state was another rank's files (replicated DDP state, written once), and the "
+                         "result carries that state itself, so it replays alone.")
+            elif d.get("state_bytes_after", 0) > d.get("state_bytes_before", 0):
                 grew += ("it starts from a later state, which holds what the first snapshot did not have yet (an "
                          "optimizer's moments, say); it replays fewer steps. `--passes rows,sequence,tokens` keeps "
                          "the original start.")

@@ -14,7 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from reprokit import pytree
-from reprokit.bundle import MANIFEST, Bundle, BundleWriter, StepRecord, jsonable, open_bundle, sha256_file, write_bundle
+from reprokit.bundle import (
+    MANIFEST,
+    REPLICATED,
+    Bundle,
+    BundleWriter,
+    StepRecord,
+    jsonable,
+    open_bundle,
+    sha256_file,
+    write_bundle,
+)
 from reprokit.code import child_env, entry_args, git_info, snapshot_files
 from reprokit.errors import DidNotReproduce, ReprokitError
 from reprokit.origin import Origin, same_origin, watch_step
@@ -513,5 +523,8 @@ def _disk_bytes(manifest: dict[str, Any], when: str) -> dict[str, int]:
     if not isinstance(files, dict):
         return {}
     sizes = {rel: e["size"] for rel, e in files.items() if isinstance(e, dict) and isinstance(e.get("size"), int)}
-    return {f"bytes_{when}": sum(sizes.values()),
-            f"state_bytes_{when}": sum(n for rel, n in sizes.items() if rel.startswith("state/"))}
+    out = {f"bytes_{when}": sum(sizes.values()),
+           f"state_bytes_{when}": sum(n for rel, n in sizes.items() if rel.startswith("state/"))}
+    if REPLICATED in sizes:  # its state is another rank's files (replicated DDP state): not counted here
+        out[f"state_referenced_{when}"] = True
+    return out

@@ -18,6 +18,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import rk_hf_guard  # noqa: F401 - skips this module where transformers has no torch
 import torch
 import transformers  # the test extra installs it: a missing one must fail, not skip
 from click.testing import CliRunner

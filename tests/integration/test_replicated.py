@@ -100,6 +100,12 @@ def test_rank_1_references_rank_0_s_state_and_both_replay_bit_exact(incident, tm
     small = open_bundle(json.loads(shrunk.stdout)["output"])
     assert REPLICATED not in small.manifest["files"] and "state/state.safetensors" in small.manifest["files"]
     assert any(k.startswith("model/") for k in small.state()[1])
+    d = json.loads(shrunk.stdout)
+    assert d["state_referenced_before"] and d["state_bytes_after"] > d["state_bytes_before"], d
+    # Larger on disk for that reason, and the text says so (not "a later state": the start is rank 0's).
+    text = CliRunner().invoke(cli, ["shrink", str(ranks[1]), "-o", str(tmp_path / "s2"), "--passes", "rows"])
+    assert text.exit_code == 0, text.output
+    assert "larger on disk: the source's state was another rank's files" in text.output, text.output
 
 
 def test_a_packed_rank_1_bundle_stands_alone(incident, tmp_path):

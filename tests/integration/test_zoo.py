@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from zoo_cases import ZOO
+from zoo_cases import expected_lines
 
 import reprokit
 from reprokit.bisect import bisect_layers, bisect_precision, bisect_steps
@@ -37,7 +37,7 @@ def record(script: str, tmp_path: Path) -> Path:
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--quick", "--out", str(out)],
                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for line in ZOO[script]:
+    for line in expected_lines(script):
         assert line in proc.stdout, proc.stdout
     bundles = sorted(out.glob("bundle-*"))
     assert len(bundles) == 1, bundles
