@@ -220,6 +220,30 @@ def _writable(ctx: click.Context, param: click.Parameter, value: Path | None) ->
     return value
 
 
+def _folder_to_write_into(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """A folder the command writes files into (demo's --out): when it exists, probed itself (a read-only mount in a
+    writable folder passes :func:`_writable`, which probes where a new path would be made)."""
+    if value is not None and value.is_dir():
+        try:
+            with tempfile.TemporaryFile(dir=value, prefix=".reprokit-probe-"):
+                pass
+        except OSError as e:
+            raise click.BadParameter(f"cannot write into {value} ({e.strerror or e}); name a folder you can write "
+                                     "to") from None
+        return value
+    return _writable(ctx, param, value)
+
+
+def _new_folder(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """An output folder (-o of shrink, extract) that the result is renamed onto, atomically: :func:`_writable`, and
+    not a mount point (a rename onto one fails with EBUSY after the whole run)."""
+    if value is not None and os.path.ismount(value):
+        raise click.BadParameter(f"{value} is a mount point; the result is written beside it and renamed into place "
+                                 "(so that a half-written one never shows), which cannot replace a mount point. "
+                                 f"Name a new folder inside it, e.g. {value / 'small'}")
+    return _writable(ctx, param, value)
+
+
 def archive_opts(fn: Any) -> Any:
     """Options for opening a packed archive (.tar or .tar.gz): its digest and the extraction caps."""
     from reprokit.archive import Limits
@@ -459,7 +483,7 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
 
 @main.command()
 @bundle_arg
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path), callback=_writable,
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path), callback=_new_folder,
               help="Directory for the shrunk bundle (must not exist, or be empty).")
 @click.option("--budget", default=300, show_default=True, type=click.IntRange(1),
               help="Most candidate replays to spend.")
@@ -542,7 +566,7 @@ def pack(bundle: Path, output: Path, force: bool, as_json: bool) -> None:
 
 @main.command()
 @bundle_arg
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path), callback=_writable,
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path), callback=_new_folder,
               help="Folder for the extract (must not exist, or be empty).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
 @click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -754,7 +778,7 @@ def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_p
 
 
 @main.command()
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, callback=_writable,
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, callback=_folder_to_write_into,
               help="Where to write the bundle (default: a temporary directory).")
 @json_opt
 def demo(out: Path | None, as_json: bool) -> None:

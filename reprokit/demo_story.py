@@ -31,6 +31,10 @@ def run_demo(out: Path, say: Callable[[str], None] = print, config: dict[str, An
         except TrainingFailure as e:
             failure = e
             break
+    if failure is not None and failure.bundle is None:
+        raise ReprokitError(f"the demo run failed as designed ({failure.failure.describe()}), but the recorder could "
+                            f"not write its bundle into {out} (its warning above says why); give --out a folder you "
+                            "can write to, with room for a few MB")
     if failure is None or failure.bundle is None:
         raise ReprokitError("the demo run did not fail as designed; please report this as a bug")
     f = failure.failure

@@ -242,3 +242,15 @@ def test_the_next_commands_note_quotes_a_path_with_spaces(tmp_path):
     bundle = str(exc.bundle)
     assert " " in bundle and f"`reprokit replay {shlex.quote(bundle)} --times 3`" in note, note
     assert shlex.split(note.split("`")[1]) == ["reprokit", "replay", bundle, "--times", "3"]
+
+
+def test_a_demo_whose_bundle_cannot_be_written_says_so_not_that_it_is_a_bug(tmp_path):
+    # A read-only mount and a path under a file fail the same way: the bundle write (a RecorderWarning, training's
+    # own failure goes on). The demo said "did not fail as designed; please report this as a bug".
+    from reprokit.demo_story import run_demo
+    from reprokit.errors import RecorderWarning, ReprokitError
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.warns(RecorderWarning, match="could not write a bundle"), \
+            pytest.raises(ReprokitError, match="failed as designed .* but the recorder could not write its bundle"):
+        run_demo(tmp_path / "a_file" / "out", say=lambda s: None)

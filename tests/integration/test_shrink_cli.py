@@ -95,3 +95,12 @@ def test_a_result_larger_on_disk_says_so_and_why(projects, tmp_path):
                                      "rows,sequence,tokens", "--json"])
     k = json.loads(kept.output)
     assert k["steps_after"] == k["steps_before"] and k["state_bytes_after"] == k["state_bytes_before"]
+
+
+@pytest.mark.parametrize("command", ["shrink", "extract"])
+def test_an_output_that_is_a_mount_point_is_refused_before_any_work(nan_bundle, command):
+    # The result is renamed onto OUTPUT; onto a mount point (an empty `docker -v ./out:/out`, say) that fails with
+    # EBUSY, which was an internal error (exit 70) after the whole shrink. "/" is a mount point on every machine.
+    result = CliRunner().invoke(main, [command, str(nan_bundle), "-o", "/"])
+    assert result.exit_code == 2, result.output
+    assert "/ is a mount point" in result.output and "Name a new folder inside it" in result.output, result.output
