@@ -28,6 +28,7 @@ import datetime as _dt
 import os
 import shlex
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -325,6 +326,7 @@ class Recorder:
         self._in_step = False
         self._current_other = RNG_STEP_BYTES
         self._mention_leftovers()
+        self._probe_out_dir()
         self.incident_wait_s = incident_wait_s
         self.rank = rank_info(self.out_dir)  # under a process group: rank 0's Recorder names the run (store)
         if self.rank is not None and self.rank.rank != 0 and not sees_rank0(self.out_dir, self.rank):
@@ -376,6 +378,23 @@ class Recorder:
         self._owns = on and self.rank is not None and self.rank.rank == replicated.OWNER_RANK
         """This rank snapshots the state the others reference."""
         return on and self.rank is not None and self.rank.rank != replicated.OWNER_RANK
+
+    def _probe_out_dir(self) -> None:
+        """Say at attach, not at the failure hours later, when ``out_dir`` cannot be written (a read-only mount, a
+        file in the way). Nothing is created: an existing ``out_dir`` is probed with a temporary file, else the
+        nearest folder above it that exists."""
+        folder = self.out_dir.absolute()
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            if not folder.is_dir():
+                raise NotADirectoryError(f"{folder} is a file")
+            with tempfile.TemporaryFile(dir=folder, prefix=".reprokit-probe-"):
+                pass
+        except OSError as e:
+            self._warn("out_dir", f"reprokit: cannot write into {folder} ({e.strerror or e}), so a failure would give "
+                                  f"no bundle in out_dir={str(self.out_dir)!r}. Training goes on; give the Recorder an "
+                                  "out_dir it can write to.")
 
     def _mention_leftovers(self) -> None:
         """Say, once at attach, when ``out_dir`` holds temp folders that killed writers left behind."""

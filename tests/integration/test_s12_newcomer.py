@@ -18,12 +18,14 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import warnings
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from rk_testing import record_mlp_nan
 
+import reprokit
 from reprokit.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,6 +253,19 @@ def test_a_demo_whose_bundle_cannot_be_written_says_so_not_that_it_is_a_bug(tmp_
     from reprokit.errors import RecorderWarning, ReprokitError
 
     (tmp_path / "a_file").write_text("")
-    with pytest.warns(RecorderWarning, match="could not write a bundle"), \
+    with pytest.warns(RecorderWarning, match="cannot write into|could not write a bundle"), \
             pytest.raises(ReprokitError, match="failed as designed .* but the recorder could not write its bundle"):
         run_demo(tmp_path / "a_file" / "out", say=lambda s: None)
+
+
+def test_an_out_dir_that_cannot_be_written_is_said_when_the_recorder_is_made(projects, tmp_path):
+    # Not hours later at the failure: the warning comes at attach, and nothing is created by the check.
+    mlp = projects("rk_mlp")
+    (tmp_path / "a_file").write_text("")
+    with pytest.warns(reprokit.RecorderWarning, match="cannot write into .*a_file .*a failure would give no bundle"):
+        rec = reprokit.Recorder(mlp.build({}), mlp.train_step, build=mlp.build, out_dir=tmp_path / "a_file" / "repros")
+    rec.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a writable one, existing or not, says nothing and is not created
+        reprokit.Recorder(mlp.build({}), mlp.train_step, build=mlp.build, out_dir=tmp_path / "new" / "repros").close()
+    assert not (tmp_path / "new").exists()
