@@ -454,10 +454,17 @@ class Recorder:
             return result.value
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
         hint = failure_note(batch, self._tables)
-        # What to run next, for one process's bundle (an incident folder's replay is said by the incident board).
+        # What to run next: one process's bundle, or under a process group the incident folder it is in (every rank
+        # replayed together) and this rank's bundle alone.
         q = shlex.quote(str(path)) if path else ""
-        nxt = (f"reprokit: next: `reprokit replay {q} --times 3` (exit 1 while it fails), `reprokit inspect {q}`, "
-               f"`reprokit shrink {q} -o small`" if path and self._board is None else None)
+        if not path:
+            nxt = None
+        elif self._board is None:
+            nxt = (f"reprokit: next: `reprokit replay {q} --times 3` (exit 1 while it fails), `reprokit inspect {q}`, "
+                   f"`reprokit shrink {q} -o small`")
+        else:
+            nxt = (f"reprokit: next: `reprokit replay {shlex.quote(str(path.parent))}` (every rank of the incident, "
+                   f"exit 1 while it fails), `reprokit replay {q}` (this rank alone), `reprokit inspect {q}`")
         if result.exc is not None:
             note = f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written"
             for line in (hint, note, nxt):

@@ -59,6 +59,10 @@ def test_a_nan_on_one_rank_gives_one_incident_with_every_rank_s_bundle(tmp_path,
     assert proc.returncode != 0, "training failed"
     folder, bundles = _incident(out)
     assert [b.name.rsplit("-", 1)[-1] for b in bundles] == ["rank0of2", "rank1of2"], bundles
+    # Each rank's traceback ends with what to run next: the incident folder (every rank), and its own bundle.
+    for b in bundles:
+        assert f"reprokit: next: `reprokit replay {folder}` (every rank of the incident" in proc.stderr, proc.stderr
+        assert f"`reprokit replay {b}` (this rank alone)" in proc.stderr, proc.stderr
     kinds = {}
     for b in bundles:
         bundle = open_bundle(b)
