@@ -635,9 +635,35 @@ def foreign_code_note(bundle: Bundle, archive: bool, code: str | Path | None = N
             "REPROKIT_REPLAY_TRUST=1 silences this note).")
 
 
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote worker crashing",
+              "remote process exited", "communicator was aborted", "nccl watchdog")
+"""Words of gloo's and NCCL's errors when another rank's process went away mid-collective."""
+
+
+def lost_peer(bundle: Bundle) -> bool:
+    """The recorded failure is a collective that lost a peer: another rank's process ended (outside its recorded
+    steps, or it would have declared the incident) and this rank's collective failed for it."""
+    f, dist = bundle.failure, bundle.run.get("distributed") or {}
+    if f.kind != "exception" or not isinstance(dist, dict) or dist.get("world_size", 1) < 2:
+        return False
+    return f.exc_type in ("DistNetworkError", "DistBackendError") and "peer" in f.message.lower() or any(
+        s in f.message.lower() for s in _PEER_LOST)
+
+
+def _lost_peer_words(bundle: Bundle) -> str:
+    dist = bundle.run.get("distributed") or {}
+    return (f"rank {dist.get('rank', '?')}'s recorded failure is a collective that lost a peer "
+            f"({bundle.failure.describe()}): another rank's process ended, outside the steps it recorded (else it "
+            "would have written its own bundle), so the cause is in that rank's own output, not in this bundle. "
+            "Replayed without it, nothing can fail that way, and \"not reproduced\" would say nothing about a fix.")
+
+
 def _refuse_peer(bundle: Bundle) -> None:
     """A rank that did not fail itself has nothing to reproduce alone: point at the rank that failed."""
     f = bundle.failure
+    if lost_peer(bundle):
+        raise ReprokitError(f"{bundle.path.name}: {_lost_peer_words(bundle)} Look for the error that ended the other "
+                            "rank in the job's log (torchrun prints each rank's traceback).")
     if f.kind != "peer":
         return
     doc = f.detail.get("incident", {}) if isinstance(f.detail, dict) else {}
@@ -675,6 +701,8 @@ def as_train_state(state: Any) -> TrainState:
 def alone_hint(bundle: Bundle) -> str:
     """What to try when a bundle's failure did not reproduce: a rank replayed alone needs its peers; else flakiness."""
     dist = bundle.run.get("distributed") or {}
+    if lost_peer(bundle):
+        return _lost_peer_words(bundle)
     if dist.get("world_size", 1) > 1:
         return (f"It was recorded on rank {dist.get('rank')} of {dist['world_size']} and replayed alone: collectives "
                 "see one rank, so a failure that came from the other ranks' data cannot happen here. Replay the "

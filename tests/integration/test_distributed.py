@@ -116,6 +116,31 @@ def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(rai
     assert "did not fail itself" in json.loads(r.stdout)["error"]["message"]
 
 
+def test_a_rank_whose_collective_lost_its_peer_is_not_replayed_alone_as_fixed(raise_run, tmp_path):
+    """A peer that dies outside its recorded steps (its data loader raised) leaves this rank a gloo "Connection
+    closed by peer" exception and no bundle of its own. Alone, nothing can fail that way: replay said NOT
+    REPRODUCED, exit 0, which reads as fixed. The recorded failure is made that one here (on rank 1's bundle)."""
+    import shutil
+
+    from rk_testing import reseal
+
+    folder, bundles = _incident(raise_run[0])
+    (mine,) = [b for b in bundles if open_bundle(b).run["distributed"]["rank"] == 1]
+    shutil.copytree(folder, tmp_path / "incident")  # rank 1's bundle references rank 0's state beside it
+    bundle = tmp_path / "incident" / mine.name
+    doc = json.loads((bundle / "failure.json").read_text())
+    doc.update(exc_type="RuntimeError", message="[../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               "[127.0.0.1]:22959. This is typically caused by a remote worker crashing.")
+    (bundle / "failure.json").write_text(json.dumps(doc))
+    reseal(bundle)
+    r = CliRunner().invoke(cli, ["replay", str(bundle), "--json"])
+    assert r.exit_code == 2, r.output
+    message = json.loads(r.stdout)["error"]["message"]
+    assert "a collective that lost a peer" in message and "would say nothing about a fix" in message, message
+    shrunk = CliRunner().invoke(cli, ["shrink", str(bundle), "-o", str(tmp_path / "small")])
+    assert shrunk.exit_code == 1 and "a collective that lost a peer" in shrunk.output, shrunk.output
+
+
 def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     """Replayed alone, rank 0 cannot reproduce (its NaN came from rank 1 through the all-reduce); replayed together,
     with the process group initialised before build(), both ranks fail as recorded."""
