@@ -6,7 +6,9 @@ reprokit's own, unchanged ``rk_extract.py`` and ``op_repro.py``, and re-sealed s
 
 from __future__ import annotations
 
+import importlib
 import json
+import shutil
 import subprocess
 import sys
 
@@ -22,76 +24,83 @@ _REPLAY = """
 import json, sys
 from click.testing import CliRunner
 from reprokit.cli import main
-r = CliRunner().invoke(main, ["replay", sys.argv[1], "--json"])
-print(json.dumps({"exit": r.exit_code, "output": r.output, "imported": sorted(set(sys.argv[2:]) & set(sys.modules))}))
+watch = set(sys.argv[1].split(","))
+for bundle in sys.argv[2:]:
+    r = CliRunner().invoke(main, ["replay", bundle, "--json"])
+    print(json.dumps({"exit": r.exit_code, "output": r.output, "imported": sorted(watch & set(sys.modules))}))
 """
+_REFS = {
+    "stdlib": ({"module": "this", "qualname": "s"}, "a module of the standard library"),
+    "installed": ({"module": "torch.serialization", "qualname": "StorageType"}, "a module of an installed package"),
+    "not_a_layer": ({"module": "torch.nn.modules.linear", "qualname": "math"}, "names no torch.nn.Module class"),
+}
 
 
-def _extract(projects, tmp_path, model: str, **kw):
-    m = projects("rk_extract_zoo")
-    cfg = {} if model == "softmax" else {"model": model}
-    _, exc = record(m, cfg, m.batches(cfg, 6, poison_step=4), tmp_path / "repros", snapshot_every=3)
-    out = tmp_path / "extract"
-    extract(open_bundle(bundle_of(exc)), out, **kw)
+@pytest.fixture(scope="module")
+def extracts(tmp_path_factory):
+    """Two real extracts of rk_extract_zoo's failures: a module (UnstableSoftmax) and, narrowed, one op."""
+    from conftest import PROJECTS
+
+    tmp = tmp_path_factory.mktemp("extracts")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(PROJECTS))
+        m = importlib.import_module("rk_extract_zoo")
+        out = {}
+        for level, cfg, kw in (("module", {}, {}), ("op", {"model": "masked"}, {"max_module_bytes": 0})):
+            _, exc = record(m, cfg, m.batches(cfg, 6, poison_step=4), tmp / f"repros-{level}", snapshot_every=3)
+            out[level] = extract(open_bundle(bundle_of(exc)), tmp / level, **kw).output
     return out
 
 
-def _tamper(bundle, edit) -> None:
-    run = json.loads((bundle / "run.json").read_text())
-    edit(run["config"]["module"])
-    (bundle / "run.json").write_text(json.dumps(run))
-    reseal(bundle)
+def _copy(extracts, level, dest, edit=None):
+    shutil.copytree(extracts[level], dest)
+    if edit is not None:
+        run = json.loads((dest / "run.json").read_text())
+        edit(run["config"]["module"])
+        (dest / "run.json").write_text(json.dumps(run))
+        reseal(dest)
+    return dest
 
 
-def _replay(tmp_path, bundle, *watch: str) -> dict:
-    """Replay ``bundle`` in a fresh interpreter (so ``sys.modules`` says what the replay imported)."""
-    proc = subprocess.run([sys.executable, "-c", _REPLAY, str(bundle), *watch], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+def _replay(tmp_path, bundles, watch=("this",)) -> list[dict]:
+    """Replay each bundle in turn in one fresh interpreter (``sys.modules`` says what the replays imported)."""
+    proc = subprocess.run([sys.executable, "-c", _REPLAY, ",".join(watch), *map(str, bundles)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(bundles):]]
 
 
-@pytest.mark.parametrize("ref, why", [
-    ({"module": "this", "qualname": "s"}, "a module of the standard library"),
-    ({"module": "torch.serialization", "qualname": "StorageType"}, "a module of an installed package"),
-    ({"module": "torch.nn.modules.linear", "qualname": "math"}, "names no torch.nn.Module class"),
-])
-def test_a_config_naming_a_class_outside_the_snapshot_and_torch_layers_is_refused(projects, tmp_path, ref, why):
-    out = _extract(projects, tmp_path, "softmax")
-    assert _replay(tmp_path, out, "this")["exit"] == 1, "the genuine extract reproduces"
-    _tamper(out, lambda spec: spec.__setitem__("class", ref))
-    got = _replay(tmp_path, out, "this")
-    assert got["exit"] == 3 and why in got["output"] and "config.module.class" in got["output"], got
-    assert got["imported"] == [], "the module the config names was never imported"
-    assert "Zen of Python" not in got["output"]
+def test_a_config_naming_a_class_outside_the_snapshot_and_torch_layers_is_refused(extracts, tmp_path):
+    child = {"class": _REFS["stdlib"][0], "attrs": {}, "params": {}, "buffers": {}, "children": {}}
+    tampered = {case: _copy(extracts, "module", tmp_path / case, lambda spec, ref=ref: spec.__setitem__("class", ref))
+                for case, (ref, _) in _REFS.items()}
+    tampered["child"] = _copy(extracts, "module", tmp_path / "child",
+                              lambda spec: spec["children"].__setitem__("evil", child))
+    # Last: a module the genuine extract imports anyway must not hide one a tampered one imported.
+    got = dict(zip([*tampered, "genuine"], _replay(tmp_path, [*tampered.values(), extracts["module"]])))
+    assert got.pop("genuine")["exit"] == 1, "the genuine extract reproduces"
+    for case, (_, why) in [*_REFS.items(), ("child", (None, "a module of the standard library"))]:
+        field = "config.module.children.evil.class" if case == "child" else "config.module.class"
+        assert got[case]["exit"] == 3 and why in got[case]["output"] and field in got[case]["output"], (case, got)
+        assert got[case]["imported"] == [], "the module the config names was never imported"
+        assert "Zen of Python" not in got[case]["output"]
 
 
-def test_a_child_class_is_vetted_too(projects, tmp_path):
-    out = _extract(projects, tmp_path, "softmax")
-    child = {"class": {"module": "this", "qualname": "s"}, "attrs": {}, "params": {}, "buffers": {}, "children": {}}
-    _tamper(out, lambda spec: spec["children"].__setitem__("evil", child))
-    got = _replay(tmp_path, out, "this")
-    assert got["exit"] == 3 and "config.module.children.evil.class" in got["output"], got
-    assert got["imported"] == []
-
-
-def test_an_op_extract_naming_a_file_touching_op_is_refused_and_runs_nothing(projects, tmp_path):
-    out = _extract(projects, tmp_path, "masked", max_module_bytes=0)
-    assert _replay(tmp_path, out)["exit"] == 1, "the genuine op-level extract reproduces"
+def test_an_op_extract_naming_a_file_touching_op_is_refused_and_runs_nothing(extracts, tmp_path):
     target = tmp_path / "outside.bin"
     call = json.dumps({"args": [str(target), True, 1 << 20], "kwargs": {}})
-    _tamper(out, lambda spec: spec["attrs"].update(op="aten.from_file.default", call=call))
-    got = _replay(tmp_path, out)
-    assert got["exit"] == 3 and "aten.from_file.default" in got["output"], got
-    assert "filename" in got["output"] and "not a pure tensor op" in got["output"], got
+    evil = _copy(extracts, "op", tmp_path / "evil",
+                 lambda spec: spec["attrs"].update(op="aten.from_file.default", call=call))
+    got, genuine = _replay(tmp_path, [evil, extracts["op"]])
+    assert genuine["exit"] == 1, "the genuine op-level extract reproduces"
+    assert got["exit"] == 3 and "config.module.attrs.op" in got["output"], got
+    assert "aten.from_file.default is not a pure tensor op" in got["output"] and "filename" in got["output"], got
     assert not target.exists(), "aten.from_file was never run"
 
 
-def test_op_repro_refuses_an_op_json_naming_a_file_touching_op(projects, tmp_path):
-    out = _extract(projects, tmp_path, "masked", max_module_bytes=0)
+def test_op_repro_refuses_an_op_json_naming_a_file_touching_op(extracts, tmp_path):
+    out = _copy(extracts, "op", tmp_path / "evil")
     script = out / "extract" / "op_repro.py"
-    genuine = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert genuine.returncode == 1, genuine.stdout + genuine.stderr
     target = tmp_path / "outside.bin"
     spec = json.loads((out / "extract" / "op.json").read_text())
     spec.update(op="aten.from_file.default", args=[str(target), True, 1 << 20], kwargs={})
@@ -100,6 +109,7 @@ def test_op_repro_refuses_an_op_json_naming_a_file_touching_op(projects, tmp_pat
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "aten.from_file.default is not a pure tensor op" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not target.exists()
+    # (test_extract runs a genuine op_repro.py of this case: exit 1, REPRODUCED)
 
 
 @pytest.mark.parametrize("name, ok", [
@@ -119,3 +129,16 @@ def test_only_pure_tensor_ops_are_run(name, ok):
     for bad in ("torch.load", "aten.__class__.default", "prims.add.default", "aten.no_such_op.default", 3):
         with pytest.raises(ValueError):
             op_overload(bad)
+
+
+def test_extract_knows_which_classes_its_repro_may_build(projects):
+    """A class of an installed package (not torch's layers) is one rk_extract refuses: extract finds it first."""
+    from torch.ao.nn.quantized import FloatFunctional
+
+    from reprokit.extract import _foreign, _module_spec
+
+    zoo = projects("rk_extract_zoo")
+    ok = torch.nn.Sequential(torch.nn.Linear(2, 2), zoo.UnstableSoftmax(), torch.nn.ModuleDict({"n": torch.nn.ReLU()}))
+    assert _foreign(_module_spec(ok, [])) is None
+    mixed = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(FloatFunctional()))
+    assert _foreign(_module_spec(mixed, [])) == "torch.ao.nn.quantized.modules.functional_modules.FloatFunctional"
