@@ -39,6 +39,8 @@ from torch.utils._pytree import tree_map
 from reprokit import pytree
 from reprokit.bundle import MANIFEST, RUN, Bundle, BundleWriter, dumps, open_bundle, sha256_file
 from reprokit.errors import BundleError, DidNotReproduce, ReprokitError
+from reprokit.extract_op import op_overload, refusal
+from reprokit.extract_repro import TORCH_MODULES
 from reprokit.origin import OriginWatcher, stamped_module, watch_step
 from reprokit.replay import Session
 from reprokit.shrink.case import batch_size
@@ -172,7 +174,7 @@ class _OpCapture(OriginWatcher):
         if self.created_call is None:
             return None
         func, args, kwargs = self.created_call
-        return None if func._schema.is_mutable else _encode_op(func, args, kwargs)
+        return None if refusal(func) else _encode_op(func, args, kwargs)
 
 
 @dataclass
@@ -258,6 +260,10 @@ def _encode_op(func: Any, args: Any, kwargs: Any) -> dict[str, Any] | None:
 def _module_spec(mod: torch.nn.Module, skipped: list[str], path: str = "") -> dict[str, Any]:
     """How :func:`reprokit.extract_repro._make` rebuilds ``mod``: class, plain attributes, tensor shapes."""
     cls = type(mod)
+    module = cls.__module__
+    f = getattr(sys.modules.get(module), "__file__", None)
+    if f and (module == "__main__" or module.startswith("_reprokit_script_")):
+        module = Path(f).stem  # a class of the training script itself (as run, or as replay loads it)
     attrs: dict[str, Any] = {}
     for k, v in vars(mod).items():
         if k.startswith("_"):
@@ -267,7 +273,7 @@ def _module_spec(mod: torch.nn.Module, skipped: list[str], path: str = "") -> di
         else:
             skipped.append(f"{path}{k} ({type(v).__name__})")
     return {
-        "class": {"module": cls.__module__, "qualname": cls.__qualname__},
+        "class": {"module": module, "qualname": cls.__qualname__},
         "attrs": attrs,
         "params": {k: None if p is None else {"dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape),
                                               "requires_grad": bool(p.requires_grad)}
@@ -277,6 +283,16 @@ def _module_spec(mod: torch.nn.Module, skipped: list[str], path: str = "") -> di
         "children": {k: None if c is None else _module_spec(c, skipped, f"{path}{k}.")
                      for k, c in mod._modules.items()},
     }
+
+
+def _foreign(spec: dict[str, Any]) -> str | None:
+    """The first class of ``spec``'s tree that is neither the project's (a file outside installed packages) nor one
+    of torch's layers: ``rk_extract`` refuses to build those (a bundle never chooses what code runs)."""
+    ref = spec["class"]
+    f = getattr(sys.modules.get(ref["module"]), "__file__", None)
+    if not ref["module"].startswith(TORCH_MODULES) and f is not None and _library(f):
+        return f"{ref['module']}.{ref['qualname']}"
+    return next((found for c in spec["children"].values() if c is not None and (found := _foreign(c))), None)
 
 
 def _plain(v: Any) -> bool:
@@ -361,9 +377,6 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
         skipped: list[str] = []
         spec = _module_spec(mod, skipped)
         cls_file = getattr(sys.modules.get(type(mod).__module__), "__file__", None)
-        if cls_file and (spec["class"]["module"] == "__main__" or spec["class"]["module"].startswith(
-                "_reprokit_script_")):  # a class of the training script itself (as run, or as replay loads it)
-            spec["class"]["module"] = Path(cls_file).stem
         if raised is not None:
             op = _encode_op(raised.func, raised.args, raised.kwargs)
             if op is None:
@@ -378,6 +391,18 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
         op = _checked(op, notes)
         code_dir = s.code_dir
     source = Path(source) if source is not None else bundle.path
+    foreign = _foreign(spec)
+    if foreign is not None:
+        why = (f"module {name} ({type(mod).__qualname__}) is built from {foreign}, a class of an installed package: "
+               "an extract runs only the project's classes (from its code snapshot) and torch's layers "
+               f"({TORCH_MODULES[:-1]}), never a class its run.json names elsewhere")
+        if op is None:
+            raise DidNotReproduce(f"{why}, so it cannot be cut out on its own; use the whole bundle, or `reprokit "
+                                  "shrink` it instead" + _said(notes))
+        notes.append(f"{why}: the extract is the one op that {'raised' if 'raises' in op else 'made'} it, "
+                     f"{op['op']}, on its saved inputs")
+        return _write(bundle, output, name, type(mod).__qualname__, phase, _op_spec(op), _op_call(op), op, None,
+                      None, notes, source, level="op")
     weights = sum(t.numel() * t.element_size() for t in call.params.values())
     if max_module_bytes is not None and weights > max_module_bytes:
         if op is not None:
@@ -399,6 +424,8 @@ def _no_op_note(watcher: _OpCapture) -> str:
     if func is not None and func._schema.is_mutable:
         return (f"{func} made it, writing in place: its input's value before the write is gone, so there is no "
                 "one-op repro; the module-level repro shows it")
+    if func is not None and (why := refusal(func)) is not None:
+        return f"{func} made it, but it is not a pure tensor op ({why}): no one-op repro"
     return f"{func or 'the op that made it'} takes arguments that cannot be saved: no one-op repro"
 
 
@@ -516,6 +543,12 @@ def _checked(op: dict[str, Any] | None, notes: list[str]) -> dict[str, Any] | No
     if op is None:
         return None
     from reprokit.extract_op import run as run_op
+
+    try:
+        op_overload(op["op"])  # what one-op repros run (a pure tensor op), checked as they check it
+    except ValueError as e:
+        notes.append(f"{e}: no one-op repro written")
+        return None
 
     try:
         ok = run_op(op, {k: v.clone() for k, v in op["tensors"].items()}, "cpu", say=lambda _: None)

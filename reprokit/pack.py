@@ -53,7 +53,8 @@ PACK_VERSION = 1
 _PACKAGE = Path(__file__).resolve().parent
 # Replay needs what ``import reprokit`` pulls in, plus the demo's build/step and what repro.py itself imports (text.py):
 # found by following module-level ``reprokit.*`` imports from these, so a new module can never be forgotten.
-RUNTIME_ROOTS = ("__init__.py", "demo.py", "text.py")
+# extract_op.py: an extract's rk_extract.py imports its check of the one op it may run.
+RUNTIME_ROOTS = ("__init__.py", "demo.py", "text.py", "extract_op.py")
 
 
 def runtime_files(extra_roots: tuple[str, ...] = ()) -> list[str]:
