@@ -722,7 +722,8 @@ def bisect_precision(bundle: Path, device: str | None, code: Path | None, varian
 @click.option("--good", required=True, help="A revision where training worked (tag, branch, sha).")
 @click.option("--bad", required=True, help="A revision where it fails the same way as BUNDLE.")
 @click.option("--repo", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="The repository (default: the one recorded in the bundle).")
+              help="The git repository to bisect (default: the one holding the current folder; never one the "
+                   "bundle names).")
 @click.option("--first-parent", is_flag=True, help="Follow only the first parent of merges.")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Seconds per probe before it is skipped.")
@@ -738,13 +739,15 @@ def bisect_commits(bundle: Path, good: str, bad: str, repo: Path | None, first_p
                    device: str | None, entries: tuple[str, ...], as_json: bool, **kw: Any) -> None:
     """Find the first commit between --good and --bad at which BUNDLE fails the same way.
 
-    Each probed commit is checked out into a temporary git worktree (your working
-    tree, index, branch and stash are left alone) and replayed in a subprocess.
+    Bisects the repository holding the current folder (or --repo), never one the
+    bundle names. Each probed commit is checked out into a temporary git worktree
+    (your working tree, index, branch and stash are left alone; no git hook runs)
+    and replayed in a subprocess.
     Commits that do not import, whose state does not fit, or that fail
     differently are skipped with the reason. Exit 0 found (or the remaining
     candidates listed); 2 a wrong end (the bad end does not fail the same way
-    on each of three replays, or the good end does not pass) or a ref --entry
-    does not name; 3 invalid bundle.
+    on each of three replays, or the good end does not pass), a ref --entry
+    does not name, or no git repository here (pass --repo); 3 invalid bundle.
     """
     from reprokit.bisect import bisect_commits as run
 

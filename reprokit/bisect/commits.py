@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,22 +72,55 @@ class CommitBisectResult:
                 "probes": [asdict(p) | {"seconds": round(p.seconds, 2)} for p in self.probes]}
 
 
-def _repo(path: Path) -> Any:
+NO_HOOKS = {"c": f"core.hooksPath={os.devnull}"}
+"""``git -c core.hooksPath=/dev/null``: no repository hook (``post-checkout`` on ``worktree add``) runs while
+reprokit bisects; git runs nothing but itself on the user's behalf."""
+
+
+def _repo(path: Path | None) -> Any:
+    """The repository to bisect: the one holding ``path`` (``--repo``), else the one holding the current folder.
+
+    Never one a bundle names: its ``env.json`` is the sender's, and its hooks and code would run here."""
     try:
         import git
     except ImportError as e:  # pragma: no cover - gitpython is a dependency
         raise BisectError("commit bisection needs gitpython: pip install gitpython") from e
+    where = path if path is not None else Path.cwd()
     try:
-        return git.Repo(path, search_parent_directories=True)
+        r = git.Repo(where, search_parent_directories=True)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-        raise BisectError(f"{path} is not inside a git repository; pass --repo PATH") from None
+        hint = ("pass --repo PATH, the repository whose history to bisect" if path is not None else
+                "run it from inside the repository whose history to bisect, or pass --repo PATH")
+        raise BisectError(f"{where} is not inside a git repository; {hint}") from None
+    if r.working_tree_dir is None:
+        raise BisectError(f"{where} is a bare git repository; pass --repo PATH, a checkout of it")
+    r.git.set_persistent_git_options(**NO_HOOKS)
+    return r
 
 
-def _resolve(repo: Any, rev: str, end: str) -> str:
+def _resolve(repo: Any, rev: str, end: str, git_env: dict[str, Any]) -> str:
     try:
         return repo.commit(rev).hexsha
     except Exception:
-        raise BisectError(f"--{end} {rev!r} is not a revision of {repo.working_tree_dir}") from None
+        raise BisectError(f"--{end} {rev!r} is not a revision of {repo.working_tree_dir}; check --{end}, and that "
+                          f"this is the repository to bisect{_elsewhere_note(repo, git_env)}") from None
+
+
+def _elsewhere_note(repo: Any, git_env: dict[str, Any]) -> str:
+    """Where the bundle says it was recorded, when the chosen repository lacks that commit: a hint that it is the
+    wrong repository (shown, never used: the bundle's ``git.root`` is the sender's word)."""
+    commit = git_env.get("commit")
+    if not isinstance(commit, str) or not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", commit):
+        return ""
+    try:
+        repo.git.cat_file("-e", f"{commit}^{{commit}}")
+        return ""
+    except Exception:
+        root = git_env.get("root")
+        where = f" in {str(root)[:200]!r}" if isinstance(root, str) else ""
+        return (f". The bundle says it was recorded{where} at commit {commit[:10]}, which {repo.working_tree_dir} "
+                "does not have: if the history is elsewhere, run from inside that repository or pass --repo PATH "
+                "(the bundle's recorded path is never used by itself)")
 
 
 class _Prober:
@@ -181,10 +216,10 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
     """
     b = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     git_env = b.env.get("git") or {}
-    repo_path = Path(repo) if repo else Path(git_env.get("root") or ".")
-    r = _repo(repo_path)
+    # The bundle's git.root is where the sender's repository was: information, never the repository to run.
+    r = _repo(Path(repo) if repo else None)
     subdir = git_env.get("code_subdir") or "."
-    good_sha, bad_sha = _resolve(r, good, "good"), _resolve(r, bad, "bad")
+    good_sha, bad_sha = _resolve(r, good, "good", git_env), _resolve(r, bad, "bad", git_env)
     if not r.is_ancestor(good_sha, bad_sha):
         raise BisectError(f"--good {good} is not an ancestor of --bad {bad}; swap them or pick another good end")
     commits, parents = _range(r, good_sha, bad_sha, first_parent)
@@ -206,7 +241,8 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
                           "outside train_step, are the usual causes)")
     if end.verdict != "bad":
         raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) does not fail the same way ({end.verdict}: "
-                          f"{end.reason}); check --bad, or that this bundle reproduces at all{_dirty_note(git_env)}")
+                          f"{end.reason}); check --bad, or that this bundle reproduces at all{_dirty_note(git_env)}"
+                          f"{_elsewhere_note(r, git_env)}")
     start = step(prober.probe(good_sha, "good end"))
     if start.verdict != "good":
         raise BisectError(f"the good end {good} ({good_sha[:10]}) does not pass ({start.verdict}: {start.reason}); "

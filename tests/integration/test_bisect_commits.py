@@ -79,7 +79,8 @@ def batches():
 
 @pytest.fixture
 def recorded(tmp_path, monkeypatch):
-    """Build a repo, record the failure at its HEAD (in-process, as a user would), return (repo, shas, bundle)."""
+    """Build a repo, record the failure at its HEAD (in-process, as a user would), return (repo, shas, bundle), run
+    from inside the repo."""
 
     def go(**kw):
         proj = tmp_path / "proj"
@@ -95,6 +96,7 @@ def recorded(tmp_path, monkeypatch):
             for b in batches():
                 rec.step(b)
         monkeypatch.delitem(sys.modules, "trainer", raising=False)
+        monkeypatch.chdir(proj)  # where a user bisects from: the repository holding the current folder
         return repo, shas, info.value.bundle
 
     return go

@@ -38,6 +38,7 @@ def _record(proj, out, monkeypatch):
         for b in batches():
             rec.step(b)
     monkeypatch.delitem(sys.modules, "trainer", raising=False)
+    monkeypatch.chdir(proj)  # where a user bisects from: the repository holding the current folder
     return info.value.bundle
 
 
