@@ -561,11 +561,10 @@ def resolve_project(ref: Any, field: str) -> Any:
             the replayed code folder; nothing was imported.
         CodeLoadError: no replay in progress, or the import failed.
     """
-    if not _ACTIVE or _ACTIVE[-1][0] is None:
+    code_dir, objects = _ACTIVE[-1] if _ACTIVE else (None, ())
+    if code_dir is None:
         raise CodeLoadError(f"config {field} = {ref_label(ref)} names the project's code, but no code folder is "
                             "being replayed (the bundle has no code/ snapshot); pass --code DIR")
-    code_dir, objects = _ACTIVE[-1]
-    assert code_dir is not None  # for mypy: checked above
     kind, target = _check_shape("run.json", f"config.{field}", ref)
     if ref not in objects:
         listed = ", ".join(ref_label(r) for r in objects) or "none"
