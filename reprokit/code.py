@@ -18,6 +18,7 @@ import importlib
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import json
 import keyword
 import os
 import shutil
@@ -343,18 +344,29 @@ def _installed(top: str, search: bool, skip: Path | None = None) -> str | None:
     for loc in locs:
         if isinstance(loc, str) and os.path.isabs(loc) and _is_library(Path(loc)):
             return f"an installed package ({loc})"
-    if search and (dists := _distributions().get(top)):
+    if search and (dists := [d for d in _distributions().get(top, []) if not _editable(d)]):
         return f"the installed distribution {', '.join(sorted(set(dists)))}"
     return None
 
 
 @functools.cache
 def _distributions() -> Mapping[str, list[str]]:
-    """Top-level import names -> the installed distributions that provide them (read once: ~0.3 s)."""
+    """Top-level import names -> the installed distributions that provide them (read once: ~0.3 s). Catches an
+    install outside site-packages (``pip install --target DIR`` on ``PYTHONPATH``)."""
     try:
         return importlib.metadata.packages_distributions()
     except Exception:  # a broken distribution's metadata must not stop replay; site-packages was searched above
         return {}
+
+
+def _editable(dist: str) -> bool:
+    """Whether ``dist`` is an editable install (``pip install -e .``): the project's own source folder, which the
+    snapshot stands in for (as for the project folder on ``sys.path``), not a package it could shadow."""
+    try:
+        text = importlib.metadata.distribution(dist).read_text("direct_url.json")
+        return bool(json.loads(text or "{}").get("dir_info", {}).get("editable"))
+    except Exception:  # unreadable metadata: an ordinary install
+        return False
 
 
 def _top_names(code_dir: Path) -> dict[str, Path]:

@@ -20,6 +20,7 @@ from rk_testing import bundle_of, entries, record_mlp_nan, reseal
 
 from reprokit import bundle as B
 from reprokit.cli import main
+from reprokit.errors import BundleError
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
@@ -182,3 +183,37 @@ def test_the_folder_a_script_ref_puts_on_the_import_path_is_checked_too(nan_bund
     assert rc == 3, out
     assert f"the code snapshot holds tools/{name}.py, which would shadow {name} of " in out
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("editable", [False, True])
+def test_a_distribution_installed_outside_site_packages_counts_unless_it_is_an_editable_project(
+        tmp_path, monkeypatch, editable):
+    """``pip install --target DIR`` on the import path is an installed package a snapshot must not shadow; an
+    editable install (``pip install -e .``) is the project's own source, which the snapshot stands in for."""
+    from reprokit import code
+
+    target = tmp_path / "target"
+    info = target / "rk_s13_lib-1.0.dist-info"
+    info.mkdir(parents=True)
+    (target / "rk_s13_lib.py").write_text("VALUE = 1\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rk-s13-lib\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("rk_s13_lib\n")
+    if editable:
+        (info / "direct_url.json").write_text(json.dumps({"url": f"file://{target}", "dir_info": {"editable": True}}))
+    snapshot = tmp_path / "code"
+    snapshot.mkdir()
+    (snapshot / "rk_s13_lib.py").write_text("VALUE = 2\n")
+    refs = {"build": {"module": "reprokit.demo", "qualname": "build"},
+            "step": {"module": "reprokit.demo", "qualname": "train_step"}}
+    monkeypatch.syspath_prepend(str(target))
+    code._distributions.cache_clear()  # read again with DIR on the path (and again after, without it)
+    try:
+        if editable:
+            code.check_refs(refs, snapshot=snapshot, code=None)
+        else:
+            with pytest.raises(BundleError, match="holds rk_s13_lib.py, which would shadow rk_s13_lib of the "
+                                                    "installed distribution rk-s13-lib"):
+                code.check_refs(refs, snapshot=snapshot, code=None)
+    finally:
+        code._distributions.cache_clear()
+    assert "rk_s13_lib" not in sys.modules
