@@ -96,8 +96,9 @@ def check_refs(refs: Any, *, snapshot: Path | None, code: Path | None, source: s
     Each ref in ``refs`` (build, step, predicates) must name a module-level object by dotted
     identifiers, in a module or script file that lies inside ``snapshot`` (the bundle's
     ``code/``) and, when the user passed ``--code``, inside ``code`` too; or in reprokit's own
-    demo (:data:`OWN_MODULES`). The snapshot must not hold top-level names that shadow the
-    standard library, reprokit or a package this process already imported.
+    demo (:data:`OWN_MODULES`). The snapshot (and each folder of it that a script ref puts on the
+    import path) must not hold top-level names that shadow the standard library, reprokit or an
+    installed package, imported yet or not.
 
     Raises:
         BundleError: (exit 3) a malformed ref, one that names a module of the standard library
