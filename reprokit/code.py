@@ -13,9 +13,12 @@ runs (the bundle's snapshot, or the ``--code`` folder) or reprokit's own demo.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.machinery
+import importlib.metadata
 import importlib.util
+import json
 import keyword
 import os
 import shutil
@@ -93,8 +96,9 @@ def check_refs(refs: Any, *, snapshot: Path | None, code: Path | None, source: s
     Each ref in ``refs`` (build, step, predicates) must name a module-level object by dotted
     identifiers, in a module or script file that lies inside ``snapshot`` (the bundle's
     ``code/``) and, when the user passed ``--code``, inside ``code`` too; or in reprokit's own
-    demo (:data:`OWN_MODULES`). The snapshot must not hold top-level names that shadow the
-    standard library, reprokit or a package this process already imported.
+    demo (:data:`OWN_MODULES`). The snapshot (and each folder of it that a script ref puts on the
+    import path) must not hold top-level names that shadow the standard library, reprokit or an
+    installed package, imported yet or not.
 
     Raises:
         BundleError: (exit 3) a malformed ref, one that names a module of the standard library
@@ -129,6 +133,9 @@ def check_refs(refs: Any, *, snapshot: Path | None, code: Path | None, source: s
         if snapshot is not None and _find(snapshot, kind, target) is None:
             raise _invalid(source, field, ref, f"names {target}, which is not in the bundle's code snapshot "
                                                f"{snapshot}")
+        if snapshot is not None and kind == "script" and "/" in target:
+            # Replay puts a script's own folder on the import path too: its names must not shadow either.
+            _check_snapshot_names(snapshot, source, (snapshot / target).parent)
         if (code is not None and _find(code.resolve(), kind, target) is None) or (snapshot is None and code is None):
             if kind == "module" and (lib := _installed(top, search=True)):
                 raise _invalid(source, field, ref, f"names {target}, a module of {lib}, not of the project")
@@ -310,12 +317,15 @@ def _inside(path: Path, root: Path) -> Path | None:
     return real if real.is_file() and root.resolve() in real.parents else None
 
 
-def _installed(top: str, search: bool) -> str | None:
+def _installed(top: str, search: bool, skip: Path | None = None) -> str | None:
     """What outside the project a top-level module name belongs to (None: nothing known).
 
     Always: the standard library, reprokit, a package this process already imported from
-    site-packages (setting it aside would mix two copies). With ``search``, also a package
-    that ``sys.path``'s site-packages folders would supply (found without running anything).
+    site-packages (setting it aside would mix two copies). With ``search``, also a package that
+    ``sys.path``'s site-packages folders would supply, or that an installed distribution says it
+    provides (an editable install, say), found without running anything; ``skip``: a folder of
+    ``sys.path`` not to search (the code snapshot itself). A module of the project's own folder on
+    ``sys.path`` (the live copy of ``train``) is not counted: the snapshot stands in for it.
     """
     if top == "reprokit":
         return "reprokit itself"
@@ -326,15 +336,38 @@ def _installed(top: str, search: bool) -> str | None:
     if mod is not None:
         locs = [getattr(mod, "__file__", None), *(getattr(mod, "__path__", None) or [])]
     elif search:
+        path = [p for p in sys.path if skip is None or Path(p or ".").resolve() != skip]
         try:  # searches sys.path's folders only: runs nothing
-            spec = importlib.machinery.PathFinder.find_spec(top)
+            spec = importlib.machinery.PathFinder.find_spec(top, path)
         except (ImportError, ValueError):
             spec = None
         locs = [spec.origin, *(spec.submodule_search_locations or [])] if spec else []
     for loc in locs:
         if isinstance(loc, str) and os.path.isabs(loc) and _is_library(Path(loc)):
             return f"an installed package ({loc})"
+    if search and (dists := [d for d in _distributions().get(top, []) if not _editable(d)]):
+        return f"the installed distribution {', '.join(sorted(set(dists)))}"
     return None
+
+
+@functools.cache
+def _distributions() -> Mapping[str, list[str]]:
+    """Top-level import names -> the installed distributions that provide them (read once: ~0.3 s). Catches an
+    install outside site-packages (``pip install --target DIR`` on ``PYTHONPATH``)."""
+    try:
+        return importlib.metadata.packages_distributions()
+    except Exception:  # a broken distribution's metadata must not stop replay; site-packages was searched above
+        return {}
+
+
+def _editable(dist: str) -> bool:
+    """Whether ``dist`` is an editable install (``pip install -e .``): the project's own source folder, which the
+    snapshot stands in for (as for the project folder on ``sys.path``), not a package it could shadow."""
+    try:
+        text = importlib.metadata.distribution(dist).read_text("direct_url.json")
+        return bool(json.loads(text or "{}").get("dir_info", {}).get("editable"))
+    except Exception:  # unreadable metadata: an ordinary install
+        return False
 
 
 def _top_names(code_dir: Path) -> dict[str, Path]:
@@ -342,15 +375,20 @@ def _top_names(code_dir: Path) -> dict[str, Path]:
             if (p.suffix == ".py" and p.is_file()) or (p.is_dir() and not p.name.startswith("."))}
 
 
-def _check_snapshot_names(snapshot: Path, source: str | Path) -> None:
-    for top, p in _top_names(snapshot).items():
-        lib = _installed(top, search=False)
+def _check_snapshot_names(snapshot: Path, source: str | Path, folder: Path | None = None) -> None:
+    """Refuse a top-level name in ``folder`` (default: the snapshot; else a folder of it that replay puts on the
+    import path) that the standard library, reprokit or an installed package already has, imported yet or not:
+    imported from the snapshot in its place, it would run whenever anything imports that name during replay."""
+    folder = folder or snapshot
+    for top, p in _top_names(folder).items():
+        lib = _installed(top, search=True, skip=snapshot)
         if lib:
+            rel = relative(p, snapshot)
             raise BundleError(
-                f"{snapshot}: the code snapshot holds {p.name}, which would shadow {top} of {lib} while replay "
+                f"{snapshot}: the code snapshot holds {rel}, which would shadow {top} of {lib} while replay "
                 "imports from the snapshot. Replay refuses it (nothing was imported). If the project really has "
                 f"a module named {top}, rename it and record again.",
-                [{"file": f"code/{p.name}", "problem": f"shadows {top} of {lib}"}])
+                [{"file": f"code/{rel}", "problem": f"shadows {top} of {lib}"}])
 
 
 def _protected(name: str, mod: Any) -> bool:
@@ -408,12 +446,13 @@ def child_env(scratch: str | Path) -> dict[str, str]:
     return {**os.environ, CODE_COPIES_ENV: str(copies)}
 
 
-_ACTIVE: list[Path | None] = []
-"""The code folders of the :func:`imported` contexts now open (the innermost last)."""
+_ACTIVE: list[tuple[Path | None, tuple[Any, ...]]] = []
+"""The code folders of the :func:`imported` contexts now open (the innermost last), each with the object refs
+:func:`resolve_project` may import from it."""
 
 
 @contextlib.contextmanager
-def imported(code_dir: Path | None) -> Iterator[None]:
+def imported(code_dir: Path | None, objects: Sequence[Any] = ()) -> Iterator[None]:
     """Make ``code_dir`` the first place imports look, for the duration of a replay.
 
     Modules of the same top-level names already imported (say, the live copy of
@@ -421,13 +460,15 @@ def imported(code_dir: Path | None) -> Iterator[None]:
     the caller's own code never mix. The standard library's, reprokit's and installed
     packages' modules are never set aside (a ``--code`` checkout may hold a ``test/``
     folder); :func:`resolve` checks where each function really came from.
+    ``objects``: the bundle's ``refs.objects`` (vetted by :func:`check_refs`, confirmed with ``--entry`` under
+    ``--code``), the only classes an integration's build may import meanwhile (:func:`resolve_project`).
     """
     saved_path = list(sys.path)
     saved_bytecode = sys.dont_write_bytecode
     # Importing from a bundle must not write __pycache__ into it: that would make it fail verification.
     sys.dont_write_bytecode = True
     evicted: dict[str, Any] = {}
-    _ACTIVE.append(code_dir.resolve() if code_dir is not None else None)
+    _ACTIVE.append((code_dir.resolve() if code_dir is not None else None, tuple(objects)))
     if code_dir is not None:
         code_dir = code_dir.resolve()
         tops = set(_top_names(code_dir))
@@ -523,20 +564,27 @@ def resolve(ref: dict[str, Any], code_dir: Path | None, field: str = "ref") -> C
 def resolve_project(ref: Any, field: str) -> Any:
     """Import a project object (a class) that an integration's ``build`` finds in run.json's config.
 
-    Vetted as :func:`check_refs` vets ``refs``, against the code folder of the replay in progress (the
-    innermost :func:`imported`): a module or script inside it, never the standard library, reprokit or an
-    installed package. Recorders list the same ref under ``refs.objects`` so that it is vetted before
-    anything is imported, too.
+    The config is the bundle's, so the ref alone chooses nothing: it must be one of the bundle's ``refs.objects``
+    (those :func:`check_refs` vetted before anything was imported, and that ``--entry`` confirmed under
+    ``--code``), as given to the innermost :func:`imported`. It is then vetted again against that code folder: a
+    module or script inside it, never the standard library, reprokit or an installed package.
 
     Raises:
-        BundleError: a malformed ref, or one naming code outside the replayed code folder.
+        BundleError: (exit 3) a malformed ref, one that ``refs.objects`` does not list, or one naming code outside
+            the replayed code folder; nothing was imported.
         CodeLoadError: no replay in progress, or the import failed.
     """
-    if not _ACTIVE or _ACTIVE[-1] is None:
+    code_dir, objects = _ACTIVE[-1] if _ACTIVE else (None, ())
+    if code_dir is None:
         raise CodeLoadError(f"config {field} = {ref_label(ref)} names the project's code, but no code folder is "
                             "being replayed (the bundle has no code/ snapshot); pass --code DIR")
-    code_dir = _ACTIVE[-1]
     kind, target = _check_shape("run.json", f"config.{field}", ref)
+    if ref not in objects:
+        listed = ", ".join(ref_label(r) for r in objects) or "none"
+        raise _invalid("run.json", f"config.{field}", ref,
+                       f"is not among the classes the bundle lists under refs.objects ({listed}), which are the "
+                       "only ones checked (and, with --code, confirmed by your --entry) before replay imports "
+                       "anything")
     if kind == "module" and (lib := _installed(target.split(".")[0], search=True)):
         raise _invalid("run.json", f"config.{field}", ref, f"names {target}, a module of {lib}, not of the project")
     if _find(code_dir, kind, target) is None:

@@ -281,8 +281,9 @@ class Session:
 
     def _enter(self) -> None:
         run = self.bundle.run
-        self._stack.enter_context(imported(self.code_dir))
         refs = run["refs"]
+        # An integration's build imports only the classes refs.objects lists (vetted and confirmed already).
+        self._stack.enter_context(imported(self.code_dir, refs.get("objects") or ()))
         build = resolve(refs["build"], self.code_dir, "refs.build")
         self.step_fn = resolve(refs["step"], self.code_dir, "refs.step")
         predicates = [resolve(r, self.code_dir, f"refs.predicates[{i}]")

@@ -1,4 +1,5 @@
-"""code.resolve_project: an integration's build imports a class named in run.json's config, vetted like refs."""
+"""code.resolve_project: an integration's build imports a class named in run.json's config, vetted like refs and
+only if the bundle lists it under refs.objects (given to ``imported``)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,25 @@ def code_dir(tmp_path):
     return d
 
 
+MODEL = {"module": "proj_model_rp", "qualname": "Model"}
+
+
 def test_a_project_class_in_the_replayed_code_is_imported(code_dir):
-    with imported(code_dir):
-        cls = resolve_project({"module": "proj_model_rp", "qualname": "Model"}, "module")
+    with imported(code_dir, [MODEL]):
+        cls = resolve_project(dict(MODEL), "module")
     assert cls.__name__ == "Model" and cls.__module__ == "proj_model_rp"
+
+
+@pytest.mark.parametrize("objects", [[], [{"module": "proj_model_rp", "qualname": "Other"}]])
+def test_a_class_refs_objects_does_not_list_is_refused_before_its_module_is_imported(code_dir, objects):
+    """The config is the sender's: it picks nothing that refs.objects (vetted, confirmed by --entry) does not list."""
+    marker = code_dir / "RAN"
+    (code_dir / "proj_model_rp.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n"
+                                               "class Model:\n    pass\n")
+    with imported(code_dir, objects), pytest.raises(BundleError, match="is not among the classes the bundle lists "
+                                                                       "under refs.objects"):
+        resolve_project(MODEL, "module")
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("ref, why", [
@@ -32,14 +48,15 @@ def test_a_project_class_in_the_replayed_code_is_imported(code_dir):
     ("proj_model_rp:Model", "must be"),
 ])
 def test_refs_outside_the_replayed_code_are_refused_before_any_import(code_dir, ref, why):
-    with imported(code_dir), pytest.raises(BundleError, match=why):
+    # Listed under refs.objects too (check_refs would refuse those first): still refused here, before any import.
+    with imported(code_dir, [ref]), pytest.raises(BundleError, match=why):
         resolve_project(ref, "module")
 
 
 def test_without_a_replayed_code_folder_nothing_is_imported():
     with pytest.raises(CodeLoadError, match="no code folder"):
         resolve_project({"module": "proj_model_rp", "qualname": "Model"}, "module")
-    with imported(None), pytest.raises(CodeLoadError, match="no code folder"):
+    with imported(None, [MODEL]), pytest.raises(CodeLoadError, match="no code folder"):
         resolve_project({"module": "proj_model_rp", "qualname": "Model"}, "module")
 
 
