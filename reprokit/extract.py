@@ -600,13 +600,15 @@ def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: 
         if cls_file and not (work / Path(cls_file).name).exists() and not _library(cls_file):
             shutil.copy2(cls_file, work / Path(cls_file).name)
         (work / f"{EXTRACT_MODULE}.py").write_bytes((Path(__file__).parent / "extract_repro.py").read_bytes())
-        with imported(work), warnings.catch_warnings():
+        objects = _project_classes(spec)
+        with imported(work, objects), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the recorder's notes about this throwaway run are not the user's
             mod = importlib.import_module(EXTRACT_MODULE)
             state = mod.build(config)
             state.model.load_state_dict(call.params, strict=False)
             rec = reprokit.Recorder(state, mod.train_step, build=mod.build, config=config,
                                     out_dir=Path(tmp) / "out", snapshot_every=1, check_grads=False)
+            rec._refs["objects"] = objects  # the snapshot's classes the config names: vetted before replay imports
             try:
                 rec.step(batch)
                 recorded = None
@@ -690,3 +692,17 @@ def format_extract(d: dict[str, Any]) -> str:
     lines.append(f"wrote {d['output']} ({d['bytes'] / 1e3:.1f} kB); `reprokit replay {d['output']}` exits 1 while "
                  "it fails, `reprokit pack` ships it")
     return "\n".join(lines)
+
+
+def _project_classes(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The class refs of ``spec`` and its children that are the project's (not torch's layers), once each: what
+    the extract bundle lists under ``refs.objects``, the only classes its replay may import."""
+    found: list[dict[str, Any]] = []
+    todo = [spec]
+    while todo:
+        s = todo.pop()
+        ref = s["class"]
+        if not str(ref.get("module", "")).startswith(TORCH_MODULES) and ref not in found:
+            found.append(ref)
+        todo.extend(s.get("children", {}).values())
+    return found

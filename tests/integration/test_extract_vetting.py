@@ -30,8 +30,10 @@ for bundle in sys.argv[2:]:
     print(json.dumps({"exit": r.exit_code, "output": r.output, "imported": sorted(watch & set(sys.modules))}))
 """
 _REFS = {
-    "stdlib": ({"module": "this", "qualname": "s"}, "a module of the standard library"),
-    "installed": ({"module": "torch.serialization", "qualname": "StorageType"}, "a module of an installed package"),
+    # Not a class the bundle lists under refs.objects: refused before it is even looked at.
+    "stdlib": ({"module": "this", "qualname": "s"}, "is not among the classes the bundle lists under refs.objects"),
+    "installed": ({"module": "torch.serialization", "qualname": "StorageType"},
+                  "is not among the classes the bundle lists under refs.objects"),
     "not_a_layer": ({"module": "torch.nn.modules.linear", "qualname": "math"}, "names no torch.nn.Module class"),
 }
 
@@ -79,11 +81,25 @@ def test_a_config_naming_a_class_outside_the_snapshot_and_torch_layers_is_refuse
     # Last: a module the genuine extract imports anyway must not hide one a tampered one imported.
     got = dict(zip([*tampered, "genuine"], _replay(tmp_path, [*tampered.values(), extracts["module"]])))
     assert got.pop("genuine")["exit"] == 1, "the genuine extract reproduces"
-    for case, (_, why) in [*_REFS.items(), ("child", (None, "a module of the standard library"))]:
+    for case, (_, why) in [*_REFS.items(), ("child", (None, "is not among the classes the bundle lists under refs.objects"))]:
         field = "config.module.children.evil.class" if case == "child" else "config.module.class"
         assert got[case]["exit"] == 3 and why in got[case]["output"] and field in got[case]["output"], (case, got)
         assert got[case]["imported"] == [], "the module the config names was never imported"
         assert "Zen of Python" not in got[case]["output"]
+
+
+def test_a_standard_library_class_listed_under_refs_objects_too_is_refused_before_any_import(extracts, tmp_path):
+    # The tamperer lists its class under refs.objects as well: the refs' own vetting refuses it, before any import.
+    dest = tmp_path / "listed"
+    shutil.copytree(extracts["module"], dest)
+    run = json.loads((dest / "run.json").read_text())
+    run["config"]["module"]["class"] = _REFS["stdlib"][0]
+    run["refs"]["objects"] = [*run["refs"].get("objects", []), _REFS["stdlib"][0]]
+    (dest / "run.json").write_text(json.dumps(run))
+    reseal(dest)
+    (got,) = _replay(tmp_path, [dest])
+    assert got["exit"] == 3 and "standard library" in got["output"], got
+    assert got["imported"] == [], "the module the bundle names was never imported"
 
 
 def test_an_op_extract_naming_a_file_touching_op_is_refused_and_runs_nothing(extracts, tmp_path):
