@@ -24,6 +24,7 @@ from zoo_cases import expected_lines
 import reprokit
 from reprokit.bisect import bisect_layers, bisect_precision, bisect_steps
 from reprokit.bundle import open_bundle
+from reprokit.extract import extract
 from reprokit.pack import pack
 from reprokit.shrink import shrink
 
@@ -153,6 +154,17 @@ def test_naive_softmax_layers_names_the_module_and_the_op(tmp_path):
     assert first["class"] == "NaiveSoftmax" and first["module"].endswith(".softmax"), first
     assert first["op"] == "div" and first["phase"] == "backward", first  # exp(x).sum() squared overflows
     assert "naive_softmax.py" in d["origin"]["summary"], d["origin"]
+    # extract agrees with the origin: the causal mask's -inf in the softmax's forward input (there in every step,
+    # which exp turns into 0) is no reason to refuse the module whose backward made the inf
+    r = extract(open_bundle(bundle), tmp_path / "cut")
+    assert (r.module, r.cls, r.phase, r.level) == ("blocks.1.softmax", "NaiveSoftmax", "backward", "module"), r
+    assert (d["origin"]["module"], d["origin"]["phase"], r.op) == (r.module, r.phase, d["origin"]["op"]), d["origin"]
+    with reprokit.Session(open_bundle(r.output)) as s:
+        (inp,) = s.inputs()
+        assert bool(torch.isneginf(inp.batch["args"][0]).any()) and inp.batch["phase"] == "backward"
+    rep = reprokit.replay(r.output)
+    assert rep.verdict == "deterministic" and "the gradient of input" in rep.to_json()["failure"]["message"], \
+        rep.to_json()
     shrunk_too(bundle, tmp_path)
     packed_replay(bundle, tmp_path)
 
