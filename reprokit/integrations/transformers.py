@@ -397,6 +397,16 @@ class ReprokitCallback(TrainerCallback):
         """Replay makes ``TrainerClass(model=..., args=...)`` and nothing else: a loss function, optimizer or scheduler
         handed to the constructor would be replaced by the Trainer's defaults, a replay of another run (its losses
         differ, and a deterministic failure reads "not reproduced"). Refused before the first step."""
+        model = trainer.model
+        config = getattr(model, "config", None)
+        if not isinstance(config, PretrainedConfig):
+            # The Trainer takes any torch.nn.Module; replay rebuilds the model as ModelClass(model.config).
+            raise CaptureError(
+                f"ReprokitCallback: the Trainer's model is a {type(model).__module__}.{type(model).__qualname__}, "
+                "which has no transformers config (model.config, a PretrainedConfig), and replay rebuilds the model "
+                "as its class called with that config. Make the model a transformers PreTrainedModel (with its "
+                "config class), or record this run with reprokit.Recorder and your own build() and step function "
+                "(see the README)")
         seen = self._given is not None and self._given[0]() is trainer
         parts = list(self._given[1]) if seen else []  # type: ignore[index]
         for name in ("compute_loss_func", "optimizer_cls_and_kwargs"):

@@ -135,3 +135,25 @@ def test_a_tensor_lr_changed_in_place_between_updates_starts_a_window(tmp_path, 
     assert (b.failure.step, b.run["window"]["steps"]) == (3, [2, 3])
     d = replayed(b.path)
     assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"], d["fidelity"]
+
+
+class _Plain(torch.nn.Module):
+    """A model the Trainer takes (any torch.nn.Module returning a loss) with no transformers config."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.lin(x).squeeze(-1), labels)}
+
+
+def test_a_plain_module_without_a_transformers_config_is_refused_at_train_start_with_what_to_do(tmp_path):
+    # It was a bare AttributeError ('_Plain' object has no attribute 'config') from inside on_train_begin.
+    rows = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(8)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=2,
+                             report_to=[], logging_strategy="no", save_strategy="no", disable_tqdm=True, use_cpu=True)
+    t = Trainer(model=_Plain(), args=args, train_dataset=rows,
+                callbacks=[ReprokitCallback(out_dir=tmp_path / "repros")])
+    with pytest.raises(CaptureError, match="has no transformers config .* record this run with reprokit.Recorder"):
+        t.train()
