@@ -253,8 +253,15 @@ def confirm_entries(refs: Any, entries: Sequence[str], code: Path | str | None, 
     # `train:build` given for a script's `train.py:build`: the one mix-up worth naming.
     as_script = {f"{m.replace('.', '/')}.py:{q}" for _, lbl in confirmed for m, _, q in [lbl.partition(":")]}
     script = next((lbl for _, lbl in missing if lbl in as_script), None)
-    hint = (f" (you passed {given}" + (f"; a script run as `python FILE.py` is named by its file: {script}"
-                                       if script else "") + ")") if confirmed else ""
+    # ... and the other way round: `train.py:build` given for `mypkg.train:build` (run as `python -m mypkg.train`).
+    as_module = [(m[:-3].replace("/", "."), q) for _, lbl in confirmed for m, _, q in [lbl.partition(":")]
+                 if m.endswith(".py")]
+    module = next((lbl for _, lbl in missing for m, q in as_module
+                   if lbl == f"{m}:{q}" or lbl.endswith(f".{m}:{q}")), None)
+    said = (f"; a script run as `python FILE.py` is named by its file: {script}" if script else
+            f"; a module run as `python -m PACKAGE.MODULE` (or imported) is named by its module: {module}"
+            if module else "")
+    hint = f" (you passed {given}{said})" if confirmed else ""
     raise ReprokitError(
         f"{where}: {source} asks to run {listing} from your code; not confirmed with --entry: "
         f"{', '.join(f'{r} = {lbl}' for r, lbl in missing)}{hint}. A bundle may come from anyone, so it does not choose "

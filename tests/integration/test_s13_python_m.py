@@ -143,6 +143,11 @@ def test_package_module_run_with_dash_m_replays_from_anywhere(tmp_path):
     assert m.groups() == ("mypkg.train:build", "mypkg.train:train_step")
     entry = f"build={m.group(1)},step={m.group(2)}"
     _assert_replays(bundle, elsewhere, "--code", str(project), "--entry", entry)
+    # The file names a `python train.py` script would have: refused, with the module names to use instead.
+    habit = _reprokit("replay", str(bundle), "--code", str(project), "--entry",
+                      "build=train.py:build,step=train.py:train_step", cwd=elsewhere)
+    assert habit.exit_code == 2, habit.output
+    assert "named by its module: mypkg.train:" in habit.output and f"--entry {entry}" in habit.output
     # The package folder itself is not the project root: said, exit 125, nothing imported.
     wrong = _reprokit("replay", str(bundle), "--code", str(project / "mypkg"), "--entry", entry, cwd=elsewhere)
     assert wrong.exit_code == 125, wrong.output
