@@ -1,8 +1,9 @@
 """Where ``build`` and the step function live, and how to import them again.
 
 A *ref* names a module-level function: ``{"module": "train", "qualname": "build"}``
-or, for a script run as ``__main__``, ``{"script": "train.py", "qualname": "build"}``
-(path relative to the project root). The code snapshot copies the project's own
+or, for a script run as ``python train.py``, ``{"script": "train.py", "qualname": "build"}``
+(path relative to the project root); ``__main__`` run as ``python -m mypkg.train`` is the
+module ``mypkg.train``, as if imported. The code snapshot copies the project's own
 imported source files (never site-packages) so replay works without the repo.
 
 ``run.json`` comes from whoever sent the bundle, so :func:`check_refs` vets its refs
@@ -57,8 +58,13 @@ def ref_of(fn: Callable, role: str) -> tuple[dict[str, Any], Path | None]:
     if module == "__main__":
         if not source:
             raise CaptureError(f"{role} is defined in an interactive session; move it into a .py file so replay can import it")
-        path = Path(source).resolve()
-        return {"script": path.name, "qualname": qualname}, path.parent
+        run_as = _main_module_name(mod)
+        if run_as is None:  # `python train.py`: replay loads the file by its path
+            path = Path(source).resolve()
+            return {"script": path.name, "qualname": qualname}, path.parent
+        # `python -m mypkg.train` (or torchrun -m): replay imports mypkg.train, as for a launcher that imports it,
+        # from the folder `-m` found the package in; a script ref would lose the package (`from mypkg import ..`).
+        module = run_as
     if source is None:
         raise CaptureError(f"{role}: module {module!r} has no source file; replay could not import it")
     path = Path(source).resolve()
@@ -66,6 +72,30 @@ def ref_of(fn: Callable, role: str) -> tuple[dict[str, Any], Path | None]:
         return {"module": module, "qualname": qualname}, None
     depth = module.count(".") + (2 if path.name == "__init__.py" else 1)
     return {"module": module, "qualname": qualname}, path.parents[depth - 1]
+
+
+def _main_module_name(main: Any) -> str | None:
+    """The name ``__main__`` was run under with ``python -m NAME`` (``__spec__.name``: ``mypkg.train``, or
+    ``mypkg.__main__`` for ``python -m mypkg``), when replay can import it by that name; None for a script run by
+    its path (``python train.py``, ``runpy.run_path``: no spec) or a name that does not match its file."""
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None)
+    source = getattr(main, "__file__", None)
+    if not isinstance(name, str) or not isinstance(source, str) or not _module_name(name):
+        return None
+    # The file must sit where the import system would find that name again (mypkg/train.py for mypkg.train).
+    path = Path(source).resolve()
+    parts = name.split(".")
+    return name if path.suffix == ".py" and list(path.with_suffix("").parts[-len(parts):]) == parts else None
+
+
+def _module_name(name: Any) -> bool:
+    """A module name a ref may hold: dotted identifiers, no dunder part but a last ``__main__`` (``python -m pkg``
+    runs ``pkg/__main__.py``)."""
+    if not isinstance(name, str):
+        return False
+    head, _, last = name.rpartition(".")
+    return _dotted(head) if last == "__main__" else _dotted(name)
 
 
 def _is_library(path: Path) -> bool:
@@ -223,8 +253,15 @@ def confirm_entries(refs: Any, entries: Sequence[str], code: Path | str | None, 
     # `train:build` given for a script's `train.py:build`: the one mix-up worth naming.
     as_script = {f"{m.replace('.', '/')}.py:{q}" for _, lbl in confirmed for m, _, q in [lbl.partition(":")]}
     script = next((lbl for _, lbl in missing if lbl in as_script), None)
-    hint = (f" (you passed {given}" + (f"; a script run as `python FILE.py` is named by its file: {script}"
-                                       if script else "") + ")") if confirmed else ""
+    # ... and the other way round: `train.py:build` given for `mypkg.train:build` (run as `python -m mypkg.train`).
+    as_module = [(m[:-3].replace("/", "."), q) for _, lbl in confirmed for m, _, q in [lbl.partition(":")]
+                 if m.endswith(".py")]
+    module = next((lbl for _, lbl in missing for m, q in as_module
+                   if lbl == f"{m}:{q}" or lbl.endswith(f".{m}:{q}")), None)
+    said = (f"; a script run as `python FILE.py` is named by its file: {script}" if script else
+            f"; a module run as `python -m PACKAGE.MODULE` (or imported) is named by its module: {module}"
+            if module else "")
+    hint = f" (you passed {given}{said})" if confirmed else ""
     raise ReprokitError(
         f"{where}: {source} asks to run {listing} from your code; not confirmed with --entry: "
         f"{', '.join(f'{r} = {lbl}' for r, lbl in missing)}{hint}. A bundle may come from anyone, so it does not choose "
@@ -249,7 +286,7 @@ def _check_shape(source: str | Path, field: str, ref: Any) -> tuple[str, str]:
     if not _dotted(ref["qualname"]):
         raise _invalid(source, field, ref, f"qualname {_IDENT_ERR}")
     if "module" in ref:
-        if not _dotted(ref["module"]):
+        if not _module_name(ref["module"]):
             raise _invalid(source, field, ref, f"module {_IDENT_ERR}")
         return "module", ref["module"]
     script = ref["script"]
