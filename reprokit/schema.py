@@ -640,9 +640,7 @@ def _check_state_tree(f: _File, st: dict[str, Any]) -> None:
     """The parts of a snapshot's tree (``reprokit.state.capture_state``) that replay hands to torch as they are: their
     shapes, so that a malformed one is refused here rather than failing inside ``load_state_dict``."""
     f.plain(st, "state", ("model", "optimizer"))
-    for k, v in f.plain(st["model"], "state.model").items():  # a state_dict: tensors (an extra state may be any)
-        if isinstance(v, list):
-            raise f.fail(_join("state.model", k), "must be a tensor (or a module's extra state), got list")
+    f.plain(st["model"], "state.model")  # a state_dict: names -> tensors (a module's extra state may be anything)
     opt = f.plain(st["optimizer"], "state.optimizer")
     for i, g in enumerate(f.lst(opt.get("param_groups", []), "state.optimizer.param_groups")):
         gf = f"state.optimizer.param_groups[{i}]"
@@ -805,15 +803,15 @@ def check_header(doc: dict[str, Any], data_len: int, name: str) -> set[str]:
         count, extent = 1, 1
         for i, d in enumerate(shape):
             count *= f.integer(d, f"{field}.shape[{i}]")
+            if count > data_len:  # stop before the product of huge dimensions grows past all use (and time)
+                raise f.fail(field, f"shape {_short(shape)} of {dtype} needs more bytes than the whole "
+                                    f"{data_len}-byte data section holds")
             if d > MAX_DIM:
                 raise f.fail(f"{field}.shape[{i}]", f"is {d}; a dimension is at most {MAX_DIM}")
             extent *= max(d, 1)
             if extent > MAX_ELEMENTS:  # also for an empty tensor: no library makes a [0, 2**62] array
                 raise f.fail(f"{field}.shape", f"{_short(shape)} spans more than {MAX_ELEMENTS} elements (its "
                                                "non-zero dimensions multiplied); no tensor of it can be made")
-            if count > data_len:  # stop before the product of huge dimensions grows past all use (and time)
-                raise f.fail(field, f"shape {_short(shape)} of {dtype} needs more bytes than the whole "
-                                    f"{data_len}-byte data section holds")
         offs = f.lst(info["data_offsets"], f"{field}.data_offsets")
         if len(offs) != 2:
             raise f.fail(f"{field}.data_offsets", f"must be [start, end], got {len(offs)} items")
