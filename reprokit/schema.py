@@ -639,6 +639,8 @@ def _is_tensor_ref(v: Any) -> bool:
 def _check_state_tree(f: _File, st: dict[str, Any]) -> None:
     """The parts of a snapshot's tree (``reprokit.state.capture_state``) that replay hands to torch as they are: their
     shapes, so that a malformed one is refused here rather than failing inside ``load_state_dict``."""
+    if not st:  # a rank's bundle that references a state no bundle holds (state/replicated.json says why)
+        return
     f.plain(st, "state", ("model", "optimizer"))
     f.plain(st["model"], "state.model")  # a state_dict: names -> tensors (a module's extra state may be anything)
     opt = f.plain(st["optimizer"], "state.optimizer")
@@ -667,6 +669,8 @@ def _check_state_tree(f: _File, st: dict[str, Any]) -> None:
     if st.get("frozen") is not None:
         for i, x in enumerate(f.lst(st["frozen"], "state.frozen")):
             f.string(x, f"state.frozen[{i}]")
+    if "extra" in st:
+        f.mapping(st["extra"], "state.extra")
 
 
 def check_state(d: Any, keys: set[str] | None, name: str = "state/state.json") -> None:
