@@ -18,6 +18,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -632,6 +633,20 @@ MAX_COUNT = 2**31 - 1
 """Largest value of a bundle's counters and settings that sizes something (a window, a streak, a patience)."""
 
 
+def _tensor_refs(v: Any, field: str) -> Iterator[tuple[str, Any]]:
+    """``(field, name)`` of every tensor reference in a tree (depth bounded by :data:`MAX_DEPTH`)."""
+    if isinstance(v, list):
+        for i, x in enumerate(v):
+            yield from _tensor_refs(x, f"{field}[{i}]")
+    elif isinstance(v, dict):
+        if _is_tensor_ref(v):
+            (tag, ref), = v.items()
+            yield _join(field, tag), ref
+            return
+        for k, x in v.items():
+            yield from _tensor_refs(x, _join(field, k))
+
+
 def _is_tensor_ref(v: Any) -> bool:
     return isinstance(v, dict) and len(v) == 1 and next(iter(v)) in ("__rk_tensor__", "__rk_ndarray__")
 
@@ -642,6 +657,11 @@ def _check_state_tree(f: _File, st: dict[str, Any]) -> None:
     if not st:  # a rank's bundle that references a state no bundle holds (state/replicated.json says why)
         return
     f.plain(st, "state", ("model", "optimizer"))
+    for part, v in st.items():  # the writer names each part's tensors under the part: restore hands them out so
+        for field, ref in _tensor_refs(v, _join("state", part)):
+            if isinstance(ref, str) and not ref.startswith(f"{part}/"):
+                raise f.fail(field, f"names tensor {ref[:200]!r}, which is not one of state.{part}'s (those start "
+                                    f"with {part + '/'!r})")
     f.plain(st["model"], "state.model")  # a state_dict: names -> tensors (a module's extra state may be anything)
     opt = f.plain(st["optimizer"], "state.optimizer")
     for i, g in enumerate(f.lst(opt.get("param_groups", []), "state.optimizer.param_groups")):
