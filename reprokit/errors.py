@@ -50,6 +50,11 @@ class StateMismatchError(ReprokitError):
     exit_code = 125
 
 
+class DoesNotFitError(StateMismatchError):
+    """A file of the bundle needs more memory than this machine has available to read it (exit 125, as a state
+    that does not fit: not a fault of the bundle that can be told before reading it)."""
+
+
 class DidNotReproduce(ReprokitError):
     """A command needed a failing bundle, but replay did not fail the same way."""
 

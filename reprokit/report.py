@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from reprokit.bundle import _FIX, REPLICATED, STEPS, Bundle, jsonable, state_fil
 from reprokit.code import ref_label
 from reprokit.diagnose import findings
 from reprokit.errors import BundleError, ReprokitError
+from reprokit.hashing import open_regular
 from reprokit.signature import summary_line
 
 NUMPY_DTYPES = frozenset(schema.ITEMSIZE) - {"BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
@@ -205,8 +207,9 @@ def _verified_bytes(bundle: Bundle, rel: str) -> bytes:
     if meta is None:
         raise BundleError(f"{bundle.path}: {rel} is not in the manifest; the bundle is incomplete. {_FIX}",
                           [{"file": rel, "problem": "missing"}])
+    schema.check_fits(meta["size"] + 1, str(bundle.path / rel), "read its batch")
     try:
-        with open(bundle.path / rel, "rb") as f:
+        with open_regular(bundle.path / rel) as f:
             data = f.read(meta["size"] + 1)  # one byte more: a longer file shows as a size mismatch
     except OSError as e:
         raise _unreadable(bundle, rel, e) from None
@@ -257,8 +260,8 @@ def _state_sizes(bundle: Bundle) -> dict[str, int]:
     for rel in rels:
         path = root / rel
         try:
-            with open(path, "rb") as f:
-                header, _ = schema.safetensors_header(f, path.stat().st_size, rel)
+            with open_regular(path) as f:
+                header, _ = schema.safetensors_header(f, os.fstat(f.fileno()).st_size, rel)
         except OSError as e:
             raise _unreadable(bundle, rel, e) from None
         for key, info in header.items():

@@ -15,8 +15,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -36,6 +38,15 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 """Largest safetensors header (the safetensors library's own limit)."""
 MAX_DIMS = 64
 """Most dimensions of one tensor in a safetensors file (torch's CUDA kernels take 25; nothing real has more)."""
+MAX_DIM = 1 << 48
+"""Largest single dimension of a tensor (an empty tensor's other dimensions too: ``[0, 2**62]`` holds no byte, but
+no array library can make it)."""
+MAX_ELEMENTS = 1 << 48
+"""Most elements of a tensor counting its non-zero dimensions only (so a ``[0, 2**30, 2**30]`` tensor is refused:
+numpy and torch compute the shape's full extent, and it must fit their 64-bit sizes)."""
+MAX_TENSORS = 1 << 17
+"""Most tensors in one safetensors file (the writer splits a state in files of at most 256 MiB; a file listing a
+million empty tensors took a minute to check and load)."""
 
 NONFINITE = frozenset({"nan", "inf", "-inf"})
 """How the writer stores non-finite floats (``jsonable``)."""
@@ -131,16 +142,60 @@ def parse_json(data: bytes, what: str) -> Any:
     return doc
 
 
-def load_json(path: Path, what: str) -> Any:
-    """Read and parse one JSON file of a bundle strictly (size checked before reading)."""
+def load_json(path: Path, what: str, *, follow_links: bool = True) -> Any:
+    """Read and parse one JSON file of a bundle strictly.
+
+    The file is opened once, refused unless that open file is a regular one (a FIFO is opened without blocking,
+    so one swapped in cannot hang the reader; a device such as ``/dev/zero`` is refused unread), and its size is
+    checked on that same descriptor before it is read; at most :data:`MAX_JSON_BYTES` + 1 bytes are read
+    whatever the size said, so a file that grows meanwhile is refused too.
+    """
+    from reprokit.hashing import open_regular
+
     try:
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise SchemaError(what, "", f"is {size} bytes; bundle JSON files are at most {MAX_JSON_BYTES}")
-        data = path.read_bytes()
+        with open_regular(path, follow_links=follow_links) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_JSON_BYTES:
+                raise SchemaError(what, "", f"is {size} bytes; bundle JSON files are at most {MAX_JSON_BYTES}")
+            data = f.read(MAX_JSON_BYTES + 1)
     except OSError as e:
         raise SchemaError(what, "", f"cannot be read: {e.strerror or e}") from None
     return parse_json(data, what)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still get now: on Linux ``MemAvailable`` plus free swap (``/proc/meminfo``),
+    else free physical pages (``os.sysconf``); None when neither is known."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            info = {k.strip(): v.split() for k, _, v in (line.decode("ascii", "replace").partition(":") for line in f)}
+        if "MemAvailable" in info:
+            return sum(int(info[k][0]) * 1024 for k in ("MemAvailable", "SwapFree") if k in info)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(size: int, what: str, why: str = "read it") -> None:
+    """Refuse to allocate ``size`` bytes for ``what`` (a bundle file, named in the message) when that is more than
+    the memory available now (:func:`available_memory`): a size from a manifest is not verified until the file's
+    bytes are hashed, and a buffer of it must not take the machine down (or end in an internal error) first.
+
+    Raises:
+        DoesNotFitError: (exit 125) saying how much is needed and how much there is.
+    """
+    from reprokit.errors import DoesNotFitError
+
+    free = available_memory()
+    if free is not None and size > free:
+        raise DoesNotFitError(
+            f"{what} is {size} bytes ({size / 2**30:.1f} GiB) in the manifest; to {why} it must be held in memory, "
+            f"but only {free} bytes ({free / 2**30:.1f} GiB) are available on this machine. Use a machine with more "
+            "free memory, or run `reprokit verify` (it hashes without holding the file) to check the file is what "
+            "the manifest says: a size this large from a damaged or crafted manifest is refused here too.")
 
 
 def _unicode(what: str, field: str, s: str, role: str) -> None:
@@ -230,12 +285,28 @@ class _File:
             raise self.fail(field, f"must be a list, got {type_name(v)}")
         return v
 
-    def integer(self, v: Any, field: str, lo: int | None = 0) -> int:
+    def integer(self, v: Any, field: str, lo: int | None = 0, hi: int | None = None) -> int:
         if not isinstance(v, int) or isinstance(v, bool):
             raise self.fail(field, f"must be an integer, got {type_name(v)}")
         if lo is not None and v < lo:
             raise self.fail(field, f"must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise self.fail(field, f"must be <= {hi}, got {_short(v)}")
         return v
+
+    def plain(self, v: Any, field: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+        """An object that is a mapping of the tree, not a tagged leaf (``{"__rk_tensor__": ...}`` is a tensor)."""
+        self.obj(v, field, required)
+        if len(v) == 1 and next(iter(v)) in _TREE_TAGS:
+            raise self.fail(field, f"must be an object of named entries, got a {next(iter(v))} leaf")
+        return v
+
+    def mapping(self, v: Any, field: str) -> list[tuple[str, Any]]:
+        """A dict of the tree: a plain object, or ``{"__rk_dict__": [[key, value], ...]}`` (non-string keys);
+        its ``(field, value)`` pairs."""
+        if isinstance(v, dict) and set(v) == {"__rk_dict__"} and isinstance(v["__rk_dict__"], list):
+            return [(f"{field}.__rk_dict__[{i}][1]", pair[1]) for i, pair in enumerate(v["__rk_dict__"])]
+        return [(_join(field, k), x) for k, x in self.plain(v, field).items()]
 
     def string(self, v: Any, field: str, *, null: bool = False) -> None:
         if not (isinstance(v, str) or (null and v is None)):
@@ -378,6 +449,8 @@ def check_failure(d: Any, name: str = "failure.json") -> None:
     for k in ("detail", "signature"):
         if k in d:
             f.obj(d[k], k)
+    if isinstance(d.get("detail"), dict) and d["detail"].get("incident") is not None:
+        _check_incident(f, d["detail"]["incident"], "detail.incident")
 
 
 def _detect_fields() -> dict[str, Any]:
@@ -414,9 +487,11 @@ def check_run(d: Any, name: str = "run.json") -> None:
             if v is not None and (v in NONFINITE or v <= 1):
                 raise f.fail(field, f"must be > 1 or null, got {v!r}")
         else:
-            f.integer(v, field, lo=1 if k == "scaler_patience" else 2)
+            f.integer(v, field, lo=1 if k == "scaler_patience" else 2, hi=MAX_COUNT)
     if "snapshot_every" in rec:
         f.integer(rec["snapshot_every"], "recorder.snapshot_every", lo=1)
+    if "distributed" in d:
+        _check_distributed(f, d["distributed"])
     if "determinism" in d:
         for k, v in f.obj(d["determinism"], "determinism").items():
             f.boolean(v, _join("determinism", k))
@@ -454,6 +529,34 @@ def check_run(d: Any, name: str = "run.json") -> None:
         f.number(h["grad_norm"], f"history[{i}].grad_norm")
         for k in ("lr", "loss_scale"):
             f.number(h.get(k), f"history[{i}].{k}")
+
+
+MAX_WORLD = 1 << 20
+"""Most ranks a bundle's run may name (far more than any job; it sizes the processes an incident replay starts)."""
+
+
+def _check_distributed(f: _File, d: Any) -> None:
+    """``run.json``'s ``distributed``: this rank's place in a multi-rank run (``RankInfo.to_json`` + ``incident``)."""
+    f.obj(d, "distributed")
+    for k, lo in (("rank", 0), ("world_size", 1), ("local_rank", 0), ("restart", 0)):
+        if d.get(k) is not None:
+            f.integer(d[k], f"distributed.{k}", lo=lo, hi=MAX_WORLD if k != "restart" else MAX_COUNT)
+    for k in ("backend", "incident"):
+        if k in d:
+            f.string(d[k], f"distributed.{k}", null=True)
+    if isinstance(d.get("rank"), int) and isinstance(d.get("world_size"), int) and d["rank"] >= d["world_size"]:
+        raise f.fail("distributed.rank", f"is {d['rank']}, not below world_size {d['world_size']}")
+
+
+def _check_incident(f: _File, doc: Any, field: str) -> None:
+    """An incident a rank declared (``failure.json``'s ``detail.incident``)."""
+    f.obj(doc, field)
+    for k in ("rank", "step"):
+        if doc.get(k) is not None:
+            f.integer(doc[k], _join(field, k), hi=MAX_COUNT)
+    for k in ("incident", "what"):
+        if k in doc:
+            f.string(doc[k], _join(field, k), null=True)
 
 
 def _check_tables(f: _File, m: Any) -> None:
@@ -526,13 +629,85 @@ def check_env(d: Any, name: str = "env.json") -> None:
                                                 f"got {sub[:80]!r}")
 
 
+MAX_COUNT = 2**31 - 1
+"""Largest value of a bundle's counters and settings that sizes something (a window, a streak, a patience)."""
+
+
+def _tensor_refs(v: Any, field: str) -> Iterator[tuple[str, Any]]:
+    """``(field, name)`` of every tensor reference in a tree (depth bounded by :data:`MAX_DEPTH`)."""
+    if isinstance(v, list):
+        for i, x in enumerate(v):
+            yield from _tensor_refs(x, f"{field}[{i}]")
+    elif isinstance(v, dict):
+        if _is_tensor_ref(v):
+            (tag, ref), = v.items()
+            yield _join(field, tag), ref
+            return
+        for k, x in v.items():
+            yield from _tensor_refs(x, _join(field, k))
+
+
+def _is_tensor_ref(v: Any) -> bool:
+    return isinstance(v, dict) and len(v) == 1 and next(iter(v)) in ("__rk_tensor__", "__rk_ndarray__")
+
+
+def _check_state_tree(f: _File, st: dict[str, Any]) -> None:
+    """The parts of a snapshot's tree (``reprokit.state.capture_state``) that replay hands to torch as they are: their
+    shapes, so that a malformed one is refused here rather than failing inside ``load_state_dict``."""
+    if not st:  # a rank's bundle that references a state no bundle holds (state/replicated.json says why)
+        return
+    f.plain(st, "state", ("model", "optimizer"))
+    for part, v in st.items():  # the writer names each part's tensors under the part: restore hands them out so
+        for field, ref in _tensor_refs(v, _join("state", part)):
+            if isinstance(ref, str) and not ref.startswith(f"{part}/"):
+                raise f.fail(field, f"names tensor {ref[:200]!r}, which is not one of state.{part}'s (those start "
+                                    f"with {part + '/'!r})")
+    f.plain(st["model"], "state.model")  # a state_dict: names -> tensors (a module's extra state may be anything)
+    opt = f.plain(st["optimizer"], "state.optimizer")
+    for i, g in enumerate(f.lst(opt.get("param_groups", []), "state.optimizer.param_groups")):
+        gf = f"state.optimizer.param_groups[{i}]"
+        f.plain(g, gf)
+        for j, x in enumerate(f.lst(g.get("params", []), f"{gf}.params")):
+            if isinstance(x, bool) or not isinstance(x, (int, str)):
+                raise f.fail(f"{gf}.params[{j}]", f"must be a parameter index, got {type_name(x)}")
+    for pf, per in f.mapping(opt.get("state", {}), "state.optimizer.state"):
+        for kf, v in f.mapping(per, pf):
+            if kf.endswith(".step") and not (_is_tensor_ref(v) or (isinstance(v, (int, float))
+                                                                    and not isinstance(v, bool))):
+                raise f.fail(kf, f"must be a tensor or a number (an optimizer's step count), got {type_name(v)}")
+    for k in ("scheduler", "scaler"):
+        if st.get(k) is not None:
+            f.plain(st[k], f"state.{k}")
+    for k in ("grads", "outside_grads", "shards"):
+        if k in st:
+            f.mapping(st[k], f"state.{k}")
+    if "training" in st:
+        f.boolean(st["training"], "state.training")
+    if st.get("modes") is not None:
+        for k, v in f.plain(st["modes"], "state.modes").items():
+            f.boolean(v, _join("state.modes", k))
+    if st.get("frozen") is not None:
+        for i, x in enumerate(f.lst(st["frozen"], "state.frozen")):
+            f.string(x, f"state.frozen[{i}]")
+    if "extra" in st:
+        f.mapping(st["extra"], "state.extra")
+
+
 def check_state(d: Any, keys: set[str] | None, name: str = "state/state.json") -> None:
     f = _File(name)
     f.obj(d, "", ("state", "rng"))
     f.tree(f.obj(d["state"], "state"), "state", keys)
+    _check_state_tree(f, d["state"])
     f.rng(d["rng"], "rng", keys)
     if "monitor" in d:
-        f.obj(d["monitor"], "monitor")
+        mon = f.obj(d["monitor"], "monitor")
+        for i, x in enumerate(f.lst(mon.get("history", []), "monitor.history")):
+            f.number(x, f"monitor.history[{i}]", null=False)
+            if isinstance(x, str):
+                raise f.fail(f"monitor.history[{i}]", f"must be a finite loss, got {x!r}")
+        if "skip_streak" in mon:
+            f.integer(mon["skip_streak"], "monitor.skip_streak", hi=MAX_COUNT)
+        f.number(mon.get("last_scale"), "monitor.last_scale")
     if "step" in d and d["step"] is not None:
         f.integer(d["step"], "step")
 
@@ -592,7 +767,16 @@ def safetensors_header(fh: BinaryIO, size: int, name: str) -> tuple[dict[str, An
     if n > size - 8 or n > MAX_HEADER_BYTES:
         raise f.fail("", f"declares a {n}-byte header, but the file holds {size - 8} bytes after the "
                          f"length (and headers are at most {MAX_HEADER_BYTES})")
-    return f.obj(parse_json(fh.read(n), f"{name} (header)"), "header"), 8 + n
+    return f.obj(parse_header(fh.read(n), name), "header"), 8 + n
+
+
+def parse_header(raw: bytes, name: str) -> Any:
+    """A safetensors header's bytes parsed as strict JSON, once they are known to list at most :data:`MAX_TENSORS`
+    tensors (counted on the raw bytes first: parsing a 60 MB header of a million empty tensors took seconds)."""
+    listed = raw.count(b'"data_offsets"')
+    if listed > MAX_TENSORS:
+        raise SchemaError(name, "header", f"lists {listed} tensors; a file holds at most {MAX_TENSORS}")
+    return parse_json(raw, f"{name} (header)")
 
 
 def _short(v: Any) -> str:
@@ -607,10 +791,12 @@ def check_safetensors(path: Path, name: str) -> set[str]:
     a shape of ints >= 0 whose byte size equals its data range, and the ranges tile the data section
     exactly, in order, without overlap or gaps.
     """
+    from reprokit.hashing import open_regular
+
     f = _File(name)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:  # a FIFO or device swapped in is refused unread (no hang)
+            size = os.fstat(fh.fileno()).st_size
             doc, data_start = safetensors_header(fh, size, name)
     except OSError as e:
         raise f.fail("", f"cannot be read: {e.strerror or e}") from None
@@ -622,6 +808,8 @@ def check_header(doc: dict[str, Any], data_len: int, name: str) -> set[str]:
     :func:`check_safetensors`); returns its tensor names. The tensor reader runs it too, on the header of the
     bytes it hashed (:func:`reprokit.tensorfile.read_verified`)."""
     f = _File(name)
+    if len(doc) > MAX_TENSORS + 1:  # + __metadata__
+        raise f.fail("header", f"lists {len(doc)} tensors; a file holds at most {MAX_TENSORS}")
     ranges = []
     for key, info in doc.items():
         field = f"header[{key[:80]!r}]"
@@ -636,12 +824,18 @@ def check_header(doc: dict[str, Any], data_len: int, name: str) -> set[str]:
         shape = f.lst(info["shape"], f"{field}.shape")
         if len(shape) > MAX_DIMS:
             raise f.fail(f"{field}.shape", f"has {len(shape)} dimensions; at most {MAX_DIMS} are allowed")
-        count = 1
+        count, extent = 1, 1
         for i, d in enumerate(shape):
             count *= f.integer(d, f"{field}.shape[{i}]")
             if count > data_len:  # stop before the product of huge dimensions grows past all use (and time)
                 raise f.fail(field, f"shape {_short(shape)} of {dtype} needs more bytes than the whole "
                                     f"{data_len}-byte data section holds")
+            if d > MAX_DIM:
+                raise f.fail(f"{field}.shape[{i}]", f"is {d}; a dimension is at most {MAX_DIM}")
+            extent *= max(d, 1)
+            if extent > MAX_ELEMENTS:  # also for an empty tensor: no library makes a [0, 2**62] array
+                raise f.fail(f"{field}.shape", f"{_short(shape)} spans more than {MAX_ELEMENTS} elements (its "
+                                               "non-zero dimensions multiplied); no tensor of it can be made")
         offs = f.lst(info["data_offsets"], f"{field}.data_offsets")
         if len(offs) != 2:
             raise f.fail(f"{field}.data_offsets", f"must be [start, end], got {len(offs)} items")

@@ -63,13 +63,14 @@ class WrittenFile:
 
 def shard(tensors: dict[str, torch.Tensor], shard_bytes: int | None = None) -> list[dict[str, torch.Tensor]]:
     """``tensors`` split in key order into groups of at most ``shard_bytes`` (default :data:`SHARD_BYTES`; one
-    larger tensor stays whole); always at least one group (an empty state is one empty file)."""
+    larger tensor stays whole) and at most :data:`reprokit.schema.MAX_TENSORS` tensors (what a reader accepts in
+    one file); always at least one group (an empty state is one empty file)."""
     shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
     groups: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, t in sorted(tensors.items()):
         n = t.numel() * t.element_size()
-        if groups[-1] and size + n > shard_bytes:
+        if groups[-1] and (size + n > shard_bytes or len(groups[-1]) >= schema.MAX_TENSORS):
             groups.append({})
             size = 0
         groups[-1][key] = t
@@ -174,8 +175,17 @@ def read_verified(path: Path, sha256: str, size: int, chunk: int = CHUNK) -> dic
     Raises:
         TensorFileError: the file's size or digest differs from the manifest's, or its header does not
             describe its own bytes.
+        DoesNotFitError: (exit 125) ``size`` is more memory than this machine has available (checked before the
+            buffer is made: ``size`` is the manifest's, not yet verified).
     """
-    buf = torch.empty(size + 1, dtype=torch.uint8)  # one byte more: a longer file shows as a size mismatch
+    schema.check_fits(size + 1, str(path), "load its tensors")
+    try:
+        buf = torch.empty(size + 1, dtype=torch.uint8)  # one byte more: a longer file shows as a size mismatch
+    except (RuntimeError, MemoryError) as e:  # memory taken by something else since the check
+        from reprokit.errors import DoesNotFitError
+
+        raise DoesNotFitError(f"{path} is {size} bytes in the manifest, and a buffer of that size cannot be made on "
+                              f"this machine now ({str(e)[:200]}). Free some memory or use a larger machine.") from None
     whole = memoryview(cast(Any, buf.numpy())).cast("B")
     found, n = read_hashed(path, (whole[a:a + chunk] for a in range(0, size + 1, chunk)))
     if n != size:
@@ -197,7 +207,7 @@ def _tensors_of(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     try:
         # The checks verify made on the header it read, made again on the header of the bytes that hashed right
         # (strict JSON, known dtypes, shapes that match their ranges, ranges that tile the data without overlap).
-        header = schema.parse_json(bytes(buf[8:8 + n].numpy()), "header")
+        header = schema.parse_header(bytes(buf[8:8 + n].numpy()), "header")
         if not isinstance(header, dict):
             raise schema.SchemaError("header", "", "is not a JSON object")
         schema.check_header(header, data.numel(), "header")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reprokit import schema
 from reprokit.bundle import MANIFEST, Bundle, open_bundle
 from reprokit.errors import BundleError, ReprokitError
 
@@ -85,10 +86,15 @@ def _refuse_mixed(folder: Path, dists: dict[str, Any] | None = None) -> None:
     if dists is None:
         dists = {}
         for p in sorted(folder.iterdir()):
-            try:
-                d = json.loads((p / "run.json").read_text()).get("distributed")
-            except (OSError, ValueError, AttributeError):
+            # Unverified: read as strictly as any bundle JSON (size and depth bounded, a FIFO or a device refused
+            # unread, not following a link); one that cannot be read is left to the verification after.
+            if not (p / "run.json").exists():
                 continue
+            try:
+                doc = schema.load_json(p / "run.json", f"{p.name}/run.json", follow_links=False)
+            except BundleError:
+                continue
+            d = doc.get("distributed") if isinstance(doc, dict) else None
             if isinstance(d, dict):
                 dists[p.name] = d
     if len({(str(d.get("incident")), str(d.get("world_size"))) for d in dists.values()}) <= 1:
