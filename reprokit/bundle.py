@@ -912,6 +912,10 @@ def open_bundle(path: str | Path) -> Bundle:
         >>> b = open_bundle("repros/bundle-...")                  # doctest: +SKIP
         >>> b.failure.kind, b.steps                               # doctest: +SKIP
     """
+    if path is None:  # TrainingFailure.bundle when the recorder could not write one
+        raise BundleError("no bundle to open: got None (a TrainingFailure's .bundle is None when the recorder could "
+                          "not write its bundle; its RecorderWarning says why)", [{"file": MANIFEST,
+                                                                                  "problem": "missing"}])
     path = Path(path)
     if path.is_dir() and next(path.iterdir(), None) is None:
         raise BundleError(f"{path} is an empty folder, not a bundle; pass a bundle folder the recorder wrote "

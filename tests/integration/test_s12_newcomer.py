@@ -269,3 +269,9 @@ def test_an_out_dir_that_cannot_be_written_is_said_when_the_recorder_is_made(pro
         warnings.simplefilter("error")  # a writable one, existing or not, says nothing and is not created
         reprokit.Recorder(mlp.build({}), mlp.train_step, build=mlp.build, out_dir=tmp_path / "new" / "repros").close()
     assert not (tmp_path / "new").exists()
+
+
+def test_replaying_the_bundle_of_a_failure_that_wrote_none_says_so():
+    # README's example replays e.bundle; with a read-only out_dir that is None, and replay gave a bare TypeError.
+    with pytest.raises(reprokit.BundleError, match="no bundle to open: got None .*RecorderWarning says why"):
+        reprokit.replay(None)
