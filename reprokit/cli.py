@@ -206,8 +206,12 @@ def _writable(ctx: click.Context, param: click.Parameter, value: Path | None) ->
     if value is None:
         return value
     folder = value.absolute().parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    try:
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+    except OSError as e:  # a name too long, a folder on the way we may not look into
+        raise click.BadParameter(f"cannot use {value} ({e.strerror or e}); name a path in a folder you can write "
+                                 "to") from None
     if not folder.is_dir():
         raise click.BadParameter(f"{folder} is a file, so {value} cannot be created under it; name a path in a "
                                  "folder you can write to")
@@ -223,7 +227,11 @@ def _writable(ctx: click.Context, param: click.Parameter, value: Path | None) ->
 def _folder_to_write_into(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
     """A folder the command writes files into (demo's --out): when it exists, probed itself (a read-only mount in a
     writable folder passes :func:`_writable`, which probes where a new path would be made)."""
-    if value is not None and value.is_dir():
+    try:
+        is_dir = value is not None and value.is_dir()
+    except OSError as e:
+        raise click.BadParameter(f"cannot use {value} ({e.strerror or e}); name a folder you can write to") from None
+    if value is not None and is_dir:
         try:
             with tempfile.TemporaryFile(dir=value, prefix=".reprokit-probe-"):
                 pass

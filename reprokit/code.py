@@ -139,7 +139,7 @@ def check_refs(refs: Any, *, snapshot: Path | None, code: Path | None, source: s
     """
     if snapshot is not None:
         snapshot = snapshot.resolve()
-        _check_snapshot_names(snapshot, source)
+        _check_snapshot_names(snapshot, source, own=_own_tops(refs))
     if not isinstance(refs, dict) or "build" not in refs or "step" not in refs or \
             not isinstance(refs.get("predicates", []), list):
         raise _invalid(source, "refs", refs, "must be {\"build\": REF, \"step\": REF, \"predicates\": [REF|null, ...]}")
@@ -412,12 +412,31 @@ def _top_names(code_dir: Path) -> dict[str, Path]:
             if (p.suffix == ".py" and p.is_file()) or (p.is_dir() and not p.name.startswith("."))}
 
 
-def _check_snapshot_names(snapshot: Path, source: str | Path, folder: Path | None = None) -> None:
+def _own_tops(refs: Any) -> set[str]:
+    """The top-level names the build and step refs themselves live in (``mypkg`` of ``mypkg.train:build``, ``train``
+    of ``train.py:build``): the project's own code, which replay runs by consent. The project installed with ``pip
+    install .`` beside its checkout is no shadow of it; its standard-library and reprokit names are refused with
+    the refs themselves."""
+    tops: set[str] = set()
+    for key in ("build", "step"):
+        ref = refs.get(key) if isinstance(refs, dict) else None
+        if isinstance(ref, dict) and isinstance(ref.get("module"), str):
+            tops.add(ref["module"].split(".")[0])
+        elif isinstance(ref, dict) and isinstance(ref.get("script"), str):
+            tops.add(Path(ref["script"].split("/")[0]).stem)
+    return {t for t in tops if t.isidentifier() and t != "reprokit" and t not in sys.stdlib_module_names}
+
+
+def _check_snapshot_names(snapshot: Path, source: str | Path, folder: Path | None = None,
+                          own: set[str] | frozenset[str] = frozenset()) -> None:
     """Refuse a top-level name in ``folder`` (default: the snapshot; else a folder of it that replay puts on the
     import path) that the standard library, reprokit or an installed package already has, imported yet or not:
-    imported from the snapshot in its place, it would run whenever anything imports that name during replay."""
+    imported from the snapshot in its place, it would run whenever anything imports that name during replay.
+    ``own``: names of the project's own code (:func:`_own_tops`), exempt from the installed-package check."""
     folder = folder or snapshot
     for top, p in _top_names(folder).items():
+        if top in own and folder == snapshot:
+            continue
         lib = _installed(top, search=True, skip=snapshot)
         if lib:
             rel = relative(p, snapshot)

@@ -384,9 +384,9 @@ class Recorder:
         file in the way). Nothing is created: an existing ``out_dir`` is probed with a temporary file, else the
         nearest folder above it that exists."""
         folder = self.out_dir.absolute()
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
         try:
+            while not folder.exists() and folder != folder.parent:
+                folder = folder.parent
             if not folder.is_dir():
                 raise NotADirectoryError(f"{folder} is a file")
             with tempfile.TemporaryFile(dir=folder, prefix=".reprokit-probe-"):

@@ -644,11 +644,20 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote w
 def lost_peer(bundle: Bundle) -> bool:
     """The recorded failure is a collective that lost a peer: another rank's process ended (outside its recorded
     steps, or it would have declared the incident) and this rank's collective failed for it."""
-    f, dist = bundle.failure, bundle.run.get("distributed") or {}
-    if f.kind != "exception" or not isinstance(dist, dict) or dist.get("world_size", 1) < 2:
+    f = bundle.failure
+    if f.kind != "exception" or _world_size(bundle) < 2:
         return False
-    return f.exc_type in ("DistNetworkError", "DistBackendError") and "peer" in f.message.lower() or any(
+    # gloo raises a plain RuntimeError, NCCL a DistBackendError (a RuntimeError); an OSError such as a data
+    # loader's ConnectionResetError ("Connection reset by peer") is the step's own failure, not a lost rank.
+    return f.exc_type in ("RuntimeError", "DistError", "DistBackendError", "DistNetworkError") and any(
         s in f.message.lower() for s in _PEER_LOST)
+
+
+def _world_size(bundle: Bundle) -> int:
+    """The recorded world size; 1 for a bundle of one process (or one whose ``distributed`` says no number)."""
+    dist = bundle.run.get("distributed")
+    n = dist.get("world_size") if isinstance(dist, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) else 1
 
 
 def _lost_peer_words(bundle: Bundle) -> str:
@@ -704,7 +713,7 @@ def alone_hint(bundle: Bundle) -> str:
     dist = bundle.run.get("distributed") or {}
     if lost_peer(bundle):
         return _lost_peer_words(bundle)
-    if dist.get("world_size", 1) > 1:
+    if _world_size(bundle) > 1:
         return (f"It was recorded on rank {dist.get('rank')} of {dist['world_size']} and replayed alone: collectives "
                 "see one rank, so a failure that came from the other ranks' data cannot happen here. Replay the "
                 f"incident on {dist['world_size']} ranks (`reprokit replay {bundle.path.parent} --nproc "
@@ -761,7 +770,8 @@ def format_report(d: dict[str, Any]) -> str:
     if d.get("transient"):
         lines.append(f"  note: {TRANSIENT_NOTE}")
     dist = d.get("distributed") or {}
-    alone = dist.get("world_size", 1) > 1
+    n = dist.get("world_size") if isinstance(dist, dict) else None
+    alone = isinstance(n, int) and n > 1
     # The hint's causes (a generator, state edited in the loop, a kernel) are not what a transient failure or a rank
     # replayed without its peers point to: their own notes say what does.
     if d["fidelity"].get("hint") and not d.get("transient") and not alone:

@@ -538,6 +538,9 @@ MAX_WORLD = 1 << 20
 def _check_distributed(f: _File, d: Any) -> None:
     """``run.json``'s ``distributed``: this rank's place in a multi-rank run (``RankInfo.to_json`` + ``incident``)."""
     f.obj(d, "distributed")
+    for k in ("rank", "world_size"):  # every reader relies on these two (the recorder always writes them)
+        if not isinstance(d.get(k), int) or isinstance(d.get(k), bool):
+            raise f.fail(f"distributed.{k}", "is missing or not an integer")
     for k, lo in (("rank", 0), ("world_size", 1), ("local_rank", 0), ("restart", 0)):
         if d.get(k) is not None:
             f.integer(d[k], f"distributed.{k}", lo=lo, hi=MAX_WORLD if k != "restart" else MAX_COUNT)

@@ -88,11 +88,11 @@ def _refuse_mixed(folder: Path, dists: dict[str, Any] | None = None) -> None:
         for p in sorted(folder.iterdir()):
             # Unverified: read as strictly as any bundle JSON (size and depth bounded, a FIFO or a device refused
             # unread, not following a link); one that cannot be read is left to the verification after.
-            if not (p / "run.json").exists():
-                continue
             try:
+                if not (p / "run.json").exists():
+                    continue
                 doc = schema.load_json(p / "run.json", f"{p.name}/run.json", follow_links=False)
-            except BundleError:
+            except (BundleError, OSError):  # unreadable (a folder we may not enter): verification says why
                 continue
             d = doc.get("distributed") if isinstance(doc, dict) else None
             if isinstance(d, dict):

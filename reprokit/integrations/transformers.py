@@ -45,7 +45,7 @@ from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArg
 from transformers.trainer_utils import IntervalStrategy
 
 from reprokit.code import ref_label, ref_of, resolve_project, snapshot_files
-from reprokit.errors import CaptureError, CodeLoadError, StateMismatchError
+from reprokit.errors import BundleError, CaptureError, CodeLoadError, StateMismatchError
 from reprokit.record import Recorder
 from reprokit.state import TrainState
 
@@ -94,7 +94,12 @@ def build(config: dict[str, Any]) -> HFTrainState:
     trainer_cls = _import_class(config["trainer"]["class"], "trainer", Trainer)
     config_cls = _import_class(config["model"]["config_class"], "model config", PretrainedConfig)
     model_config = config_cls.from_dict(dict(config["model"]["config"]))
-    model = model_cls(model_config).to(getattr(torch, config["model"]["dtype"]))
+    dtype = getattr(torch, str(config["model"]["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):  # the bundle names it: a torch dtype, never another attribute of torch
+        raise BundleError(f"run.json: config.model.dtype = {config['model']['dtype']!r} is not a torch dtype; the "
+                          "bundle is invalid. Record it again, or get it again from whoever made it.",
+                          [{"file": "run.json", "problem": "config.model.dtype is not a torch dtype"}])
+    model = model_cls(model_config).to(dtype)
     scratch = tempfile.mkdtemp(prefix="reprokit-trainer-")  # the Trainer makes its output_dir; replay writes nothing
     try:
         args = TrainingArguments(**{**_args_for_replay(config["args"]), "output_dir": scratch})

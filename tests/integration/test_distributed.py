@@ -139,6 +139,19 @@ def test_a_rank_whose_collective_lost_its_peer_is_not_replayed_alone_as_fixed(ra
     assert "a collective that lost a peer" in message and "would say nothing about a fix" in message, message
     shrunk = CliRunner().invoke(cli, ["shrink", str(bundle), "-o", str(tmp_path / "small")])
     assert shrunk.exit_code == 1 and "a collective that lost a peer" in shrunk.output, shrunk.output
+    # The step's own OSError with the same words (a data loader's socket) is no lost rank: replayed as usual.
+    doc.update(exc_type="ConnectionResetError", message="[Errno 104] Connection reset by peer")
+    (bundle / "failure.json").write_text(json.dumps(doc))
+    reseal(bundle)
+    r = CliRunner().invoke(cli, ["replay", str(bundle), "--json"])
+    assert r.exit_code != 2 and "lost a peer" not in r.output, r.output
+    # A distributed section without an integer world size is an invalid bundle (it was exit 70 on every replay).
+    run = json.loads((bundle / "run.json").read_text())
+    run["distributed"]["world_size"] = None
+    (bundle / "run.json").write_text(json.dumps(run))
+    reseal(bundle)
+    r = CliRunner().invoke(cli, ["replay", str(bundle), "--json"])
+    assert r.exit_code == 3 and "distributed.world_size" in r.output, r.output
 
 
 def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):

@@ -269,6 +269,10 @@ def test_an_out_dir_that_cannot_be_written_is_said_when_the_recorder_is_made(pro
         warnings.simplefilter("error")  # a writable one, existing or not, says nothing and is not created
         reprokit.Recorder(mlp.build({}), mlp.train_step, build=mlp.build, out_dir=tmp_path / "new" / "repros").close()
     assert not (tmp_path / "new").exists()
+    # A name the file system refuses (too long) is said too, never raised into the user's script.
+    with pytest.warns(reprokit.RecorderWarning, match="cannot write into"):
+        reprokit.Recorder(mlp.build({}), mlp.train_step, build=mlp.build,
+                          out_dir=tmp_path / ("a" * 300) / "repros").close()
 
 
 def test_replaying_the_bundle_of_a_failure_that_wrote_none_says_so():

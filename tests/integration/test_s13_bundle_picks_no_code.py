@@ -185,11 +185,13 @@ def test_the_folder_a_script_ref_puts_on_the_import_path_is_checked_too(nan_bund
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("editable", [False, True])
+@pytest.mark.parametrize("editable", [False, True, "own"])
 def test_a_distribution_installed_outside_site_packages_counts_unless_it_is_an_editable_project(
         tmp_path, monkeypatch, editable):
     """``pip install --target DIR`` on the import path is an installed package a snapshot must not shadow; an
-    editable install (``pip install -e .``) is the project's own source, which the snapshot stands in for."""
+    editable install (``pip install -e .``) is the project's own source, which the snapshot stands in for. So is
+    the package the build and step refs live in ("own": the project installed with ``pip install .`` and run from
+    its checkout as ``python -m rk_s13_lib``), whatever the install."""
     from reprokit import code
 
     target = tmp_path / "target"
@@ -198,13 +200,16 @@ def test_a_distribution_installed_outside_site_packages_counts_unless_it_is_an_e
     (target / "rk_s13_lib.py").write_text("VALUE = 1\n")
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rk-s13-lib\nVersion: 1.0\n")
     (info / "top_level.txt").write_text("rk_s13_lib\n")
-    if editable:
+    if editable is True:
         (info / "direct_url.json").write_text(json.dumps({"url": f"file://{target}", "dir_info": {"editable": True}}))
     snapshot = tmp_path / "code"
     snapshot.mkdir()
     (snapshot / "rk_s13_lib.py").write_text("VALUE = 2\n")
     refs = {"build": {"module": "reprokit.demo", "qualname": "build"},
             "step": {"module": "reprokit.demo", "qualname": "train_step"}}
+    if editable == "own":
+        refs = {"build": {"module": "rk_s13_lib", "qualname": "build"},
+                "step": {"module": "rk_s13_lib", "qualname": "train_step"}}
     monkeypatch.syspath_prepend(str(target))
     code._distributions.cache_clear()  # read again with DIR on the path (and again after, without it)
     try:

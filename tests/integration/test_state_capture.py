@@ -100,8 +100,11 @@ def test_unwritable_out_dir_warns_and_training_error_is_unchanged(projects, tmp_
     blocker.write_text("x")
     # Both fail even for root: /proc refuses new directories, and a file cannot hold one.
     out = "/proc/reprokit-test" if where == "proc" else blocker / "repros"
-    with pytest.warns(reprokit.RecorderWarning, match="could not write a bundle"):
+    with pytest.warns(reprokit.RecorderWarning, match="cannot write into|could not write a bundle") as said:
         _, exc = record(lm, cfg, lm.batches(cfg, 8, oov_step=6), out, snapshot_every=4)
+    # Said when the Recorder was made (not hours later), and again at the failure.
+    messages = [str(w.message) for w in said]
+    assert "cannot write into" in messages[0] and any("could not write a bundle" in m for m in messages), messages
     assert type(exc) is IndexError and "index out of range" in str(exc)
     assert "reprokit: no bundle could be written" in exc.__notes__
 
