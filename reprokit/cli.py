@@ -215,13 +215,17 @@ def _writable(ctx: click.Context, param: click.Parameter, value: Path | None) ->
     if not folder.is_dir():
         raise click.BadParameter(f"{folder} is a file, so {value} cannot be created under it; name a path in a "
                                  "folder you can write to")
+    _probe(folder, f", so {value} cannot be created; name a path in a folder you can write to")
+    return value
+
+
+def _probe(folder: Path, then: str) -> None:
+    """Write (and drop) a temporary file in ``folder``; a usage error saying why, followed by ``then``, if not."""
     try:
         with tempfile.TemporaryFile(dir=folder, prefix=".reprokit-probe-"):
             pass
     except OSError as e:
-        raise click.BadParameter(f"cannot write into {folder} ({e.strerror or e}), so {value} cannot be created; "
-                                 "name a path in a folder you can write to") from None
-    return value
+        raise click.BadParameter(f"cannot write into {folder} ({e.strerror or e}){then}") from None
 
 
 def _folder_to_write_into(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
@@ -232,12 +236,7 @@ def _folder_to_write_into(ctx: click.Context, param: click.Parameter, value: Pat
     except OSError as e:
         raise click.BadParameter(f"cannot use {value} ({e.strerror or e}); name a folder you can write to") from None
     if value is not None and is_dir:
-        try:
-            with tempfile.TemporaryFile(dir=value, prefix=".reprokit-probe-"):
-                pass
-        except OSError as e:
-            raise click.BadParameter(f"cannot write into {value} ({e.strerror or e}); name a folder you can write "
-                                     "to") from None
+        _probe(value, "; name a folder you can write to")
         return value
     return _writable(ctx, param, value)
 
