@@ -77,6 +77,21 @@ def batches():
         yield {"x": x, "y": y}
 
 
+def record_at(proj, out, monkeypatch):
+    """Record the failure of ``proj``'s trainer.py as it is now (in-process, as a user would); the bundle's path.
+    (Shared by the bisect-commits test modules.)"""
+    monkeypatch.syspath_prepend(str(proj))
+    monkeypatch.delitem(sys.modules, "trainer", raising=False)
+    trainer = importlib.import_module("trainer")
+    rec = reprokit.Recorder(trainer.build({}), trainer.train_step, build=trainer.build, config={}, out_dir=out,
+                            snapshot_every=4)
+    with pytest.raises(reprokit.TrainingFailure) as info:
+        for b in batches():
+            rec.step(b)
+    monkeypatch.delitem(sys.modules, "trainer", raising=False)
+    return info.value.bundle
+
+
 @pytest.fixture
 def recorded(tmp_path, monkeypatch):
     """Build a repo, record the failure at its HEAD (in-process, as a user would), return (repo, shas, bundle), run
@@ -86,18 +101,9 @@ def recorded(tmp_path, monkeypatch):
         proj = tmp_path / "proj"
         proj.mkdir()
         repo, shas = make_repo(proj, **kw)
-        monkeypatch.syspath_prepend(str(proj))
-        monkeypatch.delitem(sys.modules, "trainer", raising=False)
-        trainer = importlib.import_module("trainer")
-        state = trainer.build({})
-        rec = reprokit.Recorder(state, trainer.train_step, build=trainer.build, config={}, out_dir=tmp_path / "r",
-                                snapshot_every=4)
-        with pytest.raises(reprokit.TrainingFailure) as info:
-            for b in batches():
-                rec.step(b)
-        monkeypatch.delitem(sys.modules, "trainer", raising=False)
+        bundle = record_at(proj, tmp_path / "r", monkeypatch)
         monkeypatch.chdir(proj)  # where a user bisects from: the repository holding the current folder
-        return repo, shas, info.value.bundle
+        return repo, shas, bundle
 
     return go
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import git
 import pytest
 
-import reprokit
 from reprokit.bisect import BisectError, bisect_commits
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from test_bisect_commits import ACTOR, TRAINER, batches  # noqa: E402
+from test_bisect_commits import ACTOR, TRAINER, record_at  # noqa: E402
 
 sys.path.pop(0)
 
@@ -29,17 +27,9 @@ def _commit(repo, msg, parents=None):
 
 
 def _record(proj, out, monkeypatch):
-    monkeypatch.syspath_prepend(str(proj))
-    monkeypatch.delitem(sys.modules, "trainer", raising=False)
-    trainer = importlib.import_module("trainer")
-    rec = reprokit.Recorder(trainer.build({}), trainer.train_step, build=trainer.build, config={}, out_dir=out,
-                            snapshot_every=4)
-    with pytest.raises(reprokit.TrainingFailure) as info:
-        for b in batches():
-            rec.step(b)
-    monkeypatch.delitem(sys.modules, "trainer", raising=False)
+    bundle = record_at(proj, out, monkeypatch)
     monkeypatch.chdir(proj)  # where a user bisects from: the repository holding the current folder
-    return info.value.bundle
+    return bundle
 
 
 def _merge_repo(path, bug_branch_len, other_branch_len, bug_on_side):

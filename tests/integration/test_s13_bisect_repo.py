@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from reprokit.bisect import BisectError, bisect_commits
 from reprokit.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_bisect_commits import ACTOR, batches, make_repo  # noqa: E402
+from test_bisect_commits import ACTOR, make_repo, record_at  # noqa: E402
 
 sys.path.pop(0)
 
@@ -32,18 +31,7 @@ def hook(repo: git.Repo, marker: Path) -> None:
     p.chmod(0o755)
 
 
-def record(proj: Path, out: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Record the failure at ``proj``'s HEAD in-process, as a user would; the bundle's git.root is ``proj``."""
-    monkeypatch.syspath_prepend(str(proj))
-    monkeypatch.delitem(sys.modules, "trainer", raising=False)
-    trainer = importlib.import_module("trainer")
-    rec = reprokit.Recorder(trainer.build({}), trainer.train_step, build=trainer.build, config={}, out_dir=out,
-                            snapshot_every=4)
-    with pytest.raises(reprokit.TrainingFailure) as info:
-        for b in batches():
-            rec.step(b)
-    monkeypatch.delitem(sys.modules, "trainer", raising=False)
-    return Path(info.value.bundle)
+record = record_at  # the bundle's git.root is the project it was recorded in
 
 
 def point_at(bundle: Path, root: Path) -> None:
