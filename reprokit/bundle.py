@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -117,6 +118,23 @@ def step_name(step: int) -> str:
 
 
 # --- writing --------------------------------------------------------------------
+
+def write_probe(path: Path) -> tuple[Path, str | None]:
+    """Whether files can be written at ``path`` now: ``(folder, why_not)``. The folder probed is ``path`` when it
+    exists, else the nearest folder above it that does (nothing is created but a temporary file, dropped at once);
+    ``why_not`` is None when it can be written. For the CLI's output checks and the Recorder's ``out_dir``."""
+    folder = path.absolute()
+    try:
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        if not folder.is_dir():
+            return folder, f"{folder} is a file"
+        with tempfile.TemporaryFile(dir=folder, prefix=".reprokit-probe-"):
+            pass
+    except OSError as e:  # read-only, no permission, a name too long, a full disk
+        return folder, str(e.strerror or e)
+    return folder, None
+
 
 class BundleWriter:
     """Builds a bundle in a hidden temp dir and renames it into place on :meth:`commit`.

@@ -203,42 +203,30 @@ def _sha256_option(ctx: click.Context, param: click.Parameter, value: str | None
 def _writable(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
     """An output path (-o, --out, --plot) whose folder cannot be written is a usage error (exit 2), said before any
     work: not an internal error after a whole shrink. Probed with a temporary file in the nearest existing folder."""
-    if value is None:
-        return value
-    folder = value.absolute().parent
-    try:
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
-    except OSError as e:  # a name too long, a folder on the way we may not look into
-        raise click.BadParameter(f"cannot use {value} ({e.strerror or e}); name a path in a folder you can write "
-                                 "to") from None
-    if not folder.is_dir():
-        raise click.BadParameter(f"{folder} is a file, so {value} cannot be created under it; name a path in a "
-                                 "folder you can write to")
-    _probe(folder, f", so {value} cannot be created; name a path in a folder you can write to")
+    if value is not None:
+        _probe(value.absolute().parent, f"{value} cannot be created there; name a path in a folder you can write to")
     return value
 
 
-def _probe(folder: Path, then: str) -> None:
-    """Write (and drop) a temporary file in ``folder``; a usage error saying why, followed by ``then``, if not."""
-    try:
-        with tempfile.TemporaryFile(dir=folder, prefix=".reprokit-probe-"):
-            pass
-    except OSError as e:
-        raise click.BadParameter(f"cannot write into {folder} ({e.strerror or e}){then}") from None
+def _probe(path: Path, then: str) -> None:
+    """A usage error when files cannot be written at ``path`` (see :func:`reprokit.bundle.write_probe`)."""
+    from reprokit.bundle import write_probe
+
+    folder, why = write_probe(path)
+    if why is not None:
+        raise click.BadParameter(f"cannot write into {folder} ({why}), so {then}")
 
 
 def _folder_to_write_into(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
-    """A folder the command writes files into (demo's --out): when it exists, probed itself (a read-only mount in a
+    """A folder the command writes files into (demo's --out): probed itself when it exists (a read-only mount in a
     writable folder passes :func:`_writable`, which probes where a new path would be made)."""
-    try:
-        is_dir = value is not None and value.is_dir()
-    except OSError as e:
-        raise click.BadParameter(f"cannot use {value} ({e.strerror or e}); name a folder you can write to") from None
-    if value is not None and is_dir:
-        _probe(value, "; name a folder you can write to")
-        return value
-    return _writable(ctx, param, value)
+    if value is not None:
+        try:
+            what = "nothing can be written into it" if value.is_dir() else f"{value} cannot be created there"
+        except OSError:  # a name too long: write_probe says so
+            what = f"{value} cannot be created there"
+        _probe(value, f"{what}; name a folder you can write to")
+    return value
 
 
 def _new_folder(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:

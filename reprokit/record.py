@@ -28,7 +28,6 @@ import datetime as _dt
 import os
 import shlex
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -54,6 +53,7 @@ from reprokit.bundle import (
     find_leftovers,
     step_name,
     write_bundle,
+    write_probe,
 )
 from reprokit.code import importing_for_replay, ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
@@ -383,18 +383,11 @@ class Recorder:
         """Say at attach, not at the failure hours later, when ``out_dir`` cannot be written (a read-only mount, a
         file in the way). Nothing is created: an existing ``out_dir`` is probed with a temporary file, else the
         nearest folder above it that exists."""
-        folder = self.out_dir.absolute()
-        try:
-            while not folder.exists() and folder != folder.parent:
-                folder = folder.parent
-            if not folder.is_dir():
-                raise NotADirectoryError(f"{folder} is a file")
-            with tempfile.TemporaryFile(dir=folder, prefix=".reprokit-probe-"):
-                pass
-        except OSError as e:
-            self._warn("out_dir", f"reprokit: cannot write into {folder} ({e.strerror or e}), so a failure would give "
-                                  f"no bundle in out_dir={str(self.out_dir)!r}. Training goes on; give the Recorder an "
-                                  "out_dir it can write to.")
+        folder, why = write_probe(self.out_dir)
+        if why is not None:
+            self._warn("out_dir", f"reprokit: cannot write into {folder} ({why}), so a failure would give no bundle "
+                                  f"in out_dir={str(self.out_dir)!r}. Training goes on; give the Recorder an out_dir "
+                                  "it can write to.")
 
     def _mention_leftovers(self) -> None:
         """Say, once at attach, when ``out_dir`` holds temp folders that killed writers left behind."""
