@@ -119,6 +119,15 @@ def step_name(step: int) -> str:
 
 # --- writing --------------------------------------------------------------------
 
+def part_sizes(files: dict[str, Any]) -> dict[str, int]:
+    """Bytes per part of the files a manifest lists (``state``, ``batches``: steps/, ``code``, ``metadata``)."""
+    out = {"state": 0, "batches": 0, "code": 0, "metadata": 0}
+    names = {"state": "state", STEPS: "batches", CODE: "code"}
+    for rel, meta in files.items():
+        out[names.get(rel.split("/", 1)[0], "metadata")] += int(meta["size"])
+    return out
+
+
 def write_probe(path: Path) -> tuple[Path, str | None]:
     """Whether files can be written at ``path`` now: ``(folder, why_not)``. The folder probed is ``path`` when it
     exists, else the nearest folder above it that does (nothing is created but a temporary file, dropped at once);
@@ -855,10 +864,7 @@ class Bundle:
     def sizes(self) -> dict[str, int]:
         """Bytes on disk per part: state, batches (steps/), code, metadata, and the vendored runtime
         when the bundle sits in an unpacked ``reprokit pack`` archive."""
-        out = {"state": 0, "batches": 0, "code": 0, "metadata": 0, "runtime": 0}
-        names = {"state": "state", STEPS: "batches", CODE: "code"}
-        for rel, meta in self.manifest["files"].items():
-            out[names.get(rel.split("/", 1)[0], "metadata")] += int(meta["size"])
+        out = {**part_sizes(self.manifest["files"]), "runtime": 0}
         top = self.path.parent
         if (top / "repro.py").is_file() and (top / "reprokit").is_dir():
             # Not verified with the bundle: walked without recursion or links (a deep tree, a link out).

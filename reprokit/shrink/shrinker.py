@@ -22,6 +22,7 @@ from reprokit.bundle import (
     StepRecord,
     jsonable,
     open_bundle,
+    part_sizes,
     sha256_file,
     write_bundle,
 )
@@ -517,14 +518,11 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                             sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"), disk)
 
 
-def _disk_bytes(manifest: dict[str, Any], when: str) -> dict[str, int]:
-    """``bytes_<when>`` and ``state_bytes_<when>``: the sizes a bundle's manifest lists, all files and ``state/``."""
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict):
-        return {}
-    sizes = {rel: e["size"] for rel, e in files.items() if isinstance(e, dict) and isinstance(e.get("size"), int)}
-    out = {f"bytes_{when}": sum(sizes.values()),
-           f"state_bytes_{when}": sum(n for rel, n in sizes.items() if rel.startswith("state/"))}
-    if REPLICATED in sizes:  # its state is another rank's files (replicated DDP state): not counted here
+def _disk_bytes(manifest: dict[str, Any], when: str) -> dict[str, Any]:
+    """``bytes_<when>`` and ``state_bytes_<when>`` of the files a bundle's manifest lists (and
+    ``state_referenced_<when>`` for a state that is another rank's files: not counted here)."""
+    parts = part_sizes(manifest["files"])
+    out: dict[str, Any] = {f"bytes_{when}": sum(parts.values()), f"state_bytes_{when}": parts["state"]}
+    if REPLICATED in manifest["files"]:
         out[f"state_referenced_{when}"] = True
     return out
