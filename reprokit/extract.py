@@ -372,7 +372,8 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
         origin = watcher.origin
         made_in_phase = origin is not None and origin.created and origin.phase == phase and \
             _inside(origin.module, name)
-        bad = _already_bad(call, phase, made_in_phase) if bundle.failure.kind != "exception" else None
+        made = origin.value if made_in_phase and origin is not None else None
+        bad = _already_bad(call, phase, made) if bundle.failure.kind != "exception" else None
         if bad is not None:
             raise DidNotReproduce(f"module {name} ({type(mod).__qualname__}) received the non-finite value in {bad} "
                                   f"({phase}) when the failing step ran again, so it did not make it there: no "
@@ -486,22 +487,26 @@ def _pick(cap: _Capture, phase: str, exception: bool) -> _Call:
     return next((c for c in calls if c.output_bad), calls[-1])
 
 
-def _already_bad(call: _Call, phase: str, made_here: bool) -> str | None:
+def _already_bad(call: _Call, phase: str, made: str | None) -> str | None:
     """What of the picked call's inputs already holds the non-finite value (then it did not make the value).
 
-    In forward, any non-finite input counts. In backward, the value is a gradient: what flows into it is the
-    gradient of its output. Its forward inputs are what its backward computes with, like its weights; one holding a
-    non-finite value counts only when its forward passed it on (its output was non-finite too), or when the origin
-    check did not find the value made in this module's backward. An attention mask's ``-inf``, which the module's
-    forward turns into finite values (``exp(-inf) = 0``) in every step, healthy or not, is then no reason to refuse
-    the module whose backward made the value (``made_here``: the origin watcher's created value, in backward, in
-    an op run by this module, whose own inputs it checked).
+    ``made`` is the kind of value (``"nan"`` or ``"inf"``) the origin watcher saw created by an op this module ran
+    in this phase (from inputs free of that kind), else None. Without it, any non-finite input counts in forward.
+    In backward, the value is a gradient: what flows into it is the gradient of its output. Its forward inputs are
+    what its backward computes with, like its weights; one holding a non-finite value counts only when its forward
+    passed it on (its output was non-finite too), or when the origin check did not find the value made in this
+    module's backward. An attention mask's ``-inf``, which the module's forward turns into finite values
+    (``exp(-inf) = 0``) in every step, healthy or not, is no reason to refuse the module that made the value: in
+    forward, an input counts then only when it already held the kind of value that was made (a NaN made from inputs
+    holding ``-inf`` and no NaN was made here).
     """
     if phase == "backward" and call.grad_outputs_bad:
         return "the gradient flowing into it"
-    if phase == "backward" and made_here and not call.output_bad:
+    if phase == "backward" and made is not None and not call.output_bad:
         return None
-    if any(not bool(torch.isfinite(t).all()) for t in _float_leaves((call.args, call.kwargs))):
+    held = torch.isnan if made == "nan" and phase == "forward" else \
+        torch.isinf if made == "inf" and phase == "forward" else (lambda t: ~torch.isfinite(t))
+    if any(bool(held(t).any()) for t in _float_leaves((call.args, call.kwargs))):
         return "its inputs"
     return None
 

@@ -53,12 +53,13 @@ CASES: list[tuple[str, list[str], str]] = [
      "Any single row fails, and only in the ragged last batch: the batch's dtype is the bug, not a sample. "
      "`inspect` shows `y` as int32. Make the collate function produce one dtype on every path."),
     ("lr_no_warmup.py", ["replay {b} --times 3", "bisect steps {b}"],
-     "The gradient norm exploded tens of steps before the NaN, at a constant LR of 0.16 from the first step. "
-     "Restore the warmup (`warmup: 100` trains this model for 1500 steps without trouble) or lower the LR."),
-    ("naive_softmax.py", ["replay {b} --times 3", "bisect layers {b}"],
-     "The first non-finite value is made inside `blocks.1.softmax` (a NaiveSoftmax), by the division's "
-     "backward (the sum of exp(x), squared, overflows), while everything before it is finite. Subtract the row "
-     "max before `exp`, or use `torch.softmax`."),
+     "The loss swung wider and the gradient norm multiplied by 3 or more each step, several steps before the NaN, "
+     "at a constant LR of 0.055 from the first step. Restore the warmup (`warmup: 100` trains this model for 1500 "
+     "steps without trouble) or lower the LR."),
+    ("naive_softmax.py", ["replay {b} --times 3", "bisect layers {b}", "extract {b} -o cut"],
+     "The first non-finite value is made inside `blocks.0.softmax` (a NaiveSoftmax): `exp` overflows on a score "
+     "past 88.7 and the division makes inf / inf = NaN. The causal mask's -inf in its input is not the cause (exp "
+     "turns it into 0 in every step). Subtract the row max before `exp`, or use `torch.softmax`."),
     ("nondeterministic.py", ["replay {b} --times 3"],
      "The recorded run failed; three replays from the same state and batches did not (or not at the same step). "
      "That is information, not a fix: the failure is not a function of the code, the data or the recorded "

@@ -189,10 +189,17 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
     result["frames"] = tracer.first_frames + [{k: first[k] for k in ("module", "class", "phase", "inputs",
                                                                        "outputs", "weights")}]
     op = _find_op(s, inputs[-1:], before, first["module"], first["phase"])
+    origin = result["origin"]
+    # Inputs holding non-finite values (an attention mask's -inf) did not bring the failure when the origin check saw
+    # the value made inside this module, in this phase, from inputs free of its kind.
+    made_inside = bool(origin and origin.get("created") and origin.get("phase") == first["phase"]
+                       and origin.get("module") is not None
+                       and (first["module"] == "<model>" or origin["module"] == first["module"]
+                            or origin["module"].startswith(first["module"] + ".")))
     result["first_nonfinite"] = {"module": first["module"], "class": first["class"], "phase": first["phase"],
                                  "op": op["op"] if op else None, "op_detail": op,
-                                 "inputs_already_nonfinite": first["inputs_already_nonfinite"]}
-    origin = result["origin"]
+                                 "inputs_already_nonfinite": first["inputs_already_nonfinite"] and not made_inside,
+                                 "made_inside": made_inside}
     if origin and origin.get("created") and origin.get("module") is None:
         # Made by the step function's own code: the module hooks saw it only later, arriving in backward.
         result["outside_every_module"] = {"site": origin.get("site"), "op": origin.get("op"),
@@ -247,6 +254,10 @@ def format_layers(d: dict[str, Any]) -> str:
                      + (f", op aten.{f['op']}" if f["op"] else ""))
         if f["inputs_already_nonfinite"]:
             lines.append("  its inputs were already non-finite: look at the data (or a module without hooks)")
+        elif f.get("made_inside") and d.get("origin"):
+            o = d["origin"]
+            lines.append(f"  the {o['value']} was made inside it, by {o['op']}; the non-finite values its inputs held "
+                         "(such as an attention mask's -inf) were not it")
     else:
         lines.append("no module produced a non-finite value in the failing step")
     frames = d.get("frames", [])
