@@ -961,4 +961,37 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
                 if rel not in files:
                     problems.append({"file": "run.json", "problem": f"window.steps[{i}] is step {s}, but the "
                                                                     f"manifest lists no {rel}"})
+        failure = (docs.get("failure.json") or [None])[0]
+        if isinstance(failure, dict) and not any(p["file"] == "failure.json" for p in problems):
+            problems += [{"file": rel, "problem": why} for rel, why in uncheckable(window, failure)]
     return problems
+
+
+def uncheckable(run: dict[str, Any], failure: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(file, why)`` for each reason a replay of this bundle could never fail the recorded way: a test that cannot
+    fail would be reported as fixed. ``run`` and ``failure`` have passed :func:`check_run` / :func:`check_failure`.
+
+    The recorder never writes these (its window always holds the step that failed, its detectors fired): they come
+    from an edit, re-signed. A ``peer`` bundle (a rank that did not fail itself) is exempt from the window rule: its
+    window is what that rank had recorded, and replay refuses it alone anyway.
+    """
+    steps, kind, step = run["window"]["steps"], failure["kind"], failure["step"]
+    out = []
+    if not steps:
+        out.append(("run.json", "window.steps is empty: a replay would run no step, and nothing can fail in no step "
+                                "(a test that cannot fail is never \"fixed\")"))
+    elif kind != "peer" and step not in steps:
+        out.append(("run.json", f"window.steps {_steps_text(steps)} does not hold step {step}, where failure.json says "
+                                "the run failed: a replay would never reach the failure (a test that cannot fail is "
+                                "never \"fixed\")"))
+    if kind == "loss_spike" and run["recorder"]["detect"].get("spike_factor") is None:
+        out.append(("run.json", "recorder.detect.spike_factor is null, but failure.json's kind is loss_spike: replay "
+                                "could not check the recorded failure"))
+    if kind == "predicate" and not run["refs"].get("predicates"):
+        out.append(("run.json", "refs.predicates is empty, but failure.json's kind is predicate: replay could not "
+                                "check the recorded failure"))
+    return out
+
+
+def _steps_text(steps: list[int]) -> str:
+    return str(steps) if len(steps) <= 6 else f"[{steps[0]}, ..., {steps[-1]}] ({len(steps)} steps)"
