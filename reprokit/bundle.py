@@ -8,6 +8,7 @@ them before it loads anything, and nothing is ever unpickled.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import hashlib
 import json
 import math
@@ -18,8 +19,9 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -160,9 +162,12 @@ class BundleWriter:
         ...     w.write_json("run.json", {...}); w.commit()
     """
 
-    def __init__(self, out_dir: Path, name: str):
+    def __init__(self, out_dir: Path, name: str, *, exact: bool = False):
+        """``exact``: commit to ``out_dir/name`` or fail (an output the user named: ``shrink -o``), never to
+        ``name-1`` beside it."""
         self.out_dir = Path(out_dir)
         self.final = self.out_dir / name
+        self.exact = exact
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.tmp = self.out_dir / f"{TMP_PREFIX}{name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir()
@@ -308,21 +313,39 @@ class BundleWriter:
             self.files.pop(MANIFEST)
             _fsync_dir(self.tmp)
             self._check_in_place(listed)  # a cleanup racing the manifest write shows here
-            final = self.final
-            n = 1
-            while final.exists():
-                final = self.final.with_name(f"{self.final.name}-{n}")
-                n += 1
-            try:
-                os.replace(self.tmp, final)
-            except FileNotFoundError:
-                raise self._vanished() from None
+            final = self._rename_into_place()
         except BaseException:
             self.abort()
             raise
         self.committed = final
         _fsync_dir(self.out_dir)
         return final
+
+    def _rename_into_place(self) -> Path:
+        """Rename the temp dir to the bundle's name, or (taken) to ``name-1``, ``name-2``, ...; with ``exact``, to the
+        name alone (an empty folder there is replaced: the output folder the user made).
+
+        Checking a name is free and then renaming is a race: two recorders sharing an out_dir that fail at the same
+        step in the same second both see ``name`` free. The rename itself decides: onto a folder that is not empty it
+        fails (ENOTEMPTY/EEXIST), and the next name is tried, so neither bundle is lost."""
+        n = 0
+        while True:
+            final = self.final if n == 0 else self.final.with_name(f"{self.final.name}-{n}")
+            n += 1
+            if not self.exact and (final.exists() or final.is_symlink()):
+                continue
+            try:
+                os.rename(self.tmp, final)
+                return final
+            except FileNotFoundError:
+                raise self._vanished() from None
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                    raise
+                if self.exact:
+                    raise BundleError(f"{final} was created by something else while this bundle was written (another "
+                                      "reprokit command with the same output?); nothing was written there. Name a "
+                                      "new folder and run again.") from None
 
     def _check_in_place(self, files: dict[str, dict[str, Any]]) -> None:
         wrong = []
@@ -405,6 +428,53 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+CLAIM_SUFFIX = ".reprokit-writing"
+
+
+@contextmanager
+def claimed_output(path: Path) -> Iterator[None]:
+    """Take the output folder ``path`` for this process before any work (``shrink -o``, ``extract -o``): a hidden
+    ``.NAME.reprokit-writing`` file beside it, created atomically (``O_EXCL``), says which process writes it.
+
+    Two commands given the same ``-o`` at once: the second is refused here, before its run, instead of finding the
+    name taken after it (or writing ``NAME-1``). A claim whose writer is gone from this host is taken over.
+
+    Raises:
+        ReprokitError: another live process claimed ``path`` (exit 2: name another folder).
+    """
+    from reprokit.errors import ReprokitError
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    claim = path.parent / f".{path.name}{CLAIM_SUFFIX}"
+    tag = _owner_tag()
+    for _ in range(3):
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = claim.read_text()[:200]
+            except OSError:
+                owner = ""
+            m = re.fullmatch(r"pid(\d+)\.(\d+)-on-([A-Za-z0-9]*)", owner)
+            if m and m[3] == _host() and not _alive(int(m[1]), int(m[2])):
+                claim.unlink(missing_ok=True)  # its writer died: take it over
+                continue
+            who = f"process {m[1]} on {m[3] or '?'}" if m else "another process"
+            raise ReprokitError(f"{path} is being written by {who} (another reprokit command was given the same "
+                                f"output: {claim} says so); name another folder, or wait for it to finish. If no "
+                                f"such command runs, remove {claim}.") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(tag)
+        break
+    else:
+        raise ReprokitError(f"{claim} keeps reappearing; name another output folder")
+    try:
+        yield
+    finally:
+        claim.unlink(missing_ok=True)
 
 
 # --- leftovers of killed writers ------------------------------------------------
