@@ -1025,7 +1025,9 @@ def open_bundle(path: str | Path) -> Bundle:
                           [{"file": MANIFEST, "problem": "missing (not a bundle folder)"}])
     manifest, problems = _verify(path, hash_tensors=False)
     if problems or manifest is None:
-        lines = "\n".join(f"  {p['file']}: {p['problem']}" for p in problems[:20])
+        from reprokit.text import one_line
+
+        lines = "\n".join(one_line(f"  {p['file']}: {p['problem']}") for p in problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise BundleError(
             f"{path} failed verification ({len(problems)} problem(s)); refusing to load it:\n{lines}{more}\n"
