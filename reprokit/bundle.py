@@ -584,7 +584,7 @@ def remove_leftovers(out_dir: str | Path, *, dry_run: bool = False,
     for x in found:
         if x.removable and not dry_run:
             try:
-                shutil.rmtree(x.path)
+                remove_tree(x.path)
                 x.removed = True
             except OSError as e:
                 x.error = f"{type(e).__name__}: {e}"
@@ -592,18 +592,76 @@ def remove_leftovers(out_dir: str | Path, *, dry_run: bool = False,
 
 
 def _du(d: Path) -> tuple[int, float]:
-    """Total bytes under ``d`` and its newest mtime (symlinks not followed)."""
+    """Total bytes under ``d`` and its newest mtime (symlinks not followed; without recursion: ``os.walk`` recursed
+    once per level before Python 3.12, and a leftover nesting 3000 folders crashed ``gc``)."""
     size, newest = 0, d.lstat().st_mtime
-    for root, dirs, files in os.walk(d):
-        for name in dirs + files:
+    todo = [d]
+    while todo:
+        try:
+            with os.scandir(todo.pop()) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for entry in entries:
             try:
-                st = os.lstat(os.path.join(root, name))
+                st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
             newest = max(newest, st.st_mtime)
-            if name in files:
+            if entry.is_dir(follow_symlinks=False):
+                todo.append(Path(entry.path))
+            else:
                 size += st.st_size
     return size, newest
+
+
+def remove_tree(root: Path) -> None:
+    """``shutil.rmtree`` without recursion and at any depth: ``rmtree`` recursed once per level before Python 3.12 (a
+    leftover nesting 3000 folders raised RecursionError), and a path that deep is longer than the OS takes.
+
+    Each folder found inside is first renamed to the top of ``root`` (relative to open folders, never by its long
+    path), then emptied and removed there: at most two folders are open at a time, whatever the depth. Links are
+    removed, never followed. Raises the first ``OSError``.
+    """
+    if root.is_symlink() or not root.is_dir():
+        root.unlink()
+        return
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+    top = os.open(root, flags)
+    try:
+        n = 0
+        with os.scandir(top) as it:
+            entries = list(it)
+        names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False):
+                os.unlink(e.name, dir_fd=top)
+        todo = names
+        while todo:
+            name = todo.pop()
+            fd = os.open(name, flags, dir_fd=top)
+            try:
+                with os.scandir(fd) as it:
+                    inner = list(it)
+                for e in inner:
+                    if e.is_dir(follow_symlinks=False):
+                        while True:  # a name free at the top
+                            n += 1
+                            flat = f".rk-rm-{n}"
+                            try:
+                                os.stat(flat, dir_fd=top, follow_symlinks=False)
+                            except FileNotFoundError:
+                                break
+                        os.rename(e.name, flat, src_dir_fd=fd, dst_dir_fd=top)
+                        todo.append(flat)
+                    else:
+                        os.unlink(e.name, dir_fd=fd)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=top)
+    finally:
+        os.close(top)
+    os.rmdir(root)
 
 
 # --- verifying ------------------------------------------------------------------
@@ -681,6 +739,7 @@ def _verify(path: Path, hash_tensors: bool) -> tuple[dict[str, Any] | None, list
             problems.append({"file": rel, "problem": "not Python source: a code snapshot holds .py files only "
                                                      "(replay never runs compiled or native code in place of the "
                                                      "source it shows)"})
+    problems += _code_problems(path, listed, {p["file"] for p in problems})
     for rel, link, folder in _entries(path, problems):
         if rel in listed and link:
             continue  # reported above
@@ -699,6 +758,36 @@ def _verify(path: Path, hash_tensors: bool) -> tuple[dict[str, Any] | None, list
         problems += [{k: v for k, v in x.items() if k != "status"}
                      for x in replicated.check(path, ref, hash_tensors=hash_tensors) if x["status"] != "ok"]
     return manifest, problems
+
+
+def _code_problems(path: Path, listed: dict[str, Any], skip: set[str]) -> list[dict[str, Any]]:
+    """Code files no command can read safely: larger than :data:`reprokit.code.MAX_CODE_BYTES` (replay reads each
+    whole into memory, pack parses it), or nested so deeply that Python's parser gives up (RecursionError,
+    MemoryError: pack reads the imports of the code it ships, replay compiles it)."""
+    import ast
+
+    from reprokit.code import MAX_CODE_BYTES
+
+    out: list[dict[str, Any]] = []
+    for rel, meta in sorted(listed.items()):
+        if not rel.startswith(f"{CODE}/") or not rel.endswith(".py") or rel in skip:
+            continue
+        if meta["size"] > MAX_CODE_BYTES:
+            out.append({"file": rel, "problem": f"a code file of {meta['size']} bytes; a code snapshot's files are at "
+                                                f"most {MAX_CODE_BYTES} bytes each (source a person can read); not "
+                                                "read", "expected": MAX_CODE_BYTES, "found": meta["size"]})
+            continue
+        try:
+            with hashing.open_regular(path / rel) as f:
+                source = f.read(MAX_CODE_BYTES + 1)
+            ast.parse(source)
+        except (RecursionError, MemoryError):
+            out.append({"file": rel, "problem": "Python source nested too deeply for Python's parser (it gives up "
+                                                "with a RecursionError or MemoryError): no project's code looks like "
+                                                "this; refused"})
+        except (SyntaxError, ValueError, OSError):
+            pass  # not ours to judge here (replay reports an import that fails); unreadable files are reported above
+    return out
 
 
 def _entries(root: Path, problems: list[dict[str, Any]]) -> list[tuple[str, bool, bool]]:

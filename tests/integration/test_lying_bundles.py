@@ -128,3 +128,73 @@ def test_the_pytest_plugin_reports_a_bundle_that_cannot_fail_as_an_error(recorde
                           timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "2 error" in proc.stdout and "passed" not in proc.stdout, out
+
+
+# --- lies that used to end in "internal error" (exit 70) instead of a documented code ----------------------------
+
+def _state_tensor(bundle: Path, key: str, fn: Callable) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(bundle / B.STATE_TENSORS)
+    tensors[key] = fn(tensors[key])
+    save_file(tensors, bundle / B.STATE_TENSORS)
+    reseal(bundle)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool"])
+def test_a_parameter_stored_as_an_integer_is_an_invalid_bundle(bundle, dtype):
+    import torch
+
+    _state_tensor(bundle, "model/0.weight", lambda t: t.to(getattr(torch, dtype)))
+    r = cli("replay", str(bundle))
+    assert r.exit_code == 3 and "'0.weight'" in r.output and "floating point" in r.output, r.output
+
+
+@pytest.mark.parametrize("provenance, words", [
+    ({"seq_window": [1]}, "provenance.seq_window must be [start, end]"),
+    ({"passes": {"rows": 5}}, "provenance.passes.rows must be an object"),
+    ([1, 2], "provenance must be an object"),
+    ({"kept_rows": "0,1"}, "provenance.kept_rows must be a list"),
+], ids=["seq-window-of-one", "pass-stats-number", "list", "rows-string"])
+def test_provenance_is_held_to_its_schema(bundle, provenance, words):
+    edit_run(bundle, lambda run: run.__setitem__("provenance", provenance))
+    for cmd in ("inspect", "replay"):
+        r = cli(cmd, str(bundle))
+        assert r.exit_code == 3 and words in r.output, (cmd, r.output)
+
+
+def _code(bundle: Path, text: str, name: str = "rk_mlp.py") -> None:
+    (bundle / "code" / name).write_text(text)
+    m = json.loads((bundle / B.MANIFEST).read_text())
+    m["files"].setdefault(f"code/{name}", {"sha256": "", "size": 0})
+    (bundle / B.MANIFEST).write_text(json.dumps(m))
+    reseal(bundle)
+
+
+@pytest.mark.parametrize("deep", ["x = " + "-" * 200_000 + "1\n", "x = " + "+".join(["a"] * 300_000) + "\n"],
+                         ids=["memory-error", "recursion-error"])
+def test_code_too_deep_to_parse_is_refused_by_verify_and_pack(bundle, tmp_path, deep):
+    _code(bundle, (bundle / "code" / "rk_mlp.py").read_text() + deep)
+    assert any("nested too deeply" in p["problem"] for p in B.verify(bundle))
+    for args in (["verify", str(bundle)], ["pack", str(bundle), "-o", str(tmp_path / "r.tar")],
+                 ["replay", str(bundle)]):
+        r = cli(*args)
+        assert r.exit_code in (1, 3) and "nested too deeply" in r.output, (args, r.output)
+
+
+def test_a_code_file_over_the_limit_is_refused_before_it_is_read(bundle, monkeypatch):
+    from reprokit import code
+
+    monkeypatch.setattr(code, "MAX_CODE_BYTES", 10_000)  # stands for 20 MiB (and a file larger than memory)
+    _code(bundle, "# padding\n" * 2_000, "big.py")
+    problems = B.verify(bundle)
+    assert any(p["file"] == "code/big.py" and "at most 10000 bytes" in p["problem"] for p in problems), problems
+    r = cli("replay", str(bundle))
+    assert r.exit_code == 3 and "code/big.py" in r.output, r.output
+
+
+def test_a_snapshot_file_named_for_an_optional_dependency_of_torch_is_refused(bundle):
+    """``code/triton.py``: torch imports triton when it is there (at the first compile), installed here or not."""
+    _code(bundle, "raise SystemExit('the bundle ran code/triton.py')\n", "triton.py")
+    r = cli("replay", str(bundle))
+    assert r.exit_code == 3 and "shadow triton" in r.output, r.output
