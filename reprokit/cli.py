@@ -27,6 +27,7 @@ user's code prints goes to stderr meanwhile.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -53,6 +54,8 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "REPROKI
 EXIT_USAGE = 2
 EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h); plain `git bisect run` reads it as bad: the README's recipe stops on it
 EXIT_INTERRUPTED = 130
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""A full disk or quota while writing an output: said as such (exit 2), not as a bug."""
 
 # Where --json output goes: the real stdout, saved while the command's own stdout is sent to stderr.
 _json_out: list[TextIO] = []
@@ -148,17 +151,27 @@ class _Group(click.Group):
             problems = getattr(e, "problems", None)
             extra_info = {"problems": problems} if problems else {}
             self._fail(as_json, type(e).__name__, str(e), e.exit_code, **extra_info)
+        except OSError as e:
+            if e.errno not in _DISK_FULL:
+                self._internal(as_json, e)
+            where = f" ({e.filename})" if e.filename else ""
+            self._fail(as_json, "DiskFull", f"no space left to write{where}: {e.strerror or e}. Nothing partial was "
+                                            "kept. Free some space (or name an output on another disk) and run again.",
+                       EXIT_USAGE)
         except Exception as e:
-            saved = _save_traceback(e)
-            cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-            where = f"the traceback is in {saved}" if saved else "the traceback could not be saved"
-            self._fail(as_json, type(e).__name__,
-                       f"internal error: {cause}. This is a bug in reprokit (or an unexpected error from your code); "
-                       f"{where}; please include it in a bug report.",
-                       EXIT_INTERNAL, internal=True, traceback=str(saved) if saved else None)
+            self._internal(as_json, e)
         finally:
             _json_out.pop()
         sys.exit(rv if isinstance(rv, int) else 0)
+
+    def _internal(self, as_json: bool, e: Exception) -> None:
+        saved = _save_traceback(e)
+        cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        where = f"the traceback is in {saved}" if saved else "the traceback could not be saved"
+        self._fail(as_json, type(e).__name__,
+                   f"internal error: {cause}. This is a bug in reprokit (or an unexpected error from your code); "
+                   f"{where}; please include it in a bug report.",
+                   EXIT_INTERNAL, internal=True, traceback=str(saved) if saved else None)
 
     @staticmethod
     def _fail(as_json: bool, kind: str, message: str, code: int, show: Any = None, **fields: Any) -> None:

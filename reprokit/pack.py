@@ -169,8 +169,8 @@ def frameworks_needed(b: Bundle) -> dict[str, str | None]:
         seen.add(path)
         try:
             tree = ast.parse(path.read_text())
-        except (SyntaxError, UnicodeDecodeError, OSError):
-            continue
+        except (SyntaxError, ValueError, OSError, RecursionError, MemoryError):
+            continue  # (verify refuses code too deep to parse; a file it cannot parse names no framework here)
         for node in ast.walk(tree):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []

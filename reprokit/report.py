@@ -21,6 +21,7 @@ from reprokit.diagnose import findings
 from reprokit.errors import BundleError, ReprokitError
 from reprokit.hashing import open_regular
 from reprokit.signature import summary_line
+from reprokit.text import one_line
 
 NUMPY_DTYPES = frozenset(schema.ITEMSIZE) - {"BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
 """Safetensors dtypes numpy has (what ``safetensors.numpy`` loads)."""
@@ -482,8 +483,11 @@ def format_incident(d: dict[str, Any]) -> str:
 
 def format_verify(d: dict[str, Any]) -> str:
     """``reprokit verify``'s text: every problem, or ok (and the archive digest it matched); the origin note."""
+    # Every name and problem is a bundle's (or an archive's) text: printed as one line each, so that a file named
+    # "x\nBUNDLE: ok, every file matches the manifest" cannot print a line of its own.
+    bundle = one_line(str(d["bundle"]))
     if d["problems"]:
-        lines = [f"{d['bundle']}: {len(d['problems'])} problem(s)"]
+        lines = [f"{bundle}: {len(d['problems'])} problem(s)"]
         # Many unexpected files under one folder (a bundle or an output written into this one) read as one line.
         strays: dict[str, list[str]] = {}
         for p in d["problems"]:
@@ -495,15 +499,15 @@ def format_verify(d: dict[str, Any]) -> str:
             if p["problem"] == "unexpected file" and len(strays.get(top, [])) > 3 and "/" in p["file"]:
                 if top not in said:
                     said.add(top)
-                    lines.append(f"  {top}/: {len(strays[top])} unexpected files ({strays[top][0]}, ...; "
-                                 "--json lists each)")
+                    lines.append(f"  {one_line(top)}/: {len(strays[top])} unexpected files "
+                                 f"({one_line(strays[top][0])}, ...; --json lists each)")
                 continue
             extra = "".join(f", {k} {p[k]}" for k in ("expected", "found") if k in p)
-            lines.append(f"  {p['file']}: {p['problem']}{extra}")
+            lines.append(one_line(f"  {one_line(str(p['file']))}: {p['problem']}{extra}"))
     else:
-        lines = [f"{d['bundle']}: ok, every file matches the manifest"
+        lines = [f"{bundle}: ok, every file matches the manifest"
                  + (f"; archive sha256 matches {d['origin']}" if d.get("origin") else "")]
-    lines += [f"  referenced {x['file']}: {x['status']}" for x in d.get("referenced") or []]
+    lines += [one_line(f"  referenced {x['file']}: {x['status']}") for x in d.get("referenced") or []]
     if d.get("note"):
         lines.append(f"note: {d['note']}")
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from reprokit.bundle import (
     Bundle,
     BundleWriter,
     StepRecord,
+    claimed_output,
     jsonable,
     open_bundle,
     part_sizes,
@@ -380,7 +381,7 @@ def _failed(out: RunOutcome | dict) -> bool:
 
 
 def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: dict[str, Any],
-               outcome: RunOutcome | None, provenance: dict[str, Any]) -> Path:
+               outcome: RunOutcome | None, provenance: dict[str, Any], exact: bool = False) -> Path:
     """Write ``case`` as an ordinary bundle (manifest, checksums) next to its source's code and env."""
     src: Bundle = session.bundle
     run = copy.deepcopy(src.run)
@@ -397,7 +398,7 @@ def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: 
         records.append(StepRecord(inp.step, tree, {**tensors, **inp.rng_tensors}, inp.rng, losses.get(inp.step)))
     snap_tree, snap_tensors = case.snapshot
     snap_tree = {**snap_tree, "step": steps[0]}
-    return write_bundle(BundleWriter(out_dir, name), failure=failure, run=run, env=src.env,
+    return write_bundle(BundleWriter(out_dir, name, exact=exact), failure=failure, run=run, env=src.env,
                         state=(snap_tree, snap_tensors), steps=records, code=code_replayed(session))
 
 
@@ -448,7 +449,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
     if output.exists() and any(output.iterdir()):
         raise ReprokitError(f"{output} already exists and is not empty; pick another -o or remove it")
     src = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
-    with Session(src, device=device, code=code) as session:
+    with claimed_output(output), Session(src, device=device, code=code) as session:
         inputs = tuple(session.inputs())
         first = inputs[-1].batch
         n = batch_size(first)
@@ -506,11 +507,8 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             git = git_info(session.user_code) or {}
             provenance["code"] = {"shrunk_against": str(session.user_code), "git_commit": git.get("commit"),
                                   "git_dirty": git.get("dirty")}
-        output.parent.mkdir(parents=True, exist_ok=True)
-        if output.exists():
-            output.rmdir()
         written = write_case(session, best, output.parent, output.name, failure.to_json(),
-                             out if isinstance(out, RunOutcome) else None, provenance)
+                             out if isinstance(out, RunOutcome) else None, provenance, exact=True)
         disk = {**_disk_bytes(src.manifest, "before"), **_disk_bytes(json.loads((written / MANIFEST).read_text()),
                                                                          "after")}
         return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
