@@ -326,7 +326,7 @@ def _loss_lines(history: list[dict[str, Any]], window: dict[str, Any]) -> list[s
     if len(held) == len(history):
         header = f"losses   (last {len(losses)} of {len(history)})"
     else:
-        header = (f"losses   (last {len(losses)} of the {len(history)} the run recorded; this bundle holds "
+        header = (f"losses   (last {len(losses)} of {len(history)} recorded; this bundle holds "
                   f"{_n(window['steps'], 'step')}, marked *)")
     mark = len(held) != len(history)
     return [header] + [f"{'*' if mark and h in held else ' '} step {h['step']:>8}  "

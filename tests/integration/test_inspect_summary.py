@@ -41,7 +41,7 @@ def test_a_shrunk_bundle_says_which_of_the_runs_losses_it_holds(tmp_path):
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("losses"))
-    assert lines[i] == "losses   (last 12 of the 40 the run recorded; this bundle holds 1 step, marked *)"
+    assert lines[i] == "losses   (last 12 of 40 recorded; this bundle holds 1 step, marked *)"
     assert [line.startswith("* step") for line in lines[i + 1:i + 13]] == [False] * 11 + [True]
     assert lines[i + 12].startswith("* step       39")
     whole = CliRunner().invoke(main, ["inspect", str(bundle)]).output.splitlines()
