@@ -70,6 +70,10 @@ class _Tracer:
     frames: deque = field(default_factory=lambda: deque(maxlen=400))
     first: dict[str, Any] | None = None
     stack: list[tuple[str, list[str]]] = field(default_factory=list)
+    recorded: int = 0
+    """Frames recorded in all (``frames`` keeps the last 400)."""
+    forward_from: int = 0
+    """``recorded`` when the outermost forward now running began: the frames of the forward that raised."""
     out_of_range: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per embedding module that received ids outside its table in the step: the first one (see _out_of_range)."""
     backward: list[tuple[str, list[str]]] = field(default_factory=list)
@@ -86,6 +90,8 @@ class _Tracer:
 
     def _pre(self, name: str) -> Any:
         def hook(mod: torch.nn.Module, inputs: Any) -> None:
+            if not self.stack:  # a new forward (with accumulation, after the last micro-batch's backward)
+                self.forward_from = self.recorded
             self.stack.append((name, _shapes(inputs)))
             bad = _out_of_range(mod, inputs)
             if bad is not None:
@@ -118,6 +124,7 @@ class _Tracer:
                  "outputs": _stats(outputs),
                  "weights": _stats([p for p in mod.parameters(recurse=False)])}
         self.frames.append(frame)
+        self.recorded += 1
         out = frame["outputs"]
         if self.first is None and out is not None and out["nonfinite"]:
             self.first = {**frame, "index": len(self.frames) - 1,
@@ -198,7 +205,9 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
             "" if name == "<model>" else name)).__name__, "phase": phase, "received": shapes,
             "exception": f"{out.failure.exc_type}: {out.failure.message}",
             "out_of_range": tracer.out_of_range.get(name) if phase == "forward" else None}
-        result["frames"] = list(tracer.frames)[-keep:]
+        # Raised in a forward: the frames of that forward only, not the last micro-batch's backward before it.
+        since = min(keep, tracer.recorded - tracer.forward_from) if phase == "forward" else keep
+        result["frames"] = list(tracer.frames)[-since:] if since else []
         return result
     if out.failure is not None and out.failure.kind != "exception":
         origin = watch_step(s, inputs[-1], before, batch_size(inputs[-1].batch))[1]
