@@ -705,6 +705,7 @@ def bisect_precision(bundle: Path, device: str | None, code: Path | None, varian
                      **kw: Any) -> None:
     """Replay under fp32 / bf16 / fp16 autocast, TF32 on/off, each SDPA backend and
     deterministic algorithms: pass, fail, n/a or different_failure per variant, and the smallest fix.
+    fp32 / bf16 / fp16 say the dtypes they ran in; one that did not run in its dtype is not_applied.
 
     Exit 0; 1 when the recorded failure does not reproduce; 3 invalid bundle; 125 code does not
     import or state does not fit.

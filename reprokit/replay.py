@@ -16,7 +16,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -270,6 +270,9 @@ class Session:
                    code=self.user_code, source=bundle.path / "run.json")
         self.recorded = bundle.failure
         self.state: TrainState | None = None
+        self.after_restore: list[Callable[[TrainState], None]] = []
+        """Run at the end of every :meth:`restore`, in order: a change to the state that must outlive what restore
+        puts back (``bisect precision``'s fp32 upcast: restore casts parameters back to their recorded dtype)."""
 
     def __enter__(self) -> Session:
         try:
@@ -373,6 +376,8 @@ class Session:
         put_buffers(self.state.model, self._built_buffers if buffers is None else pytree.decode(buffers, tensors))
         restore_rng(tree["rng"], tensors, self.state.extra)
         self.monitor.load_state_dict(tree.get("monitor", {}))
+        for change in self.after_restore:
+            change(self.state)
 
     def _drop_preload(self) -> None:
         self._preload = None

@@ -301,18 +301,38 @@ def format_describe(d: dict[str, Any]) -> str:
     e = d["env"]
     git = e.get("git") or {}
     lines.append(f"env      python {e['python']}, torch {e['torch']}, cuda {e['cuda']}, "
-                 f"devices {e['devices'] or ['cpu']}" + (f", git {str(git.get('commit'))[:10]}"
-                                                        f"{' (dirty)' if git.get('dirty') else ''}" if git else ""))
+                 f"devices {e['devices'] or ['cpu']}" + (f", {_git_words(git)}" if git else ""))
     lines += _provenance_lines(d.get("provenance"))
     lines += _diagnosis_lines(d.get("diagnosis"))
     if d.get("checked"):
         lines.append(f"checked  {d['checked']}")
-    losses = d["losses"][-12:]
-    if losses:
-        lines.append(f"losses   (last {len(losses)} of {len(d['losses'])})")
-        lines += [f"  step {h['step']:>8}  loss {h['loss'] if h['loss'] is not None else '-':<24}"
-                  f"grad norm {h['grad_norm'] if h['grad_norm'] is not None else '-'}" for h in losses]
+    lines += _loss_lines(d["losses"], w)
     return "\n".join(lines)
+
+
+def _git_words(git: dict[str, Any]) -> str:
+    """``git 1a2b3c4d5e (dirty)``; a repository without a commit yet has no commit to name."""
+    commit = git.get("commit")
+    what = f"git {str(commit)[:10]}" if commit else "a git repository with no commits yet"
+    return what + (" (dirty)" if git.get("dirty") else "")
+
+
+def _loss_lines(history: list[dict[str, Any]], window: dict[str, Any]) -> list[str]:
+    """The last 12 recorded losses. The run's history reaches back before the window (a shrunk bundle keeps all of
+    it for one step), so when it does, the header says how many steps the bundle holds and marks them."""
+    losses = history[-12:]
+    if not losses:
+        return []
+    held = [h for h in history if window["start"] <= h["step"] <= window["end"]]
+    if len(held) == len(history):
+        header = f"losses   (last {len(losses)} of {len(history)})"
+    else:
+        header = (f"losses   (last {len(losses)} of {len(history)} recorded; this bundle holds "
+                  f"{_n(window['steps'], 'step')}, marked *)")
+    mark = len(held) != len(history)
+    return [header] + [f"{'*' if mark and h in held else ' '} step {h['step']:>8}  "
+                       f"loss {h['loss'] if h['loss'] is not None else '-':<24}"
+                       f"grad norm {h['grad_norm'] if h['grad_norm'] is not None else '-'}" for h in losses]
 
 
 def _n(count: int, noun: str) -> str:

@@ -36,6 +36,12 @@ class Case:
     def last(self) -> StepInput:
         return self.inputs[-1]
 
+    @property
+    def n_rows(self) -> int | None:
+        """Rows of the last batch: the count the rows pass kept once it ran (it knew the original's row dimension;
+        a cut batch of one row may be ambiguous to :func:`batch_size`), else :func:`batch_size`'s reading."""
+        return len(self.rows) if self.rows is not None else batch_size(self.last.batch)
+
     def key(self) -> str:
         h = hashlib.sha1(str(self.snap_id).encode())
         for inp in self.inputs:
@@ -49,7 +55,7 @@ class Case:
     def sort_key(self, pad_id: int = 0) -> tuple[int, int, int, int, int]:
         """The one definition of "smaller": fewer steps, then rows, sequence, meaningful tokens, elements."""
         b = self.last.batch
-        n = batch_size(b)
+        n = self.n_rows
         s = seq_len(b, n)
         elements = sum(t.numel() for t in _tensors(b))
         return (len(self.inputs), n or 0, s or 0, len(token_positions(b, pad_id)), elements)
@@ -94,10 +100,15 @@ def _vote(node: Any, weight: float, votes: dict[int, float]) -> None:
 
 def _per_sample(items: list | tuple, n: int | None) -> bool:
     """``items`` (``n`` of them, when given) are one entry per row: tensors or dicts, not all of them tensors
-    whose own leading dimension is the number of rows (``(x, y)`` is two batched tensors, not two samples)."""
+    whose own leading dimension is the number of rows (``(x, y)`` is two batched tensors, not two samples).
+
+    Guessing the row count (``n`` not given), tensors that all lead with 1 are a batch of one row: the ``(x, y)``
+    a shrink leaves, not two samples (read as two, the rows pass indexed past the one row it had kept)."""
     if (n is not None and len(items) != n) or not items:
         return False
     if not all(isinstance(v, (torch.Tensor, Mapping)) for v in items):
+        return False
+    if n is None and all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == 1 for v in items):
         return False
     rows = n if n is not None else len(items)
     return not all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == rows for v in items)

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from reprokit.search import ddmin, find_integer, shortest_window
-from reprokit.shrink.case import Case, batch_size, neutralise, select_rows, select_seq, seq_len, token_positions
+from reprokit.shrink.case import Case, neutralise, select_rows, select_seq, seq_len, token_positions
 
 if TYPE_CHECKING:
     from reprokit.shrink.shrinker import Shrinker
@@ -54,7 +54,7 @@ def steps(sh: Shrinker, case: Case) -> Case | None:
 def rows(sh: Shrinker, case: Case) -> Case | None:
     """Fewest rows of the failing batch (delta debugging over the batch dimension)."""
     batch = case.last.batch
-    n = batch_size(batch)
+    n = case.n_rows
     if not n or n < 2:
         return None
     origin = case.rows or tuple(range(n))
@@ -69,7 +69,7 @@ def rows(sh: Shrinker, case: Case) -> Case | None:
 def sequence(sh: Shrinker, case: Case) -> Case | None:
     """Shortest contiguous window along the sequence dimension (prefix and suffix trimmed by binary search)."""
     batch = case.last.batch
-    n = batch_size(batch)
+    n = case.n_rows
     s = seq_len(batch, n)
     if not s or s < 2:
         return None

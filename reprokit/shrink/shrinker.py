@@ -123,7 +123,7 @@ class ShrinkResult:
 
 def dims(case: Case, pad_id: int) -> dict[str, Any]:
     b = case.last.batch
-    n = batch_size(b)
+    n = case.n_rows
     return {"steps": len(case.inputs), "rows": n, "seq": seq_len(b, n), "tokens": len(token_positions(b, pad_id))}
 
 
@@ -218,7 +218,7 @@ class Shrinker:
         if snap is None:
             return None
         self.origin_checks += 1
-        _, origin = watch_step(self.session, case.last, snap[0], batch_size(case.last.batch))
+        _, origin = watch_step(self.session, case.last, snap[0], case.n_rows)
         self.steps_run += 1
         return origin
 
@@ -260,7 +260,7 @@ class Shrinker:
         snap = self.snapshot_at(case, len(case.inputs) - 1)
         if snap is None:
             return False
-        batch, n = case.last.batch, batch_size(case.last.batch)
+        batch, n = case.last.batch, case.n_rows
         row_ids = list(case.rows) if case.rows is not None else None
         control = self._control(case, row_ids)
         if control is not None and n is not None and row_ids is not None:
