@@ -76,7 +76,10 @@ def diagnosis(bundle: Bundle, batch: Any = None) -> dict[str, Any]:
         return {"step": None, "findings": [], "tables": None}
     batch = step_batch(bundle, step) if batch is None else batch
     tables = bundle.run.get("model")
-    return {"step": step, "findings": findings(batch, tables), "tables": tables}
+    # inspect runs no code: whether the state fails on any data is what shrink tested (a shrunk bundle carries it)
+    state_check = (bundle.run.get("provenance") or {}).get("state_check")
+    return {"step": step, "findings": findings(batch, tables), "tables": tables,
+            "state_check": state_check if isinstance(state_check, dict) else None}
 
 
 def batch_dump(bundle: Bundle, rows: list[int] | None = None, width: int = 64) -> dict[str, Any]:
@@ -331,6 +334,7 @@ def _provenance_lines(p: Any) -> list[str]:
         order = ["steps", "rows", "seq", "tokens"]
         keys = [k for k in order if k in before] + sorted(k for k in before if k not in order)
         lines.append("  before " + ", ".join(f"{k} {before[k]}" for k in keys if before[k] is not None))
+    lines += [f"  {line.strip()}" for line in _state_check_lines(p.get("state_check"))]
     if p.get("kept_rows") is not None:
         idx = p.get("dataset_indices")
         lines.append(f"  kept rows {p['kept_rows']} of the failing batch" + (f" (dataset indices {idx})" if idx else ""))
@@ -344,6 +348,13 @@ def _provenance_lines(p: Any) -> list[str]:
     return lines
 
 
+def _state_check_lines(check: Any) -> list[str]:
+    """Shrink's test of the state before blaming data: a verdict of ``state`` says no sample is to blame."""
+    if not isinstance(check, dict) or check.get("verdict") != "state":
+        return []
+    return ["  no data culprit: " + str(check.get("message"))]
+
+
 def _diagnosis_lines(diag: Any) -> list[str]:
     """The batch diagnosis: each finding, or a line saying the batch looks clean."""
     from reprokit.diagnose import summary
@@ -353,6 +364,10 @@ def _diagnosis_lines(diag: Any) -> list[str]:
     found = summary(diag.get("findings") or [])
     tables = diag.get("tables")
     checked = "" if tables else " (no embedding table sizes recorded: ids not checked)"
+    state = diag.get("state_check")
+    if isinstance(state, dict) and state.get("verdict") == "state":
+        return [f"data     the batch of step {diag['step']} is not the cause: {state.get('message')}"] + \
+            [f"  {line}" for line in found]
     if not found:
         return [f"data     the batch of step {diag['step']} shows no data fault{checked}"]
     return [f"data     the batch of step {diag['step']}{checked}:"] + [f"  {line}" for line in found]
@@ -530,6 +545,7 @@ def format_shrink(d: dict[str, Any]) -> str:
                          "the original start.")
             else:
                 grew += "its state is no larger than the source's; other files are (`reprokit inspect` lists them)."
+    lines += _state_check_lines(d.get("state_check"))
     if d["kept_rows"] is not None:
         lines.append(f"  kept rows {d['kept_rows']} of the failing batch"
                      + (f" (dataset indices {d['dataset_indices']})" if d["dataset_indices"] else ""))

@@ -98,3 +98,5 @@ def tokens(sh: Shrinker, case: Case) -> Case | None:
 
 # The one list. Order matters: fewer steps make every later replay cheaper.
 PASSES: dict[str, Pass] = {"steps": steps, "rows": rows, "sequence": sequence, "tokens": tokens}
+DATA_PASSES = frozenset({"rows", "sequence", "tokens"})
+"""The passes that cut the failing batch: skipped when the state fails on any data (they would name a row)."""

@@ -41,7 +41,8 @@ from reprokit.shrink.case import (
     seq_len,
     token_positions,
 )
-from reprokit.shrink.passes import PASSES
+from reprokit.shrink.culprit import STATE, check_state
+from reprokit.shrink.passes import DATA_PASSES, PASSES
 from reprokit.signature import Failure, message_template
 
 Progress = Callable[[str, int, str], None]
@@ -96,6 +97,9 @@ class ShrinkResult:
     disk: dict[str, int] = field(default_factory=dict)
     """Bytes on disk of the source and the result, all files and the state alone (``bytes_before``,
     ``bytes_after``, ``state_bytes_before``, ``state_bytes_after``; the manifests' sizes)."""
+    state_check: dict[str, Any] | None = None
+    """Whether the failing step fails from its start state on other steps' batches (see
+    :mod:`reprokit.shrink.culprit`); with the verdict ``state``, no row or dataset index is named."""
 
     def to_json(self) -> dict[str, Any]:
         return jsonable({
@@ -105,6 +109,7 @@ class ShrinkResult:
             **{f"{k}_after": v for k, v in self.after.items()},
             "kept_rows": self.kept_rows,
             "dataset_indices": self.dataset_indices,
+            "state_check": self.state_check,
             "seq_window": self.seq_window,
             "budget_exhausted": self.budget_exhausted,
             "different_failures": self.different_failures,
@@ -475,6 +480,10 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                                f"shrinking could not tell a smaller case that holds the bug from a lucky replay. "
                                f"{FLAKY_HINT}")
         before = dims(original, pad_id)
+        # Before any pass looks for rows to blame: does the failing step fail on other steps' data too?
+        checked = check_state(sh, original)
+        if checked.verdict == STATE:
+            passes = [p for p in passes if p not in DATA_PASSES]
         best, stats, exhausted = sh.run(original, passes)
         missed = sh.confirm(best, CONFIRM_TIMES) if best is not original else None
         if missed:
@@ -483,8 +492,9 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                                f"each of {CONFIRM_TIMES} more replays ({missed}); nothing was written. {FLAKY_HINT}")
         out = sh.outcome(best)
         failure = _failure_of(out)
-        kept = list(best.rows) if best.rows is not None and n and len(best.rows) < n else None
-        indices = dataset_indices(first, best.rows)
+        blamed = checked.verdict != STATE
+        kept = list(best.rows) if blamed and best.rows is not None and n and len(best.rows) < n else None
+        indices = dataset_indices(first, best.rows) if blamed else None
         window = list(best.seq) if best.seq else None
         provenance: dict[str, Any] = {
             "source_bundle": str(src.path),
@@ -496,7 +506,8 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             "origin_checks": sh.origin_checks,
             "origin_changed": sh.origin_changed,
             "confirm_runs": sh.confirm_runs,
-            "kept_rows": list(best.rows) if best.rows is not None else None,
+            "kept_rows": list(best.rows) if blamed and best.rows is not None else None,
+            "state_check": checked.to_json(),
             "dataset_indices": indices,
             "seq_window": window,
             "before": before,
@@ -515,7 +526,8 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                                                                          "after")}
         return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
                             time.perf_counter() - t0, exhausted, failure, sh.different_failures, sh.origin,
-                            sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"), disk)
+                            sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"), disk,
+                            checked.to_json())
 
 
 def _disk_bytes(manifest: dict[str, Any], when: str) -> dict[str, Any]:
