@@ -337,7 +337,7 @@ def _provenance_lines(p: Any) -> list[str]:
     lines += [f"  {line.strip()}" for line in _state_check_lines(p.get("state_check"))]
     if p.get("kept_rows") is not None:
         idx = p.get("dataset_indices")
-        lines.append(f"  kept rows {p['kept_rows']} of the failing batch" + (f" (dataset indices {idx})" if idx else ""))
+        lines.append(f"  kept {kept_rows(p['kept_rows'])} of the failing batch" + (f" (dataset indices {idx})" if idx else ""))
     if p.get("seq_window"):
         lo, hi = p["seq_window"]
         lines.append(f"  sequence window {lo}:{hi}")
@@ -346,6 +346,13 @@ def _provenance_lines(p: Any) -> list[str]:
         lines.append("  passes " + ", ".join(f"{k} {v.get('accepted')}/{v.get('runs')} accepted, "
                                              f"{_n(v.get('replays', 0), 'replay')}" for k, v in passes.items()))
     return lines
+
+
+def kept_rows(rows: list[Any]) -> str:
+    """``rows [3, 5]``, or for micro-batches (``[k, r]`` pairs) ``micro-batch 1 row 4, ...``."""
+    if rows and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rows):
+        return ", ".join(f"micro-batch {k} row {r}" for k, r in rows)
+    return f"rows {rows}"
 
 
 def _state_check_lines(check: Any) -> list[str]:
@@ -541,13 +548,13 @@ def format_shrink(d: dict[str, Any]) -> str:
                          "result carries that state itself, so it replays alone.")
             elif d.get("state_bytes_after", 0) > d.get("state_bytes_before", 0):
                 grew += ("it starts from a later state, which holds what the first snapshot did not have yet (an "
-                         "optimizer's moments, say); it replays fewer steps. `--passes rows,sequence,tokens` keeps "
+                         "optimizer's moments, say); it replays fewer steps. `--passes micro,rows,sequence,tokens` keeps "
                          "the original start.")
             else:
                 grew += "its state is no larger than the source's; other files are (`reprokit inspect` lists them)."
     lines += _state_check_lines(d.get("state_check"))
     if d["kept_rows"] is not None:
-        lines.append(f"  kept rows {d['kept_rows']} of the failing batch"
+        lines.append(f"  kept {kept_rows(d['kept_rows'])} of the failing batch"
                      + (f" (dataset indices {d['dataset_indices']})" if d["dataset_indices"] else ""))
     if d["seq_window"]:
         lines.append(f"  sequence window {d['seq_window'][0]}:{d['seq_window'][1]}")

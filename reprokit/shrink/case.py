@@ -27,8 +27,9 @@ class Case:
     inputs: tuple[StepInput, ...]
     snapshot: Snapshot
     snap_id: int
-    rows: tuple[int, ...] | None
-    """Positions, in the original failing batch, of the rows still in the last batch."""
+    rows: tuple[Any, ...] | None
+    """Positions, in the original failing batch, of the rows still in the last batch: ints, or ``(micro-batch,
+    row)`` pairs for a batch of micro-batches (see :mod:`reprokit.shrink.micro`)."""
     seq: tuple[int, int] | None
     """The original ``[lo, hi)`` the last batch's sequence window covers."""
 
@@ -49,8 +50,7 @@ class Case:
     def sort_key(self, pad_id: int = 0) -> tuple[int, int, int, int, int]:
         """The one definition of "smaller": fewer steps, then rows, sequence, meaningful tokens, elements."""
         b = self.last.batch
-        n = batch_size(b)
-        s = seq_len(b, n)
+        n, s = rows_and_seq(b)
         elements = sum(t.numel() for t in _tensors(b))
         return (len(self.inputs), n or 0, s or 0, len(token_positions(b, pad_id)), elements)
 
@@ -59,6 +59,17 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     from reprokit.pytree import leaves
 
     return [leaf for _, leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
+
+
+def rows_and_seq(batch: Any) -> tuple[int | None, int | None]:
+    """The number of rows and the sequence length; for micro-batches, the rows of all of them."""
+    from reprokit.shrink import micro
+
+    lay = micro.layout(batch)
+    if lay is not None:
+        return len(micro.units(batch, lay)), micro.seq_of(batch, lay)
+    n = batch_size(batch)
+    return n, seq_len(batch, n)
 
 
 def batch_size(batch: Any) -> int | None:

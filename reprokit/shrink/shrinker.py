@@ -30,12 +30,14 @@ from reprokit.code import child_env, entry_args, git_info, snapshot_files
 from reprokit.errors import DidNotReproduce, ReprokitError
 from reprokit.origin import Origin, same_origin, watch_step
 from reprokit.replay import RunOutcome, Session, StepInput, alone_hint
+from reprokit.shrink import micro
 from reprokit.shrink.case import (
     Case,
     Snapshot,
     batch_size,
     concat_rows,
     dataset_indices,
+    rows_and_seq,
     select_rows,
     select_seq,
     seq_len,
@@ -127,8 +129,8 @@ class ShrinkResult:
 
 def dims(case: Case, pad_id: int) -> dict[str, Any]:
     b = case.last.batch
-    n = batch_size(b)
-    return {"steps": len(case.inputs), "rows": n, "seq": seq_len(b, n), "tokens": len(token_positions(b, pad_id))}
+    n, s = rows_and_seq(b)
+    return {"steps": len(case.inputs), "rows": n, "seq": s, "tokens": len(token_positions(b, pad_id))}
 
 
 @dataclass
@@ -222,7 +224,9 @@ class Shrinker:
         if snap is None:
             return None
         self.origin_checks += 1
-        _, origin = watch_step(self.session, case.last, snap[0], batch_size(case.last.batch))
+        # Micro-batches run one forward each: rows of the origin's op are a micro-batch's, not the update's.
+        rows = None if micro.layout(case.last.batch) else batch_size(case.last.batch)
+        _, origin = watch_step(self.session, case.last, snap[0], rows)
         self.steps_run += 1
         return origin
 
@@ -235,7 +239,7 @@ class Shrinker:
         """
         assert self.reference is not None
         original, n0 = self.reference
-        if case.rows is None or len(case.rows) >= n0:
+        if case.rows is None or len(case.rows) >= n0 or micro.layout(original) is not None:
             return False
         kept = set(case.rows)
         others = [r for r in range(n0) if r not in kept]
@@ -266,6 +270,8 @@ class Shrinker:
             return False
         batch, n = case.last.batch, batch_size(case.last.batch)
         row_ids = list(case.rows) if case.rows is not None else None
+        if micro.layout(batch) is not None:
+            n = row_ids = None  # the origin's rows were not attributed (see find_origin): its place is compared
         control = self._control(case, row_ids)
         if control is not None and n is not None and row_ids is not None:
             merged = concat_rows(batch, n, control[1])
@@ -456,9 +462,10 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
     with Session(src, device=device, code=code) as session:
         inputs = tuple(session.inputs())
         first = inputs[-1].batch
-        n = batch_size(first)
-        s = seq_len(first, n)
-        original = Case(inputs, session.snapshot, 0, tuple(range(n)) if n else None, (0, s) if s else None)
+        lay = micro.layout(first)
+        n, s = rows_and_seq(first)
+        rows0 = micro.units(first, lay) if lay is not None else tuple(range(n)) if n else None
+        original = Case(inputs, session.snapshot, 0, rows0, (0, s) if s else None)
         sh = Shrinker(session, budget=budget, pad_id=pad_id, isolate=isolate, timeout=timeout, progress=progress)
         if not sh.test(original):
             out = sh.outcome(original)
@@ -494,7 +501,8 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         failure = _failure_of(out)
         blamed = checked.verdict != STATE
         kept = list(best.rows) if blamed and best.rows is not None and n and len(best.rows) < n else None
-        indices = dataset_indices(first, best.rows) if blamed else None
+        indices = None if not blamed else micro.indices(first, lay, best.rows) \
+            if lay is not None and best.rows is not None else dataset_indices(first, best.rows)
         window = list(best.seq) if best.seq else None
         provenance: dict[str, Any] = {
             "source_bundle": str(src.path),
