@@ -553,6 +553,8 @@ def format_shrink(d: dict[str, Any]) -> str:
             else:
                 grew += "its state is no larger than the source's; other files are (`reprokit inspect` lists them)."
     lines += _state_check_lines(d.get("state_check"))
+    if d.get("rows_ambiguous"):
+        lines.append(f"  rows not cut: {d['rows_ambiguous']}")
     if d["kept_rows"] is not None:
         lines.append(f"  kept {kept_rows(d['kept_rows'])} of the failing batch"
                      + (f" (dataset indices {d['dataset_indices']})" if d["dataset_indices"] else ""))

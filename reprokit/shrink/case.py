@@ -68,6 +68,8 @@ def rows_and_seq(batch: Any) -> tuple[int | None, int | None]:
     lay = micro.layout(batch)
     if lay is not None:
         return len(micro.units(batch, lay)), micro.seq_of(batch, lay)
+    if micro.ambiguous(batch):
+        return None, None
     n = batch_size(batch)
     return n, seq_len(batch, n)
 

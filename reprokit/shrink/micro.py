@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from reprokit import pytree
-from reprokit.shrink.case import INDEX_NAMES, batch_size, select_rows, select_seq, seq_len
+from reprokit.shrink.case import INDEX_NAMES, TOKEN_DTYPES, batch_size, select_rows, select_seq, seq_len
 
 MICRO = "micro"
 """The key of the micro-batch list (``reprokit.integrations.transformers.MICRO``)."""
@@ -49,6 +49,26 @@ def layout(batch: Any) -> Layout | None:
     paths = frozenset(p for p, leaf in pytree.leaves(batch)
                       if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and tuple(leaf.shape[:2]) == lead)
     return Layout("stacked", paths)
+
+
+def ambiguous(batch: Any) -> str | None:
+    """Why the batch's row dimension cannot be told, or None: 3-D token ids (``[accum, B, T]``
+    or ``[B, T, K]``?) with no dataset index leaf to say which dimensions are the rows."""
+    if layout(batch) is not None:
+        return None
+    found = pytree.leaves(batch)
+    if any(path.rsplit("/", 1)[-1] in INDEX_NAMES and isinstance(leaf, torch.Tensor) and leaf.dim() == 1
+           for path, leaf in found):
+        return None  # a [B] index: rows are dim 0
+    for path, leaf in found:
+        # exactly 3-D: a 4-D integer leaf is a position-by-position mask [B, heads, T, T]; masks are not ids
+        if isinstance(leaf, torch.Tensor) and leaf.dtype in TOKEN_DTYPES and leaf.dim() == 3 \
+                and "mask" not in path.rsplit("/", 1)[-1].lower():
+            return (f"{path} is {str(leaf.dtype).replace('torch.', '')}{list(leaf.shape)}: its rows may be dim 0, or "
+                    f"dims 0 and 1 (stacked micro-batches [accum, B, T]), and no dataset index leaf says which, so "
+                    f"rows and sequence were not cut; add a leaf named `index` of shape [accum, B] (or [B]) to the "
+                    f"batch to tell")
+    return None
 
 
 def stacked_index(batch: Any) -> torch.Tensor | None:

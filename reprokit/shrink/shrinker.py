@@ -99,6 +99,9 @@ class ShrinkResult:
     disk: dict[str, int] = field(default_factory=dict)
     """Bytes on disk of the source and the result, all files and the state alone (``bytes_before``,
     ``bytes_after``, ``state_bytes_before``, ``state_bytes_after``; the manifests' sizes)."""
+    rows_ambiguous: str | None = None
+    """Why rows and sequence were not cut: the batch's row dimension could not be told (see
+    :func:`reprokit.shrink.micro.ambiguous`)."""
     state_check: dict[str, Any] | None = None
     """Whether the failing step fails from its start state on other steps' batches (see
     :mod:`reprokit.shrink.culprit`); with the verdict ``state``, no row or dataset index is named."""
@@ -112,6 +115,7 @@ class ShrinkResult:
             "kept_rows": self.kept_rows,
             "dataset_indices": self.dataset_indices,
             "state_check": self.state_check,
+            "rows_ambiguous": self.rows_ambiguous,
             "seq_window": self.seq_window,
             "budget_exhausted": self.budget_exhausted,
             "different_failures": self.different_failures,
@@ -465,6 +469,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         lay = micro.layout(first)
         n, s = rows_and_seq(first)
         rows0 = micro.units(first, lay) if lay is not None else tuple(range(n)) if n else None
+        rows0 = None if micro.ambiguous(first) else rows0
         original = Case(inputs, session.snapshot, 0, rows0, (0, s) if s else None)
         sh = Shrinker(session, budget=budget, pad_id=pad_id, isolate=isolate, timeout=timeout, progress=progress)
         if not sh.test(original):
@@ -491,6 +496,9 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         checked = check_state(sh, original)
         if checked.verdict == STATE:
             passes = [p for p in passes if p not in DATA_PASSES]
+        ambiguity = micro.ambiguous(first)
+        if ambiguity:  # cutting along a guessed dimension would report rows that are not rows
+            passes = [p for p in passes if p not in ("micro", "rows", "sequence")]
         best, stats, exhausted = sh.run(original, passes)
         missed = sh.confirm(best, CONFIRM_TIMES) if best is not original else None
         if missed:
@@ -516,6 +524,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             "confirm_runs": sh.confirm_runs,
             "kept_rows": list(best.rows) if blamed and best.rows is not None else None,
             "state_check": checked.to_json(),
+            "rows_ambiguous": ambiguity,
             "dataset_indices": indices,
             "seq_window": window,
             "before": before,
@@ -535,7 +544,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
                             time.perf_counter() - t0, exhausted, failure, sh.different_failures, sh.origin,
                             sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"), disk,
-                            checked.to_json())
+                            state_check=checked.to_json(), rows_ambiguous=ambiguity)
 
 
 def _disk_bytes(manifest: dict[str, Any], when: str) -> dict[str, Any]:

@@ -108,3 +108,16 @@ def test_stacked_micro_batches_take_their_row_dimensions_from_the_index_leaf(pro
     assert d["kept_rows"] == [[k, row]] and d["dataset_indices"] == [index]
     small = json.loads(CliRunner().invoke(main, ["inspect", str(tmp_path / "small"), "--json"]).output)
     assert small["batch"]["index"]["shape"] == [1, 1] and small["batch"]["x"]["shape"][:2] == [1, 1]
+
+
+def test_stacked_micro_batches_without_an_index_leaf_are_said_to_be_ambiguous(projects, tmp_path):
+    lm = projects("rk_lm")
+    config = {"vocab": 32, "max_len": 16, "nan_token": 7}
+    _, exc = record(lm, config, lm.stacked_batches(config, 6, bad=(2, 2, 1), index=False), tmp_path / "repros",
+                    step=lm.stacked_step, snapshot_every=4)
+    d = shrink_json(bundle_of(exc), tmp_path / "small")
+    # [4, 4, 8] token ids: rows along dim 0 would call 4 micro-batches 4 rows and their rows a sequence.
+    assert "x is int64[4, 4, 8]: its rows may be dim 0, or dims 0 and 1" in d["rows_ambiguous"]
+    assert d["rows_before"] is None and d["seq_before"] is None and d["kept_rows"] is None
+    assert set(d["passes"]) == {"steps", "tokens"}
+    assert "rows not cut: x is int64[4, 4, 8]" in format_shrink(d)
