@@ -495,7 +495,7 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
               help="Directory for the shrunk bundle (must not exist, or be empty).")
 @click.option("--budget", default=300, show_default=True, type=click.IntRange(1),
               help="Most candidate replays to spend.")
-@click.option("--passes", default=",".join(["steps", "rows", "sequence", "tokens"]), show_default=True,
+@click.option("--passes", default=",".join(["steps", "micro", "rows", "sequence", "tokens"]), show_default=True,
               help="Comma-separated passes to run, in order.")
 @click.option("--pad-id", default=0, show_default=True, type=int,
               help="Neutral value for integer tensors in the tokens pass (your tokenizer's pad id).")

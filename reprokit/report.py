@@ -77,7 +77,10 @@ def diagnosis(bundle: Bundle, batch: Any = None) -> dict[str, Any]:
         return {"step": None, "findings": [], "tables": None}
     batch = step_batch(bundle, step) if batch is None else batch
     tables = bundle.run.get("model")
-    return {"step": step, "findings": findings(batch, tables), "tables": tables}
+    # inspect runs no code: whether the state fails on any data is what shrink tested (a shrunk bundle carries it)
+    state_check = (bundle.run.get("provenance") or {}).get("state_check")
+    return {"step": step, "findings": findings(batch, tables), "tables": tables,
+            "state_check": state_check if isinstance(state_check, dict) else None}
 
 
 def batch_dump(bundle: Bundle, rows: list[int] | None = None, width: int = 64) -> dict[str, Any]:
@@ -352,9 +355,10 @@ def _provenance_lines(p: Any) -> list[str]:
         order = ["steps", "rows", "seq", "tokens"]
         keys = [k for k in order if k in before] + sorted(k for k in before if k not in order)
         lines.append("  before " + ", ".join(f"{k} {before[k]}" for k in keys if before[k] is not None))
+    lines += [f"  {line.strip()}" for line in _state_check_lines(p.get("state_check"))]
     if p.get("kept_rows") is not None:
         idx = p.get("dataset_indices")
-        lines.append(f"  kept rows {p['kept_rows']} of the failing batch" + (f" (dataset indices {idx})" if idx else ""))
+        lines.append(f"  kept {kept_rows(p['kept_rows'])} of the failing batch" + (f" (dataset indices {idx})" if idx else ""))
     if p.get("seq_window"):
         lo, hi = p["seq_window"]
         lines.append(f"  sequence window {lo}:{hi}")
@@ -363,6 +367,20 @@ def _provenance_lines(p: Any) -> list[str]:
         lines.append("  passes " + ", ".join(f"{k} {v.get('accepted')}/{v.get('runs')} accepted, "
                                              f"{_n(v.get('replays', 0), 'replay')}" for k, v in passes.items()))
     return lines
+
+
+def kept_rows(rows: list[Any]) -> str:
+    """``rows [3, 5]``, or for micro-batches (``[k, r]`` pairs) ``micro-batch 1 row 4, ...``."""
+    if rows and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rows):
+        return ", ".join(f"micro-batch {k} row {r}" for k, r in rows)
+    return f"rows {rows}"
+
+
+def _state_check_lines(check: Any) -> list[str]:
+    """Shrink's test of the state before blaming data: a verdict of ``state`` says no sample is to blame."""
+    if not isinstance(check, dict) or check.get("verdict") != "state":
+        return []
+    return ["  no data culprit: " + str(check.get("message"))]
 
 
 def _diagnosis_lines(diag: Any) -> list[str]:
@@ -374,6 +392,10 @@ def _diagnosis_lines(diag: Any) -> list[str]:
     found = summary(diag.get("findings") or [])
     tables = diag.get("tables")
     checked = "" if tables else " (no embedding table sizes recorded: ids not checked)"
+    state = diag.get("state_check")
+    if isinstance(state, dict) and state.get("verdict") == "state":
+        return [f"data     the batch of step {diag['step']} is not the cause: {state.get('message')}"] + \
+            [f"  {line}" for line in found]
     if not found:
         return [f"data     the batch of step {diag['step']} shows no data fault{checked}"]
     return [f"data     the batch of step {diag['step']}{checked}:"] + [f"  {line}" for line in found]
@@ -550,12 +572,15 @@ def format_shrink(d: dict[str, Any]) -> str:
                          "result carries that state itself, so it replays alone.")
             elif d.get("state_bytes_after", 0) > d.get("state_bytes_before", 0):
                 grew += ("it starts from a later state, which holds what the first snapshot did not have yet (an "
-                         "optimizer's moments, say); it replays fewer steps. `--passes rows,sequence,tokens` keeps "
+                         "optimizer's moments, say); it replays fewer steps. `--passes micro,rows,sequence,tokens` keeps "
                          "the original start.")
             else:
                 grew += "its state is no larger than the source's; other files are (`reprokit inspect` lists them)."
+    lines += _state_check_lines(d.get("state_check"))
+    if d.get("rows_ambiguous"):
+        lines.append(f"  rows not cut: {d['rows_ambiguous']}")
     if d["kept_rows"] is not None:
-        lines.append(f"  kept rows {d['kept_rows']} of the failing batch"
+        lines.append(f"  kept {kept_rows(d['kept_rows'])} of the failing batch"
                      + (f" (dataset indices {d['dataset_indices']})" if d["dataset_indices"] else ""))
     if d["seq_window"]:
         lines.append(f"  sequence window {d['seq_window'][0]}:{d['seq_window'][1]}")

@@ -27,8 +27,9 @@ class Case:
     inputs: tuple[StepInput, ...]
     snapshot: Snapshot
     snap_id: int
-    rows: tuple[int, ...] | None
-    """Positions, in the original failing batch, of the rows still in the last batch."""
+    rows: tuple[Any, ...] | None
+    """Positions, in the original failing batch, of the rows still in the last batch: ints, or ``(micro-batch,
+    row)`` pairs for a batch of micro-batches (see :mod:`reprokit.shrink.micro`)."""
     seq: tuple[int, int] | None
     """The original ``[lo, hi)`` the last batch's sequence window covers."""
 
@@ -38,9 +39,14 @@ class Case:
 
     @property
     def n_rows(self) -> int | None:
-        """Rows of the last batch: the count the rows pass kept once it ran (it knew the original's row dimension;
-        a cut batch of one row may be ambiguous to :func:`batch_size`), else :func:`batch_size`'s reading."""
-        return len(self.rows) if self.rows is not None else batch_size(self.last.batch)
+        """Rows of the last batch (``(micro-batch, row)`` pairs for a batch of micro-batches): the count the rows
+        pass kept once it ran (it knew the original's row dimension; a cut batch of one row may be ambiguous to
+        :func:`batch_size`), else :func:`rows_and_seq`'s reading (None when the row dimension cannot be told)."""
+        return self.rows_and_seq()[0]
+
+    def rows_and_seq(self) -> tuple[int | None, int | None]:
+        """:attr:`n_rows` and the sequence length read with it (see :func:`rows_and_seq`)."""
+        return rows_and_seq(self.last.batch, len(self.rows) if self.rows is not None else None)
 
     def key(self) -> str:
         h = hashlib.sha1(str(self.snap_id).encode())
@@ -55,8 +61,7 @@ class Case:
     def sort_key(self, pad_id: int = 0) -> tuple[int, int, int, int, int]:
         """The one definition of "smaller": fewer steps, then rows, sequence, meaningful tokens, elements."""
         b = self.last.batch
-        n = self.n_rows
-        s = seq_len(b, n)
+        n, s = self.rows_and_seq()
         elements = sum(t.numel() for t in _tensors(b))
         return (len(self.inputs), n or 0, s or 0, len(token_positions(b, pad_id)), elements)
 
@@ -65,6 +70,24 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     from reprokit.pytree import leaves
 
     return [leaf for _, leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
+
+
+def rows_and_seq(batch: Any, n: int | None = None) -> tuple[int | None, int | None]:
+    """The number of rows and the sequence length; for micro-batches, the rows of all of them. ``(None, None)``
+    when the row dimension cannot be told (:func:`reprokit.shrink.micro.ambiguous`).
+
+    ``n``: the row count when it is known (:attr:`Case.n_rows`: what the rows pass kept), else it is read from
+    the batch (:func:`batch_size`, or the micro-batches' rows).
+    """
+    from reprokit.shrink import micro
+
+    lay = micro.layout(batch)
+    if lay is not None:
+        return (n if n is not None else len(micro.units(batch, lay))), micro.seq_of(batch, lay)
+    if micro.ambiguous(batch):
+        return None, None
+    n = n if n is not None else batch_size(batch)
+    return n, seq_len(batch, n)
 
 
 def batch_size(batch: Any) -> int | None:
