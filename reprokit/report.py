@@ -487,7 +487,7 @@ def plot_title(bundle: Bundle) -> str:
     p = bundle.run.get("provenance")
     if isinstance(p, dict) and p.get("kept_rows") is not None:
         idx = p.get("dataset_indices")
-        title += f"\nshrunk: kept rows {p['kept_rows']} of the failing batch" + (
+        title += f"\nshrunk: kept {kept_rows(p['kept_rows'])} of the failing batch" + (
             f" (dataset indices {idx})" if idx else "")
     return title
 

@@ -591,7 +591,21 @@ def _check_provenance(f: _File, p: Any) -> None:
             f.obj(p[k], _join("provenance", k))
     if p.get("kept_rows") is not None:
         for i, r in enumerate(f.lst(p["kept_rows"], "provenance.kept_rows")):
-            f.integer(r, f"provenance.kept_rows[{i}]")
+            if isinstance(r, list):  # a batch of micro-batches: [micro-batch, row] (reprokit.shrink.micro)
+                if len(r) != 2:
+                    raise f.fail(f"provenance.kept_rows[{i}]", f"must be a row or [micro-batch, row], got {len(r)} "
+                                                               "value(s)")
+                for j, x in enumerate(r):
+                    f.integer(x, f"provenance.kept_rows[{i}][{j}]")
+            else:
+                f.integer(r, f"provenance.kept_rows[{i}]")
+    if p.get("state_check") is not None:
+        check = f.obj(p["state_check"], "provenance.state_check")
+        for k in ("verdict", "message", "reason"):
+            if k in check:
+                f.string(check[k], _join("provenance.state_check", k), null=k != "verdict")
+    if "rows_ambiguous" in p:
+        f.string(p["rows_ambiguous"], "provenance.rows_ambiguous", null=True)
     if p.get("dataset_indices") is not None:
         f.lst(p["dataset_indices"], "provenance.dataset_indices")
     if p.get("seq_window") is not None:

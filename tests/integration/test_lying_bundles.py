@@ -155,7 +155,9 @@ def test_a_parameter_stored_as_an_integer_is_an_invalid_bundle(bundle, dtype):
     ({"passes": {"rows": 5}}, "provenance.passes.rows must be an object"),
     ([1, 2], "provenance must be an object"),
     ({"kept_rows": "0,1"}, "provenance.kept_rows must be a list"),
-], ids=["seq-window-of-one", "pass-stats-number", "list", "rows-string"])
+    ({"kept_rows": [[1, 2, 3]]}, "provenance.kept_rows[0] must be a row or [micro-batch, row]"),
+    ({"state_check": "state"}, "provenance.state_check must be an object"),
+], ids=["seq-window-of-one", "pass-stats-number", "list", "rows-string", "micro-row-triple", "state-check-string"])
 def test_provenance_is_held_to_its_schema(bundle, provenance, words):
     edit_run(bundle, lambda run: run.__setitem__("provenance", provenance))
     for cmd in ("inspect", "replay"):
