@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from reprokit import pytree
-from reprokit.shrink.case import INDEX_NAMES, TOKEN_DTYPES, batch_size, select_rows, select_seq, seq_len
+from reprokit.shrink.case import INDEX_NAMES, TOKEN_DTYPES, batch_size, dataset_indices, select_rows, select_seq, seq_len
 
 MICRO = "micro"
 """The key of the micro-batch list (``reprokit.integrations.transformers.MICRO``)."""
@@ -131,15 +131,14 @@ def seq_of(batch: Any, lay: Layout) -> int | None:
 
 
 def indices(batch: Any, lay: Layout, rows: tuple[tuple[int, int], ...]) -> list[Any] | None:
-    """Each kept row's dataset index, read from its own micro-batch."""
+    """Each kept row's dataset index, read from its own micro-batch (:func:`dataset_indices` of that one)."""
     micros = split(batch, lay)
     out = []
     for k, r in rows:
-        values = next((leaf.tolist() if isinstance(leaf, torch.Tensor) else leaf
-                       for path, leaf in pytree.leaves(micros[k]) if path.rsplit("/", 1)[-1] in INDEX_NAMES), None)
-        if not isinstance(values, list) or r >= len(values):
+        found = dataset_indices(micros[k], (r,))
+        if found is None:
             return None
-        out.append(values[r])
+        out.append(found[0])
     return out
 
 
