@@ -462,8 +462,11 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
 
     For an archive: its sha256 (from --sha256 or BUNDLE.sha256 beside it), then
     every member and the whole stream, then the manifests of what it holds
-    (every file, repro.py and the runtime included). Every problem is listed.
-    Exit 3 if the format is newer than this reprokit reads.
+    (every file, repro.py and the runtime included). Files reprokit generates
+    (extract/op_repro.py, code/rk_extract.py; an archive's repro.py, README.md and
+    runtime) must be what this reprokit writes, unless --accept-generated (each
+    accepted one is still listed); a file beyond the bundle layout is a problem.
+    Every problem is listed. Exit 3 if the format is newer than this reprokit reads.
     """
     from reprokit.archive import digest_source, is_archive
     from reprokit.bundle import MANIFEST
