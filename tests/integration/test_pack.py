@@ -392,12 +392,14 @@ def test_an_edited_repro_py_in_a_repacked_archive_is_caught(nan_bundle, tmp_path
     assert code == 1 and any(p["file"].endswith("/repro.py") and "not covered by any manifest" in p["problem"]
                              for p in d["problems"]), d
 
-    # Re-signed consistently: nothing inside can tell, so verify says the origin was not checked...
+    # Re-signed consistently: the manifests cannot tell, but repro.py is not what this reprokit packs...
     resigned = _repack(out, tmp_path / "resigned.tar.gz", lambda top: (_evil(top), _resign(top)))
     code, d = _verify(resigned)
-    assert code == 0 and not d["origin_checked"] and "origin not checked" in d["note"]
-    human = CliRunner().invoke(main, ["verify", str(resigned)])
-    assert "origin not checked" in human.output
+    assert code == 1 and [p["file"] for p in d["problems"]] == ["repro.py"], d
+    assert "differs from what this reprokit" in d["problems"][0]["problem"]
+    # ... accepted explicitly, it passes, with the note that its origin was not checked...
+    human = CliRunner().invoke(main, ["verify", "--accept-generated", str(resigned)])
+    assert human.exit_code == 0 and "origin not checked" in human.output and "accepted" in human.output, human.output
     # ... and the .sha256 the sender shipped catches it.
     (tmp_path / "resigned.tar.gz.sha256").write_bytes((out.parent / "repro.tar.gz.sha256").read_bytes())
     code, d = _verify(resigned)
