@@ -27,7 +27,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reprokit import hashing, pytree, schema
+from reprokit import generated, hashing, pytree, schema
 from reprokit._version import __version__
 from reprokit.errors import BundleError, BundleVersionError
 from reprokit.signature import Failure
@@ -740,6 +740,10 @@ def _verify(path: Path, hash_tensors: bool) -> tuple[dict[str, Any] | None, list
                                                      "(replay never runs compiled or native code in place of the "
                                                      "source it shows)"})
     problems += _code_problems(path, listed, {p["file"] for p in problems})
+    problems += _layout_problems(listed, {p["file"] for p in problems})
+    reported = {p["file"] for p in problems}
+    problems += generated.bundle_problems(path, {rel: meta for rel, meta in listed.items() if rel not in reported},
+                                          manifest.get("reprokit_version"))
     for rel, link, folder in _entries(path, problems):
         if rel in listed and link:
             continue  # reported above
@@ -758,6 +762,21 @@ def _verify(path: Path, hash_tensors: bool) -> tuple[dict[str, Any] | None, list
         problems += [{k: v for k, v in x.items() if k != "status"}
                      for x in replicated.check(path, ref, hash_tensors=hash_tensors) if x["status"] != "ok"]
     return manifest, problems
+
+
+LAYOUT = (re.compile(r"(failure|run|env)\.json"), re.compile(r"state/(state|replicated)\.json"),
+          schema.STATE_FILE, re.compile(r"state/rng\.safetensors"), schema.STEP_FILE, re.compile(r"code/.+\.py"),
+          re.compile(r"extract/op\.(json|safetensors)"), re.compile(re.escape(generated.OP_REPRO)))
+"""Every file a bundle may list (the manifest itself is never listed): what any reprokit writes."""
+
+
+def _layout_problems(listed: dict[str, Any], skip: set[str]) -> list[dict[str, Any]]:
+    """Files the manifest lists that no reprokit writes (``notes.txt``, ``extract/run_me.sh``): no command reads
+    them, but ``pack`` would ship them and a reader could take them for reprokit's. Problems, like a file the
+    manifest does not list."""
+    return [{"file": rel, "problem": "not part of the bundle layout (no reprokit writes this file; see the bundle "
+                                     "layout in the README): remove it and re-record, or ask the sender"}
+            for rel in sorted(listed) if rel not in skip and not any(r.fullmatch(rel) for r in LAYOUT)]
 
 
 def _code_problems(path: Path, listed: dict[str, Any], skip: set[str]) -> list[dict[str, Any]]:

@@ -252,12 +252,29 @@ def _new_folder(ctx: click.Context, param: click.Parameter, value: Path | None) 
     return _writable(ctx, param, value)
 
 
+def _accept_generated(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """``--accept-generated``: for the rest of the command, generated files that differ are not problems."""
+    if value:
+        from reprokit.generated import accepting
+
+        ctx.with_resource(accepting())
+
+
+accept_generated_opt = click.option(
+    "--accept-generated", is_flag=True, expose_value=False, callback=_accept_generated,
+    help="Accept generated files (extract/op_repro.py, code/rk_extract.py; an archive's repro.py, README.md and "
+         "reprokit/ runtime) that differ from what this reprokit writes: written by another version, or edited. "
+         "They run when the bundle's instructions are followed: read them first.")
+
+
 def archive_opts(fn: Any) -> Any:
-    """Options for opening a packed archive (.tar or .tar.gz): its digest and the extraction caps."""
+    """Options for opening a packed archive (.tar or .tar.gz): its digest and the extraction caps; and
+    --accept-generated."""
     from reprokit.archive import Limits
 
     d = Limits()
     opts = [
+        accept_generated_opt,
         click.option("--sha256", default=None, callback=_sha256_option,
                      help="Expected sha256 of an archive (default: read BUNDLE.sha256 beside it, if there is one)."),
         click.option("--max-members", default=d.max_members, show_default=True, type=click.IntRange(1),
@@ -445,24 +462,30 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
 
     For an archive: its sha256 (from --sha256 or BUNDLE.sha256 beside it), then
     every member and the whole stream, then the manifests of what it holds
-    (every file, repro.py and the runtime included). Every problem is listed.
-    Exit 3 if the format is newer than this reprokit reads.
+    (every file, repro.py and the runtime included). Files reprokit generates
+    (extract/op_repro.py, code/rk_extract.py; an archive's repro.py, README.md and
+    runtime) must be what this reprokit writes, unless --accept-generated (each
+    accepted one is still listed); a file beyond the bundle layout is a problem.
+    Every problem is listed. Exit 3 if the format is newer than this reprokit reads.
     """
     from reprokit.archive import digest_source, is_archive
     from reprokit.bundle import MANIFEST
     from reprokit.bundle import verify as verify_bundle
     from reprokit.errors import BundleError
+    from reprokit.generated import accepted, differences
 
     origin = digest_source(bundle, kw["sha256"]) if is_archive(bundle) else None
     from reprokit.bundle import folder_of_bundles
 
     parent = folder_of_bundles(bundle)
+    diffs: list[dict[str, Any]] = []
     try:
         if parent:  # listed as the problem (exit 1), as for any folder that is not a bundle
             problems = [{"file": MANIFEST, "problem": f"missing: {parent}"}]
         else:
             with _open(bundle, kw) as path:
                 problems = verify_bundle(path)
+                diffs = differences(path) if accepted() else []  # what --accept-generated let through, listed
     except BundleError as e:
         if not e.problems:
             raise
@@ -472,6 +495,8 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
         note = ("origin not checked: no --sha256 given and no .sha256 beside the archive; the manifests prove "
                 "it is consistent, not who made it. Compare with a sha256 you received separately.")
     d: dict[str, Any] = {"bundle": str(bundle), "ok": not problems, "problems": problems}
+    if accepted() and not problems:
+        d["accepted"] = diffs
     if bundle.is_dir():
         from reprokit.distributed.replicated import referenced
 
@@ -546,6 +571,7 @@ def _archive_name(ctx: click.Context, param: click.Parameter, value: Path | None
               help="The archive to write: OUTPUT.tar (uncompressed, fast) or OUTPUT.tar.gz (gzip, much slower: float "
                    "tensors barely compress); OUTPUT.sha256 is written beside it.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT (and its .sha256) if it exists.")
+@accept_generated_opt
 @json_opt
 def pack(bundle: Path, output: Path, force: bool, as_json: bool) -> None:
     """Pack BUNDLE into a deterministic tarball that replays with only torch, numpy and safetensors.

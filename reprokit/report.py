@@ -550,6 +550,8 @@ def format_verify(d: dict[str, Any]) -> str:
         lines = [f"{bundle}: ok, every file matches the manifest"
                  + (f"; archive sha256 matches {d['origin']}" if d.get("origin") else "")]
     lines += [one_line(f"  referenced {x['file']}: {x['status']}") for x in d.get("referenced") or []]
+    lines += [one_line(f"  accepted (--accept-generated) {one_line(str(x['file']))}: {x['problem']}")
+              for x in d.get("accepted") or []]
     if d.get("note"):
         lines.append(f"note: {d['note']}")
     return "\n".join(lines)
