@@ -632,6 +632,10 @@ def extracted(path: Path, *, sha256: str | None = None, limits: Limits | None = 
                               [{"file": file, "problem": f"extraction stopped: {e}"}]) from None
         bundle = _find_bundle(tmp)
         problems = _coverage(tmp, bundle, files)
+        if not problems:  # consistent: then what runs beside the bundle must be what this reprokit packs
+            from reprokit.generated import archive_problems
+
+            problems = archive_problems(bundle)
         if problems:
             problems += verify(bundle)  # every problem, not only the archive-level ones
             raise BundleError(_summary(path, problems, "its files do not match its manifests"), problems)

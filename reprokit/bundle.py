@@ -8,6 +8,7 @@ them before it loads anything, and nothing is ever unpickled.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import hashlib
 import json
 import math
@@ -18,14 +19,15 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reprokit import hashing, pytree, schema
+from reprokit import generated, hashing, pytree, schema
 from reprokit._version import __version__
 from reprokit.errors import BundleError, BundleVersionError
 from reprokit.signature import Failure
@@ -160,9 +162,12 @@ class BundleWriter:
         ...     w.write_json("run.json", {...}); w.commit()
     """
 
-    def __init__(self, out_dir: Path, name: str):
+    def __init__(self, out_dir: Path, name: str, *, exact: bool = False):
+        """``exact``: commit to ``out_dir/name`` or fail (an output the user named: ``shrink -o``), never to
+        ``name-1`` beside it."""
         self.out_dir = Path(out_dir)
         self.final = self.out_dir / name
+        self.exact = exact
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.tmp = self.out_dir / f"{TMP_PREFIX}{name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir()
@@ -308,21 +313,39 @@ class BundleWriter:
             self.files.pop(MANIFEST)
             _fsync_dir(self.tmp)
             self._check_in_place(listed)  # a cleanup racing the manifest write shows here
-            final = self.final
-            n = 1
-            while final.exists():
-                final = self.final.with_name(f"{self.final.name}-{n}")
-                n += 1
-            try:
-                os.replace(self.tmp, final)
-            except FileNotFoundError:
-                raise self._vanished() from None
+            final = self._rename_into_place()
         except BaseException:
             self.abort()
             raise
         self.committed = final
         _fsync_dir(self.out_dir)
         return final
+
+    def _rename_into_place(self) -> Path:
+        """Rename the temp dir to the bundle's name, or (taken) to ``name-1``, ``name-2``, ...; with ``exact``, to the
+        name alone (an empty folder there is replaced: the output folder the user made).
+
+        Checking a name is free and then renaming is a race: two recorders sharing an out_dir that fail at the same
+        step in the same second both see ``name`` free. The rename itself decides: onto a folder that is not empty it
+        fails (ENOTEMPTY/EEXIST), and the next name is tried, so neither bundle is lost."""
+        n = 0
+        while True:
+            final = self.final if n == 0 else self.final.with_name(f"{self.final.name}-{n}")
+            n += 1
+            if not self.exact and (final.exists() or final.is_symlink()):
+                continue
+            try:
+                os.rename(self.tmp, final)
+                return final
+            except FileNotFoundError:
+                raise self._vanished() from None
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                    raise
+                if self.exact:
+                    raise BundleError(f"{final} was created by something else while this bundle was written (another "
+                                      "reprokit command with the same output?); nothing was written there. Name a "
+                                      "new folder and run again.") from None
 
     def _check_in_place(self, files: dict[str, dict[str, Any]]) -> None:
         wrong = []
@@ -405,6 +428,53 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+CLAIM_SUFFIX = ".reprokit-writing"
+
+
+@contextmanager
+def claimed_output(path: Path) -> Iterator[None]:
+    """Take the output folder ``path`` for this process before any work (``shrink -o``, ``extract -o``): a hidden
+    ``.NAME.reprokit-writing`` file beside it, created atomically (``O_EXCL``), says which process writes it.
+
+    Two commands given the same ``-o`` at once: the second is refused here, before its run, instead of finding the
+    name taken after it (or writing ``NAME-1``). A claim whose writer is gone from this host is taken over.
+
+    Raises:
+        ReprokitError: another live process claimed ``path`` (exit 2: name another folder).
+    """
+    from reprokit.errors import ReprokitError
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    claim = path.parent / f".{path.name}{CLAIM_SUFFIX}"
+    tag = _owner_tag()
+    for _ in range(3):
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = claim.read_text()[:200]
+            except OSError:
+                owner = ""
+            m = re.fullmatch(r"pid(\d+)\.(\d+)-on-([A-Za-z0-9]*)", owner)
+            if m and m[3] == _host() and not _alive(int(m[1]), int(m[2])):
+                claim.unlink(missing_ok=True)  # its writer died: take it over
+                continue
+            who = f"process {m[1]} on {m[3] or '?'}" if m else "another process"
+            raise ReprokitError(f"{path} is being written by {who} (another reprokit command was given the same "
+                                f"output: {claim} says so); name another folder, or wait for it to finish. If no "
+                                f"such command runs, remove {claim}.") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(tag)
+        break
+    else:
+        raise ReprokitError(f"{claim} keeps reappearing; name another output folder")
+    try:
+        yield
+    finally:
+        claim.unlink(missing_ok=True)
 
 
 # --- leftovers of killed writers ------------------------------------------------
@@ -514,7 +584,7 @@ def remove_leftovers(out_dir: str | Path, *, dry_run: bool = False,
     for x in found:
         if x.removable and not dry_run:
             try:
-                shutil.rmtree(x.path)
+                remove_tree(x.path)
                 x.removed = True
             except OSError as e:
                 x.error = f"{type(e).__name__}: {e}"
@@ -522,18 +592,76 @@ def remove_leftovers(out_dir: str | Path, *, dry_run: bool = False,
 
 
 def _du(d: Path) -> tuple[int, float]:
-    """Total bytes under ``d`` and its newest mtime (symlinks not followed)."""
+    """Total bytes under ``d`` and its newest mtime (symlinks not followed; without recursion: ``os.walk`` recursed
+    once per level before Python 3.12, and a leftover nesting 3000 folders crashed ``gc``)."""
     size, newest = 0, d.lstat().st_mtime
-    for root, dirs, files in os.walk(d):
-        for name in dirs + files:
+    todo = [d]
+    while todo:
+        try:
+            with os.scandir(todo.pop()) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for entry in entries:
             try:
-                st = os.lstat(os.path.join(root, name))
+                st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
             newest = max(newest, st.st_mtime)
-            if name in files:
+            if entry.is_dir(follow_symlinks=False):
+                todo.append(Path(entry.path))
+            else:
                 size += st.st_size
     return size, newest
+
+
+def remove_tree(root: Path) -> None:
+    """``shutil.rmtree`` without recursion and at any depth: ``rmtree`` recursed once per level before Python 3.12 (a
+    leftover nesting 3000 folders raised RecursionError), and a path that deep is longer than the OS takes.
+
+    Each folder found inside is first renamed to the top of ``root`` (relative to open folders, never by its long
+    path), then emptied and removed there: at most two folders are open at a time, whatever the depth. Links are
+    removed, never followed. Raises the first ``OSError``.
+    """
+    if root.is_symlink() or not root.is_dir():
+        root.unlink()
+        return
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+    top = os.open(root, flags)
+    try:
+        n = 0
+        with os.scandir(top) as it:
+            entries = list(it)
+        names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False):
+                os.unlink(e.name, dir_fd=top)
+        todo = names
+        while todo:
+            name = todo.pop()
+            fd = os.open(name, flags, dir_fd=top)
+            try:
+                with os.scandir(fd) as it:
+                    inner = list(it)
+                for e in inner:
+                    if e.is_dir(follow_symlinks=False):
+                        while True:  # a name free at the top
+                            n += 1
+                            flat = f".rk-rm-{n}"
+                            try:
+                                os.stat(flat, dir_fd=top, follow_symlinks=False)
+                            except FileNotFoundError:
+                                break
+                        os.rename(e.name, flat, src_dir_fd=fd, dst_dir_fd=top)
+                        todo.append(flat)
+                    else:
+                        os.unlink(e.name, dir_fd=fd)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=top)
+    finally:
+        os.close(top)
+    os.rmdir(root)
 
 
 # --- verifying ------------------------------------------------------------------
@@ -611,6 +739,11 @@ def _verify(path: Path, hash_tensors: bool) -> tuple[dict[str, Any] | None, list
             problems.append({"file": rel, "problem": "not Python source: a code snapshot holds .py files only "
                                                      "(replay never runs compiled or native code in place of the "
                                                      "source it shows)"})
+    problems += _code_problems(path, listed, {p["file"] for p in problems})
+    problems += _layout_problems(listed, {p["file"] for p in problems})
+    reported = {p["file"] for p in problems}
+    problems += generated.bundle_problems(path, {rel: meta for rel, meta in listed.items() if rel not in reported},
+                                          manifest.get("reprokit_version"))
     for rel, link, folder in _entries(path, problems):
         if rel in listed and link:
             continue  # reported above
@@ -629,6 +762,51 @@ def _verify(path: Path, hash_tensors: bool) -> tuple[dict[str, Any] | None, list
         problems += [{k: v for k, v in x.items() if k != "status"}
                      for x in replicated.check(path, ref, hash_tensors=hash_tensors) if x["status"] != "ok"]
     return manifest, problems
+
+
+LAYOUT = (re.compile(r"(failure|run|env)\.json"), re.compile(r"state/(state|replicated)\.json"),
+          schema.STATE_FILE, re.compile(r"state/rng\.safetensors"), schema.STEP_FILE, re.compile(r"code/.+\.py"),
+          re.compile(r"extract/op\.(json|safetensors)"), re.compile(re.escape(generated.OP_REPRO)))
+"""Every file a bundle may list (the manifest itself is never listed): what any reprokit writes."""
+
+
+def _layout_problems(listed: dict[str, Any], skip: set[str]) -> list[dict[str, Any]]:
+    """Files the manifest lists that no reprokit writes (``notes.txt``, ``extract/run_me.sh``): no command reads
+    them, but ``pack`` would ship them and a reader could take them for reprokit's. Problems, like a file the
+    manifest does not list."""
+    return [{"file": rel, "problem": "not part of the bundle layout (no reprokit writes this file; see the bundle "
+                                     "layout in the README): remove it and re-record, or ask the sender"}
+            for rel in sorted(listed) if rel not in skip and not any(r.fullmatch(rel) for r in LAYOUT)]
+
+
+def _code_problems(path: Path, listed: dict[str, Any], skip: set[str]) -> list[dict[str, Any]]:
+    """Code files no command can read safely: larger than :data:`reprokit.code.MAX_CODE_BYTES` (replay reads each
+    whole into memory, pack parses it), or nested so deeply that Python's parser gives up (RecursionError,
+    MemoryError: pack reads the imports of the code it ships, replay compiles it)."""
+    import ast
+
+    from reprokit.code import MAX_CODE_BYTES
+
+    out: list[dict[str, Any]] = []
+    for rel, meta in sorted(listed.items()):
+        if not rel.startswith(f"{CODE}/") or not rel.endswith(".py") or rel in skip:
+            continue
+        if meta["size"] > MAX_CODE_BYTES:
+            out.append({"file": rel, "problem": f"a code file of {meta['size']} bytes; a code snapshot's files are at "
+                                                f"most {MAX_CODE_BYTES} bytes each (source a person can read); not "
+                                                "read", "expected": MAX_CODE_BYTES, "found": meta["size"]})
+            continue
+        try:
+            with hashing.open_regular(path / rel) as f:
+                source = f.read(MAX_CODE_BYTES + 1)
+            ast.parse(source)
+        except (RecursionError, MemoryError):
+            out.append({"file": rel, "problem": "Python source nested too deeply for Python's parser (it gives up "
+                                                "with a RecursionError or MemoryError): no project's code looks like "
+                                                "this; refused"})
+        except (SyntaxError, ValueError, OSError):
+            pass  # not ours to judge here (replay reports an import that fails); unreadable files are reported above
+    return out
 
 
 def _entries(root: Path, problems: list[dict[str, Any]]) -> list[tuple[str, bool, bool]]:
@@ -955,7 +1133,9 @@ def open_bundle(path: str | Path) -> Bundle:
                           [{"file": MANIFEST, "problem": "missing (not a bundle folder)"}])
     manifest, problems = _verify(path, hash_tensors=False)
     if problems or manifest is None:
-        lines = "\n".join(f"  {p['file']}: {p['problem']}" for p in problems[:20])
+        from reprokit.text import one_line
+
+        lines = "\n".join(one_line(f"  {p['file']}: {p['problem']}") for p in problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise BundleError(
             f"{path} failed verification ({len(problems)} problem(s)); refusing to load it:\n{lines}{more}\n"

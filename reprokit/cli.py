@@ -27,6 +27,7 @@ user's code prints goes to stderr meanwhile.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -53,6 +54,8 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "REPROKI
 EXIT_USAGE = 2
 EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h); plain `git bisect run` reads it as bad: the README's recipe stops on it
 EXIT_INTERRUPTED = 130
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""A full disk or quota while writing an output: said as such (exit 2), not as a bug."""
 
 # Where --json output goes: the real stdout, saved while the command's own stdout is sent to stderr.
 _json_out: list[TextIO] = []
@@ -148,17 +151,27 @@ class _Group(click.Group):
             problems = getattr(e, "problems", None)
             extra_info = {"problems": problems} if problems else {}
             self._fail(as_json, type(e).__name__, str(e), e.exit_code, **extra_info)
+        except OSError as e:
+            if e.errno not in _DISK_FULL:
+                self._internal(as_json, e)
+            where = f" ({e.filename})" if e.filename else ""
+            self._fail(as_json, "DiskFull", f"no space left to write{where}: {e.strerror or e}. Nothing partial was "
+                                            "kept. Free some space (or name an output on another disk) and run again.",
+                       EXIT_USAGE)
         except Exception as e:
-            saved = _save_traceback(e)
-            cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-            where = f"the traceback is in {saved}" if saved else "the traceback could not be saved"
-            self._fail(as_json, type(e).__name__,
-                       f"internal error: {cause}. This is a bug in reprokit (or an unexpected error from your code); "
-                       f"{where}; please include it in a bug report.",
-                       EXIT_INTERNAL, internal=True, traceback=str(saved) if saved else None)
+            self._internal(as_json, e)
         finally:
             _json_out.pop()
         sys.exit(rv if isinstance(rv, int) else 0)
+
+    def _internal(self, as_json: bool, e: Exception) -> None:
+        saved = _save_traceback(e)
+        cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        where = f"the traceback is in {saved}" if saved else "the traceback could not be saved"
+        self._fail(as_json, type(e).__name__,
+                   f"internal error: {cause}. This is a bug in reprokit (or an unexpected error from your code); "
+                   f"{where}; please include it in a bug report.",
+                   EXIT_INTERNAL, internal=True, traceback=str(saved) if saved else None)
 
     @staticmethod
     def _fail(as_json: bool, kind: str, message: str, code: int, show: Any = None, **fields: Any) -> None:
@@ -239,12 +252,29 @@ def _new_folder(ctx: click.Context, param: click.Parameter, value: Path | None) 
     return _writable(ctx, param, value)
 
 
+def _accept_generated(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """``--accept-generated``: for the rest of the command, generated files that differ are not problems."""
+    if value:
+        from reprokit.generated import accepting
+
+        ctx.with_resource(accepting())
+
+
+accept_generated_opt = click.option(
+    "--accept-generated", is_flag=True, expose_value=False, callback=_accept_generated,
+    help="Accept generated files (extract/op_repro.py, code/rk_extract.py; an archive's repro.py, README.md and "
+         "reprokit/ runtime) that differ from what this reprokit writes: written by another version, or edited. "
+         "They run when the bundle's instructions are followed: read them first.")
+
+
 def archive_opts(fn: Any) -> Any:
-    """Options for opening a packed archive (.tar or .tar.gz): its digest and the extraction caps."""
+    """Options for opening a packed archive (.tar or .tar.gz): its digest and the extraction caps; and
+    --accept-generated."""
     from reprokit.archive import Limits
 
     d = Limits()
     opts = [
+        accept_generated_opt,
         click.option("--sha256", default=None, callback=_sha256_option,
                      help="Expected sha256 of an archive (default: read BUNDLE.sha256 beside it, if there is one)."),
         click.option("--max-members", default=d.max_members, show_default=True, type=click.IntRange(1),
@@ -432,24 +462,30 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
 
     For an archive: its sha256 (from --sha256 or BUNDLE.sha256 beside it), then
     every member and the whole stream, then the manifests of what it holds
-    (every file, repro.py and the runtime included). Every problem is listed.
-    Exit 3 if the format is newer than this reprokit reads.
+    (every file, repro.py and the runtime included). Files reprokit generates
+    (extract/op_repro.py, code/rk_extract.py; an archive's repro.py, README.md and
+    runtime) must be what this reprokit writes, unless --accept-generated (each
+    accepted one is still listed); a file beyond the bundle layout is a problem.
+    Every problem is listed. Exit 3 if the format is newer than this reprokit reads.
     """
     from reprokit.archive import digest_source, is_archive
     from reprokit.bundle import MANIFEST
     from reprokit.bundle import verify as verify_bundle
     from reprokit.errors import BundleError
+    from reprokit.generated import accepted, differences
 
     origin = digest_source(bundle, kw["sha256"]) if is_archive(bundle) else None
     from reprokit.bundle import folder_of_bundles
 
     parent = folder_of_bundles(bundle)
+    diffs: list[dict[str, Any]] = []
     try:
         if parent:  # listed as the problem (exit 1), as for any folder that is not a bundle
             problems = [{"file": MANIFEST, "problem": f"missing: {parent}"}]
         else:
             with _open(bundle, kw) as path:
                 problems = verify_bundle(path)
+                diffs = differences(path) if accepted() else []  # what --accept-generated let through, listed
     except BundleError as e:
         if not e.problems:
             raise
@@ -459,6 +495,8 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
         note = ("origin not checked: no --sha256 given and no .sha256 beside the archive; the manifests prove "
                 "it is consistent, not who made it. Compare with a sha256 you received separately.")
     d: dict[str, Any] = {"bundle": str(bundle), "ok": not problems, "problems": problems}
+    if accepted() and not problems:
+        d["accepted"] = diffs
     if bundle.is_dir():
         from reprokit.distributed.replicated import referenced
 
@@ -482,7 +520,7 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
               help="Directory for the shrunk bundle (must not exist, or be empty).")
 @click.option("--budget", default=300, show_default=True, type=click.IntRange(1),
               help="Most candidate replays to spend.")
-@click.option("--passes", default=",".join(["steps", "rows", "sequence", "tokens"]), show_default=True,
+@click.option("--passes", default=",".join(["steps", "micro", "rows", "sequence", "tokens"]), show_default=True,
               help="Comma-separated passes to run, in order.")
 @click.option("--pad-id", default=0, show_default=True, type=int,
               help="Neutral value for integer tensors in the tokens pass (your tokenizer's pad id).")
@@ -533,6 +571,7 @@ def _archive_name(ctx: click.Context, param: click.Parameter, value: Path | None
               help="The archive to write: OUTPUT.tar (uncompressed, fast) or OUTPUT.tar.gz (gzip, much slower: float "
                    "tensors barely compress); OUTPUT.sha256 is written beside it.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT (and its .sha256) if it exists.")
+@accept_generated_opt
 @json_opt
 def pack(bundle: Path, output: Path, force: bool, as_json: bool) -> None:
     """Pack BUNDLE into a deterministic tarball that replays with only torch, numpy and safetensors.
@@ -692,6 +731,7 @@ def bisect_precision(bundle: Path, device: str | None, code: Path | None, varian
                      **kw: Any) -> None:
     """Replay under fp32 / bf16 / fp16 autocast, TF32 on/off, each SDPA backend and
     deterministic algorithms: pass, fail, n/a or different_failure per variant, and the smallest fix.
+    fp32 / bf16 / fp16 say the dtypes they ran in; one that did not run in its dtype is not_applied.
 
     Exit 0; 1 when the recorded failure does not reproduce; 3 invalid bundle; 125 code does not
     import or state does not fit.

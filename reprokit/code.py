@@ -38,6 +38,20 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 # into a command line) and nothing of the standard library or site-packages.
 OWN_MODULES = frozenset({"reprokit.demo", "reprokit.integrations.lightning", "reprokit.integrations.transformers"})
 MAX_CODE_BYTES = 20 * 1024 * 1024
+"""Largest file a code snapshot may hold (``verify`` refuses a larger one before anything reads it)."""
+LAZY_IMPORTS = frozenset({
+    "triton", "sympy", "networkx", "jinja2", "filelock", "fsspec", "optree", "opt_einsum", "yaml", "setuptools",
+    "typing_extensions", "functorch", "torchvision", "torchaudio", "torchtext", "torchdata", "torchao", "torch_xla",
+    "tensorboard", "onnx", "onnxscript", "onnxruntime", "scipy", "pandas", "matplotlib", "IPython", "dill", "psutil",
+    "packaging", "tabulate", "einops", "apex", "xformers", "flash_attn", "deepspeed", "expecttest", "hypothesis",
+    "numba", "cupy", "mpmath", "z3", "pydot", "graphviz", "habana_frameworks", "intel_extension_for_pytorch",
+    "safetensors", "numpy", "click", "tqdm", "huggingface_hub", "transformers", "accelerate", "lightning",
+    "pytorch_lightning", "lightning_fabric", "torchmetrics", "tokenizers", "datasets", "mkl", "nvidia",
+})
+"""Top-level names of modules that torch, numpy or reprokit import *if they are installed* (``try: import triton``
+... ``except ImportError``), often only later (torch's compiler imports triton at the first compile): a snapshot file
+of that name would be imported in their place during replay even where the real one is not installed, so the
+shadow check refuses them whether installed or not."""
 
 
 def ref_of(fn: Callable, role: str) -> tuple[dict[str, Any], Path | None]:
@@ -368,6 +382,9 @@ def _installed(top: str, search: bool, skip: Path | None = None) -> str | None:
         return "reprokit itself"
     if top in sys.stdlib_module_names or top in sys.builtin_module_names:
         return "the standard library"
+    if top in LAZY_IMPORTS:
+        return ("an optional dependency that torch, numpy or reprokit import when it is there (installed here or "
+                "not: found in the snapshot, it would run during replay)")
     mod = sys.modules.get(top)
     locs: list[Any] = []
     if mod is not None:

@@ -37,7 +37,7 @@ from safetensors.torch import save as st_save
 from torch.utils._pytree import tree_map
 
 from reprokit import pytree
-from reprokit.bundle import MANIFEST, RUN, Bundle, BundleWriter, dumps, open_bundle, sha256_file
+from reprokit.bundle import MANIFEST, RUN, Bundle, BundleWriter, claimed_output, dumps, open_bundle, sha256_file
 from reprokit.errors import BundleError, DidNotReproduce, ReprokitError
 from reprokit.extract_op import op_overload, refusal
 from reprokit.extract_repro import TORCH_MODULES
@@ -327,6 +327,12 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ReprokitError(f"{output} exists and is not an empty folder; name a new folder for the extract")
+    with claimed_output(output):
+        return _extract(bundle, output, device=device, code=code, source=source, max_module_bytes=max_module_bytes)
+
+
+def _extract(bundle: Bundle, output: Path, *, device: str | None, code: Any, source: str | Path | None,
+             max_module_bytes: int | None) -> ExtractResult:
     if bundle.failure.kind in _NO_CULPRIT:
         raise NothingToExtract(f"{bundle.path} failed with a {bundle.failure.describe()}: no value went non-finite "
                                "and nothing raised, so there is no module or op that made it to cut out; `reprokit "
@@ -682,9 +688,7 @@ def _library(path: str) -> bool:
 def _rewrite(recorded: Path, output: Path, info: dict[str, Any], op: dict[str, Any] | None) -> Path:
     """Copy the recorded bundle to ``output`` with ``run.json``'s ``extract`` set (and the op files added)."""
     src = open_bundle(recorded)
-    if output.exists():
-        output.rmdir()  # empty, checked above
-    w = BundleWriter(output.parent, output.name)
+    w = BundleWriter(output.parent, output.name, exact=True)  # an empty folder there (checked above) is replaced
     with w:
         for rel in sorted(src.manifest["files"]):
             if rel == RUN:

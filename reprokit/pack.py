@@ -169,8 +169,8 @@ def frameworks_needed(b: Bundle) -> dict[str, str | None]:
         seen.add(path)
         try:
             tree = ast.parse(path.read_text())
-        except (SyntaxError, UnicodeDecodeError, OSError):
-            continue
+        except (SyntaxError, ValueError, OSError, RecursionError, MemoryError):
+            continue  # (verify refuses code too deep to parse; a file it cannot parse names no framework here)
         for node in ast.walk(tree):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
@@ -368,18 +368,23 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
     return _pack(b, Path(output))
 
 
+def generated_files(b: Bundle) -> dict[str, bytes]:
+    """What this reprokit writes beside ``bundle/`` in the archive of ``b``: the vendored runtime, ``repro.py`` and
+    ``README.md`` (:mod:`reprokit.generated` holds an archive's files to exactly these)."""
+    needs = frameworks_needed(b)
+    integrations = tuple(f"integrations/{name}.py" for name in needs if (_PACKAGE / "integrations" / f"{name}.py").is_file())
+    integrations += ("integrations/__init__.py",) if integrations else ()
+    out = {f"reprokit/{name}": (_PACKAGE / name).read_bytes() for name in runtime_files(integrations)}
+    repro_py = REPRO_PY.replace("NEEDS = {}", f"NEEDS = {needs!r}", 1)
+    return out | {"repro.py": repro_py.encode(), "README.md": _readme(b, needs).encode()}
+
+
 def _pack(b: Bundle, output: Path) -> PackResult:
     top = "repro-" + sha256_file(b.path / MANIFEST)[:12]
     # Exactly the files the verified manifest lists (and the manifest): never whatever else is in the folder by
     # now (a file, or a link to one outside, added after the bundle was opened would be shipped to others).
     files: dict[str, Path | bytes] = {f"bundle/{rel}": b.path / rel for rel in sorted([*b.manifest["files"], MANIFEST])}
-    needs = frameworks_needed(b)
-    integrations = tuple(f"integrations/{name}.py" for name in needs if (_PACKAGE / "integrations" / f"{name}.py").is_file())
-    integrations += ("integrations/__init__.py",) if integrations else ()
-    runtime: dict[str, Path | bytes] = {f"reprokit/{name}": _PACKAGE / name
-                                        for name in runtime_files(integrations)}
-    repro_py = REPRO_PY.replace("NEEDS = {}", f"NEEDS = {needs!r}", 1)
-    runtime |= {"repro.py": repro_py.encode(), "README.md": _readme(b, needs).encode()}
+    runtime: dict[str, Path | bytes] = dict(generated_files(b))
     files |= runtime
     pack_manifest = files[PACK_MANIFEST] = _pack_manifest(b, files)
     dirs = {"/".join(name.split("/")[:i]) for name in files for i in range(1, name.count("/") + 1)}

@@ -16,7 +16,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -27,12 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprokit import pytree
-from reprokit.bundle import REPLICATED, Bundle, jsonable, open_bundle
+from reprokit import pytree, schema
+from reprokit.bundle import FAILURE, REPLICATED, Bundle, jsonable, open_bundle
 from reprokit.code import check_refs, imported, materialize, resolve
 from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
-from reprokit.errors import CodeLoadError, ReprokitError, StateMismatchError
+from reprokit.errors import BundleError, CodeLoadError, ReprokitError, StateMismatchError
 from reprokit.signature import Failure, summary_line
 from reprokit.state import (
     BUFFERS,
@@ -270,6 +270,9 @@ class Session:
                    code=self.user_code, source=bundle.path / "run.json")
         self.recorded = bundle.failure
         self.state: TrainState | None = None
+        self.after_restore: list[Callable[[TrainState], None]] = []
+        """Run at the end of every :meth:`restore`, in order: a change to the state that must outlive what restore
+        puts back (``bisect precision``'s fp32 upcast: restore casts parameters back to their recorded dtype)."""
 
     def __enter__(self) -> Session:
         try:
@@ -281,6 +284,11 @@ class Session:
 
     def _enter(self) -> None:
         run = self.bundle.run
+        # verify refuses these already; a Bundle whose docs were changed in memory (a tool's) must not pass either.
+        lies = schema.uncheckable(run, self.bundle.docs[FAILURE])
+        if lies:
+            raise BundleError(f"{self.bundle.path}: {'; '.join(f'{rel}: {why}' for rel, why in lies)}",
+                              [{"file": rel, "problem": why} for rel, why in lies])
         refs = run["refs"]
         # An integration's build imports only the classes refs.objects lists (vetted and confirmed already).
         self._stack.enter_context(imported(self.code_dir, refs.get("objects") or ()))
@@ -310,7 +318,13 @@ class Session:
         tree, tensors = self.bundle.state(on_part=self._preload)
         self.snapshot = (tree, tensors)
         # A bundle from before the loss was read out of a dict / number lacks the key: judge it as it was recorded.
-        detect = {"loss_from_mapping": False, **run["recorder"]["detect"]}
+        detect = {"loss_from_mapping": False, **run["recorder"]["detect"], **_recorded_check(self.recorded)}
+        if self.recorded.kind == "predicate" and not predicates:
+            raise BundleError(f"{self.bundle.path}: the recorded failure is a predicate's, but run.json names no "
+                              "predicate replay can import (it was not a module-level function when recorded): "
+                              "replay cannot check this failure, so it can neither reproduce nor pass. Record again "
+                              "with a module-level predicate.",
+                              [{"file": "run.json", "problem": "refs.predicates names no importable predicate"}])
         self.monitor = Monitor(state, DetectSettings(**detect), predicates)
         self.monitor.replaying = True
         self._stack.callback(self.monitor.close)
@@ -362,6 +376,8 @@ class Session:
         put_buffers(self.state.model, self._built_buffers if buffers is None else pytree.decode(buffers, tensors))
         restore_rng(tree["rng"], tensors, self.state.extra)
         self.monitor.load_state_dict(tree.get("monitor", {}))
+        for change in self.after_restore:
+            change(self.state)
 
     def _drop_preload(self) -> None:
         self._preload = None
@@ -451,6 +467,16 @@ class Session:
         names = self.bundle.env.get("devices") or []
         index = recorded.index or 0
         return index < len(names) and names[index] == torch.cuda.get_device_name(self.device)
+
+
+_CHECK_OF_KIND = {"nonfinite_loss": "check_loss", "nonfinite_grad": "check_grads", "nonfinite_param": "check_params"}
+
+
+def _recorded_check(recorded: Failure) -> dict[str, bool]:
+    """The detector that found the recorded failure, switched on whatever run.json says: the recorder had it on
+    (it fired), so a bundle with it off was edited, and replaying it off would call a failure that recurs fixed."""
+    key = _CHECK_OF_KIND.get(recorded.kind)
+    return {key: True} if key else {}
 
 
 def _fresh_batch(obj: Any, device: torch.device) -> Any:

@@ -21,6 +21,7 @@ from reprokit.diagnose import findings
 from reprokit.errors import BundleError, ReprokitError
 from reprokit.hashing import open_regular
 from reprokit.signature import summary_line
+from reprokit.text import one_line
 
 NUMPY_DTYPES = frozenset(schema.ITEMSIZE) - {"BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
 """Safetensors dtypes numpy has (what ``safetensors.numpy`` loads)."""
@@ -76,7 +77,10 @@ def diagnosis(bundle: Bundle, batch: Any = None) -> dict[str, Any]:
         return {"step": None, "findings": [], "tables": None}
     batch = step_batch(bundle, step) if batch is None else batch
     tables = bundle.run.get("model")
-    return {"step": step, "findings": findings(batch, tables), "tables": tables}
+    # inspect runs no code: whether the state fails on any data is what shrink tested (a shrunk bundle carries it)
+    state_check = (bundle.run.get("provenance") or {}).get("state_check")
+    return {"step": step, "findings": findings(batch, tables), "tables": tables,
+            "state_check": state_check if isinstance(state_check, dict) else None}
 
 
 def batch_dump(bundle: Bundle, rows: list[int] | None = None, width: int = 64) -> dict[str, Any]:
@@ -300,18 +304,38 @@ def format_describe(d: dict[str, Any]) -> str:
     e = d["env"]
     git = e.get("git") or {}
     lines.append(f"env      python {e['python']}, torch {e['torch']}, cuda {e['cuda']}, "
-                 f"devices {e['devices'] or ['cpu']}" + (f", git {str(git.get('commit'))[:10]}"
-                                                        f"{' (dirty)' if git.get('dirty') else ''}" if git else ""))
+                 f"devices {e['devices'] or ['cpu']}" + (f", {_git_words(git)}" if git else ""))
     lines += _provenance_lines(d.get("provenance"))
     lines += _diagnosis_lines(d.get("diagnosis"))
     if d.get("checked"):
         lines.append(f"checked  {d['checked']}")
-    losses = d["losses"][-12:]
-    if losses:
-        lines.append(f"losses   (last {len(losses)} of {len(d['losses'])})")
-        lines += [f"  step {h['step']:>8}  loss {h['loss'] if h['loss'] is not None else '-':<24}"
-                  f"grad norm {h['grad_norm'] if h['grad_norm'] is not None else '-'}" for h in losses]
+    lines += _loss_lines(d["losses"], w)
     return "\n".join(lines)
+
+
+def _git_words(git: dict[str, Any]) -> str:
+    """``git 1a2b3c4d5e (dirty)``; a repository without a commit yet has no commit to name."""
+    commit = git.get("commit")
+    what = f"git {str(commit)[:10]}" if commit else "a git repository with no commits yet"
+    return what + (" (dirty)" if git.get("dirty") else "")
+
+
+def _loss_lines(history: list[dict[str, Any]], window: dict[str, Any]) -> list[str]:
+    """The last 12 recorded losses. The run's history reaches back before the window (a shrunk bundle keeps all of
+    it for one step), so when it does, the header says how many steps the bundle holds and marks them."""
+    losses = history[-12:]
+    if not losses:
+        return []
+    held = [h for h in history if window["start"] <= h["step"] <= window["end"]]
+    if len(held) == len(history):
+        header = f"losses   (last {len(losses)} of {len(history)})"
+    else:
+        header = (f"losses   (last {len(losses)} of {len(history)} recorded; this bundle holds "
+                  f"{_n(window['steps'], 'step')}, marked *)")
+    mark = len(held) != len(history)
+    return [header] + [f"{'*' if mark and h in held else ' '} step {h['step']:>8}  "
+                       f"loss {h['loss'] if h['loss'] is not None else '-':<24}"
+                       f"grad norm {h['grad_norm'] if h['grad_norm'] is not None else '-'}" for h in losses]
 
 
 def _n(count: int, noun: str) -> str:
@@ -331,9 +355,10 @@ def _provenance_lines(p: Any) -> list[str]:
         order = ["steps", "rows", "seq", "tokens"]
         keys = [k for k in order if k in before] + sorted(k for k in before if k not in order)
         lines.append("  before " + ", ".join(f"{k} {before[k]}" for k in keys if before[k] is not None))
+    lines += [f"  {line.strip()}" for line in _state_check_lines(p.get("state_check"))]
     if p.get("kept_rows") is not None:
         idx = p.get("dataset_indices")
-        lines.append(f"  kept rows {p['kept_rows']} of the failing batch" + (f" (dataset indices {idx})" if idx else ""))
+        lines.append(f"  kept {kept_rows(p['kept_rows'])} of the failing batch" + (f" (dataset indices {idx})" if idx else ""))
     if p.get("seq_window"):
         lo, hi = p["seq_window"]
         lines.append(f"  sequence window {lo}:{hi}")
@@ -342,6 +367,20 @@ def _provenance_lines(p: Any) -> list[str]:
         lines.append("  passes " + ", ".join(f"{k} {v.get('accepted')}/{v.get('runs')} accepted, "
                                              f"{_n(v.get('replays', 0), 'replay')}" for k, v in passes.items()))
     return lines
+
+
+def kept_rows(rows: list[Any]) -> str:
+    """``rows [3, 5]``, or for micro-batches (``[k, r]`` pairs) ``micro-batch 1 row 4, ...``."""
+    if rows and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rows):
+        return ", ".join(f"micro-batch {k} row {r}" for k, r in rows)
+    return f"rows {rows}"
+
+
+def _state_check_lines(check: Any) -> list[str]:
+    """Shrink's test of the state before blaming data: a verdict of ``state`` says no sample is to blame."""
+    if not isinstance(check, dict) or check.get("verdict") != "state":
+        return []
+    return ["  no data culprit: " + str(check.get("message"))]
 
 
 def _diagnosis_lines(diag: Any) -> list[str]:
@@ -353,6 +392,10 @@ def _diagnosis_lines(diag: Any) -> list[str]:
     found = summary(diag.get("findings") or [])
     tables = diag.get("tables")
     checked = "" if tables else " (no embedding table sizes recorded: ids not checked)"
+    state = diag.get("state_check")
+    if isinstance(state, dict) and state.get("verdict") == "state":
+        return [f"data     the batch of step {diag['step']} is not the cause: {state.get('message')}"] + \
+            [f"  {line}" for line in found]
     if not found:
         return [f"data     the batch of step {diag['step']} shows no data fault{checked}"]
     return [f"data     the batch of step {diag['step']}{checked}:"] + [f"  {line}" for line in found]
@@ -444,7 +487,7 @@ def plot_title(bundle: Bundle) -> str:
     p = bundle.run.get("provenance")
     if isinstance(p, dict) and p.get("kept_rows") is not None:
         idx = p.get("dataset_indices")
-        title += f"\nshrunk: kept rows {p['kept_rows']} of the failing batch" + (
+        title += f"\nshrunk: kept {kept_rows(p['kept_rows'])} of the failing batch" + (
             f" (dataset indices {idx})" if idx else "")
     return title
 
@@ -482,8 +525,11 @@ def format_incident(d: dict[str, Any]) -> str:
 
 def format_verify(d: dict[str, Any]) -> str:
     """``reprokit verify``'s text: every problem, or ok (and the archive digest it matched); the origin note."""
+    # Every name and problem is a bundle's (or an archive's) text: printed as one line each, so that a file named
+    # "x\nBUNDLE: ok, every file matches the manifest" cannot print a line of its own.
+    bundle = one_line(str(d["bundle"]))
     if d["problems"]:
-        lines = [f"{d['bundle']}: {len(d['problems'])} problem(s)"]
+        lines = [f"{bundle}: {len(d['problems'])} problem(s)"]
         # Many unexpected files under one folder (a bundle or an output written into this one) read as one line.
         strays: dict[str, list[str]] = {}
         for p in d["problems"]:
@@ -495,15 +541,17 @@ def format_verify(d: dict[str, Any]) -> str:
             if p["problem"] == "unexpected file" and len(strays.get(top, [])) > 3 and "/" in p["file"]:
                 if top not in said:
                     said.add(top)
-                    lines.append(f"  {top}/: {len(strays[top])} unexpected files ({strays[top][0]}, ...; "
-                                 "--json lists each)")
+                    lines.append(f"  {one_line(top)}/: {len(strays[top])} unexpected files "
+                                 f"({one_line(strays[top][0])}, ...; --json lists each)")
                 continue
             extra = "".join(f", {k} {p[k]}" for k in ("expected", "found") if k in p)
-            lines.append(f"  {p['file']}: {p['problem']}{extra}")
+            lines.append(one_line(f"  {one_line(str(p['file']))}: {p['problem']}{extra}"))
     else:
-        lines = [f"{d['bundle']}: ok, every file matches the manifest"
+        lines = [f"{bundle}: ok, every file matches the manifest"
                  + (f"; archive sha256 matches {d['origin']}" if d.get("origin") else "")]
-    lines += [f"  referenced {x['file']}: {x['status']}" for x in d.get("referenced") or []]
+    lines += [one_line(f"  referenced {x['file']}: {x['status']}") for x in d.get("referenced") or []]
+    lines += [one_line(f"  accepted (--accept-generated) {one_line(str(x['file']))}: {x['problem']}")
+              for x in d.get("accepted") or []]
     if d.get("note"):
         lines.append(f"note: {d['note']}")
     return "\n".join(lines)
@@ -526,12 +574,15 @@ def format_shrink(d: dict[str, Any]) -> str:
                          "result carries that state itself, so it replays alone.")
             elif d.get("state_bytes_after", 0) > d.get("state_bytes_before", 0):
                 grew += ("it starts from a later state, which holds what the first snapshot did not have yet (an "
-                         "optimizer's moments, say); it replays fewer steps. `--passes rows,sequence,tokens` keeps "
+                         "optimizer's moments, say); it replays fewer steps. `--passes micro,rows,sequence,tokens` keeps "
                          "the original start.")
             else:
                 grew += "its state is no larger than the source's; other files are (`reprokit inspect` lists them)."
+    lines += _state_check_lines(d.get("state_check"))
+    if d.get("rows_ambiguous"):
+        lines.append(f"  rows not cut: {d['rows_ambiguous']}")
     if d["kept_rows"] is not None:
-        lines.append(f"  kept rows {d['kept_rows']} of the failing batch"
+        lines.append(f"  kept {kept_rows(d['kept_rows'])} of the failing batch"
                      + (f" (dataset indices {d['dataset_indices']})" if d["dataset_indices"] else ""))
     if d["seq_window"]:
         lines.append(f"  sequence window {d['seq_window'][0]}:{d['seq_window'][1]}")

@@ -522,6 +522,8 @@ def check_run(d: Any, name: str = "run.json") -> None:
         _check_tables(f, d["model"])
     if "extract" in d:
         _check_extract(f, d["extract"])
+    if "provenance" in d:
+        _check_provenance(f, d["provenance"])
     for i, h in enumerate(f.lst(d["history"], "history")):
         f.obj(h, f"history[{i}]", ("step", "loss", "grad_norm"))
         f.integer(h["step"], f"history[{i}].step")
@@ -573,6 +575,54 @@ def _check_tables(f: _File, m: Any) -> None:
             f.integer(e["num_embeddings"], f"{ef}.num_embeddings")
             if e.get("padding_idx") is not None:
                 f.integer(e["padding_idx"], f"{ef}.padding_idx", lo=None)
+
+
+def _check_provenance(f: _File, p: Any) -> None:
+    """``run.json``'s ``provenance``: where a shrunk bundle came from (``reprokit.shrink``), as ``inspect`` reads it."""
+    f.obj(p, "provenance")
+    for k in ("source_bundle", "source_manifest_sha256"):
+        if k in p:
+            f.string(p[k], _join("provenance", k), null=True)
+    for k in ("replays", "different_failures", "origin_checks", "origin_changed", "confirm_runs"):
+        if p.get(k) is not None:
+            f.integer(p[k], _join("provenance", k), hi=MAX_COUNT)
+    for k in ("origin", "code"):
+        if p.get(k) is not None:
+            f.obj(p[k], _join("provenance", k))
+    if p.get("kept_rows") is not None:
+        for i, r in enumerate(f.lst(p["kept_rows"], "provenance.kept_rows")):
+            if isinstance(r, list):  # a batch of micro-batches: [micro-batch, row] (reprokit.shrink.micro)
+                if len(r) != 2:
+                    raise f.fail(f"provenance.kept_rows[{i}]", f"must be a row or [micro-batch, row], got {len(r)} "
+                                                               "value(s)")
+                for j, x in enumerate(r):
+                    f.integer(x, f"provenance.kept_rows[{i}][{j}]")
+            else:
+                f.integer(r, f"provenance.kept_rows[{i}]")
+    if p.get("state_check") is not None:
+        check = f.obj(p["state_check"], "provenance.state_check")
+        for k in ("verdict", "message", "reason"):
+            if k in check:
+                f.string(check[k], _join("provenance.state_check", k), null=k != "verdict")
+    if "rows_ambiguous" in p:
+        f.string(p["rows_ambiguous"], "provenance.rows_ambiguous", null=True)
+    if p.get("dataset_indices") is not None:
+        f.lst(p["dataset_indices"], "provenance.dataset_indices")
+    if p.get("seq_window") is not None:
+        w = f.lst(p["seq_window"], "provenance.seq_window")
+        if len(w) != 2:
+            raise f.fail("provenance.seq_window", f"must be [start, end], got {len(w)} value(s)")
+        for i, x in enumerate(w):
+            f.integer(x, f"provenance.seq_window[{i}]")
+    if p.get("before") is not None:
+        for k, v in f.obj(p["before"], "provenance.before").items():
+            if v is not None:
+                f.integer(v, _join("provenance.before", k))
+    if p.get("passes") is not None:
+        for name, stats in f.obj(p["passes"], "provenance.passes").items():
+            field = _join("provenance.passes", name)
+            for k, v in f.obj(stats, field).items():
+                f.number(v, _join(field, k), null=False)
 
 
 def _check_extract(f: _File, x: Any) -> None:
@@ -961,4 +1011,37 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
                 if rel not in files:
                     problems.append({"file": "run.json", "problem": f"window.steps[{i}] is step {s}, but the "
                                                                     f"manifest lists no {rel}"})
+        failure = (docs.get("failure.json") or [None])[0]
+        if isinstance(failure, dict) and not any(p["file"] == "failure.json" for p in problems):
+            problems += [{"file": rel, "problem": why} for rel, why in uncheckable(window, failure)]
     return problems
+
+
+def uncheckable(run: dict[str, Any], failure: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(file, why)`` for each reason a replay of this bundle could never fail the recorded way: a test that cannot
+    fail would be reported as fixed. ``run`` and ``failure`` have passed :func:`check_run` / :func:`check_failure`.
+
+    The recorder never writes these (its window always holds the step that failed, its detectors fired): they come
+    from an edit, re-signed. A ``peer`` bundle (a rank that did not fail itself) is exempt from the window rule: its
+    window is what that rank had recorded, and replay refuses it alone anyway.
+    """
+    steps, kind, step = run["window"]["steps"], failure["kind"], failure["step"]
+    out = []
+    if not steps:
+        out.append(("run.json", "window.steps is empty: a replay would run no step, and nothing can fail in no step "
+                                "(a test that cannot fail is never \"fixed\")"))
+    elif kind != "peer" and step not in steps:
+        out.append(("run.json", f"window.steps {_steps_text(steps)} does not hold step {step}, where failure.json says "
+                                "the run failed: a replay would never reach the failure (a test that cannot fail is "
+                                "never \"fixed\")"))
+    if kind == "loss_spike" and run["recorder"]["detect"].get("spike_factor") is None:
+        out.append(("run.json", "recorder.detect.spike_factor is null, but failure.json's kind is loss_spike: replay "
+                                "could not check the recorded failure"))
+    if kind == "predicate" and not run["refs"].get("predicates"):
+        out.append(("run.json", "refs.predicates is empty, but failure.json's kind is predicate: replay could not "
+                                "check the recorded failure"))
+    return out
+
+
+def _steps_text(steps: list[int]) -> str:
+    return str(steps) if len(steps) <= 6 else f"[{steps[0]}, ..., {steps[-1]}] ({len(steps)} steps)"

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from reprokit import pytree, rng
-from reprokit.errors import CaptureError, StateMismatchError
+from reprokit.errors import BundleError, CaptureError, StateMismatchError
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -433,6 +433,13 @@ def _adopt_dtypes(model: torch.nn.Module, recorded: dict[str, Any]) -> None:
             except AttributeError:
                 continue  # extra state, or a name load_state_dict reports
         if live.dtype != value.dtype and type(live) in (torch.Tensor, torch.nn.Parameter):
+            if live.requires_grad and not (value.is_floating_point() or value.is_complex()):
+                # The recorder saw a parameter that takes gradients, so a floating one: this bundle was edited.
+                raise BundleError(f"the state holds parameter {key!r} as {value.dtype}, but build() makes it a "
+                                  f"{live.dtype} parameter that takes gradients, which must be floating point: the "
+                                  "recorder never writes that, so the bundle was edited. Ask the sender for an intact "
+                                  "copy.", [{"file": "state/state.json", "problem": f"parameter {key!r} is stored as "
+                                                                                   f"{value.dtype}, not floating point"}])
             with torch.no_grad():
                 live.grad = None  # restored after, in the new dtype
                 live.data = live.data.to(value.dtype)

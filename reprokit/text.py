@@ -16,3 +16,16 @@ def printable(text: str) -> str:
     right-to-left override can make a line read as something else.
     """
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+_LINE_BREAKING = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line: :func:`printable`, with newlines and tabs escaped too (``\\n``, ``\\t``), and the
+    Unicode line and paragraph separators.
+
+    For the names of files and anything else a bundle holds that is printed as part of a line: a file name holding a
+    newline would otherwise print a line of its own, say a forged "ok, every file matches the manifest".
+    """
+    return _LINE_BREAKING.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)

@@ -48,6 +48,21 @@ def _shapes(obj: Any) -> list[str]:
             if isinstance(t, torch.Tensor)]
 
 
+def _out_of_range(mod: torch.nn.Module, inputs: Any) -> dict[str, Any] | None:
+    """For an ``nn.Embedding``: the first id it received outside its table, where, and the table's size."""
+    if not isinstance(mod, torch.nn.Embedding) or not inputs or not isinstance(inputs[0], torch.Tensor):
+        return None
+    ids = inputs[0]
+    if ids.is_floating_point() or ids.is_complex() or not ids.numel():
+        return None
+    bad = (ids < 0) | (ids >= mod.num_embeddings)
+    count = int(bad.sum())
+    if not count:
+        return None
+    at = [int(i) for i in torch.nonzero(bad)[0]]
+    return {"id": int(ids[tuple(at)]), "at": at, "count": count, "num_embeddings": mod.num_embeddings}
+
+
 @dataclass
 class _Tracer:
     model: torch.nn.Module
@@ -55,6 +70,12 @@ class _Tracer:
     frames: deque = field(default_factory=lambda: deque(maxlen=400))
     first: dict[str, Any] | None = None
     stack: list[tuple[str, list[str]]] = field(default_factory=list)
+    recorded: int = 0
+    """Frames recorded in all (``frames`` keeps the last 400)."""
+    forward_from: int = 0
+    """``recorded`` when the outermost forward now running began: the frames of the forward that raised."""
+    out_of_range: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per embedding module that received ids outside its table in the step: the first one (see _out_of_range)."""
     backward: list[tuple[str, list[str]]] = field(default_factory=list)
     """Modules whose backward is running: their backward pre hook fired, their backward hook not yet."""
     handles: list[Any] = field(default_factory=list)
@@ -69,7 +90,12 @@ class _Tracer:
 
     def _pre(self, name: str) -> Any:
         def hook(mod: torch.nn.Module, inputs: Any) -> None:
+            if not self.stack:  # a new forward (with accumulation, after the last micro-batch's backward)
+                self.forward_from = self.recorded
             self.stack.append((name, _shapes(inputs)))
+            bad = _out_of_range(mod, inputs)
+            if bad is not None:
+                self.out_of_range.setdefault(name, bad)
         return hook
 
     def _post(self, name: str) -> Any:
@@ -98,6 +124,7 @@ class _Tracer:
                  "outputs": _stats(outputs),
                  "weights": _stats([p for p in mod.parameters(recurse=False)])}
         self.frames.append(frame)
+        self.recorded += 1
         out = frame["outputs"]
         if self.first is None and out is not None and out["nonfinite"]:
             self.first = {**frame, "index": len(self.frames) - 1,
@@ -176,8 +203,11 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
         name, shapes = (tracer.stack or tracer.backward)[-1]
         result["raised_in"] = {"module": name, "class": type(s.state.model.get_submodule(
             "" if name == "<model>" else name)).__name__, "phase": phase, "received": shapes,
-            "exception": f"{out.failure.exc_type}: {out.failure.message}"}
-        result["frames"] = list(tracer.frames)[-keep:]
+            "exception": f"{out.failure.exc_type}: {out.failure.message}",
+            "out_of_range": tracer.out_of_range.get(name) if phase == "forward" else None}
+        # Raised in a forward: the frames of that forward only, not the last micro-batch's backward before it.
+        since = min(keep, tracer.recorded - tracer.forward_from) if phase == "forward" else keep
+        result["frames"] = list(tracer.frames)[-since:] if since else []
         return result
     if out.failure is not None and out.failure.kind != "exception":
         origin = watch_step(s, inputs[-1], before, batch_size(inputs[-1].batch))[1]
@@ -243,6 +273,11 @@ def format_layers(d: dict[str, Any]) -> str:
         lines.append(f"raised in module {r['module']} ({r['class']}){' in backward' if back else ''}: "
                      f"{r['exception']}")
         lines.append(("  the gradient it received: " if back else "  it received: ") + "; ".join(r["received"]))
+        bad = r.get("out_of_range")
+        if bad:
+            lines.append(f"  id {bad['id']} at {bad['at']} is outside its table of {bad['num_embeddings']} "
+                         f"(num_embeddings; valid ids 0..{bad['num_embeddings'] - 1}); "
+                         f"{bad['count']} id{'' if bad['count'] == 1 else 's'} out of range")
     elif d.get("outside_every_module"):
         o, f = d["outside_every_module"], d["first_nonfinite"]
         lines.append(f"first non-finite: made by the step function, outside every module, at {o['site'] or '?'} "
@@ -261,6 +296,8 @@ def format_layers(d: dict[str, Any]) -> str:
     else:
         lines.append("no module produced a non-finite value in the failing step")
     frames = d.get("frames", [])
+    if not frames:  # nothing ran to completion before it (the first module raised): no table to show
+        return "\n".join(lines)
     # Columns as wide as their longest entry: module paths and class names are never cut.
     wm = max([len("module"), *(len(fr["module"]) for fr in frames)]) + 2
     wc = max([len("class"), *(len(fr["class"]) for fr in frames)]) + 2

@@ -6,12 +6,20 @@ How variants reach user code (and the limits of that):
   replay device (disabled for fp32), and ``torch.autocast`` / ``torch.amp.autocast``
   / ``torch.cuda.amp.autocast`` / ``torch.cpu.amp.autocast`` are replaced for the
   duration of the replay by a subclass that forces that dtype (or disables it), so
-  autocast regions inside the user's step follow. For fp32, floating parameters are
-  upcast after ``build`` (optimizer state follows them on load) and floating batch
-  tensors too. Limits: code that bound ``autocast`` under another name before the
-  replay started (``from torch import autocast``) is not patched; explicit
-  ``.half()`` / ``.to(torch.float16)`` calls inside the step are not undone; fp16
-  uses the GradScaler only if ``build`` made one.
+  autocast regions inside the user's step follow. For fp32, floating parameters and
+  their optimizer state are upcast after every restore (restore puts the recorded
+  dtypes back: a model trained with ``model.half()`` would otherwise replay in float16
+  under the name fp32), and floating batch tensors too. Limits: code that bound
+  ``autocast`` under another name before the replay started (``from torch import
+  autocast``) is not patched; explicit ``.half()`` / ``.to(torch.float16)`` calls
+  inside the step are not undone; fp16 uses the GradScaler only if ``build`` made one.
+
+  Each of the three proves it ran as named: the parameter dtypes at each step's start,
+  the loss dtype and the floating dtypes the model's modules returned are in
+  ``dtypes``; fp32 must see only float32 parameters and loss, bf16 / fp16 their
+  dtype among the parameters or module outputs. Otherwise the result is ``not_applied``
+  (a float64 model under a bf16 autocast still computes in float64: autocast leaves
+  float64 alone), never a pass or fail that a precision did not earn.
 - ``tf32_on`` / ``tf32_off``: ``torch.backends.cuda.matmul.allow_tf32`` and
   ``torch.backends.cudnn.allow_tf32``; CUDA only (n/a on CPU).
 - ``sdpa_*``: ``torch.nn.attention.sdpa_kernel`` restricted to one backend. n/a when
@@ -81,12 +89,109 @@ def _autocast(s: Session, dtype: torch.dtype | None) -> Iterator[None]:
             setattr(m, n, v)
 
 
+def _upcast(state: Any) -> None:
+    """The model in float32, and its optimizer state with it, as ``Optimizer.load_state_dict`` casts state to
+    its parameter's dtype (all but ``step``): Adam's float16 moments beside float32 parameters would not run."""
+    state.model.float()  # in place: the optimizer's parameters are these same tensors (their gradients follow)
+    for group in state.optimizer.param_groups:
+        for p in group["params"]:
+            entries = state.optimizer.state.get(p)
+            if not isinstance(entries, dict) or not p.is_floating_point():
+                continue
+            for k, v in entries.items():
+                if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != p.dtype:
+                    entries[k] = v.to(p.dtype)
+
+
 @contextlib.contextmanager
 def _fp32(s: Session) -> Iterator[None]:
-    assert s.state is not None
-    s.state.model.float()
-    with _autocast(s, None):
-        yield
+    # After every restore, not once now: restore casts the parameters back to the dtypes the snapshot holds.
+    s.after_restore.append(_upcast)
+    try:
+        with _autocast(s, None):
+            yield
+    finally:
+        s.after_restore.remove(_upcast)
+
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The variants that name a dtype, and it: each checks that the replay ran in it (see :func:`_not_as_named`)."""
+
+
+class _Dtypes:
+    """What a replay ran in: floating parameter dtypes at each step's start, the loss dtype, and the floating
+    dtypes the modules' forwards returned (after autocast chose them). Module outputs, not every op: reprokit's
+    own checks inside the step (the gradient norms, in float64) are no part of the model's compute."""
+
+    def __init__(self) -> None:
+        self.params: set[torch.dtype] = set()
+        self.loss: set[torch.dtype] = set()
+        self.outputs: set[torch.dtype] = set()
+
+    def hook(self, module: Any, args: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            if out.is_floating_point():
+                self.outputs.add(out.dtype)
+        elif isinstance(out, (tuple, list, dict)):  # a ModelOutput is a dict
+            for v in out.values() if isinstance(out, dict) else out:
+                self.hook(module, args, v)
+
+    def to_json(self) -> dict[str, list[str]]:
+        return {k: _names(getattr(self, k)) for k in ("params", "loss", "outputs")}
+
+
+def _names(dtypes: set[torch.dtype]) -> list[str]:
+    return sorted(str(d).removeprefix("torch.") for d in dtypes)
+
+
+@contextlib.contextmanager
+def _watching_dtypes(s: Session) -> Iterator[_Dtypes]:
+    """Wrap the step: parameter dtypes as it starts, the loss dtype as it returns, module outputs while it runs."""
+    seen = _Dtypes()
+    step_fn = s.step_fn
+
+    def watched(state: Any, batch: Any) -> Any:
+        seen.params |= {p.dtype for p in state.model.parameters() if p.is_floating_point()}
+        handle = torch.nn.modules.module.register_module_forward_hook(seen.hook)
+        try:
+            loss = step_fn(state, batch)
+        finally:
+            handle.remove()
+        value = loss.get("loss") if isinstance(loss, dict) else loss
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            seen.loss.add(value.dtype)
+        return loss
+
+    s.step_fn = watched
+    try:
+        yield seen
+    finally:
+        s.step_fn = step_fn
+
+
+def _not_as_named(name: str, seen: _Dtypes) -> str | None:
+    """Why variant ``name`` did not run in the dtype it names (None: it did)."""
+    want = PRECISIONS[name]
+    ran = _ran_in(seen)
+    if not seen.params and not seen.outputs:
+        return None  # no step ran (the replay failed before one did): nothing ran in any dtype
+    if name == "fp32":
+        if (seen.params | seen.loss) - {torch.float32}:
+            return f"ran with {ran}, not float32"
+        return None
+    if want not in seen.params | seen.outputs:
+        why = " (autocast leaves float64 alone)" if torch.float64 in seen.params | seen.outputs else ""
+        return f"nothing ran in {_names({want})[0]}: {ran}{why}"
+    return None
+
+
+def _ran_in(seen: _Dtypes) -> str:
+    parts = [f"{'+'.join(_names(seen.params)) or 'no floating'} parameters"]
+    if seen.loss:
+        parts.append(f"a {'+'.join(_names(seen.loss))} loss")
+    if seen.outputs:
+        parts.append(f"modules returning {'+'.join(_names(seen.outputs))}")
+    return ", ".join(parts)
 
 
 @contextlib.contextmanager
@@ -205,7 +310,9 @@ VARIANTS: dict[str, Variant] = {
 def bisect_precision(bundle: Bundle, *, device: str | None = None, code: Any = None,
                      variants: list[str] | None = None, progress: Callable[[str, str], None] | None = None
                      ) -> dict[str, Any]:
-    """Replay the window under each variant: ``variants`` maps name to pass | fail | n/a | different_failure."""
+    """Replay the window under each variant: ``variants`` maps name to pass | fail | n/a | different_failure |
+    not_applied (a precision variant that did not run in its dtype: ``details`` says what it ran in).
+    ``dtypes`` holds, for fp32 / bf16 / fp16, the parameter, loss and op-result dtypes each replay saw."""
     names = variants or list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -214,16 +321,17 @@ def bisect_precision(bundle: Bundle, *, device: str | None = None, code: Any = N
         raise ReprokitError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     results: dict[str, str] = {}
     details: dict[str, Any] = {}
+    dtypes: dict[str, Any] = {}
     sdpa_calls: int | None = None  # during the recorded variant, once run
     for name in names:
-        results[name], details[name], calls = _run_variant(bundle, name, device, code, sdpa_calls)
+        results[name], details[name], calls = _run_variant(bundle, name, device, code, sdpa_calls, dtypes)
         if name == "recorded":
             sdpa_calls = calls
         if progress:
             progress(name, results[name])
     fixes = [n for n in names if results[n] == "pass" and n != "recorded"]
     fix = fixes[0] if results.get("recorded") == "fail" and fixes else None
-    out: dict[str, Any] = {"variants": results, "details": details,
+    out: dict[str, Any] = {"variants": results, "details": details, "dtypes": dtypes,
                            "reproduced": results["recorded"] == "fail" if "recorded" in results else None,
                            "smallest_fix": fix}
     if fix is not None:
@@ -238,9 +346,10 @@ def bisect_precision(bundle: Bundle, *, device: str | None = None, code: Any = N
     return out
 
 
-def _run_variant(bundle: Bundle, name: str, device: str | None, code: Any,
-                 sdpa_calls: int | None) -> tuple[str, str, int | None]:
-    """Replay the window once under variant ``name``: (pass | fail | n/a | different_failure, detail, SDPA calls)."""
+def _run_variant(bundle: Bundle, name: str, device: str | None, code: Any, sdpa_calls: int | None,
+                 dtypes: dict[str, Any] | None = None) -> tuple[str, str, int | None]:
+    """Replay the window once under variant ``name``: (pass | fail | n/a | different_failure | not_applied, detail,
+    SDPA calls). A precision variant puts what it ran in under ``dtypes[name]``."""
     sdpa = name.startswith("sdpa_")
     no_attention = ("n/a", "the replay never called scaled_dot_product_attention (no SDPA attention in this model), "
                            "so the SDPA backend changes nothing", None)
@@ -254,7 +363,8 @@ def _run_variant(bundle: Bundle, name: str, device: str | None, code: Any,
             inputs = [type(i)(i.step, pytree.map_tensors(i.batch, lambda t: t.float() if t.is_floating_point()
                                                          else t), i.rng, i.rng_tensors) for i in inputs]
         with VARIANTS[name](s), (_counting_sdpa() if sdpa or name == "recorded"
-                                 else contextlib.nullcontext()) as counter:
+                                 else contextlib.nullcontext()) as counter, \
+                (_watching_dtypes(s) if name in PRECISIONS else contextlib.nullcontext()) as seen:
             out = s.run(inputs)
         calls = counter.calls if counter is not None else None
         if sdpa and calls == 0:
@@ -265,8 +375,15 @@ def _run_variant(bundle: Bundle, name: str, device: str | None, code: Any,
                            f"{s.device.type}: {out.failure.message.splitlines()[0][:160]}"), calls
         steps = len(out.losses)
         result = "fail" if out.same else "different_failure" if out.failure else "pass"
-        return result, out.failure.describe() if out.failure else \
-            f"passed {steps} step{'' if steps == 1 else 's'}", calls
+        detail = out.failure.describe() if out.failure else f"passed {steps} step{'' if steps == 1 else 's'}"
+        if seen is not None:
+            if dtypes is not None:
+                dtypes[name] = seen.to_json()
+            wrong = _not_as_named(name, seen)
+            if wrong is not None:  # its pass or fail says nothing about this precision
+                return "not_applied", f"{wrong}; its replay: {detail}", calls
+            detail += f" ({_ran_in(seen)})"
+        return result, detail, calls
 
 
 def format_precision(d: dict[str, Any]) -> str:

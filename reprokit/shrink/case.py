@@ -27,14 +27,26 @@ class Case:
     inputs: tuple[StepInput, ...]
     snapshot: Snapshot
     snap_id: int
-    rows: tuple[int, ...] | None
-    """Positions, in the original failing batch, of the rows still in the last batch."""
+    rows: tuple[Any, ...] | None
+    """Positions, in the original failing batch, of the rows still in the last batch: ints, or ``(micro-batch,
+    row)`` pairs for a batch of micro-batches (see :mod:`reprokit.shrink.micro`)."""
     seq: tuple[int, int] | None
     """The original ``[lo, hi)`` the last batch's sequence window covers."""
 
     @property
     def last(self) -> StepInput:
         return self.inputs[-1]
+
+    @property
+    def n_rows(self) -> int | None:
+        """Rows of the last batch (``(micro-batch, row)`` pairs for a batch of micro-batches): the count the rows
+        pass kept once it ran (it knew the original's row dimension; a cut batch of one row may be ambiguous to
+        :func:`batch_size`), else :func:`rows_and_seq`'s reading (None when the row dimension cannot be told)."""
+        return self.rows_and_seq()[0]
+
+    def rows_and_seq(self) -> tuple[int | None, int | None]:
+        """:attr:`n_rows` and the sequence length read with it (see :func:`rows_and_seq`)."""
+        return rows_and_seq(self.last.batch, len(self.rows) if self.rows is not None else None)
 
     def key(self) -> str:
         h = hashlib.sha1(str(self.snap_id).encode())
@@ -49,8 +61,7 @@ class Case:
     def sort_key(self, pad_id: int = 0) -> tuple[int, int, int, int, int]:
         """The one definition of "smaller": fewer steps, then rows, sequence, meaningful tokens, elements."""
         b = self.last.batch
-        n = batch_size(b)
-        s = seq_len(b, n)
+        n, s = self.rows_and_seq()
         elements = sum(t.numel() for t in _tensors(b))
         return (len(self.inputs), n or 0, s or 0, len(token_positions(b, pad_id)), elements)
 
@@ -59,6 +70,24 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     from reprokit.pytree import leaves
 
     return [leaf for _, leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
+
+
+def rows_and_seq(batch: Any, n: int | None = None) -> tuple[int | None, int | None]:
+    """The number of rows and the sequence length; for micro-batches, the rows of all of them. ``(None, None)``
+    when the row dimension cannot be told (:func:`reprokit.shrink.micro.ambiguous`).
+
+    ``n``: the row count when it is known (:attr:`Case.n_rows`: what the rows pass kept), else it is read from
+    the batch (:func:`batch_size`, or the micro-batches' rows).
+    """
+    from reprokit.shrink import micro
+
+    lay = micro.layout(batch)
+    if lay is not None:
+        return (n if n is not None else len(micro.units(batch, lay))), micro.seq_of(batch, lay)
+    if micro.ambiguous(batch):
+        return None, None
+    n = n if n is not None else batch_size(batch)
+    return n, seq_len(batch, n)
 
 
 def batch_size(batch: Any) -> int | None:
@@ -94,10 +123,15 @@ def _vote(node: Any, weight: float, votes: dict[int, float]) -> None:
 
 def _per_sample(items: list | tuple, n: int | None) -> bool:
     """``items`` (``n`` of them, when given) are one entry per row: tensors or dicts, not all of them tensors
-    whose own leading dimension is the number of rows (``(x, y)`` is two batched tensors, not two samples)."""
+    whose own leading dimension is the number of rows (``(x, y)`` is two batched tensors, not two samples).
+
+    Guessing the row count (``n`` not given), tensors that all lead with 1 are a batch of one row: the ``(x, y)``
+    a shrink leaves, not two samples (read as two, the rows pass indexed past the one row it had kept)."""
     if (n is not None and len(items) != n) or not items:
         return False
     if not all(isinstance(v, (torch.Tensor, Mapping)) for v in items):
+        return False
+    if n is None and all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == 1 for v in items):
         return False
     rows = n if n is not None else len(items)
     return not all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == rows for v in items)

@@ -23,7 +23,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from reprokit.search import ddmin, find_integer, shortest_window
-from reprokit.shrink.case import Case, batch_size, neutralise, select_rows, select_seq, seq_len, token_positions
+from reprokit.shrink import micro
+from reprokit.shrink.case import Case, neutralise, select_rows, select_seq, token_positions
 
 if TYPE_CHECKING:
     from reprokit.shrink.shrinker import Shrinker
@@ -51,10 +52,38 @@ def steps(sh: Shrinker, case: Case) -> Case | None:
     return suffix(k) if k else None
 
 
-def rows(sh: Shrinker, case: Case) -> Case | None:
-    """Fewest rows of the failing batch (delta debugging over the batch dimension)."""
+def micro_batches(sh: Shrinker, case: Case) -> Case | None:
+    """Fewest micro-batches of the failing update: whole ones dropped, before any row inside one."""
     batch = case.last.batch
-    n = batch_size(batch)
+    lay = micro.layout(batch)
+    if lay is None or case.rows is None:
+        return None
+    current = case.rows
+    ks = list(dict.fromkeys(k for k, _ in current))
+    if len(ks) < 2:
+        return None
+
+    def make(keep: list[int]) -> Case | None:
+        kept = [u for u in current if u[0] in keep]
+        cut = micro.select(batch, lay, current, kept)
+        return None if cut is None else case.with_last(cut, rows=tuple(kept))
+
+    def fails(keep: list[int]) -> bool:
+        c = make(keep)
+        return c is not None and sh.test(c)
+
+    keep = ddmin(ks, fails)
+    return make(keep) if len(keep) < len(ks) else None
+
+
+def rows(sh: Shrinker, case: Case) -> Case | None:
+    """Fewest rows of the failing batch (delta debugging over the batch dimension; over each micro-batch's own
+    rows for a batch of micro-batches)."""
+    batch = case.last.batch
+    lay = micro.layout(batch)
+    if lay is not None:
+        return _micro_rows(sh, case, lay)
+    n = case.n_rows  # what the rows pass kept, not a guess: a cut (x, y) of one row may read as two samples
     if not n or n < 2:
         return None
     origin = case.rows or tuple(range(n))
@@ -66,19 +95,41 @@ def rows(sh: Shrinker, case: Case) -> Case | None:
     return make(keep) if len(keep) < n else None
 
 
+def _micro_rows(sh: Shrinker, case: Case, lay: micro.Layout) -> Case | None:
+    current = case.rows
+    if current is None or len(current) < 2:
+        return None
+
+    def make(keep: list[tuple[int, int]]) -> Case | None:
+        cut = micro.select(case.last.batch, lay, current, keep)
+        return None if cut is None else case.with_last(cut, rows=tuple(keep))
+
+    def fails(keep: list[tuple[int, int]]) -> bool:
+        c = make(keep)
+        return c is not None and sh.test(c)
+
+    keep = ddmin(list(current), fails)
+    return make(keep) if len(keep) < len(current) else None
+
+
 def sequence(sh: Shrinker, case: Case) -> Case | None:
     """Shortest contiguous window along the sequence dimension (prefix and suffix trimmed by binary search)."""
     batch = case.last.batch
-    n = batch_size(batch)
-    s = seq_len(batch, n)
+    lay = micro.layout(batch)
+    n, s = case.rows_and_seq()  # for micro-batches, s is theirs and n is not used (each is cut on its own)
     if not s or s < 2:
         return None
     base = case.seq[0] if case.seq else 0
 
-    def make(lo: int, hi: int) -> Case:
-        return case.with_last(select_seq(batch, n, s, lo, hi), seq=(base + lo, base + hi))
+    def make(lo: int, hi: int) -> Case | None:
+        cut = micro.cut_seq(batch, lay, s, lo, hi) if lay is not None else select_seq(batch, n, s, lo, hi)
+        return None if cut is None else case.with_last(cut, seq=(base + lo, base + hi))
 
-    lo, hi = shortest_window(s, lambda lo, hi: sh.test(make(lo, hi)))
+    def fails(lo: int, hi: int) -> bool:
+        c = make(lo, hi)
+        return c is not None and sh.test(c)
+
+    lo, hi = shortest_window(s, fails)
     return make(lo, hi) if (lo, hi) != (0, s) else None
 
 
@@ -97,4 +148,6 @@ def tokens(sh: Shrinker, case: Case) -> Case | None:
 
 
 # The one list. Order matters: fewer steps make every later replay cheaper.
-PASSES: dict[str, Pass] = {"steps": steps, "rows": rows, "sequence": sequence, "tokens": tokens}
+PASSES: dict[str, Pass] = {"steps": steps, "micro": micro_batches, "rows": rows, "sequence": sequence, "tokens": tokens}
+DATA_PASSES = frozenset({"micro", "rows", "sequence", "tokens"})
+"""The passes that cut the failing batch: skipped when the state fails on any data (they would name a row)."""

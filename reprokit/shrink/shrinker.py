@@ -20,6 +20,7 @@ from reprokit.bundle import (
     Bundle,
     BundleWriter,
     StepRecord,
+    claimed_output,
     jsonable,
     open_bundle,
     part_sizes,
@@ -30,18 +31,20 @@ from reprokit.code import child_env, entry_args, git_info, snapshot_files
 from reprokit.errors import DidNotReproduce, ReprokitError
 from reprokit.origin import Origin, same_origin, watch_step
 from reprokit.replay import RunOutcome, Session, StepInput, alone_hint
+from reprokit.shrink import micro
 from reprokit.shrink.case import (
     Case,
     Snapshot,
-    batch_size,
     concat_rows,
     dataset_indices,
+    rows_and_seq,
     select_rows,
     select_seq,
     seq_len,
     token_positions,
 )
-from reprokit.shrink.passes import PASSES
+from reprokit.shrink.culprit import STATE, check_state
+from reprokit.shrink.passes import DATA_PASSES, PASSES
 from reprokit.signature import Failure, message_template
 
 Progress = Callable[[str, int, str], None]
@@ -96,6 +99,12 @@ class ShrinkResult:
     disk: dict[str, int] = field(default_factory=dict)
     """Bytes on disk of the source and the result, all files and the state alone (``bytes_before``,
     ``bytes_after``, ``state_bytes_before``, ``state_bytes_after``; the manifests' sizes)."""
+    rows_ambiguous: str | None = None
+    """Why rows and sequence were not cut: the batch's row dimension could not be told (see
+    :func:`reprokit.shrink.micro.ambiguous`)."""
+    state_check: dict[str, Any] | None = None
+    """Whether the failing step fails from its start state on other steps' batches (see
+    :mod:`reprokit.shrink.culprit`); with the verdict ``state``, no row or dataset index is named."""
 
     def to_json(self) -> dict[str, Any]:
         return jsonable({
@@ -105,6 +114,8 @@ class ShrinkResult:
             **{f"{k}_after": v for k, v in self.after.items()},
             "kept_rows": self.kept_rows,
             "dataset_indices": self.dataset_indices,
+            "state_check": self.state_check,
+            "rows_ambiguous": self.rows_ambiguous,
             "seq_window": self.seq_window,
             "budget_exhausted": self.budget_exhausted,
             "different_failures": self.different_failures,
@@ -122,8 +133,8 @@ class ShrinkResult:
 
 def dims(case: Case, pad_id: int) -> dict[str, Any]:
     b = case.last.batch
-    n = batch_size(b)
-    return {"steps": len(case.inputs), "rows": n, "seq": seq_len(b, n), "tokens": len(token_positions(b, pad_id))}
+    n, s = case.rows_and_seq()
+    return {"steps": len(case.inputs), "rows": n, "seq": s, "tokens": len(token_positions(b, pad_id))}
 
 
 @dataclass
@@ -217,7 +228,9 @@ class Shrinker:
         if snap is None:
             return None
         self.origin_checks += 1
-        _, origin = watch_step(self.session, case.last, snap[0], batch_size(case.last.batch))
+        # Micro-batches run one forward each: rows of the origin's op are a micro-batch's, not the update's.
+        rows = None if micro.layout(case.last.batch) else case.n_rows
+        _, origin = watch_step(self.session, case.last, snap[0], rows)
         self.steps_run += 1
         return origin
 
@@ -230,7 +243,7 @@ class Shrinker:
         """
         assert self.reference is not None
         original, n0 = self.reference
-        if case.rows is None or len(case.rows) >= n0:
+        if case.rows is None or len(case.rows) >= n0 or micro.layout(original) is not None:
             return False
         kept = set(case.rows)
         others = [r for r in range(n0) if r not in kept]
@@ -259,8 +272,10 @@ class Shrinker:
         snap = self.snapshot_at(case, len(case.inputs) - 1)
         if snap is None:
             return False
-        batch, n = case.last.batch, batch_size(case.last.batch)
+        batch, n = case.last.batch, case.n_rows
         row_ids = list(case.rows) if case.rows is not None else None
+        if micro.layout(batch) is not None:
+            n = row_ids = None  # the origin's rows were not attributed (see find_origin): its place is compared
         control = self._control(case, row_ids)
         if control is not None and n is not None and row_ids is not None:
             merged = concat_rows(batch, n, control[1])
@@ -380,7 +395,7 @@ def _failed(out: RunOutcome | dict) -> bool:
 
 
 def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: dict[str, Any],
-               outcome: RunOutcome | None, provenance: dict[str, Any]) -> Path:
+               outcome: RunOutcome | None, provenance: dict[str, Any], exact: bool = False) -> Path:
     """Write ``case`` as an ordinary bundle (manifest, checksums) next to its source's code and env."""
     src: Bundle = session.bundle
     run = copy.deepcopy(src.run)
@@ -397,7 +412,7 @@ def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: 
         records.append(StepRecord(inp.step, tree, {**tensors, **inp.rng_tensors}, inp.rng, losses.get(inp.step)))
     snap_tree, snap_tensors = case.snapshot
     snap_tree = {**snap_tree, "step": steps[0]}
-    return write_bundle(BundleWriter(out_dir, name), failure=failure, run=run, env=src.env,
+    return write_bundle(BundleWriter(out_dir, name, exact=exact), failure=failure, run=run, env=src.env,
                         state=(snap_tree, snap_tensors), steps=records, code=code_replayed(session))
 
 
@@ -448,12 +463,14 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
     if output.exists() and any(output.iterdir()):
         raise ReprokitError(f"{output} already exists and is not empty; pick another -o or remove it")
     src = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
-    with Session(src, device=device, code=code) as session:
+    with claimed_output(output), Session(src, device=device, code=code) as session:
         inputs = tuple(session.inputs())
         first = inputs[-1].batch
-        n = batch_size(first)
-        s = seq_len(first, n)
-        original = Case(inputs, session.snapshot, 0, tuple(range(n)) if n else None, (0, s) if s else None)
+        lay = micro.layout(first)
+        n, s = rows_and_seq(first)
+        rows0 = micro.units(first, lay) if lay is not None else tuple(range(n)) if n else None
+        rows0 = None if micro.ambiguous(first) else rows0
+        original = Case(inputs, session.snapshot, 0, rows0, (0, s) if s else None)
         sh = Shrinker(session, budget=budget, pad_id=pad_id, isolate=isolate, timeout=timeout, progress=progress)
         if not sh.test(original):
             out = sh.outcome(original)
@@ -475,6 +492,13 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                                f"shrinking could not tell a smaller case that holds the bug from a lucky replay. "
                                f"{FLAKY_HINT}")
         before = dims(original, pad_id)
+        # Before any pass looks for rows to blame: does the failing step fail on other steps' data too?
+        checked = check_state(sh, original)
+        if checked.verdict == STATE:
+            passes = [p for p in passes if p not in DATA_PASSES]
+        ambiguity = micro.ambiguous(first)
+        if ambiguity:  # cutting along a guessed dimension would report rows that are not rows
+            passes = [p for p in passes if p not in ("micro", "rows", "sequence")]
         best, stats, exhausted = sh.run(original, passes)
         missed = sh.confirm(best, CONFIRM_TIMES) if best is not original else None
         if missed:
@@ -483,8 +507,10 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                                f"each of {CONFIRM_TIMES} more replays ({missed}); nothing was written. {FLAKY_HINT}")
         out = sh.outcome(best)
         failure = _failure_of(out)
-        kept = list(best.rows) if best.rows is not None and n and len(best.rows) < n else None
-        indices = dataset_indices(first, best.rows)
+        blamed = checked.verdict != STATE
+        kept = list(best.rows) if blamed and best.rows is not None and n and len(best.rows) < n else None
+        indices = None if not blamed else micro.indices(first, lay, best.rows) \
+            if lay is not None and best.rows is not None else dataset_indices(first, best.rows)
         window = list(best.seq) if best.seq else None
         provenance: dict[str, Any] = {
             "source_bundle": str(src.path),
@@ -496,7 +522,9 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             "origin_checks": sh.origin_checks,
             "origin_changed": sh.origin_changed,
             "confirm_runs": sh.confirm_runs,
-            "kept_rows": list(best.rows) if best.rows is not None else None,
+            "kept_rows": list(best.rows) if blamed and best.rows is not None else None,
+            "state_check": checked.to_json(),
+            "rows_ambiguous": ambiguity,
             "dataset_indices": indices,
             "seq_window": window,
             "before": before,
@@ -506,16 +534,14 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             git = git_info(session.user_code) or {}
             provenance["code"] = {"shrunk_against": str(session.user_code), "git_commit": git.get("commit"),
                                   "git_dirty": git.get("dirty")}
-        output.parent.mkdir(parents=True, exist_ok=True)
-        if output.exists():
-            output.rmdir()
         written = write_case(session, best, output.parent, output.name, failure.to_json(),
-                             out if isinstance(out, RunOutcome) else None, provenance)
+                             out if isinstance(out, RunOutcome) else None, provenance, exact=True)
         disk = {**_disk_bytes(src.manifest, "before"), **_disk_bytes(json.loads((written / MANIFEST).read_text()),
                                                                          "after")}
         return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
                             time.perf_counter() - t0, exhausted, failure, sh.different_failures, sh.origin,
-                            sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"), disk)
+                            sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"), disk,
+                            state_check=checked.to_json(), rows_ambiguous=ambiguity)
 
 
 def _disk_bytes(manifest: dict[str, Any], when: str) -> dict[str, Any]:

@@ -73,6 +73,21 @@ def test_exception_inside_a_submodule_is_named(projects, tmp_path):
     assert r["received"] == ["0: int64[20]"] and r["exception"].startswith("IndexError")
 
 
+def test_an_id_outside_the_embedding_table_is_named_with_the_table_size(projects, tmp_path):
+    """The raising embedding's out-of-range id, where it is and the table size (it said only `int64[8, 12]`),
+    and no empty module table after it (no module finished before the first one raised)."""
+    lm = projects("rk_lm")
+    cfg = {"vocab": 30, "max_len": 16}
+    _, exc = record(lm, cfg, lm.batches(cfg, 6, oov_step=4), tmp_path, snapshot_every=3)
+    d = bisect_layers(open_bundle(bundle_of(exc)))
+    assert d["raised_in"]["out_of_range"] == {"id": 33, "at": [5, 7], "count": 1, "num_embeddings": 30}
+    cli = CliRunner().invoke(main, ["bisect", "layers", str(bundle_of(exc))])
+    assert cli.exit_code == 0, cli.output
+    assert cli.output.splitlines()[1:] == [
+        "  it received: 0: int64[8, 12]",
+        "  id 33 at [5, 7] is outside its table of 30 (num_embeddings; valid ids 0..29); 1 id out of range"]
+
+
 def test_inspect_plot(nan_bundle_factory, tmp_path):
     bundle = nan_bundle_factory()
     out = tmp_path / "plot.png"

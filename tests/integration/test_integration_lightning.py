@@ -77,6 +77,29 @@ def test_automatic_optimization_nan_loss_from_a_sample_without_labels(projects, 
     _shrink_keeps(bundle, tmp_path, IGNORED)
 
 
+def test_a_tuple_batch_shrinks_to_its_nan_row_through_the_cli(projects, tmp_path):
+    """``(x, y)`` batches from a TensorDataset (automatic optimization): shrink cuts the rows inside the tuple and
+    keeps the NaN sample. Once one row was left, the tuple read as two samples of one row each, and the next rows
+    pass indexed past the one row it had kept (exit 70, IndexError)."""
+    from reprokit.integrations.lightning import ReprokitCallback
+
+    L = projects("rk_lightning")
+    cb = ReprokitCallback(out_dir=tmp_path / "repros", snapshot_every=3)
+    with pytest.raises(reprokit.TrainingFailure) as info:  # sample 18: batch 4, row 2
+        L.trainer([cb]).fit(L.PairLit(), L.loader(L.pairs(nan=18), 4))
+    bundle = bundle_of(info.value)
+    assert info.value.failure.step == 4
+    _replay(bundle)
+    out = CliRunner().invoke(main, ["shrink", str(bundle), "-o", str(tmp_path / "small"), "--json"])
+    assert out.exit_code == 0, out.output
+    d = json.loads(out.output)
+    assert (d["steps_after"], d["rows_before"], d["rows_after"], d["kept_rows"]) == (1, 4, 1, [2]), d
+    x, y = open_bundle(tmp_path / "small").step(4)[0]["batch"]
+    assert x.shape == (1, 4) and y.shape == (1,) and x.isnan().any()
+    again = CliRunner().invoke(main, ["replay", str(tmp_path / "small")])
+    assert again.exit_code == 1, again.output
+
+
 def test_the_gradient_check_reads_the_gradients_the_closure_made(projects, tmp_path):
     """Lightning steps the optimizer with a closure that runs training_step and backward inside step(): the
     gradient check must read that step's gradients (after the closure), not the last step's."""

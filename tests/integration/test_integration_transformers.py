@@ -298,6 +298,22 @@ def test_gradient_accumulation_replays_every_micro_batch(tmp_path):
     assert d["verdict"] == "deterministic" and d["fidelity"]["bit_exact"]
 
 
+def test_bisect_layers_on_a_later_micro_batch_shows_only_the_forward_that_raised(tmp_path):
+    """Sample 8 lands in micro-batch 2 of step 3: the embedding raises first thing in that forward. The frames
+    shown were micro-batch 1's backward (20 rows of another pass); now none, so no table."""
+    from reprokit.bisect import bisect_layers
+
+    with pytest.raises(IndexError) as info:
+        train(tmp_path, Tokens(24, 8, "token"), batch_size=2, accumulate=3, max_steps=4, snapshot_every=4)
+    bundle = bundle_of(info.value)
+    assert len(B.open_bundle(bundle).step(3)[0]["micro"]) == 3
+    d = bisect_layers(B.open_bundle(bundle))
+    assert d["raised_in"]["module"] == "transformer.wte" and d["frames"] == []
+    assert d["raised_in"]["out_of_range"] == {"id": VOCAB + 5, "at": [0, 3], "count": 1, "num_embeddings": VOCAB}
+    out = CliRunner().invoke(main, ["bisect", "layers", str(bundle)])
+    assert out.exit_code == 0 and "backward" not in out.output and "|min|" not in out.output, out.output
+
+
 def test_grad_check_fires_inside_the_trainer(tmp_path):
     model = tiny_gpt2()
     model.transformer.h[1].mlp.c_fc.weight.register_hook(lambda g: g * float("inf"))  # finite loss, inf gradient

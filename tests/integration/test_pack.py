@@ -269,18 +269,17 @@ def test_planted_pickle_is_never_unpickled(nan_bundle, tmp_path):
     v = CliRunner().invoke(main, ["verify", str(nan_bundle), "--json"])
     assert {"file": "state/model.pt", "problem": "unexpected file"} in json.loads(v.output)["problems"]
     assert CliRunner().invoke(main, ["replay", str(nan_bundle)]).exit_code == 3
-    # Listed by an attacker who re-signed the manifest: every command runs, none unpickles it.
+    # Listed by an attacker who re-signed the manifest: beyond the bundle layout, so still refused (pack would ship
+    # it), and nothing unpickles it on the way.
     m = json.loads((nan_bundle / "manifest.json").read_text())
     m["files"]["state/model.pt"] = {"sha256": B.sha256_file(nan_bundle / "state" / "model.pt"), "size": len(payload)}
     m["self_sha256"] = B._self_digest(m)
     (nan_bundle / "manifest.json").write_text(json.dumps(m))
-    assert CliRunner().invoke(main, ["verify", str(nan_bundle)]).exit_code == 0
-    assert CliRunner().invoke(main, ["inspect", str(nan_bundle)]).exit_code == 0
-    assert CliRunner().invoke(main, ["replay", str(nan_bundle)]).exit_code == 1
-    out = tmp_path / "p.tar.gz"
-    assert CliRunner().invoke(main, ["pack", str(nan_bundle), "-o", str(out)]).exit_code == 0
-    assert CliRunner().invoke(main, ["replay", str(out)]).exit_code == 1
-    assert CliRunner().invoke(main, ["shrink", str(out), "-o", str(tmp_path / "s")]).exit_code == 0
+    v = CliRunner().invoke(main, ["verify", str(nan_bundle)])
+    assert v.exit_code == 1 and "state/model.pt: not part of the bundle layout" in v.output, v.output
+    for args in (["inspect", str(nan_bundle)], ["replay", str(nan_bundle)],
+                 ["pack", str(nan_bundle), "-o", str(tmp_path / "p.tar.gz")]):
+        assert CliRunner().invoke(main, args).exit_code == 3, args
     assert not marker.exists()
 
 
@@ -393,12 +392,14 @@ def test_an_edited_repro_py_in_a_repacked_archive_is_caught(nan_bundle, tmp_path
     assert code == 1 and any(p["file"].endswith("/repro.py") and "not covered by any manifest" in p["problem"]
                              for p in d["problems"]), d
 
-    # Re-signed consistently: nothing inside can tell, so verify says the origin was not checked...
+    # Re-signed consistently: the manifests cannot tell, but repro.py is not what this reprokit packs...
     resigned = _repack(out, tmp_path / "resigned.tar.gz", lambda top: (_evil(top), _resign(top)))
     code, d = _verify(resigned)
-    assert code == 0 and not d["origin_checked"] and "origin not checked" in d["note"]
-    human = CliRunner().invoke(main, ["verify", str(resigned)])
-    assert "origin not checked" in human.output
+    assert code == 1 and [p["file"] for p in d["problems"]] == ["repro.py"], d
+    assert "differs from what this reprokit" in d["problems"][0]["problem"]
+    # ... accepted explicitly, it passes, with the note that its origin was not checked...
+    human = CliRunner().invoke(main, ["verify", "--accept-generated", str(resigned)])
+    assert human.exit_code == 0 and "origin not checked" in human.output and "accepted" in human.output, human.output
     # ... and the .sha256 the sender shipped catches it.
     (tmp_path / "resigned.tar.gz.sha256").write_bytes((out.parent / "repro.tar.gz.sha256").read_bytes())
     code, d = _verify(resigned)

@@ -33,7 +33,7 @@ def test_shrink_json(nan_bundle, tmp_path):
     prov = json.loads((out / "run.json").read_text())["provenance"]
     assert prov["source_manifest_sha256"] == B.sha256_file(nan_bundle / "manifest.json")
     assert prov["replays"] == d["replays"] and prov["kept_rows"] == [3]
-    assert set(prov["passes"]) == {"steps", "rows", "sequence", "tokens"}
+    assert set(prov["passes"]) == {"steps", "micro", "rows", "sequence", "tokens"}
     replay = CliRunner().invoke(main, ["replay", str(out), "--json"])
     assert replay.exit_code == 1 and json.loads(replay.output)["fidelity"]["bit_exact"]
 

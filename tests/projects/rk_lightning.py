@@ -148,3 +148,30 @@ class ValPlateauLit(TinyLit):
         sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, threshold=10.0, patience=0, factor=0.1, cooldown=100)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss", "interval": "step",
                                                    "frequency": 2}}  # after batches 1, 3...: after each validation
+
+
+class PairLit(pl.LightningModule):
+    """A regressor fed ``(x, y)`` tuples, the shape a ``TensorDataset`` collates to (automatic optimization)."""
+
+    def __init__(self, d: int = 4, lr: float = 0.05):
+        super().__init__()
+        self.save_hyperparameters()
+        self.lin = nn.Linear(d, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def pairs(n: int = 32, d: int = 4, nan: int | None = None):
+    """A ``TensorDataset`` of ``n`` ``(x, y)`` pairs; sample ``nan`` has a NaN feature."""
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(n, d, generator=g), torch.randn(n, generator=g)
+    if nan is not None:
+        x[nan, 1] = float("nan")
+    return TensorDataset(x, y)

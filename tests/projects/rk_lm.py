@@ -62,3 +62,33 @@ def batches(config, steps, oov_step=None, long_step=None, seq=12, bs=8, long_len
             ids[5, 7] = V + 3  # a token the tokenizer added but the model never resized for
         labels = torch.roll(ids, -1, dims=1).clamp(max=V - 1)
         yield {"input_ids": ids, "labels": labels, "index": torch.arange(s * bs, (s + 1) * bs), "source": "synthetic"}
+
+
+def stacked_step(state, batch):
+    """nanoGPT's gradient accumulation: ``x`` and ``y`` are ``[accum, B, T]``, one micro-batch per ``x[k]``."""
+    x, y = batch["x"], batch["y"]
+    total = 0.0
+    for k in range(x.shape[0]):
+        logits = state.model(x[k])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[k].reshape(-1)) / x.shape[0]
+        loss.backward()
+        total = total + loss.detach()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def stacked_batches(config, steps, accum=4, bs=4, seq=8, bad=None, index=True):
+    """``[accum, bs, seq]`` token batches; ``bad=(step, k, row)`` puts ``config["nan_token"]`` in that row of
+    micro-batch ``k``. ``index``: a ``[accum, bs]`` leaf of dataset indices (far apart, as a shuffled corpus)."""
+    g = torch.Generator().manual_seed(config.get("seed", 0) + 11)
+    V = config["vocab"]
+    for s in range(steps):
+        ids = torch.randint(1, V, (accum, bs, seq + 1), generator=g)
+        ids[ids == config["nan_token"]] = 1
+        if bad is not None and s == bad[0]:
+            ids[bad[1], bad[2], 3] = config["nan_token"]
+        batch = {"x": ids[..., :-1].contiguous(), "y": ids[..., 1:].contiguous()}
+        if index:
+            batch["index"] = 30000000 + 32 * torch.arange(s * accum * bs, (s + 1) * accum * bs).reshape(accum, bs)
+        yield batch

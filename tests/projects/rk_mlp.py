@@ -30,12 +30,19 @@ def warmup(step: int, steps: int) -> float:
     return min(1.0, (step + 1) / steps)
 
 
+def jump(step: int, at: int) -> float:
+    """A schedule with a bug: the LR is multiplied by 1e24 from step ``at`` on (any batch overflows after it)."""
+    return 1.0 if step < at else 1e24
+
+
 def make_scheduler(name, opt, total):
     S = torch.optim.lr_scheduler
     if name is None:
         return None
     if name == "lambda":
         return S.LambdaLR(opt, functools.partial(warmup, steps=5))
+    if name == "jump":
+        return S.LambdaLR(opt, functools.partial(jump, at=6))
     if name == "step":
         return S.StepLR(opt, step_size=3, gamma=0.5)
     if name == "cosine":

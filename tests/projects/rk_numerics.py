@@ -1,4 +1,7 @@
-"""Numerics failures: fp16 overflow under autocast, a naive softmax, an LR that explodes."""
+"""Numerics failures: fp16 overflow under autocast, a naive softmax, an LR that explodes.
+
+``config["dtype"]`` casts the model after it is made (``model.half()`` style: float16 without autocast, bfloat16
+or float64 parameters); the step casts the batch to the parameters' dtype, as such loops do."""
 
 from __future__ import annotations
 
@@ -30,7 +33,13 @@ class Net(nn.Module):
 def build(config):
     torch.manual_seed(0)
     model = Net(config.get("softmax", False))
-    opt = torch.optim.SGD(model.parameters(), lr=config.get("lr", 1e-3))
+    if config.get("dtype"):
+        model.to(getattr(torch, config["dtype"]))
+    model.half_in_step = config.get("half_in_step", False)  # the step casts the model itself, every step
+    if config.get("optimizer") == "adamw":  # moments in the parameters' dtype
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.get("lr", 1e-3))
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=config.get("lr", 1e-3))
     sched = None
     if config.get("lr_growth"):
         sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=config["lr_growth"])
@@ -40,9 +49,12 @@ def build(config):
 
 def train_step(state, batch):
     amp = state.scaler is not None
+    if state.model.half_in_step:
+        state.model.half()
+    dtype = next(state.model.parameters()).dtype  # the batch follows the model's dtype
     with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
-        out = state.model(batch["x"]).squeeze(-1)
-    loss = nn.functional.mse_loss(out.float(), batch["y"])
+        out = state.model(batch["x"].to(dtype)).squeeze(-1)
+    loss = nn.functional.mse_loss(out.to(dtype), batch["y"].to(dtype))
     if amp:
         state.scaler.scale(loss).backward()
         state.scaler.step(state.optimizer)

@@ -15,14 +15,16 @@ from reprokit import bundle as B
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
-# Not run.json: verify holds run.json to its schema, and these tests are about the container.
-NOTES = "notes.json"
+# Not run.json: verify holds run.json to its schema, and these tests are about the container. A file of the bundle
+# layout (anything else is a verify problem) that no schema reads: a code file (JSON is a Python expression too).
+NOTES = "code/notes.py"
+TENSORS = "state/rng.safetensors"
 
 
 def write_tiny(tmp_path: Path) -> Path:
     w = B.BundleWriter(tmp_path, "b")
     w.write_json(NOTES, {"x": float("nan")})
-    w.write_tensors("state/t.safetensors", {"a": torch.arange(4)})
+    w.write_tensors(TENSORS, {"a": torch.arange(4)})
     return w.commit()
 
 
@@ -30,7 +32,7 @@ def test_manifest_is_last_and_lists_every_file(tmp_path):
     path = write_tiny(tmp_path)
     manifest = json.loads((path / B.MANIFEST).read_text())
     assert manifest["format"] == B.FORMAT and manifest["version"] == B.VERSION
-    assert set(manifest["files"]) == {NOTES, "state/t.safetensors"}
+    assert set(manifest["files"]) == {NOTES, TENSORS}
     assert json.loads((path / NOTES).read_text()) == {"x": "nan"}, "strict JSON on disk"
     assert B.verify(path) == []
     assert [p.name for p in tmp_path.iterdir()] == ["b"], "no temp dir left behind"

@@ -76,6 +76,9 @@ def test_batch_size_of_structured_batches():
     # Batched tensors in a tuple stay batched tensors: (x, y) of 2 rows is not 2 samples of one tensor each.
     assert batch_size((torch.zeros(2, 5), torch.zeros(2))) == 2
     assert batch_size([torch.zeros(16, 4), torch.zeros(16)]) == 16
+    # ... and of one row: the (x, y) a shrink leaves is one row, not two samples of one row each.
+    assert batch_size([torch.zeros(1, 4), torch.zeros(1)]) == 1
+    assert batch_size((torch.zeros(1, 9, dtype=torch.long), torch.zeros(1, 9, dtype=torch.long))) == 1
     assert batch_size({"input_ids": torch.zeros(4, 9, dtype=torch.long), "mask": torch.ones(4, 9)}) == 4
 
 

@@ -1,0 +1,89 @@
+"""Two writers, one name: recorders sharing an out_dir that fail at the same step in the same second, and two
+``shrink -o SAME`` at once. Neither may lose a bundle, write it under a name nobody asked for, or fail after its run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rk_testing import record_mlp_nan
+
+from reprokit import bundle as B
+from reprokit.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_concurrent_commits_under_one_name_keep_every_bundle(tmp_path):
+    """Writers released together at the commit: each sees the name free, only one rename can take it."""
+    out = tmp_path / "repros"
+    for round_ in range(25):
+        barrier = threading.Barrier(3)
+        results: dict[int, Path | BaseException] = {}
+
+        def write(i: int, round_: int = round_, barrier: threading.Barrier = barrier,
+                  results: dict = results) -> None:
+            try:
+                with B.BundleWriter(out, f"bundle-{round_}") as w:
+                    w.write_json("run.json", {"writer": i})
+                    barrier.wait()
+                    results[i] = w.commit()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                results[i] = e
+
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(isinstance(r, Path) for r in results.values()), results
+        paths = {r for r in results.values() if isinstance(r, Path)}
+        assert len(paths) == 3, paths
+        writers = sorted(int((p / "run.json").read_text().split(":")[1].strip(" }\n")) for p in paths)
+        assert writers == [0, 1, 2]
+    assert not [p for p in out.iterdir() if p.name.startswith(B.TMP_PREFIX)]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 8, 6, 4)
+
+
+def test_a_second_shrink_to_the_same_output_is_refused_up_front(recorded, tmp_path):
+    bundle = Path(shutil.copytree(recorded, tmp_path / recorded.name))
+    same = tmp_path / "small"
+    claim = tmp_path / f".small{B.CLAIM_SUFFIX}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "projects")])}
+    first = subprocess.Popen([sys.executable, "-m", "reprokit", "shrink", str(bundle), "-o", str(same)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not claim.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert claim.exists(), "the first shrink never claimed its output"
+        t0 = time.monotonic()
+        second = CliRunner().invoke(main, ["shrink", str(bundle), "-o", str(same)])
+        assert second.exit_code == 2 and "is being written by process" in second.output, second.output
+        assert time.monotonic() - t0 < 30
+    finally:
+        out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, out
+    assert B.verify(same) == []
+    assert not claim.exists() and sorted(p.name for p in tmp_path.iterdir()) == [bundle.name, "small"]
+
+
+def test_a_claim_left_by_a_dead_process_is_taken_over(recorded, tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    claim = tmp_path / f".small{B.CLAIM_SUFFIX}"
+    claim.write_text(f"pid{dead.stdout.strip()}.0-on-{B._host()}")
+    with B.claimed_output(tmp_path / "small"):
+        assert claim.read_text() != f"pid{dead.stdout.strip()}.0-on-{B._host()}"
+    assert not claim.exists()
