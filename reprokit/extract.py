@@ -21,6 +21,7 @@ and saves that op's inputs and script alone, when the op is known.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import math
@@ -378,8 +379,7 @@ def _extract(bundle: Bundle, output: Path, *, device: str | None, code: Any, sou
         origin = watcher.origin
         made_in_phase = origin is not None and origin.created and origin.phase == phase and \
             _inside(origin.module, name)
-        made = origin.value if made_in_phase and origin is not None else None
-        bad = _already_bad(call, phase, made) if bundle.failure.kind != "exception" else None
+        bad = _already_bad(call, phase, made_in_phase, mod) if bundle.failure.kind != "exception" else None
         if bad is not None:
             raise DidNotReproduce(f"module {name} ({type(mod).__qualname__}) received the non-finite value in {bad} "
                                   f"({phase}) when the failing step ran again, so it did not make it there: no "
@@ -493,28 +493,51 @@ def _pick(cap: _Capture, phase: str, exception: bool) -> _Call:
     return next((c for c in calls if c.output_bad), calls[-1])
 
 
-def _already_bad(call: _Call, phase: str, made: str | None) -> str | None:
+def _already_bad(call: _Call, phase: str, made_here: bool, mod: torch.nn.Module) -> str | None:
     """What of the picked call's inputs already holds the non-finite value (then it did not make the value).
 
-    ``made`` is the kind of value (``"nan"`` or ``"inf"``) the origin watcher saw created by an op this module ran
-    in this phase (from inputs free of that kind), else None. Without it, any non-finite input counts in forward.
-    In backward, the value is a gradient: what flows into it is the gradient of its output. Its forward inputs are
-    what its backward computes with, like its weights; one holding a non-finite value counts only when its forward
-    passed it on (its output was non-finite too), or when the origin check did not find the value made in this
-    module's backward. An attention mask's ``-inf``, which the module's forward turns into finite values
-    (``exp(-inf) = 0``) in every step, healthy or not, is no reason to refuse the module that made the value: in
-    forward, an input counts then only when it already held the kind of value that was made (a NaN made from inputs
-    holding ``-inf`` and no NaN was made here).
+    ``made_here``: the origin watcher saw the value created (NaN from NaN-free inputs, inf from inf-free ones) by an
+    op this module ran, in this phase. In backward, the value is a gradient: what flows into it is the gradient of
+    its output. Its forward inputs are what its backward computes with, like its weights; one holding a non-finite
+    value counts only when its forward passed it on (its output was non-finite too), or when the origin check did not
+    find the value made in this module's backward. In forward, a non-finite input counts unless the module, made the
+    value here, makes a non-finite value again with those inputs set to 0 (:func:`_makes_it_alone`): an attention
+    mask's ``-inf``, which the module turns into finite values (``exp(-inf) = 0``) in every step, healthy or not, is
+    then no reason to refuse it, while a batch's inf that the module only sums into a NaN is.
     """
     if phase == "backward" and call.grad_outputs_bad:
         return "the gradient flowing into it"
-    if phase == "backward" and made is not None and not call.output_bad:
+    if phase == "backward" and made_here and not call.output_bad:
         return None
-    held = torch.isnan if made == "nan" and phase == "forward" else \
-        torch.isinf if made == "inf" and phase == "forward" else (lambda t: ~torch.isfinite(t))
-    if any(bool(held(t).any()) for t in _float_leaves((call.args, call.kwargs))):
-        return "its inputs"
-    return None
+    if not any(not bool(torch.isfinite(t).all()) for t in _float_leaves((call.args, call.kwargs))):
+        return None
+    if phase == "forward" and made_here and _makes_it_alone(call, mod):
+        return None
+    return "its inputs"
+
+
+def _makes_it_alone(call: _Call, mod: torch.nn.Module) -> bool:
+    """Whether a copy of ``mod``, with its weights as they were at the call, still returns a non-finite value from the
+    call's inputs with their non-finite entries set to 0 (a counterfactual run, on a copy, so nothing of the replayed
+    state changes)."""
+    def zeroed(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return torch.nan_to_num(v.detach(), nan=0.0, posinf=0.0, neginf=0.0)
+        return v.detach() if isinstance(v, torch.Tensor) else v
+
+    try:
+        twin = copy.deepcopy(mod).to("cpu")  # the call's inputs and weights were copied to the host
+        twin.load_state_dict(call.params, strict=False)  # as they were at the call, not after the step's update
+        for sub in twin.modules():  # hooks copied with it (reprokit's own watchers) must not see this run
+            sub._forward_hooks.clear()
+            sub._forward_pre_hooks.clear()
+            sub._backward_hooks.clear()
+            sub._backward_pre_hooks.clear()
+        with torch.no_grad():
+            out = twin(*tree_map(zeroed, call.args), **tree_map(zeroed, call.kwargs))
+    except Exception:  # a module that cannot run twice or be copied: keep the refusal (the safe answer)
+        return False
+    return any(not bool(torch.isfinite(t).all()) for t in _float_leaves(out))
 
 
 def _nothing(bundle: Bundle, output: Path, located: dict[str, Any], watcher: _OpCapture,

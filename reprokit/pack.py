@@ -53,8 +53,9 @@ PACK_VERSION = 1
 _PACKAGE = Path(__file__).resolve().parent
 # Replay needs what ``import reprokit`` pulls in, plus the demo's build/step and what repro.py itself imports (text.py):
 # found by following module-level ``reprokit.*`` imports from these, so a new module can never be forgotten.
-# extract_op.py: an extract's rk_extract.py imports its check of the one op it may run.
-RUNTIME_ROOTS = ("__init__.py", "demo.py", "text.py", "extract_op.py")
+# extract_op.py: an extract's rk_extract.py imports its check of the one op it may run. extract_repro.py: what an
+# extract's rk_extract.py must be (generated.py compares the two, and the two templates are read, never imported).
+RUNTIME_ROOTS = ("__init__.py", "demo.py", "text.py", "extract_op.py", "extract_repro.py")
 
 
 def runtime_files(extra_roots: tuple[str, ...] = ()) -> list[str]:

@@ -57,14 +57,22 @@ def minimal_site(dest: Path) -> Path:
     ``PYTHONPATH`` of a ``python -S`` process to run a packed repro as a colleague with only those installed would
     (shared by the pack and extract tests and bench/extract_size.py)."""
     dest.mkdir()
-    todo, done = ["torch", "numpy", "safetensors"], set()
+    todo, done, markers = ["torch", "numpy", "safetensors"], set(), set()
     while todo:
         name = todo.pop()
         if name.lower() in done:
             continue
         done.add(name.lower())
-        dist = md.distribution(name)
-        todo += [re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0] for req in dist.requires or [] if "extra ==" not in req]
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            if name in markers:  # a requirement for other Pythons or platforms (`; python_version < "3.8"`)
+                continue
+            raise
+        reqs = [(re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0], ";" in req) for req in dist.requires or []
+                if "extra ==" not in req]
+        todo += [n for n, _ in reqs]
+        markers |= {n for n, marked in reqs if marked}
         for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
             src = Path(dist.locate_file(top))
             if src.exists() and not (dest / top).exists() and top != "__pycache__":

@@ -228,7 +228,7 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
                             or origin["module"].startswith(first["module"] + ".")))
     result["first_nonfinite"] = {"module": first["module"], "class": first["class"], "phase": first["phase"],
                                  "op": op["op"] if op else None, "op_detail": op,
-                                 "inputs_already_nonfinite": first["inputs_already_nonfinite"] and not made_inside,
+                                 "inputs_already_nonfinite": first["inputs_already_nonfinite"],
                                  "made_inside": made_inside}
     if origin and origin.get("created") and origin.get("module") is None:
         # Made by the step function's own code: the module hooks saw it only later, arriving in backward.
@@ -287,12 +287,13 @@ def format_layers(d: dict[str, Any]) -> str:
         f = d["first_nonfinite"]
         lines.append(f"first non-finite: {f['module']} ({f['class']}), {f['phase']}"
                      + (f", op aten.{f['op']}" if f["op"] else ""))
-        if f["inputs_already_nonfinite"]:
-            lines.append("  its inputs were already non-finite: look at the data (or a module without hooks)")
-        elif f.get("made_inside") and d.get("origin"):
+        if f.get("made_inside") and d.get("origin"):
             o = d["origin"]
-            lines.append(f"  the {o['value']} was made inside it, by {o['op']}; the non-finite values its inputs held "
-                         "(such as an attention mask's -inf) were not it")
+            held = "; its inputs held other non-finite values (an attention mask's -inf, say)" \
+                if f["inputs_already_nonfinite"] else ""
+            lines.append(f"  the {o['value']} was made inside it, by {o['op']}, from inputs free of {o['value']}{held}")
+        elif f["inputs_already_nonfinite"]:
+            lines.append("  its inputs were already non-finite: look at the data (or a module without hooks)")
     else:
         lines.append("no module produced a non-finite value in the failing step")
     frames = d.get("frames", [])

