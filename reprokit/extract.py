@@ -62,6 +62,11 @@ class NothingToExtract(ReprokitError):
 
     exit_code = 1
 
+    def __init__(self, message: str, details: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.details = details or {}
+        """Fields the CLI adds to its ``--json`` error object (``out_of_range``: what bisect layers found)."""
+
 
 @dataclass
 class ExtractResult:
@@ -317,7 +322,9 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
     Raises:
         DidNotReproduce: the bundle does not fail when replayed, or the module alone does not.
         NothingToExtract: no module is to blame (the failure's origin is the step function's own code,
-            or the batch); ``output`` then holds that op's repro when the op is known.
+            or the batch); ``output`` then holds that op's repro when the op is known. Also when the module's
+            inputs (or weights) were already out of range, grown over the steps before (an LR too high):
+            ``details["out_of_range"]`` says where they grew, and nothing is written.
         ReprokitError: ``output`` exists and is not empty.
 
     Example:
@@ -338,6 +345,11 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
     if located.get("failure") is None:
         raise DidNotReproduce(f"{bundle.path} did not fail when replayed, so there is nothing to cut out; "
                               "check `reprokit replay` first")
+    if located.get("out_of_range"):
+        raise NothingToExtract(f"{bundle.path}: no module is to blame: {located['out_of_range']['summary']}. A repro "
+                               "of that module would only show an op given values that were already out of range; "
+                               "fix where they grew (the LR, its warmup, clipping), then record again",
+                               {"out_of_range": located["out_of_range"]})
     target = _target(located)
     with Session(bundle, device=device, code=code) as s:
         inputs = s.inputs()
