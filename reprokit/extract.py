@@ -65,7 +65,7 @@ class NothingToExtract(ReprokitError):
     def __init__(self, message: str, details: dict[str, Any] | None = None):
         super().__init__(message)
         self.details = details or {}
-        """Fields the CLI adds to its ``--json`` error object (``out_of_range``: what bisect layers found)."""
+        """Fields the CLI adds to its ``--json`` error object (``already_out_of_range``: what bisect layers found)."""
 
 
 @dataclass
@@ -324,7 +324,7 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
         NothingToExtract: no module is to blame (the failure's origin is the step function's own code,
             or the batch); ``output`` then holds that op's repro when the op is known. Also when the module's
             inputs (or weights) were already out of range, grown over the steps before (an LR too high):
-            ``details["out_of_range"]`` says where they grew, and nothing is written.
+            ``details["already_out_of_range"]`` says where they grew, and nothing is written.
         ReprokitError: ``output`` exists and is not empty.
 
     Example:
@@ -345,11 +345,11 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
     if located.get("failure") is None:
         raise DidNotReproduce(f"{bundle.path} did not fail when replayed, so there is nothing to cut out; "
                               "check `reprokit replay` first")
-    if located.get("out_of_range"):
-        raise NothingToExtract(f"{bundle.path}: no module is to blame: {located['out_of_range']['summary']}. A repro "
-                               "of that module would only show an op given values that were already out of range; "
-                               "fix where they grew (the LR, its warmup, clipping), then record again",
-                               {"out_of_range": located["out_of_range"]})
+    grown = located.get("already_out_of_range")
+    if grown:
+        raise NothingToExtract(f"{bundle.path}: no module is to blame: {grown['summary']}. A repro of that module "
+                               "would only show an op given values that were already out of range; fix where they "
+                               "grew (the LR, its warmup, clipping), then record again", {"already_out_of_range": grown})
     target = _target(located)
     with Session(bundle, device=device, code=code) as s:
         inputs = s.inputs()

@@ -208,7 +208,7 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
         tracer.close()
     result: dict[str, Any] = {"failure": out.failure.describe() if out.failure else None, "reproduced": out.same,
                               "first_nonfinite": None, "frames": [], "raised_in": None, "origin": None,
-                              "out_of_range": None}
+                              "already_out_of_range": None}
     if out.failure is not None and out.failure.kind == "exception" and (tracer.stack or tracer.backward):
         # Raised in a module's forward, else in a module's backward (innermost first; a module whose
         # inputs need no grad has its backward hook fire early, so it is not seen there).
@@ -236,7 +236,7 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
                                  "op": op["op"] if op else None, "op_detail": op,
                                  "inputs_already_nonfinite": first["inputs_already_nonfinite"]}
     if not first["inputs_already_nonfinite"]:
-        result["out_of_range"] = growth.verdict(first, op, first["dtype"], inputs[-1].step)
+        result["already_out_of_range"] = growth.verdict(first, op, first["dtype"], inputs[-1].step)
     origin = result["origin"]
     if origin and origin.get("created") and origin.get("module") is None:
         # Made by the step function's own code: the module hooks saw it only later, arriving in backward.
@@ -297,7 +297,7 @@ def format_layers(d: dict[str, Any]) -> str:
                      + (f", op aten.{f['op']}" if f["op"] else ""))
         if f["inputs_already_nonfinite"]:
             lines.append("  its inputs were already non-finite: look at the data (or a module without hooks)")
-        r = d.get("out_of_range")
+        r = d.get("already_out_of_range")
         if r:
             lines.append(f"  not the cause: the values were already out of range before this op: {'; '.join(r['why'])}")
             lines.append("  it overflowed on values that grew before it: it is where the NaN appeared, not why")

@@ -30,7 +30,7 @@ def _diverged(projects, tmp_path):
 def test_layers_says_the_values_were_already_out_of_range_and_where_they_grew(projects, tmp_path):
     bundle = _diverged(projects, tmp_path)
     d = bisect_layers(open_bundle(bundle))
-    first, r = d["first_nonfinite"], d["out_of_range"]
+    first, r = d["first_nonfinite"], d["already_out_of_range"]
     assert first is not None and r is not None, d
     assert r["module"] == first["module"] and r["dtype"] == "float32"
     assert r["input_abs_max"] > 1e12, r  # the window's first step gave it values of order 1
@@ -42,7 +42,7 @@ def test_layers_says_the_values_were_already_out_of_range_and_where_they_grew(pr
     assert "not the cause: the values were already out of range before this op" in cli.output
     assert "with the update of step 0" in cli.output and "reprokit bisect steps" in cli.output
     out = json.loads(CliRunner().invoke(main, ["bisect", "layers", str(bundle), "--json"]).output)
-    assert out["out_of_range"]["grew"]["past_step"] == 0
+    assert out["already_out_of_range"]["grew"]["past_step"] == 0
 
 
 def test_extract_refuses_to_ship_the_overflowing_op_as_the_cause(projects, tmp_path):
@@ -54,7 +54,7 @@ def test_extract_refuses_to_ship_the_overflowing_op_as_the_cause(projects, tmp_p
     cli = CliRunner().invoke(main, ["extract", str(bundle), "-o", str(tmp_path / "cut2"), "--json"])
     assert cli.exit_code == 1
     err = json.loads(cli.stdout)["error"]
-    assert err["type"] == "NothingToExtract" and err["out_of_range"]["grew"]["past_step"] == 0, err
+    assert err["type"] == "NothingToExtract" and err["already_out_of_range"]["grew"]["past_step"] == 0, err
 
 
 def test_a_module_that_overflows_values_in_range_is_still_the_culprit(projects, tmp_path):
@@ -62,4 +62,5 @@ def test_a_module_that_overflows_values_in_range_is_still_the_culprit(projects, 
     num = projects("rk_numerics")
     _, exc = record(num, {"softmax": True}, num.batches(8, scale_from=5, scale=400.0), tmp_path, snapshot_every=4)
     d = bisect_layers(open_bundle(bundle_of(exc)))
-    assert d["first_nonfinite"]["class"] == "NaiveSoftmax" and d["out_of_range"] is None, d["out_of_range"]
+    assert d["first_nonfinite"]["class"] == "NaiveSoftmax"
+    assert d["already_out_of_range"] is None, d["already_out_of_range"]
