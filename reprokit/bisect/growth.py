@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from reprokit import pytree
 from reprokit.detect import current_step
-from reprokit.origin import value_stats
 
 GROWTH_FACTOR = 1e4
 """An input this many times larger than what the same module received in the window's first step is out of range."""
@@ -68,9 +68,9 @@ class Growth:
                 return
             if self.start is None:  # the outermost module's hook fires first, before anything in the step ran
                 self.start = self._norms()
-            stats = value_stats(list(inputs))
-            if stats is not None and stats["abs_max"] is not None:
-                self.typical[name] = max(self.typical.get(name, 0.0), stats["abs_max"])
+            largest = _abs_max(inputs)
+            if largest is not None:
+                self.typical[name] = max(self.typical.get(name, 0.0), largest)
         return hook
 
     def verdict(self, first: dict[str, Any], op: dict[str, Any] | None, dtype: torch.dtype | None,
@@ -118,6 +118,14 @@ class Growth:
         return {"parameter": name, "norm_start": start[name], "norm_before_failure": last[name],
                 "factor": ratios[name], "from_step": self.first_step, "past_step": at, "past": PAST,
                 "all_params_norm_start": total[0], "all_params_norm_before_failure": total[1]}
+
+
+def _abs_max(obj: Any) -> float | None:
+    """The largest finite |value| of the floating tensors in ``obj`` (an attention mask's -inf is no size)."""
+    with torch.no_grad():
+        peaks = [torch.where(torch.isfinite(t), t.detach().abs(), 0).amax().float() for _, t in pytree.leaves(obj)
+                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+        return float(torch.stack([p.to(peaks[0].device) for p in peaks]).max()) if peaks else None
 
 
 def _name(dtype: torch.dtype | None) -> str | None:

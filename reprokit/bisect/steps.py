@@ -175,10 +175,12 @@ def _row(step: int, out: Any, probe: _GradProbe, state: Any, scale_before: float
          entry_lrs: list[float]) -> dict[str, Any]:
     stepped = probe.stepped or {}
     stepped_norm = _total(stepped)
-    norms = probe.backward_norms(scale_before) or stepped
-    gnorm = _total(norms)
     scale = state.scaler.get_scale() if state.scaler_enabled() else None
     skipped = scale is not None and scale_before is not None and scale < scale_before
+    # A step the GradScaler skipped overflowed on purpose (it lowers the scale and goes on): its gradients, which
+    # backward scaled up, do not count, as the recorder does not count them.
+    norms = stepped if skipped else probe.backward_norms(scale_before) or stepped
+    gnorm = _total(norms)
     clipped = (gnorm is not None and stepped_norm is not None and math.isfinite(gnorm)
                and stepped_norm < gnorm * (1 - 1e-3))
     return {"step": step, "loss": out.losses.get(step), "grad_norm": gnorm, "stepped_grad_norm": stepped_norm,
