@@ -150,6 +150,7 @@ class _Group(click.Group):
         except ReprokitError as e:
             problems = getattr(e, "problems", None)
             extra_info = {"problems": problems} if problems else {}
+            extra_info.update(getattr(e, "details", None) or {})
             self._fail(as_json, type(e).__name__, str(e), e.exit_code, **extra_info)
         except OSError as e:
             if e.errno not in _DISK_FULL:

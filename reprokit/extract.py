@@ -63,6 +63,11 @@ class NothingToExtract(ReprokitError):
 
     exit_code = 1
 
+    def __init__(self, message: str, details: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.details = details or {}
+        """Fields the CLI adds to its ``--json`` error object (``already_out_of_range``: what bisect layers found)."""
+
 
 @dataclass
 class ExtractResult:
@@ -318,7 +323,9 @@ def extract(bundle: Bundle, output: str | Path, *, device: str | None = None, co
     Raises:
         DidNotReproduce: the bundle does not fail when replayed, or the module alone does not.
         NothingToExtract: no module is to blame (the failure's origin is the step function's own code,
-            or the batch); ``output`` then holds that op's repro when the op is known.
+            or the batch); ``output`` then holds that op's repro when the op is known. Also when the module's
+            inputs (or weights) were already out of range, grown over the steps before (an LR too high):
+            ``details["already_out_of_range"]`` says where they grew, and nothing is written.
         ReprokitError: ``output`` exists and is not empty.
 
     Example:
@@ -345,6 +352,11 @@ def _extract(bundle: Bundle, output: Path, *, device: str | None, code: Any, sou
     if located.get("failure") is None:
         raise DidNotReproduce(f"{bundle.path} did not fail when replayed, so there is nothing to cut out; "
                               "check `reprokit replay` first")
+    grown = located.get("already_out_of_range")
+    if grown:
+        raise NothingToExtract(f"{bundle.path}: no module is to blame: {grown['summary']}. A repro of that module "
+                               "would only show an op given values that were already out of range; fix where they "
+                               "grew (the LR, its warmup, clipping), then record again", {"already_out_of_range": grown})
     target = _target(located)
     with Session(bundle, device=device, code=code) as s:
         inputs = s.inputs()

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from reprokit import pytree
+from reprokit.bisect.growth import Growth, grew_line
 from reprokit.bundle import Bundle
 from reprokit.origin import OriginWatcher, watch_step
 from reprokit.origin import value_stats as _stats
@@ -46,6 +47,12 @@ from reprokit.shrink.case import batch_size
 def _shapes(obj: Any) -> list[str]:
     return [f"{p}: {t.dtype}{list(t.shape)}".replace("torch.", "") for p, t in pytree.leaves(obj)
             if isinstance(t, torch.Tensor)]
+
+
+def _float_dtype(obj: Any) -> torch.dtype | None:
+    """The dtype of the first floating tensor in ``obj``."""
+    return next((t.dtype for _, t in pytree.leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()),
+                None)
 
 
 def _out_of_range(mod: torch.nn.Module, inputs: Any) -> dict[str, Any] | None:
@@ -127,7 +134,7 @@ class _Tracer:
         self.recorded += 1
         out = frame["outputs"]
         if self.first is None and out is not None and out["nonfinite"]:
-            self.first = {**frame, "index": len(self.frames) - 1,
+            self.first = {**frame, "index": len(self.frames) - 1, "dtype": _float_dtype(inputs),
                           "inputs_already_nonfinite": bool(frame["inputs"] and frame["inputs"]["nonfinite"])}
             self.first_frames = list(self.frames)[-self.keep - 1:-1]
 
@@ -179,11 +186,16 @@ def bisect_layers(bundle: Bundle, *, device: str | None = None, code: Any = None
 
 def _bisect(s: Session, keep: int) -> dict[str, Any]:
     inputs = s.inputs()
-    before = s.advance(inputs[:-1]) if len(inputs) > 1 else s.snapshot
+    assert s.state is not None
+    # The window's steps before the failing one: how the parameters (and the values each module receives) grew.
+    growth = Growth(s.state, inputs[0].step)
+    try:
+        before = s.advance(inputs[:-1]) if len(inputs) > 1 else s.snapshot
+    finally:
+        growth.close()
     if before is None:
         return {"first_nonfinite": None, "frames": [], "raised_in": None, "reproduced": False,
                 "note": "the window failed before its last step; shrink or replay it first"}
-    assert s.state is not None
     tracer = _Tracer(s.state.model, keep)
     try:
         with warnings.catch_warnings():
@@ -195,7 +207,8 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
     finally:
         tracer.close()
     result: dict[str, Any] = {"failure": out.failure.describe() if out.failure else None, "reproduced": out.same,
-                              "first_nonfinite": None, "frames": [], "raised_in": None, "origin": None}
+                              "first_nonfinite": None, "frames": [], "raised_in": None, "origin": None,
+                              "already_out_of_range": None}
     if out.failure is not None and out.failure.kind == "exception" and (tracer.stack or tracer.backward):
         # Raised in a module's forward, else in a module's backward (innermost first; a module whose
         # inputs need no grad has its backward hook fire early, so it is not seen there).
@@ -230,6 +243,8 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
                                  "op": op["op"] if op else None, "op_detail": op,
                                  "inputs_already_nonfinite": first["inputs_already_nonfinite"],
                                  "made_inside": made_inside}
+    if not first["inputs_already_nonfinite"]:
+        result["already_out_of_range"] = growth.verdict(first, op, first["dtype"], inputs[-1].step)
     if origin and origin.get("created") and origin.get("module") is None:
         # Made by the step function's own code: the module hooks saw it only later, arriving in backward.
         result["outside_every_module"] = {"site": origin.get("site"), "op": origin.get("op"),
@@ -294,6 +309,11 @@ def format_layers(d: dict[str, Any]) -> str:
             lines.append(f"  the {o['value']} was made inside it, by {o['op']}, from inputs free of {o['value']}{held}")
         elif f["inputs_already_nonfinite"]:
             lines.append("  its inputs were already non-finite: look at the data (or a module without hooks)")
+        r = d.get("already_out_of_range")
+        if r:
+            lines.append(f"  not the cause: the values were already out of range before this op: {'; '.join(r['why'])}")
+            lines.append("  it overflowed on values that grew before it: it is where the NaN appeared, not why")
+            lines.append(f"  {grew_line(r['grew'], r['failing_step'])}")
     else:
         lines.append("no module produced a non-finite value in the failing step")
     frames = d.get("frames", [])
