@@ -286,7 +286,19 @@ class Recorder:
         self._config = config_tree
         capture_state(state, copy=lambda t: t)  # fail now, at attach time, if anything cannot be recorded
         check_generators(state.extra)
-        self.monitor = Monitor(state, self.settings, detect)
+        self._history: deque[tuple[int, float | None, float | None, float | None, float | None]] = deque(
+            maxlen=loss_history)
+        self._board: IncidentBoard | None = None
+        self.monitor = Monitor(state, self.settings, detect)  # from here on, hooks are on the user's optimizer
+        try:
+            self._set_up(state, detect, spill_dir, snapshot_sync, incident_wait_s, replicated_state)
+        except BaseException:
+            self._refused()  # a refused Recorder leaves nothing on the user's optimizer (or watching the out_dir)
+            raise
+
+    def _set_up(self, state: TrainState, detect: Sequence[Predicate], spill_dir: str | Path | None,
+                snapshot_sync: bool, incident_wait_s: float, replicated_state: str | bool) -> None:
+        """The part of ``__init__`` that runs once the monitor's hooks are on the optimizer (see :meth:`_refused`)."""
         self._tables = model_tables(state.model)  # table sizes for the batch diagnosis (inspect, failure note)
         self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync, limit=self.budget * 3 // 4,
                                       fallback_spill_dir=self.out_dir / SPILL_DIR)
@@ -320,8 +332,6 @@ class Recorder:
         self._ring: list[_Step] = []
         self._window_ok = False
         self._resnap = False  # take a snapshot at the next synced step (see reprokit.state.accumulation_phase)
-        self._history: deque[tuple[int, float | None, float | None, float | None, float | None]] = deque(
-            maxlen=loss_history)
         self._warned: set[str] = set()
         self._in_step = False
         self._current_other = RNG_STEP_BYTES
@@ -336,7 +346,6 @@ class Recorder:
                            "in a collective writes none. Give every rank the same out_dir on a filesystem they all "
                            "see.")
         self._lock: Any = contextlib.nullcontext()
-        self._board: IncidentBoard | None = None
         self._stepped_since_incident = True
         """This rank finished a step since the last incident it handled: a failure now is a new incident."""
         self._incident_bundle: Path | None = None
@@ -345,12 +354,8 @@ class Recorder:
             self._lock = threading.RLock()  # the incident watcher writes the window from another thread
             self._board = IncidentBoard(self.out_dir, self.rank)
             self._board.attach()
-        try:
-            # This rank references the owner's state instead of snapshotting its own (a non-owner, replicated).
-            self._refer = self._replication(replicated_state)
-        except CaptureError:
-            self.close()  # no hooks left on the optimizer by a Recorder that was refused
-            raise
+        # This rank references the owner's state instead of snapshotting its own (a non-owner, replicated).
+        self._refer = self._replication(replicated_state)
         self._saved = 0
         """Bytes of state this rank did not copy at its last snapshot step (rank 0's are referenced instead)."""
         if not self._refer:
@@ -364,6 +369,15 @@ class Recorder:
             self._warn("warm", f"reprokit: could not warm up the step checks ({e!r}); the first step will")
         if self._board is not None:
             self._board.watch(self._on_incident)
+
+    def _refused(self) -> None:
+        """Undo what a constructor that raised had attached: the monitor's and the snapshot engine's optimizer hooks,
+        the incident watcher. Errors here must not hide the refusal itself."""
+        engine = getattr(self, "_engine", None)
+        for undo in (getattr(self._board, "close", None), self.monitor.close, getattr(engine, "close", None)):
+            if undo is not None:
+                with contextlib.suppress(Exception):
+                    undo()
 
     def _replication(self, mode: str | bool) -> bool:
         """Whether this rank references rank 0's state (see ``replicated_state``)."""
