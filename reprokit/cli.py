@@ -40,7 +40,7 @@ from typing import Any, TextIO
 import click
 
 from reprokit._version import __version__
-from reprokit.errors import ReprokitError
+from reprokit.errors import ConfigError, ReprokitError
 
 # Import rule (issue 17: `reprokit --help` and `--version` answer in <= 0.3 s): at module level this
 # file imports only click, the standard library and modules that do not import torch
@@ -147,7 +147,8 @@ class _Group(click.Group):
         except ReprokitError as e:
             problems = getattr(e, "problems", None)
             extra_info = {"problems": problems} if problems else {}
-            self._fail(as_json, type(e).__name__, str(e), e.exit_code, **extra_info)
+            message = e.cli_message if isinstance(e, ConfigError) else str(e)  # `--times`, where Python says `times`
+            self._fail(as_json, type(e).__name__, message, e.exit_code, **extra_info)
         except Exception as e:
             saved = _save_traceback(e)
             cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]

@@ -60,7 +60,7 @@ from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
 from reprokit.env import capture_env, determinism_flags, split_flags
-from reprokit.errors import CaptureError, CodeLoadError, RecorderWarning, TrainingFailure
+from reprokit.errors import CaptureError, CodeLoadError, ConfigError, RecorderWarning, TrainingFailure
 from reprokit.rng import RNGState, check_generators
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
@@ -226,6 +226,8 @@ class Recorder:
         CaptureError: at attach time, naming what cannot be recorded (a lambda as
             ``build``, a config that is not plain data, an optimizer state holding
             an unsupported object).
+        ConfigError: an option with a value the Recorder cannot use (``snapshot_every=0``). A
+            Recorder that raises leaves nothing attached to the optimizer.
 
     Example:
         >>> rec = Recorder(state, train_step, build=build, config=cfg)   # doctest: +SKIP
@@ -256,7 +258,7 @@ class Recorder:
         replicated_state: str | bool = "auto",
     ):
         if snapshot_every < 1:
-            raise CaptureError(f"snapshot_every must be >= 1, got {snapshot_every}")
+            raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
         importing = importing_for_replay()
         if importing:  # a CodeLoadError: replay's import passes it on as it is, without its generic advice
             raise CodeLoadError(f"a Recorder was created while replay imported {importing} for build() and the "
@@ -265,7 +267,7 @@ class Recorder:
                                "`if __name__ == \"__main__\":`, then record the bundle again.")
         self.budget = default_host_budget() if host_memory_budget is None else int(host_memory_budget)
         if self.budget <= 0:
-            raise CaptureError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget}")
+            raise ConfigError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget}")
         self.state = state
         self.train_step = train_step
         self.out_dir = Path(out_dir)
@@ -382,10 +384,10 @@ class Recorder:
     def _replication(self, mode: str | bool) -> bool:
         """Whether this rank references rank 0's state (see ``replicated_state``)."""
         if mode not in ("auto", True, False):
-            raise CaptureError(f"replicated_state must be \"auto\", True or False, got {mode!r}")
+            raise ConfigError(f"replicated_state must be \"auto\", True or False, got {mode!r}")
         layout = replicated.is_replicated_layout(self.state.model, self.state.extra)
         if mode is True and (self.rank is None or self.rank.world_size < 2 or not layout):
-            raise CaptureError("replicated_state=True needs an initialised process group of two or more ranks and "
+            raise ConfigError("replicated_state=True needs an initialised process group of two or more ranks and "
                                "a state that is the same on every rank (a DistributedDataParallel model, no DTensor "
                                "parameters, nothing but generators in state.extra); pass replicated_state=\"auto\" or False")
         on = mode is True or (mode == "auto" and self.rank is not None and self.rank.world_size > 1 and layout)

@@ -23,7 +23,7 @@ from typing import Any
 
 from reprokit import schema
 from reprokit.bundle import MANIFEST, Bundle, open_bundle
-from reprokit.errors import BundleError, ReprokitError
+from reprokit.errors import BundleError, ConfigError, ReprokitError
 
 BLOCKED_GRACE_S = 5.0
 
@@ -170,8 +170,8 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
     bundles = rank_bundles(folder)
     world = len(bundles)
     if nproc is not None and nproc != world:
-        raise ReprokitError(f"--nproc {nproc}: this incident was recorded on {world} ranks, and each rank replays its "
-                            f"own bundle; pass --nproc {world} or leave --nproc out")
+        raise ConfigError.option("nproc", f"{{opt}} {nproc}: this incident was recorded on {world} ranks, and each "
+                                          f"rank replays its own bundle; pass {{opt}} {world} or leave {{opt}} out")
     first = bundles[0]
     incident = (first.failure.detail or {}).get("incident") or {}
     for b in bundles.values():
@@ -185,8 +185,9 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
         device = "cuda" if str(first.run.get("device", "cpu")).startswith("cuda") and gpus >= world else "cpu"
     if device == "cuda":  # refused here, once: in the ranks it would only be an error each (or a wrong device)
         if gpus < world:
-            raise ReprokitError(f"--device cuda: this incident replays one rank per GPU, {world} ranks, but torch sees "
-                                f"{gpus} CUDA device(s) here; use --device cpu (gloo), or a machine with {world} GPUs")
+            raise ConfigError.option("device", f"{{opt}} cuda: this incident replays one rank per GPU, {world} ranks, "
+                                               f"but torch sees {gpus} CUDA device(s) here; use {{opt}} cpu (gloo), or a "
+                                               f"machine with {world} GPUs")
     if code is not None:  # refuse a checkout without the project here, once, not in every rank
         from reprokit.code import check_refs
 
