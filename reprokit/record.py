@@ -32,7 +32,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,6 +162,18 @@ class _Snapshot:
     """In host memory, or safetensors files (with their digests) when spilling to disk."""
     referenced: bool = False
     """Only this rank's RNG and detector state: model and optimizer state are rank 0's (replicated_state)."""
+
+
+def cuda_devices(devices: Iterable[torch.device], current: int) -> list[int]:
+    """The CUDA device indices among ``devices``, sorted, each once; a ``cuda`` device without an index is
+    ``current``. These are the devices a bundle write waits on: synchronising a device this process never used
+    would create a CUDA context there (about 500 MiB of that GPU's memory, under torchrun on every rank).
+
+    Example:
+        >>> cuda_devices([torch.device("cpu"), torch.device("cuda", 1), torch.device("cuda")], current=0)
+        [0, 1]
+    """
+    return sorted({current if d.index is None else d.index for d in devices if d.type == "cuda"})
 
 
 def _add_note(exc: BaseException, note: str) -> None:
@@ -864,8 +876,8 @@ class Recorder:
                 if from_watcher:
                     ring = self._landed_window()  # the main thread may be stuck in a collective: never synchronize
                 else:
-                    for device in range(torch.cuda.device_count()):  # copies in flight must land before we read
-                        torch.cuda.synchronize(device)
+                    for device in cuda_devices(self._devices(), torch.cuda.current_device()):
+                        torch.cuda.synchronize(device)  # copies in flight must land before we read
                     self._engine.check(ordered=True)
             except Exception as e:
                 self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
@@ -890,6 +902,19 @@ class Recorder:
             return None
         self.bundles.append(path)
         return path
+
+    def _devices(self) -> Iterator[torch.device]:
+        """Every device the recorder's copies may be queued on: the state's (model and optimizer), the staged
+        batch tensors', the batch copy streams' and the snapshot engine's stream's."""
+        yield from (t.device for t in self.state.model.parameters())
+        yield from (t.device for t in self.state.model.buffers())
+        for st in self.state.optimizer.state.values():
+            yield from (v.device for v in st.values() if isinstance(v, torch.Tensor))
+        yield from (t.device for t in self._staged.values())
+        yield from self._copy_streams
+        stream = self._engine.stream
+        if stream is not None:
+            yield stream.device
 
     def _landed_window(self) -> list[_Step]:
         """The window without its last step when that step's GPU batch copies have not landed (they wait behind the
