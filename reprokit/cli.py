@@ -395,7 +395,8 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
 def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None, as_json: bool, **kw: Any) -> None:
     """Show BUNDLE's failure, window, batch structure, a diagnosis of the failing batch, state sizes, env and losses.
 
-    BUNDLE may be a bundle folder or a packed archive (.tar or .tar.gz). The diagnosis checks the failing
+    BUNDLE may be a bundle folder or a packed archive (.tar or .tar.gz), or the incident folder of a
+    multi-rank run (its ranks, the rank that failed first, each rank's failure and bundle). The diagnosis checks the failing
     step's batch for non-finite values, ids past the model's embedding tables, empty
     masks, all-ignored labels and sequences past the position table.
     """
@@ -404,6 +405,9 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
 
     if rows is not None and not show_batch:
         raise click.UsageError("--rows needs --batch")
+    if _is_incident(bundle):
+        _inspect_incident(bundle, plot, show_batch, as_json)
+        return
     picked = parse_rows(rows) if rows is not None else None
     with _open(bundle, kw) as path:
         opened = open_bundle(path)
@@ -422,6 +426,27 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
         _echo(f"plot     wrote {plot}")
     if show_batch:
         _echo(format_batch(d["batch_values"]))
+
+
+def _is_incident(path: Path) -> bool:
+    from reprokit.distributed.incident import is_incident
+
+    return is_incident(path)
+
+
+def _inspect_incident(folder: Path, plot: Path | None, show_batch: bool, as_json: bool) -> None:
+    """``inspect`` of an incident folder: its ranks, who failed first, each rank's failure and bundle."""
+    from reprokit.distributed.incident import describe_incident
+    from reprokit.report import format_describe_incident
+
+    if plot is not None or show_batch:
+        raise click.UsageError(f"--plot and --batch show one bundle; {folder} is an incident folder: pass one "
+                               "rank's bundle in it")
+    d = describe_incident(folder)
+    if as_json:
+        _emit(d)
+    else:
+        _echo(format_describe_incident(d))
 
 
 @main.command()

@@ -173,11 +173,7 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
         raise ConfigError.option("nproc", f"{{opt}} {nproc}: this incident was recorded on {world} ranks, and each "
                                           f"rank replays its own bundle; pass {{opt}} {world} or leave {{opt}} out")
     first = bundles[0]
-    incident = (first.failure.detail or {}).get("incident") or {}
-    for b in bundles.values():
-        f = b.failure
-        if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
-            incident = f.detail["incident"]
+    incident = incident_doc(bundles)
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -200,6 +196,40 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
     ranks = [_merge([launch[r] for launch in launches]) for r in range(world)]
     return IncidentReport(folder, incident, ranks, origin_rank(bundles, incident),
                           {r: b.failure.describe() for r, b in bundles.items()})
+
+
+def incident_doc(bundles: dict[int, Bundle]) -> dict[str, Any]:
+    """The incident as declared (step, declaring rank, what failed), from the bundle of a rank that failed itself
+    where there is one (a peer's copy says the same, seen from the other side)."""
+    incident = (bundles[min(bundles)].failure.detail or {}).get("incident") or {}
+    for b in bundles.values():
+        f = b.failure
+        if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
+            incident = f.detail["incident"]
+    return dict(incident)
+
+
+def describe_incident(folder: str | Path) -> dict[str, Any]:
+    """What ``reprokit inspect INCIDENT_DIR`` shows: the incident, the rank whose failure it is about (see
+    :func:`origin_rank`) and, per rank, its failure and its bundle (each verified, as :func:`rank_bundles` does).
+
+    Example:
+        >>> d = describe_incident("repros/incident-20261126-142501-step00000006-3f9c2a1b")   # doctest: +SKIP
+        >>> d["failing_rank"], [(r["rank"], r["failure"]["kind"]) for r in d["ranks"]]      # doctest: +SKIP
+        (1, [(0, 'peer'), (1, 'nonfinite_loss')])
+    """
+    folder = Path(folder)
+    bundles = rank_bundles(folder)
+    incident = incident_doc(bundles)
+    ranks = []
+    for r, b in sorted(bundles.items()):
+        f = b.failure
+        ranks.append({"rank": r, "bundle": str(b.path), "failure": {"kind": f.kind, "step": f.step},
+                      "what": f.describe(), "window": {"start": b.run["window"]["start"],
+                                                       "end": b.run["window"]["end"]}})
+    return {"folder": str(folder), "incident": incident, "world_size": len(bundles),
+            "failing_rank": origin_rank(bundles, incident), "declared_by": incident.get("rank"),
+            "step": incident.get("step"), "ranks": ranks}
 
 
 _FIRST_IN_A_STEP = ("exception", "nonfinite_loss", "loss_spike", "predicate", "nonfinite_grad", "nonfinite_param")
