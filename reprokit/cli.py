@@ -341,7 +341,7 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
     from reprokit.replay import replay as do_replay
 
     if is_incident(bundle) or nproc is not None:
-        _replay_incident(bundle, times, device, code, entries, nproc, as_json)
+        _replay_incident(bundle, times, device, code, entries, nproc, as_json, trust, kw)
 
     with _progress(times, "replay", enabled=not as_json and times > 1) as update, _open(bundle, kw) as path:
         opened = open_bundle(path)  # verified once, here
@@ -365,15 +365,25 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
 
 
 def _replay_incident(folder: Path, times: int, device: str | None, code: Path | None, entries: tuple[str, ...],
-                     nproc: int | None, as_json: bool) -> None:
+                     nproc: int | None, as_json: bool, trust: bool, kw: dict[str, Any]) -> None:
+    """``replay`` of an incident folder: the same checks and code note as one bundle's, then every rank replayed."""
     from reprokit.distributed.incident import is_incident, rank_bundles, replay_incident
+    from reprokit.replay import foreign_code_note
     from reprokit.report import format_incident
 
     if not is_incident(folder):
         raise click.UsageError(f"--nproc needs an incident folder of a multi-rank run; {folder} is not one")
-    if code is not None or entries:
-        for opened in rank_bundles(folder).values():
-            _confirm_entries(opened, code, entries)
+    if kw.get("sha256") is not None:  # as for one bundle folder: its manifests' checksums are what is checked
+        raise ConfigError.option("sha256", f"{{opt}} checks an archive; {folder} is an incident folder, whose "
+                                           "bundles are checked by their manifests' checksums")
+    notes = []
+    for opened in rank_bundles(folder).values():
+        _confirm_entries(opened, code, entries)
+        note = None if trust else foreign_code_note(opened, False, code)
+        if note and note not in notes:  # every rank runs its bundle's code: one note per distinct origin
+            notes.append(note)
+    for note in notes:
+        _echo(note, err=True)
     report = replay_incident(folder, times=times, device=device, nproc=nproc, code=code,
                              entries=entries if code is not None else None)
     d = report.to_json()
