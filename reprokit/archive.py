@@ -41,7 +41,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 from reprokit import schema
-from reprokit.errors import BundleError, BundleVersionError
+from reprokit.errors import BundleError, BundleVersionError, ConfigError
 
 # This module is imported by the command line's option decorators (Limits), so it must not import
 # torch: reprokit.bundle and reprokit.pack (which do) are imported inside the functions that use them.
@@ -658,7 +658,7 @@ def bundle_dir(path: str | Path, *, sha256: str | None = None, limits: Limits | 
     path = Path(path)
     if path.is_dir():
         if sha256 is not None:
-            raise BundleError("--sha256 checks an archive; for a bundle folder the manifest's checksums are used")
+            raise ConfigError.option("sha256", "{opt} checks an archive; for a bundle folder the manifest's checksums are used")
         yield path
     elif is_archive(path):
         with extracted(path, sha256=sha256, limits=limits) as d:

@@ -41,7 +41,7 @@ from typing import Any, TextIO
 import click
 
 from reprokit._version import __version__
-from reprokit.errors import ReprokitError
+from reprokit.errors import ConfigError, ReprokitError
 
 # Import rule (issue 17: `reprokit --help` and `--version` answer in <= 0.3 s): at module level this
 # file imports only click, the standard library and modules that do not import torch
@@ -151,7 +151,8 @@ class _Group(click.Group):
             problems = getattr(e, "problems", None)
             extra_info = {"problems": problems} if problems else {}
             extra_info.update(getattr(e, "details", None) or {})
-            self._fail(as_json, type(e).__name__, str(e), e.exit_code, **extra_info)
+            message = e.cli_message if isinstance(e, ConfigError) else str(e)  # `--times`, where Python says `times`
+            self._fail(as_json, type(e).__name__, message, e.exit_code, **extra_info)
         except OSError as e:
             if e.errno not in _DISK_FULL:
                 self._internal(as_json, e)
@@ -371,7 +372,7 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
     from reprokit.replay import replay as do_replay
 
     if is_incident(bundle) or nproc is not None:
-        _replay_incident(bundle, times, device, code, entries, nproc, as_json)
+        _replay_incident(bundle, times, device, code, entries, nproc, as_json, trust, kw)
 
     with _progress(times, "replay", enabled=not as_json and times > 1) as update, _open(bundle, kw) as path:
         opened = open_bundle(path)  # verified once, here
@@ -395,15 +396,25 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
 
 
 def _replay_incident(folder: Path, times: int, device: str | None, code: Path | None, entries: tuple[str, ...],
-                     nproc: int | None, as_json: bool) -> None:
+                     nproc: int | None, as_json: bool, trust: bool, kw: dict[str, Any]) -> None:
+    """``replay`` of an incident folder: the same checks and code note as one bundle's, then every rank replayed."""
     from reprokit.distributed.incident import is_incident, rank_bundles, replay_incident
+    from reprokit.replay import foreign_code_note
     from reprokit.report import format_incident
 
     if not is_incident(folder):
         raise click.UsageError(f"--nproc needs an incident folder of a multi-rank run; {folder} is not one")
-    if code is not None or entries:
-        for opened in rank_bundles(folder).values():
-            _confirm_entries(opened, code, entries)
+    if kw.get("sha256") is not None:  # as for one bundle folder: its manifests' checksums are what is checked
+        raise ConfigError.option("sha256", f"{{opt}} checks an archive; {folder} is an incident folder, whose "
+                                           "bundles are checked by their manifests' checksums")
+    notes = []
+    for opened in rank_bundles(folder).values():
+        _confirm_entries(opened, code, entries)
+        note = None if trust else foreign_code_note(opened, False, code)
+        if note and note not in notes:  # every rank runs its bundle's code: one note per distinct origin
+            notes.append(note)
+    for note in notes:
+        _echo(note, err=True)
     report = replay_incident(folder, times=times, device=device, nproc=nproc, code=code,
                              entries=entries if code is not None else None)
     d = report.to_json()
@@ -425,7 +436,8 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
 def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None, as_json: bool, **kw: Any) -> None:
     """Show BUNDLE's failure, window, batch structure, a diagnosis of the failing batch, state sizes, env and losses.
 
-    BUNDLE may be a bundle folder or a packed archive (.tar or .tar.gz). The diagnosis checks the failing
+    BUNDLE may be a bundle folder or a packed archive (.tar or .tar.gz), or the incident folder of a
+    multi-rank run (its ranks, the rank that failed first, each rank's failure and bundle). The diagnosis checks the failing
     step's batch for non-finite values, ids past the model's embedding tables, empty
     masks, all-ignored labels and sequences past the position table.
     """
@@ -434,6 +446,9 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
 
     if rows is not None and not show_batch:
         raise click.UsageError("--rows needs --batch")
+    if _is_incident(bundle):
+        _inspect_incident(bundle, plot, show_batch, as_json)
+        return
     picked = parse_rows(rows) if rows is not None else None
     with _open(bundle, kw) as path:
         opened = open_bundle(path)
@@ -452,6 +467,27 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
         _echo(f"plot     wrote {plot}")
     if show_batch:
         _echo(format_batch(d["batch_values"]))
+
+
+def _is_incident(path: Path) -> bool:
+    from reprokit.distributed.incident import is_incident
+
+    return is_incident(path)
+
+
+def _inspect_incident(folder: Path, plot: Path | None, show_batch: bool, as_json: bool) -> None:
+    """``inspect`` of an incident folder: its ranks, who failed first, each rank's failure and bundle."""
+    from reprokit.distributed.incident import describe_incident
+    from reprokit.report import format_describe_incident
+
+    if plot is not None or show_batch:
+        raise click.UsageError(f"--plot and --batch show one bundle; {folder} is an incident folder: pass one "
+                               "rank's bundle in it")
+    d = describe_incident(folder)
+    if as_json:
+        _emit(d)
+    else:
+        _echo(format_describe_incident(d))
 
 
 @main.command()

@@ -30,7 +30,29 @@ class BundleVersionError(BundleError):
 
 
 class ConfigError(ReprokitError, ValueError):
-    """An option has a value reprokit cannot use (also a ``ValueError``, which is what it is)."""
+    """An option has a value reprokit cannot use (also a ``ValueError``, which is what it is).
+
+    Made by :meth:`option`, it names the option the way the caller spelled it: ``str(e)`` names the Python parameter
+    (``times must be >= 1``), :attr:`cli_message` the command-line flag (``--times must be >= 1``).
+    """
+
+    def __init__(self, message: str, *, cli_message: str | None = None):
+        super().__init__(message)
+        self.cli_message = cli_message or message
+        """The message as the CLI prints it (the flag in place of the Python parameter)."""
+
+    @classmethod
+    def option(cls, name: str, template: str) -> ConfigError:
+        """An error about the option ``name``; every ``{opt}`` in ``template`` becomes ``name`` in the Python
+        message and ``--name`` (underscores as dashes) in the CLI's.
+
+        Example:
+            >>> e = ConfigError.option("times", "{opt} must be >= 1, got 0")
+            >>> str(e), e.cli_message
+            ('times must be >= 1, got 0', '--times must be >= 1, got 0')
+        """
+        flag = "--" + name.replace("_", "-")
+        return cls(template.replace("{opt}", name), cli_message=template.replace("{opt}", flag))
 
 
 class CaptureError(ReprokitError):

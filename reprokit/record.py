@@ -32,7 +32,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
 from reprokit.env import capture_env, determinism_flags, split_flags
-from reprokit.errors import CaptureError, CodeLoadError, RecorderWarning, TrainingFailure
+from reprokit.errors import CaptureError, CodeLoadError, ConfigError, RecorderWarning, TrainingFailure
 from reprokit.rng import RNGState, check_generators
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
@@ -164,6 +164,18 @@ class _Snapshot:
     """Only this rank's RNG and detector state: model and optimizer state are rank 0's (replicated_state)."""
 
 
+def cuda_devices(devices: Iterable[torch.device], current: int) -> list[int]:
+    """The CUDA device indices among ``devices``, sorted, each once; a ``cuda`` device without an index is
+    ``current``. These are the devices a bundle write waits on: synchronising a device this process never used
+    would create a CUDA context there (about 500 MiB of that GPU's memory, under torchrun on every rank).
+
+    Example:
+        >>> cuda_devices([torch.device("cpu"), torch.device("cuda", 1), torch.device("cuda")], current=0)
+        [0, 1]
+    """
+    return sorted({current if d.index is None else d.index for d in devices if d.type == "cuda"})
+
+
 def _add_note(exc: BaseException, note: str) -> None:
     """``exc.add_note(note)`` (Python 3.11+). Python 3.10 has no ``add_note``: the note goes into the same
     ``__notes__`` list (where code and tests read it), and to stderr, since 3.10's traceback does not print notes."""
@@ -226,6 +238,8 @@ class Recorder:
         CaptureError: at attach time, naming what cannot be recorded (a lambda as
             ``build``, a config that is not plain data, an optimizer state holding
             an unsupported object).
+        ConfigError: an option with a value the Recorder cannot use (``snapshot_every=0``). A
+            Recorder that raises leaves nothing attached to the optimizer.
 
     Example:
         >>> rec = Recorder(state, train_step, build=build, config=cfg)   # doctest: +SKIP
@@ -256,7 +270,7 @@ class Recorder:
         replicated_state: str | bool = "auto",
     ):
         if snapshot_every < 1:
-            raise CaptureError(f"snapshot_every must be >= 1, got {snapshot_every}")
+            raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
         importing = importing_for_replay()
         if importing:  # a CodeLoadError: replay's import passes it on as it is, without its generic advice
             raise CodeLoadError(f"a Recorder was created while replay imported {importing} for build() and the "
@@ -265,7 +279,7 @@ class Recorder:
                                "`if __name__ == \"__main__\":`, then record the bundle again.")
         self.budget = default_host_budget() if host_memory_budget is None else int(host_memory_budget)
         if self.budget <= 0:
-            raise CaptureError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget}")
+            raise ConfigError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget}")
         self.state = state
         self.train_step = train_step
         self.out_dir = Path(out_dir)
@@ -286,7 +300,19 @@ class Recorder:
         self._config = config_tree
         capture_state(state, copy=lambda t: t)  # fail now, at attach time, if anything cannot be recorded
         check_generators(state.extra)
-        self.monitor = Monitor(state, self.settings, detect)
+        self._history: deque[tuple[int, float | None, float | None, float | None, float | None]] = deque(
+            maxlen=loss_history)
+        self._board: IncidentBoard | None = None
+        self.monitor = Monitor(state, self.settings, detect)  # from here on, hooks are on the user's optimizer
+        try:
+            self._set_up(state, detect, spill_dir, snapshot_sync, incident_wait_s, replicated_state)
+        except BaseException:
+            self._refused()  # a refused Recorder leaves nothing on the user's optimizer (or watching the out_dir)
+            raise
+
+    def _set_up(self, state: TrainState, detect: Sequence[Predicate], spill_dir: str | Path | None,
+                snapshot_sync: bool, incident_wait_s: float, replicated_state: str | bool) -> None:
+        """The part of ``__init__`` that runs once the monitor's hooks are on the optimizer (see :meth:`_refused`)."""
         self._tables = model_tables(state.model)  # table sizes for the batch diagnosis (inspect, failure note)
         self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync, limit=self.budget * 3 // 4,
                                       fallback_spill_dir=self.out_dir / SPILL_DIR)
@@ -320,8 +346,6 @@ class Recorder:
         self._ring: list[_Step] = []
         self._window_ok = False
         self._resnap = False  # take a snapshot at the next synced step (see reprokit.state.accumulation_phase)
-        self._history: deque[tuple[int, float | None, float | None, float | None, float | None]] = deque(
-            maxlen=loss_history)
         self._warned: set[str] = set()
         self._in_step = False
         self._current_other = RNG_STEP_BYTES
@@ -336,7 +360,6 @@ class Recorder:
                            "in a collective writes none. Give every rank the same out_dir on a filesystem they all "
                            "see.")
         self._lock: Any = contextlib.nullcontext()
-        self._board: IncidentBoard | None = None
         self._stepped_since_incident = True
         """This rank finished a step since the last incident it handled: a failure now is a new incident."""
         self._incident_bundle: Path | None = None
@@ -345,12 +368,8 @@ class Recorder:
             self._lock = threading.RLock()  # the incident watcher writes the window from another thread
             self._board = IncidentBoard(self.out_dir, self.rank)
             self._board.attach()
-        try:
-            # This rank references the owner's state instead of snapshotting its own (a non-owner, replicated).
-            self._refer = self._replication(replicated_state)
-        except CaptureError:
-            self.close()  # no hooks left on the optimizer by a Recorder that was refused
-            raise
+        # This rank references the owner's state instead of snapshotting its own (a non-owner, replicated).
+        self._refer = self._replication(replicated_state)
         self._saved = 0
         """Bytes of state this rank did not copy at its last snapshot step (rank 0's are referenced instead)."""
         if not self._refer:
@@ -365,13 +384,22 @@ class Recorder:
         if self._board is not None:
             self._board.watch(self._on_incident)
 
+    def _refused(self) -> None:
+        """Undo what a constructor that raised had attached: the monitor's and the snapshot engine's optimizer hooks,
+        the incident watcher. Errors here must not hide the refusal itself."""
+        engine = getattr(self, "_engine", None)
+        for undo in (getattr(self._board, "close", None), self.monitor.close, getattr(engine, "close", None)):
+            if undo is not None:
+                with contextlib.suppress(Exception):
+                    undo()
+
     def _replication(self, mode: str | bool) -> bool:
         """Whether this rank references rank 0's state (see ``replicated_state``)."""
         if mode not in ("auto", True, False):
-            raise CaptureError(f"replicated_state must be \"auto\", True or False, got {mode!r}")
+            raise ConfigError(f"replicated_state must be \"auto\", True or False, got {mode!r}")
         layout = replicated.is_replicated_layout(self.state.model, self.state.extra)
         if mode is True and (self.rank is None or self.rank.world_size < 2 or not layout):
-            raise CaptureError("replicated_state=True needs an initialised process group of two or more ranks and "
+            raise ConfigError("replicated_state=True needs an initialised process group of two or more ranks and "
                                "a state that is the same on every rank (a DistributedDataParallel model, no DTensor "
                                "parameters, nothing but generators in state.extra); pass replicated_state=\"auto\" or False")
         on = mode is True or (mode == "auto" and self.rank is not None and self.rank.world_size > 1 and layout)
@@ -848,8 +876,8 @@ class Recorder:
                 if from_watcher:
                     ring = self._landed_window()  # the main thread may be stuck in a collective: never synchronize
                 else:
-                    for device in range(torch.cuda.device_count()):  # copies in flight must land before we read
-                        torch.cuda.synchronize(device)
+                    for device in cuda_devices(self._devices(), torch.cuda.current_device()):
+                        torch.cuda.synchronize(device)  # copies in flight must land before we read
                     self._engine.check(ordered=True)
             except Exception as e:
                 self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
@@ -874,6 +902,19 @@ class Recorder:
             return None
         self.bundles.append(path)
         return path
+
+    def _devices(self) -> Iterator[torch.device]:
+        """Every device the recorder's copies may be queued on: the state's (model and optimizer), the staged
+        batch tensors', the batch copy streams' and the snapshot engine's stream's."""
+        yield from (t.device for t in self.state.model.parameters())
+        yield from (t.device for t in self.state.model.buffers())
+        for st in self.state.optimizer.state.values():
+            yield from (v.device for v in st.values() if isinstance(v, torch.Tensor))
+        yield from (t.device for t in self._staged.values())
+        yield from self._copy_streams
+        stream = self._engine.stream
+        if stream is not None:
+            yield stream.device
 
     def _landed_window(self) -> list[_Step]:
         """The window without its last step when that step's GPU batch copies have not landed (they wait behind the

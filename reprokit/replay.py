@@ -32,7 +32,7 @@ from reprokit.bundle import FAILURE, REPLICATED, Bundle, jsonable, open_bundle
 from reprokit.code import check_refs, imported, materialize, resolve
 from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
-from reprokit.errors import BundleError, CodeLoadError, ReprokitError, StateMismatchError
+from reprokit.errors import BundleError, CodeLoadError, ConfigError, ReprokitError, StateMismatchError
 from reprokit.signature import Failure, summary_line
 from reprokit.state import (
     BUFFERS,
@@ -248,7 +248,7 @@ class Session:
         self._steps_ahead: Future[dict[int, Any]] | None = None
         self.device = torch.device(device or default_device(bundle))
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ReprokitError("--device cuda was asked for, but torch sees no CUDA device here; use --device cpu")
+            raise ConfigError.option("device", "{opt} cuda was asked for, but torch sees no CUDA device here; use {opt} cpu")
         self.user_code: Path | None = Path(code).resolve() if code else None
         """The ``--code`` folder (None: the bundle's own snapshot is replayed)."""
         if code and not (self.user_code and self.user_code.is_dir()):
@@ -615,7 +615,7 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
         'deterministic'
     """
     if times < 1:
-        raise ReprokitError(f"--times must be >= 1, got {times}")
+        raise ConfigError.option("times", f"{{opt}} must be >= 1, got {times}")
     bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     if not as_rank:  # one rank of an N-rank incident replay runs a peer's window too: its collectives need it
         _refuse_peer(bundle)

@@ -523,6 +523,21 @@ def format_incident(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_describe_incident(d: dict[str, Any]) -> str:
+    """``reprokit inspect INCIDENT_DIR``'s text (``describe_incident()``): who failed first, then every rank."""
+    inc = d.get("incident") or {}
+    origin = d["failing_rank"]
+    first = f"rank {origin} failed first" if origin is not None else "no rank failed at the incident's step"
+    lines = [f"incident {inc.get('incident', d['folder'])}: {_n(d['world_size'], 'rank')}, {first} "
+             f"(step {d.get('step')}; declared by rank {d.get('declared_by')})"]
+    for r in d["ranks"]:
+        mark = "  <- failed first" if r["rank"] == origin else ""
+        lines.append(f"  rank {r['rank']}: {r['what']}{mark}")
+        lines.append(f"    bundle {r['bundle']} (steps {r['window']['start']}-{r['window']['end']})")
+    lines.append(f"replay all ranks: reprokit replay {d['folder']}; one rank's details: reprokit inspect BUNDLE")
+    return "\n".join(lines)
+
+
 def format_verify(d: dict[str, Any]) -> str:
     """``reprokit verify``'s text: every problem, or ok (and the archive digest it matched); the origin note."""
     # Every name and problem is a bundle's (or an archive's) text: printed as one line each, so that a file named

@@ -113,6 +113,11 @@ class SnapshotEngine:
                                       "spill_seconds": 0.0, "staged_bytes": 0, "waited_for_copy": False,
                                       "prepared": False}
 
+    @property
+    def stream(self) -> Any:
+        """The side stream snapshot copies run on (``None`` until a CUDA snapshot is taken without ``sync``)."""
+        return self._stream
+
     # --- ordering ----------------------------------------------------------------
 
     def _join(self) -> None:

@@ -100,3 +100,42 @@ def entries(bundle: Path) -> list[str]:
     from reprokit.code import entry_args
 
     return entry_args(json.loads((Path(bundle) / "run.json").read_text())["refs"])
+
+
+def record_incident_of_one(out_dir: Path) -> Path:
+    """An incident folder, cheaply: rank 0 of a one-process gloo group (no torchrun) fails at step 1 with an
+    IndexError; its bundle is written into an incident folder, as every rank's is under torchrun."""
+    import datetime
+    import importlib
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from reprokit.distributed.incident import free_port
+
+    projects = str(Path(__file__).parent / "projects")
+    sys.path.insert(0, projects)
+    try:
+        project = importlib.import_module("rk_s11_dist")
+    finally:
+        sys.path.remove(projects)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        state = project.build({})
+        rec = reprokit.Recorder(state, project.train_step, build=project.build, config={}, out_dir=out_dir,
+                                snapshot_every=2, incident_wait_s=1)
+        try:
+            x = torch.randn(8, 8)
+            rec.step({"x": x, "y": x.sum(1), "boom": torch.tensor(False)})
+            try:
+                rec.step({"x": x, "y": x.sum(1), "boom": torch.tensor(True)})
+            except IndexError:
+                pass
+        finally:
+            rec.close()
+    finally:
+        dist.destroy_process_group()
+    (bundle,) = rec.bundles
+    return bundle.parent

@@ -23,7 +23,7 @@ from typing import Any
 
 from reprokit import schema
 from reprokit.bundle import MANIFEST, Bundle, open_bundle
-from reprokit.errors import BundleError, ReprokitError
+from reprokit.errors import BundleError, ConfigError, ReprokitError
 
 BLOCKED_GRACE_S = 5.0
 
@@ -170,14 +170,10 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
     bundles = rank_bundles(folder)
     world = len(bundles)
     if nproc is not None and nproc != world:
-        raise ReprokitError(f"--nproc {nproc}: this incident was recorded on {world} ranks, and each rank replays its "
-                            f"own bundle; pass --nproc {world} or leave --nproc out")
+        raise ConfigError.option("nproc", f"{{opt}} {nproc}: this incident was recorded on {world} ranks, and each "
+                                          f"rank replays its own bundle; pass {{opt}} {world} or leave {{opt}} out")
     first = bundles[0]
-    incident = (first.failure.detail or {}).get("incident") or {}
-    for b in bundles.values():
-        f = b.failure
-        if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
-            incident = f.detail["incident"]
+    incident = incident_doc(bundles)
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -185,8 +181,9 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
         device = "cuda" if str(first.run.get("device", "cpu")).startswith("cuda") and gpus >= world else "cpu"
     if device == "cuda":  # refused here, once: in the ranks it would only be an error each (or a wrong device)
         if gpus < world:
-            raise ReprokitError(f"--device cuda: this incident replays one rank per GPU, {world} ranks, but torch sees "
-                                f"{gpus} CUDA device(s) here; use --device cpu (gloo), or a machine with {world} GPUs")
+            raise ConfigError.option("device", f"{{opt}} cuda: this incident replays one rank per GPU, {world} ranks, "
+                                               f"but torch sees {gpus} CUDA device(s) here; use {{opt}} cpu (gloo), or a "
+                                               f"machine with {world} GPUs")
     if code is not None:  # refuse a checkout without the project here, once, not in every rank
         from reprokit.code import check_refs
 
@@ -199,6 +196,40 @@ def replay_incident(folder: str | Path, *, times: int = 1, device: str | None = 
     ranks = [_merge([launch[r] for launch in launches]) for r in range(world)]
     return IncidentReport(folder, incident, ranks, origin_rank(bundles, incident),
                           {r: b.failure.describe() for r, b in bundles.items()})
+
+
+def incident_doc(bundles: dict[int, Bundle]) -> dict[str, Any]:
+    """The incident as declared (step, declaring rank, what failed), from the bundle of a rank that failed itself
+    where there is one (a peer's copy says the same, seen from the other side)."""
+    incident = (bundles[min(bundles)].failure.detail or {}).get("incident") or {}
+    for b in bundles.values():
+        f = b.failure
+        if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
+            incident = f.detail["incident"]
+    return dict(incident)
+
+
+def describe_incident(folder: str | Path) -> dict[str, Any]:
+    """What ``reprokit inspect INCIDENT_DIR`` shows: the incident, the rank whose failure it is about (see
+    :func:`origin_rank`) and, per rank, its failure and its bundle (each verified, as :func:`rank_bundles` does).
+
+    Example:
+        >>> d = describe_incident("repros/incident-20261126-142501-step00000006-3f9c2a1b")   # doctest: +SKIP
+        >>> d["failing_rank"], [(r["rank"], r["failure"]["kind"]) for r in d["ranks"]]      # doctest: +SKIP
+        (1, [(0, 'peer'), (1, 'nonfinite_loss')])
+    """
+    folder = Path(folder)
+    bundles = rank_bundles(folder)
+    incident = incident_doc(bundles)
+    ranks = []
+    for r, b in sorted(bundles.items()):
+        f = b.failure
+        ranks.append({"rank": r, "bundle": str(b.path), "failure": {"kind": f.kind, "step": f.step},
+                      "what": f.describe(), "window": {"start": b.run["window"]["start"],
+                                                       "end": b.run["window"]["end"]}})
+    return {"folder": str(folder), "incident": incident, "world_size": len(bundles),
+            "failing_rank": origin_rank(bundles, incident), "declared_by": incident.get("rank"),
+            "step": incident.get("step"), "ranks": ranks}
 
 
 _FIRST_IN_A_STEP = ("exception", "nonfinite_loss", "loss_spike", "predicate", "nonfinite_grad", "nonfinite_param")

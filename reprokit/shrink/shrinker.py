@@ -28,7 +28,7 @@ from reprokit.bundle import (
     write_bundle,
 )
 from reprokit.code import child_env, entry_args, git_info, snapshot_files
-from reprokit.errors import DidNotReproduce, ReprokitError
+from reprokit.errors import ConfigError, DidNotReproduce, ReprokitError
 from reprokit.origin import Origin, same_origin, watch_step
 from reprokit.replay import RunOutcome, Session, StepInput, alone_hint
 from reprokit.shrink import micro
@@ -455,10 +455,10 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
     t0 = time.perf_counter()
     unknown = [p for p in passes if p not in PASSES]
     if unknown or not passes:
-        raise ReprokitError(f"unknown shrink pass(es) {', '.join(unknown) or '(none given)'}; "
-                            f"choose from {', '.join(PASSES)}")
+        raise ConfigError.option("passes", f"unknown shrink pass(es) {', '.join(unknown) or '(none given)'} in "
+                                           f"{{opt}}; choose from {', '.join(PASSES)}")
     if budget < 1:
-        raise ReprokitError(f"--budget must be >= 1, got {budget}")
+        raise ConfigError.option("budget", f"{{opt}} must be >= 1, got {budget}")
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise ReprokitError(f"{output} already exists and is not empty; pick another -o or remove it")

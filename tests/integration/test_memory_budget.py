@@ -109,7 +109,7 @@ def test_the_default_budget_is_a_share_of_this_machine(monkeypatch):
     assert 0 < one
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert default_host_budget() in range(one // 4 - (64 << 20), one // 4 + (64 << 20))  # available RAM moves a bit
-    with pytest.raises(reprokit.CaptureError, match="host_memory_budget"):
+    with pytest.raises(reprokit.ConfigError, match="host_memory_budget"):
         m = torch.nn.Linear(2, 2)
         reprokit.Recorder(reprokit.TrainState(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)),
                           _step, build=_build, host_memory_budget=0)

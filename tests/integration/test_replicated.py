@@ -248,16 +248,16 @@ def test_when_the_owner_snapshots_early_the_other_ranks_take_their_own(tmp_path)
 
 def test_replicated_state_true_without_a_process_group_is_refused_at_attach(tmp_path, monkeypatch):
     import reprokit
-    from reprokit.errors import CaptureError
+    from reprokit.errors import ConfigError
 
     monkeypatch.syspath_prepend(str(ROOT / "tests" / "projects"))
     import rk_ddp
 
     state = rk_ddp.build({})
-    with pytest.raises(CaptureError, match="replicated_state=True needs an initialised process group"):
+    with pytest.raises(ConfigError, match="replicated_state=True needs an initialised process group"):
         reprokit.Recorder(state, rk_ddp.train_step, build=rk_ddp.build, config={}, out_dir=tmp_path,
                           replicated_state=True)
-    with pytest.raises(CaptureError, match="must be \"auto\", True or False"):
+    with pytest.raises(ConfigError, match="must be \"auto\", True or False"):
         reprokit.Recorder(state, rk_ddp.train_step, build=rk_ddp.build, config={}, out_dir=tmp_path,
                           replicated_state="yes")
     rec = reprokit.Recorder(state, rk_ddp.train_step, build=rk_ddp.build, config={}, out_dir=tmp_path)
