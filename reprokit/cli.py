@@ -30,6 +30,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -469,10 +470,15 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
         _echo(format_batch(d["batch_values"]))
 
 
+_RANK_BUNDLE = re.compile(r"bundle-.*-rank\d+of\d+(-\d+)?")
+
+
 def _is_incident(path: Path) -> bool:
+    """A folder of rank bundles, named as a multi-rank run names them. A folder of one process's bundles (a copy of an
+    out_dir, an unpacked repro) is not: inspect then names the bundles in it instead of talking of incidents."""
     from reprokit.distributed.incident import is_incident
 
-    return is_incident(path)
+    return is_incident(path) and any(_RANK_BUNDLE.fullmatch(p.name) for p in path.iterdir() if p.is_dir())
 
 
 def _inspect_incident(folder: Path, plot: Path | None, show_batch: bool, as_json: bool) -> None:
