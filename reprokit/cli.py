@@ -716,7 +716,7 @@ def _bisect_axis(axis: str, bundle: Path, device: str | None, code: Path | None,
 
 
 # The names of reprokit.bisect.precision.VARIANTS, spelled out here because importing that module imports torch
-# (see the import rule above); tests/integration/test_s10_cli_ux.py holds the two lists equal.
+# (see the import rule above); tests/integration/test_cli_usage_errors_and_help.py holds the two lists equal.
 PRECISION_VARIANTS = ("recorded", "fp32", "bf16", "fp16", "tf32_on", "tf32_off", "sdpa_math", "sdpa_flash",
                       "sdpa_efficient", "sdpa_cudnn", "deterministic")
 

@@ -117,7 +117,7 @@ def record_incident_of_one(out_dir: Path) -> Path:
     projects = str(Path(__file__).parent / "projects")
     sys.path.insert(0, projects)
     try:
-        project = importlib.import_module("rk_s11_dist")
+        project = importlib.import_module("rk_dist_incidents")
     finally:
         sys.path.remove(projects)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,

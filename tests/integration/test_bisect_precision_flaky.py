@@ -1,4 +1,4 @@
-"""`reprokit bisect precision` on a failure that does not recur on every replay (session 10 review)."""
+"""`reprokit bisect precision` on a failure that does not recur on every replay."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from reprokit.bundle import open_bundle
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_bisect_commits import TRAINER, batches  # noqa: E402
-from test_s10_bisect_commits import FLAKY_STEP  # noqa: E402
+from test_bisect_commits_merges_and_skips import FLAKY_STEP  # noqa: E402
 
 sys.path.pop(0)
 

@@ -1,4 +1,4 @@
-"""What a newcomer following README.md met (session 12), each pinned by a test that failed before its fix.
+"""What a newcomer following README.md met, each pinned by a test that failed before its fix.
 
 - The Python API block of README.md did not run as printed (``MyModel``, ``cfg`` and ``loader`` undefined).
 - A folder one level above bundles that is not a multi-rank run (a project folder holding its ``repros/``,
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> Path:
     """One bundle of a NaN loss (rk_mlp, a few steps), inside a project folder's ``repros/``."""
-    out = tmp_path_factory.mktemp("s12nc") / "proj" / "repros"
+    out = tmp_path_factory.mktemp("newcomer") / "proj" / "repros"
     record_mlp_nan(out, steps=8, poison_step=6, snapshot_every=4)
     (b,) = [p for p in out.iterdir() if p.name.startswith("bundle-")]
     return b

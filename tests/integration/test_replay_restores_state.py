@@ -75,7 +75,7 @@ def train_step(state, batch):
 def test_a_step_that_raises_after_unscale_is_deterministic_over_times(project, tmp_path):
     # The GradScaler notes "unscale_ was called" until update(); a replay that raised before update() left that note,
     # and load_state_dict keeps it: the next replay's unscale_ raised "already been called" (verdict: flaky).
-    mod = project("s10_scaler", SCALER)
+    mod = project("restored_scaler", SCALER)
     bundle = record_bundle(mod, {}, 8, tmp_path / "repros")
     report = reprokit.replay(bundle, times=3)
     assert [r.verdict for r in report.runs] == ["reproduced"] * 3, [r.failure and r.failure.message for r in report.runs]
@@ -122,7 +122,7 @@ def train_step(state, batch):
 def test_submodule_modes_and_requires_grad_are_restored(project, tmp_path, mode):
     # Neither is in a state_dict: restore called model.train(), which put the eval backbone back into train mode,
     # and left the backbone frozen as build() makes it although the run had unfrozen it before the snapshot.
-    mod = project(f"s10_modes_{mode}", MODES)
+    mod = project(f"restored_modes_{mode}", MODES)
     bundle = record_bundle(mod, {"mode": mode}, 10, tmp_path / "repros", snapshot_every=4)
     report = reprokit.replay(bundle, times=2)
     assert report.verdict == "deterministic"
@@ -171,7 +171,7 @@ def test_non_persistent_buffers_start_every_replay_alike(project, tmp_path):
     # load_state_dict leaves non-persistent buffers alone: each replay started from the counter the last one left,
     # so --times N runs differed from each other, and a shrink candidate restored from a mid-window snapshot
     # (Session.advance) ran with whatever the last candidate left.
-    mod = project("s10_counter", COUNTER)
+    mod = project("restored_counter", COUNTER)
     bundle = record_bundle(mod, {}, 10, tmp_path / "repros", snapshot_every=4)
     report = reprokit.replay(bundle, times=3)
     assert report.verdict == "deterministic"
@@ -195,7 +195,7 @@ CAST_IN_STEP = COUNTER.replace("persistent=False", "persistent=True").replace(
 def test_a_model_in_another_dtype_than_build_makes_replays_in_the_recorded_dtype(project, tmp_path, where):
     # load_state_dict casts into the live dtype: a model the loop cast to float64 after build() replayed in float32,
     # with the optimizer's state cast along. (A step that casts the model itself was exact, and stays so.)
-    mod = project(f"s10_cast_{where}", CAST_IN_STEP if where == "step" else COUNTER.replace("persistent=False",
+    mod = project(f"restored_cast_{where}", CAST_IN_STEP if where == "step" else COUNTER.replace("persistent=False",
                                                                                              "persistent=True"))
     state = mod.build({})
     if where == "loop":
@@ -241,7 +241,7 @@ def train_step(state, batch):
 
 
 def test_a_param_group_added_during_the_run_is_refused_with_what_to_do(project, tmp_path):
-    mod = project("s10_groups", GROUPS)
+    mod = project("restored_groups", GROUPS)
     bundle = record_bundle(mod, {}, 10, tmp_path / "repros", snapshot_every=4)
     with pytest.raises(reprokit.StateMismatchError, match=r"recorded \[2, 2\], build\(\) made \[2\]\).*add_param_group"
                                                           r".*create every group in build\(\)"):
@@ -276,7 +276,7 @@ def train_step(state, batch):
 def test_a_tensor_in_extra_that_the_optimizer_trains_is_restored_in_place(project, tmp_path):
     # restore replaced every tensor of extra by a new one (not requiring grad): the step's temperature was no longer
     # the one the optimizer steps, and the replay diverged one step after the snapshot.
-    mod = project("s10_temperature", TEMPERATURE)
+    mod = project("restored_temperature", TEMPERATURE)
     bundle = record_bundle(mod, {}, 10, tmp_path / "repros", snapshot_every=4)
     report = reprokit.replay(bundle, times=2)
     assert report.fidelity["bit_exact"] and report.fidelity["steps_compared"] == 4, report.fidelity["first_diverging"]
@@ -315,7 +315,7 @@ def train_step(state, batch):
 def test_a_step_that_edits_a_numpy_array_of_its_batch_does_not_change_the_next_replay(project, tmp_path):
     # Each run copied the batch's tensors but handed over its numpy arrays as decoded: views of the stored batch, so
     # the second of --times 2 ran on the weights the first had doubled.
-    mod = project("s10_numpy_batch", NUMPY_BATCH)
+    mod = project("restored_numpy_batch", NUMPY_BATCH)
     batches_np = [{**b, "w": np.ones(6, dtype=np.float32)} for b in batches(10)]
     _, exc = record(mod, {}, batches_np, tmp_path / "repros", snapshot_every=4)
     report = reprokit.replay(bundle_of(exc), times=2)
@@ -333,7 +333,7 @@ def test_a_gradient_left_on_an_optimizer_parameter_outside_the_model_does_not_le
                                                                                                         tmp_path):
     # The failing replay raised after its backward: the temperature (in the optimizer, not in the model) kept that
     # gradient, restore reset only the model's, and the next replay's first backward added to it (runs differed).
-    mod = project("s10_outside_grad", RAISES_AFTER_BACKWARD)
+    mod = project("restored_outside_grad", RAISES_AFTER_BACKWARD)
     bundle = record_bundle(mod, {}, 10, tmp_path / "repros", snapshot_every=4)
     report = reprokit.replay(bundle, times=2)
     assert report.verdict == "deterministic" and report.fidelity["bit_exact"]
@@ -381,7 +381,7 @@ def train_step(state, batch):
 def test_optimizer_state_comes_back_in_the_dtype_it_was_recorded_in(project, tmp_path):
     # Optimizer.load_state_dict casts floating-point state to the parameter's dtype: the float64 momentum came back
     # rounded to float32, and the replay stepped from other numbers than the recording.
-    mod = project("s10_master", MASTER)
+    mod = project("restored_master", MASTER)
     bundle = record_bundle(mod, {}, 10, tmp_path / "repros", snapshot_every=4)
     with session(bundle) as s:
         tree, tensors = s.snapshot

@@ -1,4 +1,4 @@
-"""`reprokit bisect commits` on histories with merges, and on commits that cannot be tested (session 10 review)."""
+"""`reprokit bisect commits` on histories with merges, and on commits that cannot be tested."""
 
 from __future__ import annotations
 

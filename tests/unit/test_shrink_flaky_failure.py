@@ -1,4 +1,4 @@
-"""Shrinking a failure that does not recur on every replay (session 10 review).
+"""Shrinking a failure that does not recur on every replay.
 
 Each candidate is judged on one replay, so a flaky failure would let a lucky replay accept a candidate. The
 project below fails only every other time it sees the bad row (a counter kept outside the recorded state, as a
@@ -59,13 +59,13 @@ def _batches(n=6, bad_step=4, bad_row=5):
 def _record(tmp_path, monkeypatch, start, step):
     proj = tmp_path / "proj"
     proj.mkdir()
-    (proj / "rk_s10_flaky.py").write_text(PROJECT.format(start=start, step=step))
+    (proj / "rk_shrink_flaky.py").write_text(PROJECT.format(start=start, step=step))
     monkeypatch.syspath_prepend(str(proj))
-    monkeypatch.delitem(sys.modules, "rk_s10_flaky", raising=False)
-    mod = importlib.import_module("rk_s10_flaky")
+    monkeypatch.delitem(sys.modules, "rk_shrink_flaky", raising=False)
+    mod = importlib.import_module("rk_shrink_flaky")
     _, exc = record(mod, {}, _batches(), tmp_path / "r", snapshot_every=2)
     assert isinstance(exc, ValueError)
-    monkeypatch.delitem(sys.modules, "rk_s10_flaky", raising=False)
+    monkeypatch.delitem(sys.modules, "rk_shrink_flaky", raising=False)
     return bundle_of(exc)
 
 

@@ -1,4 +1,4 @@
-"""CLI UX from a newcomer's run (session 10): what a wrong argument says, and that --help tells enough.
+"""CLI UX from a newcomer's run: what a wrong argument says, and that --help tells enough.
 
 Each test here failed before its fix: the recorder's ``out_dir`` passed where a bundle is expected read
 "manifest.json: missing" (or, for replay, "not a rank's bundle"); ``shrink -o FILE`` was an internal error
@@ -22,7 +22,7 @@ from reprokit.cli import PRECISION_VARIANTS, main
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory) -> Path:
     """The recorder's out_dir, holding one bundle of a NaN loss (rk_mlp, a few steps)."""
-    out = tmp_path_factory.mktemp("s10cli") / "repros"
+    out = tmp_path_factory.mktemp("cli_usage") / "repros"
     record_mlp_nan(out, steps=8, poison_step=6, snapshot_every=4)
     return out
 

@@ -1,5 +1,5 @@
 """torchrun (gloo, CPU) scenarios for the multi-rank recorder: recovery after an incident, ranks failing at
-different steps, a folder per rank. ``python rk_s11_dist.py OUT_DIR SCENARIO``."""
+different steps, a folder per rank. ``python rk_dist_incidents.py OUT_DIR SCENARIO``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`reprokit bisect commits` bisects the user's repository, never one the bundle names, and runs no git hook
-(session 13 review, F2: a bundle's env.json ``git.root`` chose the repository, whose post-checkout hook ran during
+(before, a bundle's env.json ``git.root`` chose the repository, whose post-checkout hook ran during
 ``git worktree add`` and whose code was replayed under the user's ``--entry``)."""
 
 from __future__ import annotations

@@ -30,14 +30,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECTS = ROOT / "tests" / "projects"
 sys.path.insert(0, str(PROJECTS))
 
-import rk_s11_dist  # noqa: E402
+import rk_dist_incidents  # noqa: E402
 
 
 def _torchrun(out: Path, scenario: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{PROJECTS}", "OMP_NUM_THREADS": "1",
            "PYTHONFAULTHANDLER": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), str(PROJECTS / "rk_s11_dist.py"), str(out),
+                           "127.0.0.1", "--master_port", str(free_port()), str(PROJECTS / "rk_dist_incidents.py"), str(out),
                            scenario], env=env, capture_output=True, text=True, timeout=120, cwd=out.parent)
 
 
@@ -118,8 +118,8 @@ def test_an_incident_that_cannot_be_declared_leaves_the_training_s_own_error(tmp
     with a warning, never an OSError of reprokit's bookkeeping."""
     out = tmp_path / "not-a-folder"
     out.write_text("")
-    state = rk_s11_dist.build({})
-    rec = reprokit.Recorder(state, rk_s11_dist.train_step, build=rk_s11_dist.build, config={}, out_dir=out,
+    state = rk_dist_incidents.build({})
+    rec = reprokit.Recorder(state, rk_dist_incidents.train_step, build=rk_dist_incidents.build, config={}, out_dir=out,
                             snapshot_every=2, incident_wait_s=1)
     try:
         x = torch.randn(8, 8)
@@ -194,8 +194,8 @@ def test_run_json_and_inspect_say_which_attempt_rank_local_rank_and_backend_wrot
     ``local_rank`` and ``backend`` are in run.json and ``inspect --json`` (which showed rank and world size only)."""
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    state = rk_s11_dist.build({})
-    rec = reprokit.Recorder(state, rk_s11_dist.train_step, build=rk_s11_dist.build, config={},
+    state = rk_dist_incidents.build({})
+    rec = reprokit.Recorder(state, rk_dist_incidents.train_step, build=rk_dist_incidents.build, config={},
                             out_dir=tmp_path / "repros", snapshot_every=2, incident_wait_s=1)
     try:
         x = torch.randn(8, 8)

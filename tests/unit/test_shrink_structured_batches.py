@@ -1,4 +1,4 @@
-"""Rows of batches that are not one tensor per field (session 10 review): lists of per-sample images or target
+"""Rows of batches that are not one tensor per field: lists of per-sample images or target
 dicts, as detection collates make, must be cut as rows, and must not make a channel dim look like the batch."""
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ def test_a_list_of_per_sample_images_is_cut_as_rows_and_the_right_sample_is_name
     the poisoned one too, and named dataset index 33 for the sample at 37)."""
     proj = tmp_path / "proj"
     proj.mkdir()
-    (proj / "rk_s10_images.py").write_text(PROJECT)
+    (proj / "rk_shrink_images.py").write_text(PROJECT)
     monkeypatch.syspath_prepend(str(proj))
-    monkeypatch.delitem(sys.modules, "rk_s10_images", raising=False)
-    mod = importlib.import_module("rk_s10_images")
+    monkeypatch.delitem(sys.modules, "rk_shrink_images", raising=False)
+    mod = importlib.import_module("rk_shrink_images")
     _, exc = record(mod, {}, _batches(), tmp_path / "r", snapshot_every=2)
-    monkeypatch.delitem(sys.modules, "rk_s10_images", raising=False)
+    monkeypatch.delitem(sys.modules, "rk_shrink_images", raising=False)
     r = shrink(bundle_of(exc), tmp_path / "small", passes=["steps", "rows"])
     assert (r.before["rows"], r.after["rows"]) == (8, 1)
     assert r.kept_rows == [5] and r.dataset_indices == [37], (r.kept_rows, r.dataset_indices)

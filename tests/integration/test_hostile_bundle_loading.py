@@ -1,4 +1,4 @@
-"""Bundle loading against hostile inputs (session 13 red-team findings): every one ends in a clear error with exit 3
+"""Bundle loading against hostile inputs (red-team findings): every one ends in a clear error with exit 3
 (invalid bundle) or 125 (does not fit here), never a hang, an internal error (exit 70) or a buffer sized by an
 unverified manifest.
 

@@ -1,4 +1,4 @@
-"""Shrinking a loss spike keeps the rows that make it (session 10 review).
+"""Shrinking a loss spike keeps the rows that make it.
 
 A spike compares a loss to the median of earlier whole-batch losses. One ordinary but hard row alone has a loss
 far above that median, so a candidate of that row alone "spikes" at the same step with the same signature, while
@@ -56,12 +56,12 @@ def _batches(steps=16, n=16, spike_step=14):
 def test_a_hard_row_that_spikes_alone_is_not_taken_for_the_corrupt_one(tmp_path, monkeypatch):
     proj = tmp_path / "proj"
     proj.mkdir()
-    (proj / "rk_s10_spike.py").write_text(PROJECT)
+    (proj / "rk_shrink_spike.py").write_text(PROJECT)
     monkeypatch.syspath_prepend(str(proj))
-    monkeypatch.delitem(sys.modules, "rk_s10_spike", raising=False)
-    mod = importlib.import_module("rk_s10_spike")
+    monkeypatch.delitem(sys.modules, "rk_shrink_spike", raising=False)
+    mod = importlib.import_module("rk_shrink_spike")
     _, exc = record(mod, {}, _batches(), tmp_path / "r", snapshot_every=4, spike_factor=20.0, spike_window=10)
-    monkeypatch.delitem(sys.modules, "rk_s10_spike", raising=False)
+    monkeypatch.delitem(sys.modules, "rk_shrink_spike", raising=False)
     assert isinstance(exc, reprokit.TrainingFailure) and exc.failure.kind == "loss_spike" and exc.failure.step == 14
     r = shrink(bundle_of(exc), tmp_path / "small", passes=["steps", "rows"])
     assert r.kept_rows == [11] and r.dataset_indices == [14 * 16 + 11], r.kept_rows

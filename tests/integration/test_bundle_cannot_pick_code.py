@@ -191,34 +191,34 @@ def test_a_distribution_installed_outside_site_packages_counts_unless_it_is_an_e
     """``pip install --target DIR`` on the import path is an installed package a snapshot must not shadow; an
     editable install (``pip install -e .``) is the project's own source, which the snapshot stands in for. So is
     the package the build and step refs live in ("own": the project installed with ``pip install .`` and run from
-    its checkout as ``python -m rk_s13_lib``), whatever the install."""
+    its checkout as ``python -m rk_shadow_lib``), whatever the install."""
     from reprokit import code
 
     target = tmp_path / "target"
-    info = target / "rk_s13_lib-1.0.dist-info"
+    info = target / "rk_shadow_lib-1.0.dist-info"
     info.mkdir(parents=True)
-    (target / "rk_s13_lib.py").write_text("VALUE = 1\n")
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rk-s13-lib\nVersion: 1.0\n")
-    (info / "top_level.txt").write_text("rk_s13_lib\n")
+    (target / "rk_shadow_lib.py").write_text("VALUE = 1\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rk-shadow-lib\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("rk_shadow_lib\n")
     if editable is True:
         (info / "direct_url.json").write_text(json.dumps({"url": f"file://{target}", "dir_info": {"editable": True}}))
     snapshot = tmp_path / "code"
     snapshot.mkdir()
-    (snapshot / "rk_s13_lib.py").write_text("VALUE = 2\n")
+    (snapshot / "rk_shadow_lib.py").write_text("VALUE = 2\n")
     refs = {"build": {"module": "reprokit.demo", "qualname": "build"},
             "step": {"module": "reprokit.demo", "qualname": "train_step"}}
     if editable == "own":
-        refs = {"build": {"module": "rk_s13_lib", "qualname": "build"},
-                "step": {"module": "rk_s13_lib", "qualname": "train_step"}}
+        refs = {"build": {"module": "rk_shadow_lib", "qualname": "build"},
+                "step": {"module": "rk_shadow_lib", "qualname": "train_step"}}
     monkeypatch.syspath_prepend(str(target))
     code._distributions.cache_clear()  # read again with DIR on the path (and again after, without it)
     try:
         if editable:
             code.check_refs(refs, snapshot=snapshot, code=None)
         else:
-            with pytest.raises(BundleError, match="holds rk_s13_lib.py, which would shadow rk_s13_lib of the "
-                                                    "installed distribution rk-s13-lib"):
+            with pytest.raises(BundleError, match="holds rk_shadow_lib.py, which would shadow rk_shadow_lib of the "
+                                                    "installed distribution rk-shadow-lib"):
                 code.check_refs(refs, snapshot=snapshot, code=None)
     finally:
         code._distributions.cache_clear()
-    assert "rk_s13_lib" not in sys.modules
+    assert "rk_shadow_lib" not in sys.modules

@@ -1,4 +1,5 @@
-"""A tiny model for the detector and extract edge cases (tests/*/test_s11_detect_*.py).
+"""A tiny model for the detector and extract edge cases (tests/integration/test_detect_returned_loss.py and
+test_extract_module_alone.py).
 
 ``batch["returns"]`` picks what the step function returns: ``tensor`` (the loss), ``dict`` (``{"loss": loss}``,
 as a Hugging Face ModelOutput holds it), ``tuple`` (``(loss, out)``) or ``negative`` (minus the loss). Rows of

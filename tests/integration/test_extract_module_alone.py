@@ -13,7 +13,7 @@ from reprokit.extract import extract
 
 
 def _bundle(projects, tmp_path, attr):
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     _, exc = record(m, {"attr": attr}, m.batches(8, zero_row=5), tmp_path / "repros", snapshot_every=4)
     return open_bundle(bundle_of(exc))
 
@@ -40,7 +40,7 @@ def test_a_module_that_fails_alone_for_another_reason_is_no_extract_of_a_nan(pro
 @pytest.mark.parametrize("probe", [False, True])
 def test_a_module_called_twice_is_extracted_at_the_call_whose_backward_made_the_nan(projects, tmp_path, probe):
     # probe: a third call under no_grad, which backward does not visit (before, it shifted the calls' gradients)
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     _, exc = record(m, {"model": "twice", "probe": probe}, m.twice_batches(8, gate_off=5), tmp_path / "repros",
                     step=m.twice_step, snapshot_every=4)
     b = open_bundle(bundle_of(exc))
@@ -56,7 +56,7 @@ def test_a_module_called_twice_is_extracted_at_the_call_whose_backward_made_the_
 
 
 def test_a_module_taking_an_options_object_is_refused_for_that_reason(projects, tmp_path):
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     _, exc = record(m, {"model": "options"}, m.batches(8, scale_at=(5, 1000.0)),
                     tmp_path / "repros", snapshot_every=4)
     b = open_bundle(bundle_of(exc))
@@ -71,7 +71,7 @@ def test_a_module_taking_an_options_object_is_refused_for_that_reason(projects, 
 def test_a_loss_spike_has_no_module_to_cut_out_and_says_so(projects, tmp_path):
     from reprokit.extract import NothingToExtract
 
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     _, exc = record(m, {}, m.batches(20, spike=(15, 100.0)), tmp_path / "repros", snapshot_every=4,
                     spike_factor=20.0, spike_window=10)
     b = open_bundle(bundle_of(exc))

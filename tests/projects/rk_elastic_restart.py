@@ -1,5 +1,5 @@
 """torchrun --max-restarts (gloo, CPU): a rank fails, torchrun restarts every worker, and the next attempt creates its
-Recorders again. ``python rk_s12_restart.py OUT_DIR SCENARIO``; the attempt is ``TORCHELASTIC_RESTART_COUNT``."""
+Recorders again. ``python rk_elastic_restart.py OUT_DIR SCENARIO``; the attempt is ``TORCHELASTIC_RESTART_COUNT``."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def main(out_dir: str, scenario: str) -> None:
     # from its watcher thread (a poll, then a grace of a second): give it time to, before saying what it wrote.
     time.sleep(3)
     print(f"attempt {attempt} rank {rank}: done, bundles {[str(b) for b in rec.bundles]}", flush=True)
-    # Torn down while the interpreter is alive (see rk_s11_dist.py): the DDP model holds the process group.
+    # Torn down while the interpreter is alive (see rk_dist_incidents.py): the DDP model holds the process group.
     rec.close()
     del rec, state
     gc.collect()

@@ -11,13 +11,13 @@ import reprokit
 
 
 def _record(projects, tmp_path, batches, **kw):
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     return record(m, {}, batches, tmp_path / "repros", snapshot_every=4, **kw)
 
 
 def test_a_nan_loss_inside_a_returned_dict_is_a_nonfinite_loss(projects, tmp_path):
     # Only the loss check can see it (grads are not checked): before, a dict return went unchecked.
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     _, exc = _record(projects, tmp_path, m.batches(8, returns="dict", zero_row=5), check_grads=False)
     assert isinstance(exc, reprokit.TrainingFailure), exc
     assert (exc.failure.kind, exc.failure.step) == ("nonfinite_loss", 5)
@@ -26,7 +26,7 @@ def test_a_nan_loss_inside_a_returned_dict_is_a_nonfinite_loss(projects, tmp_pat
 
 
 def test_a_spike_in_a_returned_dict_fires_and_replays_at_the_same_step(projects, tmp_path):
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     _, exc = _record(projects, tmp_path, m.batches(20, returns="dict", spike=(15, 100.0)),
                      spike_factor=20.0, spike_window=10)
     assert isinstance(exc, reprokit.TrainingFailure), exc
@@ -36,14 +36,14 @@ def test_a_spike_in_a_returned_dict_fires_and_replays_at_the_same_step(projects,
 
 
 def test_a_normal_loss_curve_with_a_spike_detector_runs_clean(projects, tmp_path):
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     rec, exc = _record(projects, tmp_path, m.batches(40), spike_factor=3.0, spike_window=10)
     assert exc is None and rec.step_index == 40
 
 
 @pytest.mark.parametrize("returns, said", [("tuple", "returned a tuple, not a loss")])
 def test_a_loss_the_checks_cannot_read_is_said_once(projects, tmp_path, returns, said):
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     with pytest.warns(reprokit.RecorderWarning, match=said) as got:
         rec, exc = _record(projects, tmp_path, m.batches(6, returns=returns), check_grads=False)
     assert exc is None and rec.step_index == 6
@@ -52,18 +52,18 @@ def test_a_loss_the_checks_cannot_read_is_said_once(projects, tmp_path, returns,
 
 
 def test_a_predicate_returning_a_vector_fails_with_a_config_error_naming_it(projects, tmp_path):
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     _, exc = _record(projects, tmp_path, m.batches(6), detect=[m.vector_verdict])
     # Before: a bare "Boolean value of Tensor with more than one value is ambiguous" out of reprokit, no bundle.
     assert isinstance(exc, reprokit.TrainingFailure), repr(exc)
     f = exc.failure
-    assert (f.kind, f.exc_type, f.step, f.frame) == ("exception", "ConfigError", 0, "rk_s11_detect.py:vector_verdict")
+    assert (f.kind, f.exc_type, f.step, f.frame) == ("exception", "ConfigError", 0, "rk_detect_cases.py:vector_verdict")
     assert "vector_verdict returned a tensor of shape [2]" in f.message and ".any()" in f.message
     assert bundle_of(exc).is_dir()
 
 
 def test_a_loss_that_is_not_positive_says_the_spike_check_cannot_judge(projects, tmp_path):
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     with pytest.warns(reprokit.RecorderWarning, match="median of the recent losses is -") as got:
         rec, exc = _record(projects, tmp_path, m.batches(14, returns="negative"), spike_factor=3.0, spike_window=10)
     assert exc is None and rec.step_index == 14
@@ -71,7 +71,7 @@ def test_a_loss_that_is_not_positive_says_the_spike_check_cannot_judge(projects,
 
 
 def test_an_injected_nan_loss_keeps_the_rest_of_a_returned_dict(projects, tmp_path):
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     state = m.build({})
     outs = [m.nan_dict_step(state, b) for b in m.batches(4)]  # a bare loop: the injector counts calls
     assert all(isinstance(o, dict) and o["logits"].shape == (4, 1) for o in outs), outs  # before: a float at step 3
@@ -86,7 +86,7 @@ def test_a_bundle_recorded_before_dict_losses_were_read_replays_as_it_was_record
     import json
 
     from rk_testing import reseal
-    m = projects("rk_s11_detect")
+    m = projects("rk_detect_cases")
     _, exc = _record(projects, tmp_path, m.batches(8, returns="dict", zero_row=5))
     assert (exc.failure.kind, exc.failure.step) == ("nonfinite_loss", 5)
     b = bundle_of(exc)

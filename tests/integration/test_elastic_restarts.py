@@ -26,7 +26,7 @@ def _torchrun(out: Path, scenario: str) -> subprocess.CompletedProcess:
            "PYTHONFAULTHANDLER": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts",
                            "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                           str(PROJECTS / "rk_s12_restart.py"), str(out), scenario], env=env, capture_output=True,
+                           str(PROJECTS / "rk_elastic_restart.py"), str(out), scenario], env=env, capture_output=True,
                           text=True, timeout=150, cwd=out.parent)
 
 

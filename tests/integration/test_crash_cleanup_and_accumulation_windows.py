@@ -1,5 +1,6 @@
-"""Review of session 11: where the session's changes met (the private code copy and the processes that die; the
-memory budget and accelerate's accumulation)."""
+"""Where two features meet: the private code copy and processes that die (no copy left behind); the memory budget
+and accelerate's accumulation (no window restarted mid-accumulation, none at a dataloader's last batch that replay
+would contradict)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def test_an_isolated_candidate_that_crashes_leaves_no_private_code_copy(projects
     """An isolated shrink candidate replays its snapshot from a private copy of its code (reprokit.code.materialize);
     one that crashes (SIGKILL: a segfault, or the --timeout's kill) never removes it. The copy must go with the
     candidate's scratch folder, not pile up in the system's temp folder."""
-    mlp, crash = projects("rk_mlp"), projects("rk_s11_review_crash")
+    mlp, crash = projects("rk_mlp"), projects("rk_crash_in_child")
     cfg = {"batch_size": 6}
     _, exc = record(mlp, cfg, mlp.batches(cfg, 3, poison_step=2), tmp_path / "repros", step=crash.train_step,
                     snapshot_every=4)
@@ -63,7 +64,7 @@ def test_a_failure_at_a_dataloaders_last_batch_writes_no_bundle_replay_would_con
     dataloader ends. A NaN gradient there fails at that step. Replay from the snapshot at step 8 runs 8 and 9 with a
     fresh Accelerator that does not step at 9: it read "not reproduced" (bit-exact, so "transient") for a failure
     that happens every time. Step 9 cannot be replayed: no bundle, and the recorder says why."""
-    acc = projects("rk_s11_review_acc")
+    acc = projects("rk_accumulate_grad_nan")
     config = {"accumulate": 4}
     state = acc.build(config)
     rec = reprokit.Recorder(state, acc.train_step, build=acc.build, config=config, out_dir=tmp_path / "repros",
