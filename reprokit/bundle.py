@@ -462,12 +462,19 @@ def claimed_output(path: Path) -> Iterator[None]:
             if m and m[3] == _host() and not _alive(int(m[1]), int(m[2])):
                 claim.unlink(missing_ok=True)  # its writer died: take it over
                 continue
+            if not m and _age_s(claim) > STALE_CLAIM_S:
+                claim.unlink(missing_ok=True)  # no owner written (killed between create and write, or a full disk)
+                continue
             who = f"process {m[1]} on {m[3] or '?'}" if m else "another process"
             raise ReprokitError(f"{path} is being written by {who} (another reprokit command was given the same "
                                 f"output: {claim} says so); name another folder, or wait for it to finish. If no "
                                 f"such command runs, remove {claim}.") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(tag)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(tag)
+        except BaseException:
+            claim.unlink(missing_ok=True)  # an empty claim would block this output for good
+            raise
         break
     else:
         raise ReprokitError(f"{claim} keeps reappearing; name another output folder")
@@ -475,6 +482,17 @@ def claimed_output(path: Path) -> Iterator[None]:
         yield
     finally:
         claim.unlink(missing_ok=True)
+
+
+STALE_CLAIM_S = 10.0
+"""A claim file with no owner in it, older than this, was left by a writer killed before it wrote its name."""
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 # --- leftovers of killed writers ------------------------------------------------

@@ -513,7 +513,7 @@ def _already_bad(call: _Call, phase: str, made_here: bool, mod: torch.nn.Module)
     its output. Its forward inputs are what its backward computes with, like its weights; one holding a non-finite
     value counts only when its forward passed it on (its output was non-finite too), or when the origin check did not
     find the value made in this module's backward. In forward, a non-finite input counts unless the module, made the
-    value here, makes a non-finite value again with those inputs set to 0 (:func:`_makes_it_alone`): an attention
+    value here, makes a non-finite value again with those inputs set to 1 (:func:`_makes_it_alone`): an attention
     mask's ``-inf``, which the module turns into finite values (``exp(-inf) = 0``) in every step, healthy or not, is
     then no reason to refuse it, while a batch's inf that the module only sums into a NaN is.
     """
@@ -530,11 +530,13 @@ def _already_bad(call: _Call, phase: str, made_here: bool, mod: torch.nn.Module)
 
 def _makes_it_alone(call: _Call, mod: torch.nn.Module) -> bool:
     """Whether a copy of ``mod``, with its weights as they were at the call, still returns a non-finite value from the
-    call's inputs with their non-finite entries set to 0 (a counterfactual run, on a copy, so nothing of the replayed
-    state changes)."""
+    call's inputs with their non-finite entries set to 1 (a counterfactual run, on a copy, so nothing of the replayed
+    state changes; 1 rather than 0, so that a division by a sum makes no 0/0 of its own). It runs on the host, in the
+    recorded dtypes but without the step's autocast: a value that overflows only under autocast is not made again,
+    and the module is then refused (the safe answer: no repro rather than a wrong one)."""
     def zeroed(v: Any) -> Any:
         if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return torch.nan_to_num(v.detach(), nan=0.0, posinf=0.0, neginf=0.0)
+            return torch.nan_to_num(v.detach(), nan=1.0, posinf=1.0, neginf=1.0)  # 1, not 0: no 0/0 of our own
         return v.detach() if isinstance(v, torch.Tensor) else v
 
     try:
@@ -545,7 +547,7 @@ def _makes_it_alone(call: _Call, mod: torch.nn.Module) -> bool:
             sub._forward_pre_hooks.clear()
             sub._backward_hooks.clear()
             sub._backward_pre_hooks.clear()
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):  # a dropout in it draws from a forked generator
             out = twin(*tree_map(zeroed, call.args), **tree_map(zeroed, call.kwargs))
     except Exception:  # a module that cannot run twice or be copied: keep the refusal (the safe answer)
         return False

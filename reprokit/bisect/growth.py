@@ -78,13 +78,17 @@ class Growth:
         """Whether ``first`` (the culprit's frame: module, phase, inputs, weights) received values already out of
         range; None when it did not. ``op`` is the op's detail (its inputs' ranges), ``dtype`` the inputs' dtype."""
         limit = SQUARE_LIMITS.get(dtype) if dtype is not None else None
+        # A value at the dtype's own edge is a fill (an attention mask of finfo.min, Hugging Face's convention), not a
+        # value that grew: it is no evidence of range.
+        edge = torch.finfo(dtype).max / 2 if dtype is not None and dtype.is_floating_point else FILL_EDGE
         x = max([s["abs_max"] for s in (first.get("inputs"), (op or {}).get("inputs"))
-                 if s and s.get("abs_max") is not None], default=None)
+                 if s and s.get("abs_max") is not None and s["abs_max"] < edge], default=None)
         w = (first.get("weights") or {}).get("abs_max")
         typical = self.typical.get(first["module"]) if first["phase"] == "forward" else None
         why = []
         what = "gradient it received" if first["phase"] == "backward" else "input"
-        if x is not None and limit is not None and x > limit:
+        grew = self.grew(failing_step)
+        if x is not None and limit is not None and x > limit and (grew is not None or (typical and x > typical)):
             why.append(f"its {what} reached {x:.3g}, beyond what {_name(dtype)} can square ({limit:.3g})")
         elif x is not None and typical and x > GROWTH_FACTOR * typical:
             why.append(f"its {what} reached {x:.3g}, {x / typical:.2g} x the {typical:.3g} it received at step "
@@ -93,7 +97,6 @@ class Growth:
             why.append(f"its weights reached {w:.3g}, beyond what {_name(dtype)} can square ({limit:.3g})")
         if not why:
             return None
-        grew = self.grew(failing_step)
         return {"module": first["module"], "phase": first["phase"], "input_abs_max": x, "weights_abs_max": w,
                 "typical": typical, "typical_step": self.first_step if typical else None,
                 "dtype": _name(dtype), "limit": limit, "why": why, "grew": grew, "failing_step": failing_step,
@@ -118,6 +121,10 @@ class Growth:
         return {"parameter": name, "norm_start": start[name], "norm_before_failure": last[name],
                 "factor": ratios[name], "from_step": self.first_step, "past_step": at, "past": PAST,
                 "all_params_norm_start": total[0], "all_params_norm_before_failure": total[1]}
+
+
+FILL_EDGE = torch.finfo(torch.float32).max / 2
+"""Values at or past this are fills (``finfo.min`` masks), not computed ones, when the dtype is not known."""
 
 
 def _abs_max(obj: Any) -> float | None:

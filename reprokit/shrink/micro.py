@@ -72,10 +72,17 @@ def ambiguous(batch: Any) -> str | None:
 
 
 def stacked_index(batch: Any) -> torch.Tensor | None:
-    """The dataset index leaf when it is 2-D (``[accum, B]``): the batch is stacked micro-batches."""
-    for path, leaf in pytree.leaves(batch):
-        if path.rsplit("/", 1)[-1] in INDEX_NAMES and isinstance(leaf, torch.Tensor) and leaf.dim() == 2:
-            return leaf
+    """The dataset index leaf when it is 2-D (``[accum, B]``) and another leaf of 3 or more dimensions starts with
+    ``[accum, B]`` (``x: [accum, B, T]``): the batch is stacked micro-batches. A 2-D leaf of an index name alone is
+    no proof: nanoGPT names its token ids ``idx`` (``[B, T]``, beside ``targets: [B, T]``), an ordinary batch."""
+    found = pytree.leaves(batch)
+    for path, leaf in found:
+        if path.rsplit("/", 1)[-1] in INDEX_NAMES and isinstance(leaf, torch.Tensor) and leaf.dim() == 2 \
+                and not leaf.is_floating_point():
+            lead = tuple(leaf.shape)
+            if any(isinstance(other, torch.Tensor) and other.dim() >= 3 and tuple(other.shape[:2]) == lead
+                   for _, other in found):
+                return leaf
     return None
 
 

@@ -18,6 +18,7 @@ from rk_testing import record_mlp_nan
 
 from reprokit import bundle as B
 from reprokit.cli import main
+from reprokit.errors import ReprokitError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,4 +87,19 @@ def test_a_claim_left_by_a_dead_process_is_taken_over(recorded, tmp_path):
     claim.write_text(f"pid{dead.stdout.strip()}.0-on-{B._host()}")
     with B.claimed_output(tmp_path / "small"):
         assert claim.read_text() != f"pid{dead.stdout.strip()}.0-on-{B._host()}"
+    assert not claim.exists()
+
+
+def test_an_empty_claim_is_taken_over_once_stale_and_refused_while_fresh(tmp_path):
+    """A writer killed between creating its claim and writing its name leaves an empty claim: it blocks the output only
+    while it may still be a live writer's (a few seconds), never for good."""
+    claim = tmp_path / f".small{B.CLAIM_SUFFIX}"
+    claim.write_text("")
+    with pytest.raises(ReprokitError, match="another process"):
+        with B.claimed_output(tmp_path / "small"):
+            pass
+    old = time.time() - 2 * B.STALE_CLAIM_S
+    os.utime(claim, (old, old))
+    with B.claimed_output(tmp_path / "small"):
+        assert claim.read_text().startswith("pid")
     assert not claim.exists()

@@ -93,3 +93,19 @@ def test_select_and_concat_rows_of_per_sample_lists():
     # Two batched tensors in a tuple of length n are cut inside, not picked between.
     a, b = select_rows((torch.arange(2.0), torch.arange(2.0) + 10), 2, [1])
     assert a.tolist() == [1.0] and b.tolist() == [11.0]
+
+
+def test_a_2d_leaf_named_like_an_index_is_no_micro_batch_layout_without_a_stacked_sibling():
+    """nanoGPT names its token ids ``idx``: ``{"idx": [B, T], "targets": [B, T]}`` is an ordinary batch of B rows (read as
+    B micro-batches of T rows, shrink cut token positions as rows and named token ids as dataset indices)."""
+    import torch
+
+    from reprokit.shrink import micro
+    from reprokit.shrink.case import rows_and_seq
+
+    ids = torch.arange(32).reshape(4, 8)
+    plain = {"idx": ids, "targets": ids.clone()}
+    assert micro.layout(plain) is None and rows_and_seq(plain) == (4, 8)
+    stacked = {"index": torch.arange(8).reshape(2, 4), "x": torch.zeros(2, 4, 8, dtype=torch.long)}
+    lay = micro.layout(stacked)
+    assert lay is not None and lay.kind == "stacked" and lay.paths == {"index", "x"}
