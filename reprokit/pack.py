@@ -27,6 +27,7 @@ computed as it is written; a mismatch removes the half-written archive.
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import hashlib
 import io
@@ -61,6 +62,13 @@ RUNTIME_ROOTS = ("__init__.py", "demo.py", "text.py", "extract_op.py", "extract_
 def runtime_files(extra_roots: tuple[str, ...] = ()) -> list[str]:
     """Files of the reprokit package that ``import reprokit`` (and the demo, and ``extra_roots``) need, relative
     to it."""
+    return list(_runtime_files(tuple(extra_roots)))
+
+
+@functools.lru_cache(maxsize=8)
+def _runtime_files(extra_roots: tuple[str, ...]) -> tuple[str, ...]:
+    """:func:`runtime_files`, once per process: it parses the package's sources, and every archive opened compares
+    its vendored runtime with this list (parsing ~40 files each time made opening an archive slow)."""
     todo, found = [*RUNTIME_ROOTS, *extra_roots], set()
     while todo:
         rel = todo.pop()
@@ -82,7 +90,8 @@ def runtime_files(extra_roots: tuple[str, ...] = ()) -> list[str]:
                 for cand in ("/".join(parts) + ".py", "/".join(parts) + "/__init__.py"):
                     if parts and (_PACKAGE / cand).is_file():
                         todo.append(cand)
-    return sorted(found)
+    return tuple(sorted(found))
+
 
 REPRO_PY = '''\
 #!/usr/bin/env python3
