@@ -1,14 +1,11 @@
-"""How long does each ``reprokit`` command take on a real GPT-2-124M failure? (issue 17, through the CLI)
+"""How long does each ``reprokit`` command take on a real GPT-2-124M failure, typed as a user would?
 
-    python bench/cli_gpt2.py --save bench/results/cli_gpt2_<device>_<commit>.json   # GPU: GPT-2 124M
+    python bench/cli_gpt2.py --save bench/results/cli_gpt2-<device>-<commit>.json   # GPU: GPT-2 124M
     python bench/cli_gpt2.py --quick --json                                        # CPU smoke run
 
-Issue 17 opened with figures taken through the public CLI on a GPT-2-124M failure (state 1.6 GB, a window of 51
-steps): the bundle took 5.3 s to write, ``inspect`` 5.3 s, one ``replay`` ~15 s (``--times 2`` 29.7 s), ``pack``
-77 s, ``verify`` of the tarball 31 s, ``--help`` 1.6-3.4 s. This takes the same figures on the same kind of run:
-a real GPT-2-124M run (bench/gpt.py, fused AdamW; a smaller GPT without a GPU) recorded by a ``Recorder`` until
-step ``--fail-at`` returns a NaN loss, then every command as a user types it, each in a fresh process, with the
-bundle's (and archive's) pages dropped from the page cache first.
+The figures a user sees through the public CLI: a real GPT-2-124M run (bench/gpt.py, fused AdamW; a smaller GPT
+without a GPU) recorded by a ``Recorder`` until step ``--fail-at`` returns a NaN loss, then every command as a user
+types it, each in a fresh process, with the bundle's (and archive's) pages dropped from the page cache first.
 
 Limits from the same run, on the same folder: the disk's sequential write and read (dd-style, fsync, pages
 dropped) and sha256 on all cores. The bundle's write is compared with the disk write (the failing step's time less

@@ -3,7 +3,7 @@
     python bench/extract_size.py                # GPT-2 124M on the CPU, batch 2 x 64 tokens
     python bench/extract_size.py --quick        # a tiny GPT (smoke run for the test suite)
     python bench/extract_size.py --json
-    python bench/extract_size.py --save bench/results/extract_size_cpu_COMMIT.json
+    python bench/extract_size.py --save bench/results/extract_size-cpu-COMMIT.json
 
 The model is bench/gpt.py's GPT-2 (same shapes, tied head, 124M parameters) with its attention
 written out as a submodule the nanoGPT way, which masks padding keys with ``-inf``. The fault is

@@ -1,6 +1,6 @@
-"""What the recorder's first window costs over bare steps, each measured in a fresh process (issue 17, item 6).
+"""What the recorder's first window costs over bare steps, each measured in a fresh process.
 
-    python bench/first_window.py --save bench/results/first_window_<device>_<commit>.json   # GPU: GPT-2 124M
+    python bench/first_window.py --save bench/results/first_window-<device>-<commit>.json   # GPU: GPT-2 124M
     python bench/first_window.py --quick --json                                           # CPU smoke run
 
 Steady-state overhead (``recorder_overhead.py``) leaves out what a recorder pays once: pinning its host buffers

@@ -1,4 +1,4 @@
-"""Bundle I/O against the hardware limits measured in the same run (issue 17).
+"""Bundle I/O against the hardware limits measured in the same run.
 
     python bench/io_bench.py                 # a GPT-2-124M-sized state (params + AdamW moments, ~1.5 GB)
     python bench/io_bench.py --size-gb 30    # a state of ~30 GB (the GPU machine's run)

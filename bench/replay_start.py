@@ -1,6 +1,6 @@
-"""How soon after the load does a replay's first step start, against a training step? (issue 17, item 2)
+"""How soon after the load does a replay's first step start, against a training step?
 
-    python bench/replay_start.py --save bench/results/replay_start_<device>_<commit>.json   # GPU: GPT-2 124M
+    python bench/replay_start.py --save bench/results/replay_start-<device>-<commit>.json   # GPU: GPT-2 124M
     python bench/replay_start.py --quick --json                                            # CPU smoke run
 
 A real GPT-2-124M run (bench/gpt.py, fused AdamW on a GPU; a smaller GPT on a CPU) is recorded until step

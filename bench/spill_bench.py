@@ -1,7 +1,7 @@
-"""A state too large to hold twice: recorded through ``spill_dir`` and replayed, with peak host memory (issue 17, item 7).
+"""A state too large to hold twice: recorded through ``spill_dir`` and replayed, with peak host memory.
 
-    python bench/spill_bench.py --size-gb 30 --save bench/results/spill_h100_<commit>.json   # the GPU machine's run
-    python bench/spill_bench.py --quick --json                                              # smoke run (CPU, ~10 MB)
+    python bench/spill_bench.py --size-gb 30 --save bench/results/spill_bench-h100-<commit>.json   # the GPU machine's run
+    python bench/spill_bench.py --quick --json                                                     # smoke run (CPU, ~10 MB)
 
 A stack of square ``Linear`` layers with AdamW (fused on CUDA) whose state (parameters + both moments) is
 ``--size-gb``. Each phase runs in its own process, so its peak resident memory (``ru_maxrss``) is its own:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from reprokit import tensorfile
 
 # torch and reprokit.tensorfile (whose dtype table needs torch) are imported only by the functions that
-# write or read tensors: opening and verifying a bundle (inspect) must not pay torch's import (issue 17).
+# write or read tensors: opening and verifying a bundle (inspect) must not pay torch's import, which takes seconds.
 
 FORMAT = "reprokit-bundle"
 VERSION = 2

@@ -44,7 +44,7 @@ import click
 from reprokit._version import __version__
 from reprokit.errors import ConfigError, ReprokitError
 
-# Import rule (issue 17: `reprokit --help` and `--version` answer in <= 0.3 s): at module level this
+# Import rule (`reprokit --help` and `--version` must answer in <= 0.3 s): at module level this
 # file imports only click, the standard library and modules that do not import torch
 # (reprokit.errors, reprokit.archive for Limits). Every command imports what it needs inside its
 # function (`from reprokit.bundle import open_bundle`), so torch loads only when a command runs.

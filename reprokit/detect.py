@@ -9,7 +9,8 @@ On a CUDA device the gradient norm is queued on a side stream when the optimizer
 is about to step, and the training stream waits for it only when the optimizer
 step has been queued: the norm (a memory-bound read of every gradient, ~0.2-0.3 ms
 for GPT-2-124M on an H200) runs beside the optimizer's kernels instead of before
-them. Measured: 1.010x -> 0.999x the bare step (bench/probes/gradcheck_probe.py).
+them. Measured on GPT-2-124M (H200): the norm in line cost 1.010x the bare step, on the
+side stream 0.999x.
 """
 
 from __future__ import annotations

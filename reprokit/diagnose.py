@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     import torch
 
 # The checks run on numpy arrays: ``inspect`` reads the batch with safetensors' numpy backend and never
-# imports torch (issue 17). Torch tensors (the recorder's batch, or a step file holding bf16) are
-# turned into arrays first (:func:`_array`).
+# imports torch (it must answer in under a second). Torch tensors (the recorder's batch, or a step file holding
+# bf16) are turned into arrays first (:func:`_array`).
 
 IGNORE_INDEX = -100
 """The ignore index of ``cross_entropy`` (and of Hugging Face labels)."""

@@ -19,7 +19,7 @@ _ENV_PREFIXES = ("CUDA_", "CUBLAS_", "CUDNN_", "TORCH_", "PYTORCH_", "NCCL_", "O
 
 def capture_env(code_root: Path | None) -> dict[str, Any]:
     import torch  # here, not at module level: reprokit.pack imports FRAMEWORKS, and opening an archive
-    # (inspect) must not import torch (issue 17)
+    # (inspect) must not import torch, which takes seconds
 
     cuda = torch.cuda.is_available()
     return {

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
 # torch is imported by the functions that make tensors (encode), not here: decoding a tree whose tensors
-# were read as numpy arrays (``reprokit inspect``) must not pay torch's import (issue 17).
+# were read as numpy arrays (``reprokit inspect``) must not pay torch's import, which takes seconds.
 
 TENSOR = "__rk_tensor__"
 NDARRAY = "__rk_ndarray__"

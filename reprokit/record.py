@@ -15,7 +15,7 @@ consumed, whatever the loader does with its buffers afterwards (refilling them t
 numpy view or ``.data``, reusing pinned memory): nothing relies on version counters.
 Copying costs a host ``memcpy`` per step (~0.05 ms per MB into a reused buffer on a CPU
 host, ``bench/memory_budget.py``); for CUDA batches one device-to-device copy at step
-start (~30 us of host time for two leaves on an H100 host, ``bench/probes/step_start_probe.py``).
+start (~30 us of host time for two leaves on an H100 host, timed inside a training loop).
 
 Memory: the snapshot, the batch buffers and the window's RNG reads stay within
 ``host_memory_budget`` (early snapshots, else a spill to disk; see :meth:`Recorder.stats`).

@@ -1,7 +1,7 @@
 """Human and JSON descriptions of a bundle (``reprokit inspect``).
 
-``inspect`` answers in well under a second whatever the state's size, without importing torch
-(issue 17): it reads the JSON files, the state files' safetensors headers (not their tensors), and
+``inspect`` answers in well under a second whatever the state's size, without importing torch:
+it reads the JSON files, the state files' safetensors headers (not their tensors), and
 the failing step's batch through safetensors' numpy backend, after hashing that file.
 """
 

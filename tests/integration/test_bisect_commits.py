@@ -116,7 +116,8 @@ def test_finds_commit_19_of_32_within_the_bound(recorded):
     assert r.first_bad_info["author"] == "Dev <dev@example.com>"
     search = [p for p in r.probes if p.role == "search"]
     assert len(search) <= math.ceil(math.log2(31)), "binary search over the 31 commits in good..bad"
-    # The bound is ceil(log2 N)+1 = 6; checking BOTH ends first costs one more (see the note).
+    # A plain binary search needs ceil(log2 N)+1 = 6 replays; checking BOTH ends first costs one more
+    # (the README's `bisect commits` section).
     assert r.replays <= math.ceil(math.log2(31)) + 2
     assert [p.role for p in r.probes[:2]] == ["bad end", "good end"]
     assert all(p.verdict == ("bad" if shas.index(p.sha) >= 18 else "good") for p in r.probes)

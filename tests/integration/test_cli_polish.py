@@ -1,4 +1,4 @@
-"""CLI polish (issue 14): progress only on a terminal, option env variables, pack's receiver line,
+"""CLI polish: progress only on a terminal, option env variables, pack's receiver line,
 precision's n/a for SDPA variants, inspect of a shrunk bundle, bisect steps/layers tables."""
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def test_code_folder_module_linked_from_outside_is_not_imported(nan_bundle, tmp_
 
 
 def test_code_folder_without_the_project_exits_125(nan_bundle, tmp_path, projects):
-    """Issue 14: an empty --code folder used to replay the installed module while saying "code from DIR"."""
+    """An empty --code folder must not replay the installed module while saying "code from DIR"."""
     projects("rk_mlp")  # the live copy is importable: it must not stand in for the checkout
     empty = tmp_path / "empty"
     empty.mkdir()

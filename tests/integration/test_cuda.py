@@ -1,7 +1,7 @@
 """CUDA paths: CUDA RNG capture, pinned async batch copies, fp16 AMP with GradScaler.
 
 CI has no GPU, so these skip there; they are run on the GPU machine
-(`python -m pytest -m cuda`) before any issue touching CUDA paths is closed.
+(`python -m pytest -m cuda`) before any change touching CUDA paths is merged.
 """
 
 from __future__ import annotations

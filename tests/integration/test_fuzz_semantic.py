@@ -209,7 +209,7 @@ def _named(*names: str) -> list[Edit]:
 @given(edits=st.lists(st.sampled_from(EDITS), min_size=1, max_size=3, unique_by=lambda e: e.name))
 @settings(max_examples=LONG_RUN or 24, deadline=None, database=None, derandomize=not LONG_RUN, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@example(edits=_named("check_loss off", "check_grads off"))  # the detect-off lie of issue 31: still reproduces
+@example(edits=_named("check_loss off", "check_grads off"))  # both checks off is no fix: still reproduces
 @example(edits=_named("empty window", "check_loss off"))
 @example(edits=_named("the NaN removed from the poisoned batch"))  # a real fix: the one edit that may say 0
 def test_semantic_lies_get_documented_answers_and_never_a_false_fixed(seed, edits):

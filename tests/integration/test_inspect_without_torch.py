@@ -1,4 +1,4 @@
-"""`reprokit inspect` answers without importing torch (issue 17: <= 1 s whatever the state size).
+"""`reprokit inspect` answers without importing torch (<= 1 s whatever the state size).
 
 Each case runs the CLI in a fresh interpreter and checks, after it printed, that neither torch nor
 safetensors' torch backend was imported: a future module-level `import torch` on inspect's path

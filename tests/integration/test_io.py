@@ -1,4 +1,4 @@
-"""Bundle I/O at disk speed (issue 17) and bounded time on crafted archives (issue 19, item 2)."""
+"""Bundle I/O at disk speed, and bounded time on crafted archives."""
 
 from __future__ import annotations
 
@@ -297,7 +297,7 @@ def test_truncated_plain_tar_is_refused(nan_bundle, tmp_path):
     assert problems and "truncated" in problems[-1]["problem"], problems
 
 
-# --- bounded time on crafted archives (issue 19, item 2) -----------------------------------
+# --- bounded time on crafted archives ---------------------------------------------------------
 
 def _block(name: bytes, typ: bytes, size: int) -> bytes:
     b = bytearray(512)

@@ -283,7 +283,7 @@ def test_planted_pickle_is_never_unpickled(nan_bundle, tmp_path):
     assert not marker.exists()
 
 
-# --- integrity: the whole stream, every file, bounded reads (issue 22) -------------------------------------
+# --- integrity: the whole stream, every file, bounded reads -------------------------------------------------
 
 def _packed(nan_bundle: Path, tmp_path: Path, *, sidecar: bool = False) -> Path:
     out = tmp_path / "ship" / "repro.tar.gz"

@@ -1,4 +1,4 @@
-"""Every optimizer, scheduler and scaler the issue lists survives record -> bundle -> replay exactly."""
+"""Every common torch optimizer, LR scheduler and GradScaler survives record -> bundle -> replay exactly."""
 
 from __future__ import annotations
 
