@@ -191,7 +191,7 @@ def main() -> None:
               "ratio_aa": max(r["variants"]["bare (A/A)"]["ratio"] for r in ranks)}
     if args.save:
         name = "cpu" if report["device"] == "cpu" else report["device"].split()[1].lower()
-        path = Path(args.save) / f"ddp_overhead_{name}x{nproc}_{report['commit']}.json"
+        path = Path(args.save) / f"ddp_overhead-{name}x{nproc}-{report['commit']}.json"
         path.write_text(json.dumps(report, indent=1))
     if args.json:
         print(json.dumps(report, indent=1))
