@@ -926,25 +926,25 @@ class Recorder:
         if missing:
             lines.append(f"reprokit: ranks {missing} wrote no window within {self.incident_wait_s:.0f} s "
                          "(incident_wait_s); the others' are in the incident folder")
-        if fail_fast.abort_interrupts(info.backend):
+        interrupts = fail_fast.abort_interrupts(info.backend)
+        if interrupts:
             why = fail_fast.abort_process_group()
             lines.append(f"reprokit: rank {info.rank} aborted its process group (on_incident=\"abort\"; "
                          "on_incident=\"wait\" keeps it waiting)" if why is None else
                          f"reprokit: rank {info.rank} could not abort its process group: {why}")
-            print("\n".join(lines), file=sys.stderr, flush=True)
-            return
         print("\n".join(lines), file=sys.stderr, flush=True)
         if not blocked:
             return  # its collective broke by itself, or it is outside a step: its next step raises PeerFailure
-        # gloo: ProcessGroup.abort() cannot interrupt a blocked call, but the failing rank's process ending does.
-        deadline = time.monotonic() + fail_fast.GLOO_UNBLOCK_S
+        deadline = time.monotonic() + fail_fast.UNBLOCK_S
         while self._in_step and self.step_index == at and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self._in_step and self.step_index == at:
+        if self._in_step and self.step_index == at:  # gloo cannot abort a blocked call; the process's end does
+            why = "its process group was aborted, yet the call has not returned" if interrupts else \
+                "gloo cannot abort a blocked call"
             fail_fast.end_process(
-                f"reprokit: rank {info.rank} is still blocked in step {at}'s collective {fail_fast.GLOO_UNBLOCK_S:.0f} s"
-                f" after every window was written; gloo cannot abort a blocked call, so it ends its process (exit 1, "
-                f"on_incident=\"abort\"; on_incident=\"wait\" keeps it waiting). Every rank's window: "
+                f"reprokit: rank {info.rank} is still blocked in step {at}'s collective {fail_fast.UNBLOCK_S:.0f} s "
+                f"after every window was written; {why}, so it ends its process (exit 1, on_incident=\"abort\"; "
+                f"on_incident=\"wait\" keeps it waiting). Every rank's window: "
                 f"`reprokit replay {shlex.quote(str(incident))}`")
 
     def _abort_with_peers(self, doc: dict[str, Any]) -> None:

@@ -28,9 +28,9 @@ ABORT_GRACE_S = 2.0
 before deciding that it is blocked: a rank whose own step fails in the same incident (a NaN all-reduced into its
 gradients) raises its own failure instead, and a loop that catches it may go on."""
 
-GLOO_UNBLOCK_S = 5.0
-"""Under gloo, how long a blocked rank waits for its collective to break by itself (the failing rank's process
-ending closes its connections) before it ends its own process."""
+UNBLOCK_S = 5.0
+"""How long a rank still blocked in its step once every window is written waits for its collective to return
+(aborted, or under gloo broken by the failing rank's process ending) before it ends its own process."""
 
 
 def check_on_incident(value: Any) -> str:
@@ -45,9 +45,11 @@ def check_on_incident(value: Any) -> str:
 
 
 def abort_interrupts(backend: str) -> bool:
-    """Whether ``ProcessGroup.abort()`` makes a call blocked in this backend return (NCCL and the other device
-    backends); gloo's does not (see the module's docstring)."""
-    return "gloo" not in backend.lower()
+    """Whether ``ProcessGroup.abort()`` can make a call blocked in this backend return: NCCL and the other device
+    backends, also in a mixed ``cpu:gloo,cuda:nccl`` group (the device collectives are NCCL's); gloo alone cannot
+    (see the module's docstring)."""
+    parts = [x.rsplit(":", 1)[-1].strip().lower() for x in backend.split(",")]
+    return any(x and x != "gloo" for x in parts)
 
 
 def abort_process_group() -> str | None:
