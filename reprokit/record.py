@@ -484,6 +484,10 @@ class Recorder:
     def _finish_step(self, batch: Any, record: _Step | None, result: StepResult) -> Any:
         """The step is over (``result``): count it, and on a failure write the bundle and raise."""
         k = self.step_index
+        # A peer failed and this rank's window is written (on_incident="abort"): an error now is its collective breaking.
+        peer_error = self._peer_doc is not None and result.exc is not None and self.on_incident == "abort"
+        if result.failure is not None and not peer_error:
+            self._failed_at = k  # before the step is over: the incident watcher reads it then (_end_after_incident)
         self.step_index += 1
         self._in_step = False
         try:
@@ -497,10 +501,8 @@ class Recorder:
         if result.failure is None:
             self._stepped_since_incident = True
             return result.value
-        if self._peer_doc is not None and result.exc is not None and self.on_incident == "abort":
-            # A peer failed and this rank's window is written: the step's error is its collective breaking.
+        if peer_error and self._peer_doc is not None:
             raise self._peer_failure(self._peer_doc) from result.exc
-        self._failed_at = k
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
         hint = failure_note(batch, self._tables)
         # What to run next: one process's bundle, or under a process group the incident folder it is in (every rank
