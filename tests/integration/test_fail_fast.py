@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import reprokit
@@ -30,7 +31,7 @@ BOUND_S = 30.0
 pytestmark = pytest.mark.slow
 
 
-def _start(out: Path, on_incident: str, exit_path: str) -> tuple[subprocess.Popen, Path]:
+def _start(out: Path, on_incident: str, exit_path: str, device: str = "cpu") -> tuple[subprocess.Popen, Path]:
     """torchrun in a session of its own (a test that stops it kills every worker, never an orphan left blocked)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{on_incident}-{exit_path}.log"
@@ -38,7 +39,7 @@ def _start(out: Path, on_incident: str, exit_path: str) -> tuple[subprocess.Pope
     with log.open("w") as sink:  # the child keeps its own descriptor
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                  "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PROJECT),
-                                 str(out), on_incident, "cpu", exit_path], env=env, cwd=out.parent, stdout=sink,
+                                 str(out), on_incident, device, exit_path], env=env, cwd=out.parent, stdout=sink,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log
 
@@ -49,9 +50,10 @@ def _error_time(log: Path) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def _run(out: Path, on_incident: str, exit_path: str, limit_s: float = 240) -> tuple[int, float, str]:
+def _run(out: Path, on_incident: str, exit_path: str, limit_s: float = 240,
+         device: str = "cpu") -> tuple[int, float, str]:
     """(exit code, seconds from rank 1's error to torchrun's exit, output)."""
-    proc, log = _start(out, on_incident, exit_path)
+    proc, log = _start(out, on_incident, exit_path, device)
     try:
         code = proc.wait(timeout=limit_s)
     finally:
@@ -128,3 +130,19 @@ def test_with_on_incident_wait_a_blocked_rank_still_waits_past_the_abort_path_s_
         assert len([b for b in _incident(out).iterdir() if reprokit.verify(b) == []]) == 2
     finally:
         _stop(proc)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2),
+                    reason="needs two CUDA devices (run on the 2-GPU machine)")
+@pytest.mark.parametrize("exit_path", ["destroy", "barrier"])
+def test_nccl_a_rank_that_raises_in_forward_ends_the_job_within_seconds(tmp_path, exit_path):
+    """NCCL: rank 0's all-reduce is aborted (ProcessGroup.abort), rank 1 aborts its own group before its error is
+    raised, so neither its destroy_process_group nor its barrier waits for the watchdog."""
+    out = tmp_path / "repros"
+    code, seconds, text = _run(out, "default", exit_path, device="cuda")
+    print(f"NCCL {exit_path}: {seconds:.1f} s from rank 1's error to torchrun's exit")
+    assert code != 0 and seconds < BOUND_S, (code, seconds, text[-4000:])
+    assert "reprokit: rank 0 aborted its process group" in text, text[-4000:]
+    for b in _incident(out).iterdir():
+        assert reprokit.verify(b) == [], b
