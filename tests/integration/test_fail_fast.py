@@ -64,7 +64,31 @@ def _run(out: Path, on_incident: str, exit_path: str, limit_s: float = 240,
     return code, ended - raised, log.read_text(errors="replace")
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc): torchrun starts its workers in sessions of their own, so killing
+    its process group alone would leave them orphaned, blocked in their collectives."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _stop(proc: subprocess.Popen) -> None:
+    workers = _descendants(proc.pid)
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
