@@ -99,5 +99,24 @@ class TrainingFailure(ReprokitError, RuntimeError):
         self.bundle = bundle
 
 
+class PeerFailure(ReprokitError, RuntimeError):
+    """Raised into this rank's training loop when another rank failed and reprokit ended this rank's part of the run
+    (``Recorder(on_incident="abort")``, the default under torch.distributed): every rank's window is in the incident
+    folder, and the collective this rank was blocked in (or its next step) could never complete.
+
+    Attributes:
+        incident: the incident folder (every rank's bundle), or ``None`` when it could not be declared.
+        failed_rank: the rank whose failure declared the incident.
+        step: the step it failed at.
+    """
+
+    def __init__(self, message: str, *, incident: Any = None, failed_rank: int | None = None,
+                 step: int | None = None):
+        super().__init__(message)
+        self.incident = incident
+        self.failed_rank = failed_rank
+        self.step = step
+
+
 class RecorderWarning(UserWarning):
     """The recorder hit a fault of its own; training goes on without it."""

@@ -52,6 +52,7 @@ from reprokit.bundle import (
     StepRecord,
     find_leftovers,
     step_name,
+    verify,
     write_bundle,
     write_probe,
 )
@@ -59,8 +60,9 @@ from reprokit.code import importing_for_replay, ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
+from reprokit.distributed import abort as fail_fast
 from reprokit.env import capture_env, determinism_flags, split_flags
-from reprokit.errors import CaptureError, CodeLoadError, ConfigError, RecorderWarning, TrainingFailure
+from reprokit.errors import CaptureError, CodeLoadError, ConfigError, PeerFailure, RecorderWarning, TrainingFailure
 from reprokit.rng import RNGState, check_generators
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
@@ -217,6 +219,16 @@ class Recorder:
         incident_wait_s: under a process group (torchrun), how long a rank that failed waits for the other ranks
             to write their windows into the incident folder before its error is raised (see
             :mod:`reprokit.distributed`).
+        on_incident: under a process group, what a rank that did not fail itself does once every rank's window is
+            in the incident folder (or ``incident_wait_s`` has passed). ``"abort"`` (the default): its process
+            group is aborted (``ProcessGroup.abort()``), so a collective it is blocked in returns with an error,
+            and its step raises :class:`reprokit.PeerFailure` naming the incident and the rank that failed (a rank
+            that was not in a collective raises it at its next step); under gloo, whose abort cannot interrupt a
+            blocked call, a rank still blocked ends its own process with a line on stderr. A rank that failed
+            itself raises its own error as always (under NCCL its process group is aborted too when a peer
+            aborts, so that ``dist.destroy_process_group()`` in its exit path does not wait). ``"wait"``: today's
+            behaviour, a blocked rank waits for the backend's timeout (NCCL's watchdog); for a loop that catches
+            a failure on one rank and goes on. See :mod:`reprokit.distributed.abort`.
         replicated_state: under a process group, whether model and optimizer state are the same on every rank, so
             that only global rank 0 (the owner) snapshots them and the other ranks' bundles reference its state files
             by digest (each rank still records its own batches, RNG and detector state). ``"auto"`` (the default):
@@ -268,9 +280,19 @@ class Recorder:
         snapshot_sync: bool = False,
         incident_wait_s: float = 60.0,
         replicated_state: str | bool = "auto",
+        on_incident: str = "abort",
     ):
         if snapshot_every < 1:
             raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        self.on_incident = fail_fast.check_on_incident(on_incident)
+        self._peer_doc: dict[str, Any] | None = None
+        """The incident whose window this rank's watcher wrote as a peer's (this rank had not failed itself)."""
+        self._peer_step: int | None = None
+        """The step this rank was at when its watcher wrote that window."""
+        self._failed_at: int | None = None
+        """The last step at which this rank failed itself."""
+        self._aborted: dict[str, Any] | None = None
+        """The incident after which this rank's part of the run was ended (``on_incident="abort"``)."""
         importing = importing_for_replay()
         if importing:  # a CodeLoadError: replay's import passes it on as it is, without its generic advice
             raise CodeLoadError(f"a Recorder was created while replay imported {importing} for build() and the "
@@ -449,6 +471,8 @@ class Recorder:
         """Step start: copy the batch, read the RNG, snapshot when due (a framework integration that drives the step
         itself calls this, then ``_finish_step``; see :mod:`reprokit.integrations.transformers`)."""
         k = self.step_index
+        if self._aborted is not None:  # a peer failed and this rank's part of the run was ended (on_incident)
+            raise self._peer_failure(self._aborted)
         if self._in_step:  # the last step was interrupted (Ctrl-C): its partial updates are not replayable
             self._pending.clear()
             self._drop_window("interrupted", f"reprokit: step {k - 1} was interrupted; no bundle until the next "
@@ -460,6 +484,10 @@ class Recorder:
     def _finish_step(self, batch: Any, record: _Step | None, result: StepResult) -> Any:
         """The step is over (``result``): count it, and on a failure write the bundle and raise."""
         k = self.step_index
+        # A peer failed and this rank's window is written (on_incident="abort"): an error now is its collective breaking.
+        peer_error = self._peer_doc is not None and result.exc is not None and self.on_incident == "abort"
+        if result.failure is not None and not peer_error:
+            self._failed_at = k  # before the step is over: the incident watcher reads it then (_end_after_incident)
         self.step_index += 1
         self._in_step = False
         try:
@@ -473,6 +501,8 @@ class Recorder:
         if result.failure is None:
             self._stepped_since_incident = True
             return result.value
+        if peer_error and self._peer_doc is not None:
+            raise self._peer_failure(self._peer_doc) from result.exc
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
         hint = failure_note(batch, self._tables)
         # What to run next: one process's bundle, or under a process group the incident folder it is in (every rank
@@ -843,10 +873,14 @@ class Recorder:
                 failure.detail = {**failure.detail, "incident": doc}
                 path = self._incident_bundle = self._dump(failure, incident=doc["incident"])
                 board.done(self.rank.rank)
+        self._peer_doc = None  # this rank failed itself: its own error is raised
+        board.mark_outcome(self.rank.rank, "failed")
         missing = board.wait_for_all(self.incident_wait_s)
         if missing:
             self._warn("", f"reprokit: incident {doc['incident']}: ranks {missing} did not write their window within "
                            f"{self.incident_wait_s:.0f} s")
+        if self.on_incident == "abort":
+            self._abort_with_peers(doc)
         return path
 
     def _on_incident(self, doc: dict[str, Any]) -> None:
@@ -867,6 +901,102 @@ class Recorder:
                               detail={"incident": doc, "this_rank_step": step})
             self._incident_bundle = self._dump(failure, incident=doc["incident"], from_watcher=True)
             board.done(self.rank.rank)
+            self._peer_doc, self._peer_step = doc, self.step_index
+        if self.on_incident == "abort":
+            self._end_after_incident(doc, self._peer_step)
+
+    def _end_after_incident(self, doc: dict[str, Any], at: int) -> None:
+        """Watcher thread, ``on_incident="abort"``: this rank's window of a peer's incident is written (it was at
+        step ``at``). Once every rank's window is, end this rank's part of the run unless its own step failed in the
+        same incident: abort the process group, so that a collective it is blocked in returns with an error (and its
+        next step raises :class:`PeerFailure` otherwise); under gloo, end the process if it stays blocked."""
+        board, info = self._board, self.rank
+        assert board is not None and info is not None
+        missing = board.wait_for_all(self.incident_wait_s)
+        deadline = time.monotonic() + fail_fast.ABORT_GRACE_S
+        while self._in_step and self.step_index == at and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self._failed_at is not None and self._failed_at >= at:
+            return  # its own failure in this incident is what its loop sees (and may catch and go on from)
+        incident = self.out_dir / str(doc["incident"])
+        checked = self._verified(self._incident_bundle)
+        self._aborted = {**doc, "missing": missing}
+        board.mark_outcome(info.rank, "abort")
+        blocked = self._in_step and self.step_index == at
+        lines = [f"reprokit: rank {info.rank}: rank {doc.get('rank')} failed at step {doc.get('step')} "
+                 f"({doc.get('what')}); incident: {incident}", f"reprokit: rank {info.rank}'s window: {checked}"]
+        if missing:
+            lines.append(f"reprokit: ranks {missing} wrote no window within {self.incident_wait_s:.0f} s "
+                         "(incident_wait_s); the others' are in the incident folder")
+        interrupts = fail_fast.abort_interrupts(info.backend)
+        if interrupts:
+            why = fail_fast.abort_process_group()
+            lines.append(f"reprokit: rank {info.rank} aborted its process group (on_incident=\"abort\"; "
+                         "on_incident=\"wait\" keeps it waiting)" if why is None else
+                         f"reprokit: rank {info.rank} could not abort its process group: {why}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        if not blocked:
+            return  # its collective broke by itself, or it is outside a step: its next step raises PeerFailure
+        deadline = time.monotonic() + fail_fast.UNBLOCK_S
+        while self._in_step and self.step_index == at and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._in_step and self.step_index == at:  # gloo cannot abort a blocked call; the process's end does
+            why = "its process group was aborted, yet the call has not returned" if interrupts else \
+                "gloo cannot abort a blocked call"
+            fail_fast.end_process(
+                f"reprokit: rank {info.rank} is still blocked in step {at}'s collective {fail_fast.UNBLOCK_S:.0f} s "
+                f"after every window was written; {why}, so it ends its process (exit 1, on_incident=\"abort\"; "
+                f"on_incident=\"wait\" keeps it waiting). Every rank's window: "
+                f"`reprokit replay {shlex.quote(str(incident))}`")
+
+    def _abort_with_peers(self, doc: dict[str, Any]) -> None:
+        """Main thread, this rank failed itself (``on_incident="abort"``): when a peer aborts, abort this rank's
+        process group too, before its own error is raised, so that its exit path (``dist.destroy_process_group()``
+        under NCCL, a ``dist.barrier()``) does not wait for peers that are gone. Not under gloo, whose abort does not
+        interrupt a blocked call (the peers' processes ending does); not when every rank failed itself (a loop that
+        catches the failure may go on)."""
+        board, info = self._board, self.rank
+        assert board is not None and info is not None
+        if not fail_fast.abort_interrupts(info.backend):
+            return
+        others = [r for r in board.recording_ranks() if r != info.rank]
+        deadline = time.monotonic() + fail_fast.ABORT_GRACE_S + 2 * INCIDENT_GRACE_S + 1.0
+        while True:
+            outcomes = [board.outcome(r) for r in others]
+            if "abort" in outcomes or time.monotonic() >= deadline:
+                break
+            if all(o == "failed" for o in outcomes):
+                return
+            time.sleep(0.02)
+        self._aborted = {**doc, "missing": []}
+        why = fail_fast.abort_process_group()
+        print(f"reprokit: rank {info.rank} failed at step {doc.get('step')} and its peers end their part of the run: "
+              + ("its process group is aborted too, so that its exit path does not wait for them" if why is None else
+                 f"its process group could not be aborted ({why})"), file=sys.stderr, flush=True)
+
+    def _verified(self, path: Path | None) -> str:
+        """``path`` and whether its files are all there as its manifest says (sizes and headers: a window is never
+        reported complete when it is not)."""
+        if path is None:
+            return "none could be written (see the warning above)"
+        try:
+            problems = verify(path, hash_tensors=False)
+        except Exception as e:
+            return f"{path} (could not verify: {e!r})"
+        return f"{path} (verified)" if not problems else f"{path} ({len(problems)} problem(s): {problems[0]})"
+
+    def _peer_failure(self, doc: dict[str, Any]) -> PeerFailure:
+        """The error a rank that did not fail itself sees: who failed, where, and where every window is."""
+        incident = self.out_dir / str(doc["incident"])
+        aborted = self._aborted is not None and self.rank is not None and \
+            fail_fast.abort_interrupts(self.rank.backend)
+        missing = doc.get("missing") or []
+        lost = f" Ranks {missing} wrote no window in time." if missing else ""
+        how = "reprokit aborted the process group" if aborted else "reprokit ended this rank's part of the run"
+        return PeerFailure(f"{how}: rank {doc.get('rank')} failed at step {doc.get('step')} ({doc.get('what')}); "
+                           f"incident: {incident}.{lost} Replay every rank: `reprokit replay "
+                           f"{shlex.quote(str(incident))}`. (on_incident=\"wait\" keeps this rank waiting instead.)",
+                           incident=incident, failed_rank=doc.get("rank"), step=doc.get("step"))
 
     def _dump(self, failure: Failure, incident: str | None = None, from_watcher: bool = False) -> Path | None:
         """Write the window as a bundle; on any fault of ours warn and return None."""

@@ -213,6 +213,26 @@ class IncidentBoard:
                 return missing
             time.sleep(min(self.poll_s / 2, 0.05))
 
+    def mark_outcome(self, rank: int, outcome: str) -> None:
+        """Say how ``rank`` ends the current incident: ``failed`` (it raises its own failure; a loop that catches it
+        may go on) or ``abort`` (it did not fail itself and ends its part of the run; see
+        :mod:`reprokit.distributed.abort`)."""
+        try:
+            self.done_path(rank).with_suffix(".outcome").write_text(outcome)
+        except OSError:
+            pass
+
+    def outcome(self, rank: int) -> str | None:
+        """What :meth:`mark_outcome` said for ``rank`` in the current incident, or None when it has not yet."""
+        try:
+            return self.done_path(rank).with_suffix(".outcome").read_text() or None
+        except OSError:
+            return None
+
+    def recording_ranks(self) -> list[int]:
+        """The ranks that record here (attached), this one included."""
+        return [r for r in range(self.info.world_size) if r == self.info.rank or self._attached_path(r).exists()]
+
     def _attached_path(self, rank: int) -> Path:
         return self.path.with_name(f"{self.info.run_key}.rank{rank}.attached")
 

@@ -74,7 +74,7 @@ class ReprokitCallback(Callback):
     Args:
         out_dir: where bundles are written.
         **recorder_options: passed to :class:`reprokit.Recorder` (``snapshot_every``, ``check_grads``,
-            ``detect``, ``host_memory_budget``...).
+            ``detect``, ``host_memory_budget``, ``on_incident``...).
 
     Example:
         >>> trainer = pl.Trainer(callbacks=[ReprokitCallback(out_dir="repros")])   # doctest: +SKIP

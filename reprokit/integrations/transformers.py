@@ -307,7 +307,7 @@ class ReprokitCallback(TrainerCallback):
     Args:
         out_dir: where bundles are written.
         **recorder_options: any keyword of :class:`reprokit.Recorder` except ``build``/``config``
-            (``snapshot_every``, ``check_grads``, ``spike_factor``, ``host_memory_budget``...).
+            (``snapshot_every``, ``check_grads``, ``spike_factor``, ``host_memory_budget``, ``on_incident``...).
 
     A failure (an exception in an update, a non-finite loss or gradient norm, a detector) writes a
     bundle and stops training: the exception propagates out of ``trainer.train()`` with the bundle

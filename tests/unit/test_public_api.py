@@ -4,7 +4,7 @@ import reprokit
 def test_public_names_are_pinned():
     assert sorted(reprokit.__all__) == sorted([
         "Bundle", "BundleError", "BundleVersionError", "CaptureError", "CodeLoadError", "ConfigError", "DetectSettings",
-        "DidNotReproduce", "Failure", "Recorder", "RecorderWarning", "ReplayReport", "ReprokitError", "Session",
+        "DidNotReproduce", "Failure", "PeerFailure", "Recorder", "RecorderWarning", "ReplayReport", "ReprokitError", "Session",
         "StateMismatchError", "TrainState", "TrainingFailure", "__version__", "open_bundle", "replay", "verify",
     ])
     for name in reprokit.__all__:
@@ -13,7 +13,7 @@ def test_public_names_are_pinned():
 
 def test_every_error_derives_from_the_root():
     for name in ("BundleError", "BundleVersionError", "CaptureError", "CodeLoadError", "ConfigError", "DidNotReproduce",
-                 "StateMismatchError", "TrainingFailure"):
+                 "PeerFailure", "StateMismatchError", "TrainingFailure"):
         assert issubclass(getattr(reprokit, name), reprokit.ReprokitError)
 
 

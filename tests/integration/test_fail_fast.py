@@ -1,0 +1,172 @@
+"""Fail fast under torchrun (gloo, 2 CPU processes): once every rank's window of an incident is written, no rank
+waits for the backend's timeout (``Recorder(on_incident="abort")``, the default), and ``on_incident="wait"`` keeps
+the old behaviour. The project is ``tests/projects/rk_fail_fast.py``: rank 1 raises inside its forward at step 17,
+its ``finally`` destroys the process group (or first waits in a barrier, as scripts that save a final checkpoint do);
+the process group's timeout is 600 s, so only reprokit can end the job early."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import reprokit
+from reprokit.cli import main as cli
+from reprokit.distributed.incident import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = ROOT / "tests" / "projects" / "rk_fail_fast.py"
+BOUND_S = 30.0
+"""From rank 1's error to torchrun's exit, at most (the acceptance bound; it takes about 10 s here)."""
+
+pytestmark = pytest.mark.slow
+
+
+def _start(out: Path, on_incident: str, exit_path: str, device: str = "cpu") -> tuple[subprocess.Popen, Path]:
+    """torchrun in a session of its own (a test that stops it kills every worker, never an orphan left blocked)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{on_incident}-{exit_path}.log"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
+    with log.open("w") as sink:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PROJECT),
+                                 str(out), on_incident, device, exit_path], env=env, cwd=out.parent, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def _error_time(log: Path) -> float | None:
+    """The wall-clock time rank 1 raised at (the project prints it just before)."""
+    m = re.search(r"rank 1 raises at step 17 at t=([0-9.]+)", log.read_text(errors="replace"))
+    return float(m.group(1)) if m else None
+
+
+def _run(out: Path, on_incident: str, exit_path: str, limit_s: float = 240,
+         device: str = "cpu") -> tuple[int, float, str]:
+    """(exit code, seconds from rank 1's error to torchrun's exit, output)."""
+    proc, log = _start(out, on_incident, exit_path, device)
+    try:
+        code = proc.wait(timeout=limit_s)
+    finally:
+        _stop(proc)
+    ended = time.time()
+    raised = _error_time(log)
+    assert raised is not None, log.read_text()[-3000:]
+    return code, ended - raised, log.read_text(errors="replace")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc): torchrun starts its workers in sessions of their own, so killing
+    its process group alone would leave them orphaned, blocked in their collectives."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    workers = _descendants(proc.pid)
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _incident(out: Path) -> Path:
+    (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
+    return folder
+
+
+def test_a_rank_that_raises_in_forward_ends_the_whole_job_within_seconds_with_every_window_verified(tmp_path):
+    out = tmp_path / "repros"
+    code, seconds, text = _run(out, "default", "destroy")
+    assert code != 0, text[-3000:]
+    assert seconds < BOUND_S, f"{seconds:.1f} s from rank 1's error to torchrun's exit\n{text[-3000:]}"
+    folder = _incident(out)
+    bundles = sorted(folder.iterdir(), key=lambda b: b.name.rsplit("-", 1)[-1])  # by rank
+    assert [b.name.rsplit("-", 1)[-1] for b in bundles] == ["rank0of2", "rank1of2"], bundles
+    for b in bundles:
+        assert reprokit.verify(b) == [], b
+    # rank 1: its own exception, unchanged; rank 0: an error that says who failed, where, and where the windows are
+    assert "[rank1]: IndexError: index 99 is out of bounds for dimension 0 with size 16" in text, text[-3000:]
+    peer = next(x for x in text.splitlines() if x.startswith("[rank0]: reprokit.errors.PeerFailure"))
+    assert "rank 1 failed at step 17 (IndexError in rk_fail_fast.py:forward at step 17" in peer, peer
+    assert f"incident: {folder}." in peer and f"`reprokit replay {folder}`" in peer, peer
+    assert f"reprokit: rank 0's window: {bundles[0]} (verified)" in text, text[-3000:]
+    # the incident replays on two ranks and rank 1's failure reproduces
+    r = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "2", "--json"])
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1 and d["reproduced"] and d["failing_rank"] == 1, r.output
+    assert {x["rank"]: x.get("reproduced") for x in d["ranks"]}[1] is True, d["ranks"]
+
+
+def test_a_failing_rank_whose_exit_path_waits_in_a_barrier_no_longer_holds_the_job(tmp_path):
+    """Gloo cannot abort a blocked call: rank 0, still blocked after both windows are written, ends its own process;
+    rank 1's barrier then breaks, and torchrun ends."""
+    out = tmp_path / "repros"
+    code, seconds, text = _run(out, "abort", "barrier")
+    assert code != 0 and seconds < BOUND_S, (code, seconds, text[-3000:])
+    assert "reprokit: rank 0 is still blocked in step 17's collective" in text, text[-3000:]
+    assert "gloo cannot abort a blocked call, so it ends its process" in text, text[-3000:]
+    for b in _incident(out).iterdir():
+        assert reprokit.verify(b) == [], b
+
+
+def test_with_on_incident_wait_a_blocked_rank_still_waits_past_the_abort_path_s_time(tmp_path):
+    """Today's behaviour kept: both windows are written, then both ranks wait (rank 0 in its all-reduce, rank 1 in
+    its barrier) until the process group's timeout; the test stops it well past the time the abort path needs."""
+    out = tmp_path / "repros"
+    proc, log = _start(out, "wait", "barrier")
+    try:
+        deadline = time.monotonic() + 180
+        while (raised := _error_time(log)) is None and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert raised is not None, log.read_text()[-3000:]
+        while time.time() < raised + BOUND_S + 10 and proc.poll() is None:
+            time.sleep(0.5)
+        assert proc.poll() is None, f"torchrun ended by itself (exit {proc.returncode}):\n{log.read_text()[-3000:]}"
+        text = log.read_text(errors="replace")
+        assert "PeerFailure" not in text and "ends its process" not in text, text[-3000:]
+        assert len([b for b in _incident(out).iterdir() if reprokit.verify(b) == []]) == 2
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2),
+                    reason="needs two CUDA devices (run on the 2-GPU machine)")
+@pytest.mark.parametrize("exit_path", ["destroy", "barrier"])
+def test_nccl_a_rank_that_raises_in_forward_ends_the_job_within_seconds(tmp_path, exit_path):
+    """NCCL: rank 0's all-reduce is aborted (ProcessGroup.abort), rank 1 aborts its own group before its error is
+    raised, so neither its destroy_process_group nor its barrier waits for the watchdog."""
+    out = tmp_path / "repros"
+    code, seconds, text = _run(out, "default", exit_path, device="cuda")
+    print(f"NCCL {exit_path}: {seconds:.1f} s from rank 1's error to torchrun's exit")
+    assert code != 0 and seconds < BOUND_S, (code, seconds, text[-4000:])
+    assert "reprokit: rank 0 aborted its process group" in text, text[-4000:]
+    for b in _incident(out).iterdir():
+        assert reprokit.verify(b) == [], b
