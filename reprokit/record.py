@@ -460,7 +460,7 @@ class Recorder:
         graph is freed while the device finishes the step rather than after the loss read).
 
         Raises:
-            The step's own exception, unchanged (a note names the bundle).
+            Exception: the step's own exception, unchanged (a note names the bundle).
             TrainingFailure: when a detector fires; ``.bundle`` is the bundle path.
         """
         record = self._begin_step(batch)

@@ -48,7 +48,7 @@ def test_every_option_reads_reprokit_command_option_from_the_environment():
                 continue
             long = max((o for o in p.opts if o.startswith("--")), key=len)
             want = "_".join(["REPROKIT", *words, long[2:]]).upper().replace("-", "_")
-            assert p.envvar == want, f"{' '.join(words)} {long}: {p.envvar!r}, README promises {want}"
+            assert p.envvar == want, f"{' '.join(words)} {long}: {p.envvar!r}, the docs promise {want}"
             seen += 1
     assert seen > 60
 

@@ -1,4 +1,5 @@
-"""The README's exit-code table is true for every command; with --json every outcome is one JSON object."""
+"""The exit-code tables of the docs (docs/reference/exit-codes.md) are true for every command; with --json every outcome
+is one JSON object."""
 
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ from rk_testing import bundle_of, entries, record
 
 from reprokit.cli import main
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+EXIT_CODES_PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "exit-codes.md"
 COMMANDS = ["replay", "inspect", "verify", "shrink", "bisect steps", "bisect layers", "bisect precision",
             "bisect commits", "pack", "extract", "gc", "demo"]
 
 
 def documented_codes() -> dict[str, set[int]]:
-    """Command -> the exit codes the README's "Exit codes" table allows it."""
-    text = README.read_text()
-    table = text[text.index("### Exit codes"):]
-    rows = re.findall(r"^\| (\d+) \| .*? \| ([^|]+) \|$", table.split("\n\n### ")[0], flags=re.M)
+    """Command -> the exit codes the docs' "Every command" table allows it."""
+    text = EXIT_CODES_PAGE.read_text()
+    table = text[text.index("## Every command"):]
+    rows = re.findall(r"^\| (\d+) \| .*? \| ([^|]+) \|$", table.split("\n## ")[0], flags=re.M)
     assert len(rows) >= 7, rows
     allowed: dict[str, set[int]] = {c: set() for c in COMMANDS}
     for code, who in rows:
@@ -37,7 +38,7 @@ def documented_codes() -> dict[str, set[int]]:
 
 def test_cli_table_agrees_with_the_exit_code_table():
     allowed = documented_codes()
-    text = README.read_text()
+    text = EXIT_CODES_PAGE.read_text()
     rows = re.findall(r"^\| `reprokit ([a-z ]+?) [A-Z\[].*\| ([^|]*) \|$", text, flags=re.M)
     assert {c for c, _ in rows} == set(COMMANDS) and len(rows) == len(COMMANDS), rows
     for command, codes in rows:

@@ -9,7 +9,7 @@ is a real recorded bundle (rk_mlp, NaN loss at step 5, window 4..5). One to thre
 
 The property, for every input:
 
-- ``verify`` exits 0 or 1 and ``replay --json`` with a documented code (README, "Exit codes": 0, 1, 3, 125; 2 is a
+- ``verify`` exits 0 or 1 and ``replay --json`` with a documented code (docs/reference/exit-codes.md: 0, 1, 3, 125; 2 is a
   usage error, which no edit of a bundle is), printing one JSON object; never an internal error (70);
 - a bundle whose failure cannot be checked (the failing step outside the window, an empty window, a ``loss_spike``
   without ``spike_factor``, a ``predicate`` without predicates) is an invalid bundle: ``verify`` lists it (1),

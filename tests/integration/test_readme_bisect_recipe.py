@@ -1,5 +1,6 @@
-"""A newcomer's path through README's "Which commit broke it?": a training script run as ``python train.py``,
-its bundle replayed against a checkout with the README's ``--entry`` and its ``git bisect run`` line."""
+"""A newcomer's path through the docs' "Which commit broke it?" (docs/guide/bisect.md): a training script run as
+``python train.py``, its bundle replayed against a checkout with the page's ``--entry`` and its ``git bisect run``
+line."""
 
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ SCRIPT = textwrap.dedent('''
 BUGGY = SCRIPT.replace('torch.nan_to_num(batch["x"], posinf=0.0)  # FIX', 'batch["x"]')
 
 
-def _readme_bisect_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Which commit broke it?"):]
+def _docs_bisect_block() -> str:
+    text = (ROOT / "docs" / "guide" / "bisect.md").read_text()
+    section = text[text.index("## Which commit broke it?"):]
     return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
 
 
@@ -81,10 +82,10 @@ def _replay(bundle: Path, cwd: Path, env: dict, *args: str) -> subprocess.Comple
                           env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_readme_entry_fits_a_script_and_a_module_form_entry_is_named_in_the_error(project):
+def test_docs_entry_fits_a_script_and_a_module_form_entry_is_named_in_the_error(project):
     repo, _, bundle, env = project
     cwd = Path(repo.working_tree_dir)
-    entry = re.search(r"--entry (\S+)", _readme_bisect_block()).group(1)
+    entry = re.search(r"--entry (\S+)", _docs_bisect_block()).group(1)
     assert _replay(bundle, cwd, env, "--entry", entry).returncode == 1
     # The mix-up a newcomer makes: the module form for a script's functions. The error says what was passed,
     # why it does not match and the --entry to pass.
@@ -105,14 +106,14 @@ def _bisect(repo: git.Repo, shas: list[str], line: str) -> subprocess.CompletedP
         subprocess.run(["git", "bisect", "reset"], cwd=cwd, check=True, capture_output=True)
 
 
-def test_readme_git_bisect_run_line_finds_the_commit_and_stops_on_a_usage_error(project):
+def test_docs_git_bisect_run_line_finds_the_commit_and_stops_on_a_usage_error(project):
     repo, shas, bundle, _ = project
-    line = next(ln for ln in _readme_bisect_block().splitlines() if ln.startswith("git bisect run"))
+    line = next(ln for ln in _docs_bisect_block().splitlines() if ln.startswith("git bisect run"))
     line = line.replace("/abs/path/to/BUNDLE", str(bundle)).replace("reprokit replay",
                                                                     f"{sys.executable} -m reprokit replay")
     proc = _bisect(repo, shas, line)
     assert proc.returncode == 0 and f"{shas[1]} is the first bad commit" in proc.stdout, proc.stdout + proc.stderr
-    # A wrong --entry exits 2, which plain `git bisect run` reads as bad: the README's line stops instead of
+    # A wrong --entry exits 2, which plain `git bisect run` reads as bad: the docs' line stops instead of
     # naming a wrong commit.
     wrong = line.replace("build=train.py:build,step=train.py:train_step", "build=train:build,step=train:train_step")
     assert wrong != line

@@ -1,6 +1,6 @@
 """A nanoGPT-style loop: pre-LayerNorm blocks, AdamW, warmup set inside the step, ``clip_grad_norm_(1.0)``.
 
-The learning rate is set inside ``train_step`` from a step counter in ``state.extra`` (as the README asks: state
+The learning rate is set inside ``train_step`` from a step counter in ``state.extra`` (as the docs ask: state
 changes only inside the step), then the gradients are clipped to norm 1, then the optimizer steps. With
 ``config["lr"]`` far too high (1e3: AdamW moves every weight by about the LR each step, whatever the clipping) the
 weights grow by orders of magnitude within a few steps, the loss leaves its starting level at once, and the
