@@ -25,7 +25,8 @@ thread writes the batch once the copy's event has completed. A death before that
 (and a step still queued behind a snapshot being written). Snapshots are written by the same thread once their
 copies have landed; at a snapshot's commit the log and folder are fsynced (a host crash keeps what came before),
 and windows older than the committed one are deleted: at most two windows are on disk, the last complete one and
-the one being written.
+the one being written (under a process group one more complete window is kept: the ranks' windows must start at a
+snapshot every rank committed, and one rank's commit can lag another's).
 
 Faults of the log itself (a full disk, a read-only folder) warn once and turn durability off; they never raise
 into the training loop.
@@ -264,6 +265,10 @@ class FlightLog:
         self._at: dict[int, int] = {}
         """Per batch-buffer position in the window: the sequence number of the last queued record that reads it."""
         self._snap_seq = 0
+        self.keep = 1
+        """Complete windows kept on disk: 1, or 2 under a process group (the ranks' windows must start at one snapshot
+        that every rank committed, and one rank's commit can lag another's)."""
+        self._complete: list[int] = []
         self.stats = {"bytes": 0, "records": 0, "seconds": 0.0, "fsyncs": 0}
 
     # --- lifecycle ---
@@ -275,6 +280,8 @@ class FlightLog:
         Returns None (after a warning) when that cannot be done: the run goes on without durability."""
         folder = Path(out_dir) / FLIGHT_DIR / rid / f"rank{rank if rank is not None else 0}"
         log = cls(folder, warn)
+        if (owner.get("world_size") or 1) > 1:
+            log.keep = 2
         try:
             folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(folder / LOCK, os.O_CREAT | os.O_RDWR, 0o644)
@@ -520,8 +527,10 @@ class FlightLog:
         self.stats["fsyncs"] += 1
         self.stats["bytes"] += sum(f["size"] for f in files)
         self.stats["seconds"] += time.perf_counter() - t0
-        # Committed: every window before this one is no longer needed.
-        for old in [w for w in self._windows if w < step]:
+        # Committed: windows before the last ``keep`` complete ones are no longer needed.
+        self._complete.append(step)
+        keep_from = self._complete[-min(self.keep, len(self._complete))]
+        for old in [w for w in self._windows if w < keep_from]:
             shutil.rmtree(self.folder / window_dir(old), ignore_errors=True)
             self._windows.remove(old)
         _fsync_dir(self.folder)

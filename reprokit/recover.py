@@ -310,6 +310,8 @@ def _failure(log: RankLog, step: int, incident: dict[str, Any] | None = None) ->
     sig = log.signal
     during = f"during step {started}" if finished is None or finished < started else \
         f"after step {started} finished, before the next one started"
+    if finished == started and log.ended[started].get("failed"):
+        during = f"after step {started} failed in Python (the recorder's bundle of it was not finished)"
     if sig == "SIGTERM":
         message = (f"the process was terminated (SIGTERM) {during}: the scheduler or torchrun stopping the job, or "
                    "its launcher after another rank died")
@@ -448,8 +450,12 @@ def _recover_incident(out: Path, run_dir: Path, logs: list[RankLog], world: int)
         if start is None:
             return RunResult(run_dir.name, "nothing_to_recover", "nothing to recover: the ranks' flight logs hold no "
                              "snapshot step they all have a whole window from; removed the flight log")
-        name = f"incident-{_stamp(origin)}-step{int(origin.last_started or 0):08d}-{key.removeprefix('run-')[:8]}"
+        declared = _declared(out, key.removeprefix("run-"))
+        name = str(declared.get("incident") or f"incident-{_stamp(origin)}-step{int(origin.last_started or 0):08d}-"
+                                               f"{key.removeprefix('run-')[:8]}")
         doc["incident"] = name
+        if declared.get("number") is not None:
+            doc["number"] = declared["number"]
         where = out / name
     for r, b in sorted(done.items()):
         infos.append({"rank": r, "status": "already_written", "bundle": b["path"]})
@@ -482,6 +488,20 @@ def _recover_incident(out: Path, run_dir: Path, logs: list[RankLog], world: int)
     missing = sorted(set(range(world)) - {i["rank"] for i in infos if i.get("status") != "nothing_to_recover"})
     why = f"incident of {world} ranks: {doc.get('what')}" + (f" (ranks {missing} have no window)" if missing else "")
     return RunResult(run_dir.name, "recovered", why, incident=str(where), ranks=infos)
+
+
+def _declared(out: Path, run_key: str) -> dict[str, Any]:
+    """The last incident a rank of this run declared before the job died (its bundle may not have been written):
+    the recovered bundles join its folder rather than start another one."""
+    from reprokit.distributed import INCIDENTS_DIR
+
+    found = []
+    for p in (out / INCIDENTS_DIR).glob(f"{run_key}.*.json"):
+        m = re.fullmatch(re.escape(run_key) + r"\.(\d+)\.json", p.name)
+        doc = _json(p) if m else None
+        if isinstance(doc, dict) and isinstance(doc.get("incident"), str):
+            found.append((int(m[1]) if m else 0, doc))
+    return max(found, key=lambda x: x[0])[1] if found else {}
 
 
 def recovered_input(path: Path) -> tuple[Path, str | None]:

@@ -287,3 +287,78 @@ def test_durable_refuses_a_replicated_state_it_cannot_record_alone(tmp_path):
     with pytest.raises(ConfigError, match="durable=True records every rank's own state"):
         reprokit.Recorder(_tiny_state(), _tiny_step, build=_tiny_build, out_dir=tmp_path, durable=True,
                           replicated_state=True)
+
+
+DDP_SCRIPT = textwrap.dedent('''
+    """Two ranks (gloo), durable recording; rank 1 SIGKILLs itself in step 17."""
+    import os
+    import signal
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    import reprokit
+
+
+    def build(config):
+        torch.manual_seed(config["seed"])
+        model = torch.nn.Linear(4, 1)
+        if dist.is_initialized():
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+    def train_step(state, batch):
+        if dist.get_rank() == 1 and bool((batch["x"] == 999.0).any()):
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = torch.nn.functional.mse_loss(state.model(batch["x"]), batch["y"])
+        loss.backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad()
+        return loss
+
+
+    if __name__ == "__main__":
+        dist.init_process_group("gloo")
+        cfg = {"seed": 0}
+        state = build(cfg)
+        g = torch.Generator().manual_seed(10 + dist.get_rank())
+        rec = reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=sys.argv[1], snapshot_every=5,
+                                durable=True, incident_wait_s=5)
+        for step in range(30):
+            x = torch.randn(8, 4, generator=g)
+            if step == 17:
+                x[0, 0] = 999.0
+            rec.step({"x": x, "y": torch.randn(8, 1, generator=g)})
+        rec.close()
+        dist.destroy_process_group()
+''')
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_rank1_killed_in_step_17_recover_to_one_incident_folder(tmp_path):
+    from reprokit.distributed.incident import describe_incident, free_port, rank_bundles
+
+    (tmp_path / "train_ddp.py").write_text(DDP_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), "train_ddp.py", str(tmp_path / "out")],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    d = _recover(tmp_path)
+    [run] = d["runs"]
+    assert run["status"] == "recovered", run
+    folder = Path(run["incident"])
+    assert folder.parent == tmp_path / "out" and folder.name.startswith("incident-")
+    bundles = rank_bundles(folder)  # every rank once, one world size, windows starting at one step
+    assert sorted(bundles) == [0, 1]
+    one = bundles[1]
+    assert (one.failure.kind, one.failure.step, one.failure.exc_type) == ("crash", 17, None)
+    assert one.failure.detail["rank"] == 1 and one.failure.detail["world_size"] == 2
+    assert one.run["window"]["end"] == 17 and one.run["distributed"]["incident"] == folder.name
+    batch, _, _ = one.step(17)
+    assert bool((batch["x"] == 999.0).any())
+    assert all(verify(b.path) == [] for b in bundles.values())
+    assert describe_incident(folder)["failing_rank"] == 1
+    shown = _reprokit("inspect", str(folder), cwd=tmp_path)
+    assert shown.returncode == 0 and "rank 1 failed first" in shown.stdout, shown.stdout + shown.stderr
