@@ -220,7 +220,7 @@ def _faults_off(faults: Any) -> None:
         elif _fault_before.get("enabled"):
             # Enabled before (``python -X faulthandler``, pytest): its file cannot be read back; stderr is its default.
             with contextlib.suppress(Exception):
-                faulthandler.enable(file=sys.__stderr__, all_threads=True)
+                faulthandler.enable(file=sys.__stderr__ or 2, all_threads=True)
         else:
             faulthandler.disable()
 
@@ -269,7 +269,7 @@ class FlightLog:
         """Complete windows kept on disk: 1, or 2 under a process group (the ranks' windows must start at one snapshot
         that every rank committed, and one rank's commit can lag another's)."""
         self._complete: list[int] = []
-        self.stats = {"bytes": 0, "records": 0, "seconds": 0.0, "fsyncs": 0}
+        self.stats: dict[str, Any] = {"bytes": 0, "records": 0, "seconds": 0.0, "fsyncs": 0}
 
     # --- lifecycle ---
 
@@ -289,7 +289,8 @@ class FlightLog:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 os.close(fd)
-                raise OSError(f"{folder / LOCK} is locked by another live process (two Recorders with one run id)")
+                raise OSError(f"{folder / LOCK} is locked by another live process (two Recorders with one run "
+                              "id)") from None
             log._lock_fd = fd
             _atomic_json(folder / OWNER, {**owner, "pid": os.getpid(), "host": socket.gethostname(),
                                           "started": time.time(), "run_id": rid})
@@ -491,7 +492,7 @@ class FlightLog:
 
         t0 = time.perf_counter()
         folder = self.folder / window_dir(step)
-        files = []
+        files: list[dict[str, Any]] = []
         if isinstance(tensors, list):  # spilled to disk already: link the files in (no second copy)
             for i, part in enumerate(tensors):
                 assert isinstance(part, WrittenFile)

@@ -93,7 +93,7 @@ class RecoverReport:
     @property
     def written(self) -> list[str]:
         """The bundles (or incident folders) this call wrote."""
-        return [r.incident or r.bundle for r in self.runs if r.status == "recovered" and (r.incident or r.bundle)]
+        return [str(r.incident or r.bundle) for r in self.runs if r.status == "recovered" and (r.incident or r.bundle)]
 
     @property
     def exit_code(self) -> int:
@@ -103,7 +103,8 @@ class RecoverReport:
         if self.written:
             return None
         if not self.runs:
-            return f"{self.out_dir / FLIGHT_DIR} holds no flight log: every durable run into it ended normally (which removes its log) or was recovered already"
+            return (f"{self.out_dir / FLIGHT_DIR} holds no flight log: every durable run into it ended normally (which "
+                    "removes its log) or was recovered already")
         return "; ".join(f"{r.run}: {r.why}" for r in self.runs)
 
     def to_json(self) -> dict[str, Any]:
@@ -446,10 +447,11 @@ def _recover_incident(out: Path, run_dir: Path, logs: list[RankLog], world: int)
             why = "; ".join(f"rank {x.rank}: {c}" for x, c in zip(need, chains) if isinstance(c, str))
             return RunResult(run_dir.name, "nothing_to_recover", f"nothing to recover: {why}; removed the flight log")
         starts = sorted({s for x in need for s in x.snaps}, reverse=True)
-        start = next((s for s in starts if all(not isinstance(_chain(x, s), str) for x in need)), None)
-        if start is None:
+        common = next((s for s in starts if all(not isinstance(_chain(x, s), str) for x in need)), None)
+        if common is None:
             return RunResult(run_dir.name, "nothing_to_recover", "nothing to recover: the ranks' flight logs hold no "
                              "snapshot step they all have a whole window from; removed the flight log")
+        start = common
         declared = _declared(out, key.removeprefix("run-"))
         name = str(declared.get("incident") or f"incident-{_stamp(origin)}-step{int(origin.last_started or 0):08d}-"
                                                f"{key.removeprefix('run-')[:8]}")
