@@ -175,7 +175,8 @@ def main() -> None:
     # Steady state is what a long run sees: every recorder fills one whole window (pinned batch
     # slots) and takes a snapshot with optimizer state; that one-time allocation is reported apart.
     run_block("bare", 3)
-    variants = ["bare", "recorder", "recorder+durable", "recorder+checks", "recorder-no-grad-check", "recorder-no-snapshot", "detection-only",
+    variants = ["bare", "recorder", "recorder+durable", "recorder+checks", "recorder-no-grad-check",
+                "recorder-no-snapshot", "detection-only",
                 "experiment:fused-finite-check", "bare (A/A)"]
     if args.only:
         variants = ["bare"] + [v for v in args.only.split(",") if v in variants and v != "bare"]
