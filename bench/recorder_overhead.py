@@ -9,7 +9,9 @@ rotates every round) so drift in GPU clocks and host load hits all alike, and th
 ratio comes with a 95% interval from the per-round pairs; "bare (A/A)" is the bare
 loop measured as if it were a variant, i.e. the noise floor. Variants: bare
 loop; Recorder defaults (loss/grad checks every step, snapshot every 100 steps,
-window kept); with param checks too; without the grad check; without snapshots;
+window kept); the same with durable=True (the window also written behind to a
+flight log on local disk: disk bytes and write rate printed beside the disk's own
+write rate); with param checks too; without the grad check; without snapshots;
 detect_anomaly;
 transformers' DebugUnderflowOverflow (when importable). Every step reads the
 loss with .item(), as real loops do. Snapshot cost is compared with the copy
@@ -117,7 +119,8 @@ def main() -> None:
     def recorder(**kw):
         return reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out_dir, **kw)
 
-    recs = {"recorder": recorder(), "recorder+checks": recorder(check_params=True),
+    recs = {"recorder": recorder(), "recorder+durable": recorder(durable=True),
+            "recorder+checks": recorder(check_params=True),
             "recorder-no-grad-check": recorder(check_grads=False),
             "recorder-no-snapshot": recorder(snapshot_every=10**9), "detection-only": recorder(snapshot_every=10**9),
             "experiment:fused-finite-check": recorder(check_grads=False), "instrumented": recorder()}
@@ -172,7 +175,8 @@ def main() -> None:
     # Steady state is what a long run sees: every recorder fills one whole window (pinned batch
     # slots) and takes a snapshot with optimizer state; that one-time allocation is reported apart.
     run_block("bare", 3)
-    variants = ["bare", "recorder", "recorder+checks", "recorder-no-grad-check", "recorder-no-snapshot", "detection-only",
+    variants = ["bare", "recorder", "recorder+durable", "recorder+checks", "recorder-no-grad-check",
+                "recorder-no-snapshot", "detection-only",
                 "experiment:fused-finite-check", "bare (A/A)"]
     if args.only:
         variants = ["bare"] + [v for v in args.only.split(",") if v in variants and v != "bare"]
@@ -251,6 +255,24 @@ def main() -> None:
         snap["spill_GBps"] = state_bytes / (time.perf_counter() - t0) / 1e9
         spill.close()
     rec.detach()
+    # Durable mode: what its flight log wrote (warm-up and timed blocks), and the disk's own sequential write rate.
+    flight = recs["recorder+durable"]._flight
+    if flight is not None:
+        from io_bench import disk_write
+
+        timed_steps = len(results.get("recorder+durable", []))
+        n_durable = timed_steps + (102 if "recorder+durable" in warm else 0)
+        per_step = flight.stats["bytes"] / max(1, n_durable)
+        on_disk = sum(p.stat().st_size for p in flight.folder.rglob("*") if p.is_file())
+        probe = out_dir / "disk-probe"
+        limit = disk_write(probe, max(64 << 20, int(per_step) * 100))
+        probe.unlink(missing_ok=True)
+        mean_step = statistics.mean(results["recorder+durable"]) if timed_steps else float("nan")
+        snap["durable"] = {"bytes_written": flight.stats["bytes"], "records": flight.stats["records"],
+                           "steps": n_durable, "bytes_per_step": per_step,
+                           "writer_seconds": flight.stats["seconds"], "fsyncs": flight.stats["fsyncs"],
+                           "bytes_on_disk_now": on_disk, "disk_write_Bps": limit,
+                           "write_rate_Bps": per_step / mean_step}
     # Last, because its hooks cannot be removed.
     try:
         import transformers
@@ -284,7 +306,7 @@ def main() -> None:
     for name, r in table.items():
         ci = "[{:.3f}, {:.3f}]".format(*r["ratio_ci95"]) if "ratio_ci95" in r else ""
         print(f"{name:<26}{r['mean_ms']:>10.2f}{r['median_ms']:>11.2f}{r['ratio']:>8.3f}{ci:>24}{r['steps']:>7}")
-    if snap:
+    if "state_bytes" in snap:
         print(f"snapshot: {snap['state_bytes'] / 1e9:.2f} GB, wall {snap['wall_ms']:.1f} ms = "
               f"{snap['wall_over_limit']:.2f}x the copy limit ({snap['copy_limit_ms']:.1f} ms at "
               f"{snap['d2h_GBps']:.1f} GB/s); host blocking {snap['host_blocking_ms']:.2f} ms; pinned host "
@@ -293,6 +315,13 @@ def main() -> None:
         print(f"in training, the snapshot's last {snap['staged_bytes_in_training'] / 1e6:.0f} MB were staged on the "
               f"device (waited for the copy instead: {snap['waited_for_copy_in_training']})")
         print(f"spill-to-disk snapshot: {snap['spill_ms']:.0f} ms ({snap['spill_GBps']:.2f} GB/s)")
+    if "durable" in snap:
+        d = snap["durable"]
+        print(f"durable: {d['bytes_written'] / 1e6:.1f} MB written in {d['records']} records over {d['steps']} steps "
+              f"({d['bytes_per_step'] / 1e3:.1f} kB/step, {d['fsyncs']} snapshot commits with fsync), "
+              f"{d['bytes_on_disk_now'] / 1e6:.1f} MB on disk now (at most two windows); write rate while training "
+              f"{d['write_rate_Bps'] / 1e6:.1f} MB/s vs the disk's {d['disk_write_Bps'] / 1e6:.0f} MB/s sequential "
+              f"write; time in the log's writes {d['writer_seconds']:.2f} s in all")
     print(f"one-time warm-up (pinned allocations) for the {len(recs)} recorders: {warmup_s:.2f} s")
     print("extra time of the step that takes a snapshot (vs the median step): "
           + ", ".join(f"{x:.1f} ms" for x in snapshot_step_extra_ms))

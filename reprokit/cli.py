@@ -372,6 +372,7 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
     from reprokit.replay import foreign_code_note, format_report
     from reprokit.replay import replay as do_replay
 
+    bundle = _recovered(bundle, as_json)
     if is_incident(bundle) or nproc is not None:
         _replay_incident(bundle, times, device, code, entries, nproc, as_json, trust, kw)
 
@@ -447,6 +448,7 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
 
     if rows is not None and not show_batch:
         raise click.UsageError("--rows needs --batch")
+    bundle = _recovered(bundle, as_json)
     if _is_incident(bundle):
         _inspect_incident(bundle, plot, show_batch, as_json)
         return
@@ -588,6 +590,7 @@ def shrink(bundle: Path, output: Path, budget: int, passes: str, pad_id: int, is
     from reprokit.bundle import open_bundle
     from reprokit.shrink import shrink as do_shrink
 
+    bundle = _recovered(bundle, as_json)
     with _progress(budget, "shrink", enabled=not as_json) as update, _open(bundle, kw) as path:
         opened = open_bundle(path)
         _confirm_entries(opened, code, entries)
@@ -878,6 +881,34 @@ def demo(out: Path | None, as_json: bool) -> None:
     result = run_demo(out, say=(lambda s: None) if as_json else _echo)
     if as_json:
         _emit(result)
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@json_opt
+def recover(out_dir: Path, as_json: bool) -> None:
+    """Turn the flight logs of durable runs that died (Recorder(durable=True)) in OUT_DIR into bundles.
+
+    A run still alive (its lock held) is left alone. Each dead run gives a bundle with failure kind
+    "crash" (the ranks of one torchrun job: one incident folder), verified before its flight log is
+    removed; running it again says there is nothing to recover. Exit 1 if a bundle could not be written.
+    """
+    from reprokit.recover import format_recover
+    from reprokit.recover import recover as do_recover
+
+    report = do_recover(out_dir)
+    _emit(report.to_json()) if as_json else _echo(format_recover(report.to_json()))
+    sys.exit(report.exit_code)
+
+
+def _recovered(bundle: Path, as_json: bool) -> Path:
+    """A flight folder (or an out_dir holding dead runs' flight logs) given where a bundle goes: recover it first."""
+    from reprokit.recover import recovered_input
+
+    path, note = recovered_input(bundle)
+    if note:
+        _echo(note, err=True)
+    return path
 
 
 @main.command()

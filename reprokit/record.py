@@ -63,6 +63,8 @@ from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank
 from reprokit.distributed import abort as fail_fast
 from reprokit.env import capture_env, determinism_flags, split_flags
 from reprokit.errors import CaptureError, CodeLoadError, ConfigError, PeerFailure, RecorderWarning, TrainingFailure
+from reprokit.flight import FlightLog
+from reprokit.flight import run_id as flight_run_id
 from reprokit.rng import RNGState, check_generators
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
@@ -118,6 +120,11 @@ def _batch_bytes(batch: Any) -> tuple[int, int]:
     return tensors, arrays
 
 
+
+
+def _plain(x: Any) -> float | None:
+    """A loss or norm as a JSON number (a tensor that is not resolved yet, or anything else: None)."""
+    return float(x) if isinstance(x, (int, float)) else None
 
 
 def _lr_and_scale(state: TrainState, read_scale: float | None = None) -> tuple[float | None, float | None]:
@@ -245,6 +252,14 @@ class Recorder:
             snapshot is retaken one step later (see :meth:`SnapshotEngine.check`). Turn this on
             when the loop writes parameters in ways version counters do not see
             (``p.data.copy_(...)``, custom kernels).
+        durable: also write the window behind to disk, under ``out_dir/.reprokit-flight/<run id>/rank<k>/``, so that
+            a process that dies without a Python frame to catch anything (the OOM killer's SIGKILL, a segfault in an
+            extension, an abort, a preempted node) leaves it: ``reprokit recover OUT_DIR`` turns it into a bundle
+            (see :mod:`reprokit.flight`). Each step's batch and RNG state reach the log before the step runs (a CUDA
+            batch: once its asynchronous copy has landed, on a writer thread); snapshots are written by that thread
+            and fsynced; at most two windows are on disk. :meth:`close` (or the end of ``with Recorder(...)``, or
+            the interpreter's normal exit outside a step) removes the run's flight folder. Under a process group
+            every rank snapshots its own state (``replicated_state`` resolves to False).
 
     Raises:
         CaptureError: at attach time, naming what cannot be recorded (a lambda as
@@ -281,6 +296,7 @@ class Recorder:
         incident_wait_s: float = 60.0,
         replicated_state: str | bool = "auto",
         on_incident: str = "abort",
+        durable: bool = False,
     ):
         if snapshot_every < 1:
             raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
@@ -325,12 +341,27 @@ class Recorder:
         self._history: deque[tuple[int, float | None, float | None, float | None, float | None]] = deque(
             maxlen=loss_history)
         self._board: IncidentBoard | None = None
+        self._flight: FlightLog | None = None
+        self._flight_later: tuple[int, int, _Step] | None = None
+        """(step, position, record) of a step whose CUDA batch the flight log writes once its copy has landed."""
+        self.durable = bool(durable)
+        if self.durable and replicated_state is True:
+            raise ConfigError("durable=True records every rank's own state (a flight log must replay alone after its "
+                              "process died); pass replicated_state=\"auto\" or False with it")
+        if self.durable:
+            replicated_state = False
         self.monitor = Monitor(state, self.settings, detect)  # from here on, hooks are on the user's optimizer
         try:
             self._set_up(state, detect, spill_dir, snapshot_sync, incident_wait_s, replicated_state)
         except BaseException:
             self._refused()  # a refused Recorder leaves nothing on the user's optimizer (or watching the out_dir)
             raise
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _set_up(self, state: TrainState, detect: Sequence[Predicate], spill_dir: str | Path | None,
                 snapshot_sync: bool, incident_wait_s: float, replicated_state: str | bool) -> None:
@@ -405,12 +436,36 @@ class Recorder:
             self._warn("warm", f"reprokit: could not warm up the step checks ({e!r}); the first step will")
         if self._board is not None:
             self._board.watch(self._on_incident)
+        if self.durable:
+            self._start_flight()
+
+    def _start_flight(self) -> None:
+        """Open the flight log (``durable=True``): what a bundle needs that does not change is written now."""
+        code = [] if self._root is None else [(relative(p, self._root), p)
+                                              for p in snapshot_files(self._root, self._scripts)]
+        run = self._run_base()
+        owner = {"rank": None, "world_size": None, "out_dir": str(self.out_dir.absolute())}
+        if self.rank is not None:
+            run["distributed"] = {**self.rank.to_json(), "incident": None}
+            owner.update(self.rank.to_json(), run_key=self.rank.run_key)
+        try:
+            env = capture_env(self._root)
+        except Exception as e:
+            self._warn("", f"reprokit: durable recording is off: cannot read the environment ({e!r})")
+            return
+        self._flight = FlightLog.start(self.out_dir, flight_run_id(self.rank.run_key if self.rank else None),
+                                       self.rank.rank if self.rank else None, owner, run, env, code,
+                                       lambda message: self._warn("flight", message))
+        if self._flight is not None:
+            self._flight.in_step = lambda: self._in_step
 
     def _refused(self) -> None:
         """Undo what a constructor that raised had attached: the monitor's and the snapshot engine's optimizer hooks,
         the incident watcher. Errors here must not hide the refusal itself."""
         engine = getattr(self, "_engine", None)
-        for undo in (getattr(self._board, "close", None), self.monitor.close, getattr(engine, "close", None)):
+        flight = getattr(self, "_flight", None)
+        for undo in (getattr(self._board, "close", None), self.monitor.close, getattr(engine, "close", None),
+                     getattr(flight, "close", None)):
             if undo is not None:
                 with contextlib.suppress(Exception):
                     undo()
@@ -475,6 +530,7 @@ class Recorder:
             raise self._peer_failure(self._aborted)
         if self._in_step:  # the last step was interrupted (Ctrl-C): its partial updates are not replayable
             self._pending.clear()
+            self._flight_later = None
             self._drop_window("interrupted", f"reprokit: step {k - 1} was interrupted; no bundle until the next "
                                              f"snapshot (step {self._next_snapshot(k)}).")
         self._in_step = True
@@ -497,6 +553,9 @@ class Recorder:
             self._warn("check", f"reprokit: cannot check the snapshot copy ({e!r}); no bundle until the next snapshot")
         if record is not None:
             record.loss, record.grad_norm = result.loss, result.grad_norm
+        if self._flight is not None and record is not None:
+            self._flight.record(b"end ", {"step": k, "loss": _plain(result.loss), "grad_norm": _plain(result.grad_norm),
+                                          "failed": result.failure is not None})
         self._history.append((k, result.loss, result.grad_norm, *_lr_and_scale(self.state, self.monitor.last_scale)))
         if result.failure is None:
             self._stepped_since_incident = True
@@ -583,7 +642,10 @@ class Recorder:
                     return None
                 due, position = True, 0
             self._slot, self._leaf = position, 0
+            if self._flight is not None:
+                self._flight.reserve(position)  # the record one window ago that reads these buffers is written
             tree, tensors = self._encode_batch(batch)
+            later = bool(self._to_stage)
             if self._to_stage:
                 self._stage()
             rec = _Step(k, tree, tensors, rng, other)
@@ -591,6 +653,12 @@ class Recorder:
                 self._current_other = rec.other_bytes  # this step's own bytes count against the snapshot's room
                 self._take_snapshot(k)
             self._ring.append(rec)
+            if self._flight is not None and self._window_ok:
+                if later:  # a CUDA batch: on the host once the step's copies land (see _after_step)
+                    self._flight.record(b"begn", {"step": k})
+                    self._flight_later = (k, position, rec)
+                else:
+                    self._flight.step(k, tree, tensors, rng)
             self._ring_other += rec.other_bytes
             self._note_peak()
             return rec
@@ -682,6 +750,11 @@ class Recorder:
                         for stage, slot in copies:
                             slot.copy_(stage, non_blocking=True)
                     self._landed[device].record(stream)
+                later, self._flight_later = self._flight_later, None
+                if later is not None and self._flight is not None:
+                    k, position, rec = later
+                    self._flight.step_later(k, position, rec.batch, rec.tensors, rec.rng,
+                                            [self._landed[d] for d in by_device])
             except Exception as e:
                 self._drop_window("capture", f"reprokit: cannot copy step {self.step_index}'s batch ({e}); no bundle "
                                              "can be written until the next snapshot. Training continues.")
@@ -797,6 +870,8 @@ class Recorder:
 
     def _drop_window(self, key: str, message: str) -> None:
         """The window cannot be replayed any more: forget it until the next snapshot, and say so (once per key)."""
+        if self._flight is not None and self._window_ok:
+            self._flight.record(b"drop", {"step": self.step_index, "why": key})
         self._window_ok = False
         self._ring.clear()
         self._ring_other = 0
@@ -821,9 +896,14 @@ class Recorder:
             self._window_ok = True
             self._note_peak()
             return
+        if self._flight is not None:
+            self._flight.settle()  # the engine is about to reuse the host buffers the last snapshot's record reads
         tree, tensors = self._engine.take(extra)
         self._snapshot = _Snapshot(k, tree, tensors)
         self._window_ok = True
+        if self._flight is not None:
+            cuda = any(t.is_cuda for t in self.state.model.parameters())
+            self._flight.new_window(k, tree, tensors, self._engine.copies_landed if cuda else None)
         if self._engine.spilled_for_memory:
             self._warn("spill", f"reprokit: {self._engine.spilled_for_memory}.")
         self._note_peak()
@@ -1031,6 +1111,9 @@ class Recorder:
                                "Training's own error is raised as usual.")
             return None
         self.bundles.append(path)
+        if self._flight is not None:
+            self._flight.record(b"bndl", {"step": failure.step, "path": str(path.absolute()), "incident": incident,
+                                          "kind": failure.kind})
         return path
 
     def _devices(self) -> Iterator[torch.device]:
@@ -1104,6 +1187,16 @@ class Recorder:
 
     def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None) -> dict[str, Any]:
         ring = self._ring if ring is None else ring
+        return {
+            **self._run_base(),
+            "window": {"start": snap.step, "end": ring[-1].step if ring else failure.step,
+                       "steps": [r.step for r in ring]},
+            "history": [{"step": s, "loss": loss, "grad_norm": g, "lr": lr, "loss_scale": scale}
+                        for s, loss, g, lr, scale in self._history],
+        }
+
+    def _run_base(self) -> dict[str, Any]:
+        """``run.json`` without the window and the history (what a flight log writes once, at attach)."""
         determinism, precision = split_flags(determinism_flags())
         device = next((str(p.device) for p in self.state.model.parameters()), "cpu")
         return {
@@ -1114,10 +1207,6 @@ class Recorder:
             "determinism": determinism,
             "precision": precision,
             "device": device,
-            "window": {"start": snap.step, "end": ring[-1].step if ring else failure.step,
-                       "steps": [r.step for r in ring]},
-            "history": [{"step": s, "loss": loss, "grad_norm": g, "lr": lr, "loss_scale": scale}
-                        for s, loss, g, lr, scale in self._history],
             "model": self._tables,
         }
 
@@ -1154,6 +1243,9 @@ class Recorder:
         """Detach from the optimizer, stop the incident watcher and free the window."""
         if self._board is not None:
             self._board.close()
+        if self._flight is not None:
+            self._flight.close(remove=True)  # a run that ends normally leaves nothing on disk
+            self._flight = None
         self.monitor.close()
         self._engine.close()
         self._ring.clear()

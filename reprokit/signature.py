@@ -24,9 +24,10 @@ from types import TracebackType
 from typing import Any
 
 KINDS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "scaler_collapse", "exception", "loss_spike",
-         "predicate", "peer")
+         "predicate", "peer", "crash")
 """``peer``: this rank did not fail; another rank of the same run did, and this is this rank's window (see
-:mod:`reprokit.distributed`)."""
+:mod:`reprokit.distributed`). ``crash``: the process died without a Python frame to catch it (a signal, the OOM
+killer, ``os._exit``); written by ``reprokit recover`` from a flight log (:mod:`reprokit.recover`)."""
 
 def _torch_dir() -> str:
     """torch's folder, found without importing torch (``inspect`` reads failures and never needs it)."""
@@ -85,6 +86,7 @@ class Failure:
             "loss_spike": "loss spike",
             "predicate": "user predicate fired",
             "peer": "another rank failed",
+            "crash": "the process died",
         }.get(self.kind)
         if self.kind == "exception":
             where = f" in {self.frame}" if self.frame else ""

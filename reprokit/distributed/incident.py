@@ -232,8 +232,9 @@ def describe_incident(folder: str | Path) -> dict[str, Any]:
             "step": incident.get("step"), "ranks": ranks}
 
 
-_FIRST_IN_A_STEP = ("exception", "nonfinite_loss", "loss_spike", "predicate", "nonfinite_grad", "nonfinite_param")
-"""Failure kinds in the order a step meets them: a rank's own loss goes bad before the all-reduced gradients do."""
+_FIRST_IN_A_STEP = ("crash", "exception", "nonfinite_loss", "loss_spike", "predicate", "nonfinite_grad", "nonfinite_param")
+"""Failure kinds in the order a step meets them: a rank's own loss goes bad before the all-reduced gradients do, and
+a rank whose process died comes first (its peers' errors, a connection closed in a collective, follow from it)."""
 
 
 def origin_rank(bundles: dict[int, Bundle], incident: dict[str, Any]) -> int | None:

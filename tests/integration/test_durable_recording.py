@@ -1,0 +1,364 @@
+"""Recorder(durable=True) and `reprokit recover`: real training processes that die (SIGKILL, a segfault, an abort,
+a kill from outside), real flight logs on disk, real bundles checked with `reprokit verify`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import reprokit
+from reprokit.bundle import open_bundle, verify
+from reprokit.errors import ConfigError, RecorderWarning
+from reprokit.flight import FLIGHT_DIR
+
+ROOT = Path(__file__).resolve().parents[2]
+MARKER = 12345.0
+
+SCRIPT = textwrap.dedent('''
+    """A tiny seeded run recorded with durable=True that dies in step CRASH_STEP when the marker is in the batch."""
+    import ctypes
+    import os
+    import signal
+    import sys
+    import time
+
+    import torch
+
+    import reprokit
+
+    MARKER = 12345.0
+
+
+    def build(config):
+        torch.manual_seed(config["seed"])
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+    def train_step(state, batch):
+        x = batch["x"]
+        if bool((x == MARKER).any()):
+            how = os.environ.get("DIE_HOW", "kill")
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif how == "segv":
+                ctypes.string_at(0)
+            elif how == "abort":
+                os.abort()
+        loss = torch.nn.functional.mse_loss(state.model(x), batch["y"])
+        loss.backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad()
+        return loss
+
+
+    if __name__ == "__main__":
+        out, crash_step = sys.argv[1], int(sys.argv[2])
+        steps = int(os.environ.get("STEPS", "60"))
+        pause = float(os.environ.get("PAUSE", "0"))
+        cfg = {"seed": 0}
+        state = build(cfg)
+        g = torch.Generator().manual_seed(1)
+        rec = reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out, snapshot_every=10,
+                                durable=True)
+        most = 0
+        for step in range(steps):
+            x = torch.randn(16, 4, generator=g)
+            if step == crash_step:
+                x[3, 2] = MARKER
+            rec.step({"x": x, "y": torch.randn(16, 1, generator=g)})
+            most = max(most, len(rec._flight.windows_on_disk()))
+            if step == 2 and os.environ.get("READY"):
+                open(os.environ["READY"], "w").close()
+            time.sleep(pause)
+        flight = rec._flight.folder
+        rec.close()
+        print(f"windows at most {most}; after close {flight.exists()}")
+''')
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", **extra}
+    return env
+
+
+def _train(tmp_path: Path, crash_step: int, **extra: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    return subprocess.run([sys.executable, str(script), str(tmp_path / "out"), str(crash_step)], cwd=tmp_path,
+                          env=_env(**extra), capture_output=True, text=True, timeout=300)
+
+
+def _reprokit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "reprokit", *args], cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def _recover(tmp_path: Path) -> dict:
+    r = _reprokit("recover", str(tmp_path / "out"), "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_a_run_that_sigkills_itself_in_step_37_recovers_to_a_bundle_ending_at_step_37(tmp_path):
+    proc = _train(tmp_path, 37, DIE_HOW="kill")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert list((tmp_path / "out").glob("bundle-*")) == []  # nothing but the flight log: no Python frame caught it
+
+    d = _recover(tmp_path)
+    [run] = d["runs"]
+    assert run["status"] == "recovered", run
+    bundle = Path(run["bundle"])
+    assert verify(bundle) == []
+    b = open_bundle(bundle)
+    f = b.failure
+    assert (f.kind, f.step, f.exc_type) == ("crash", 37, None)
+    assert "no error recorded" in f.message and "SIGKILL" in f.message
+    assert f.detail["last_started"] == 37 and f.detail["last_finished"] == 36
+    assert b.run["window"] == {"start": 30, "end": 37, "steps": list(range(30, 38))}
+    batch, _, _ = b.step(37)
+    assert (batch["x"] == MARKER).nonzero().tolist() == [[3, 2]]
+    assert not (tmp_path / "out" / FLIGHT_DIR).exists()
+
+    shown = _reprokit("inspect", str(bundle), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "crash at step 37" in shown.stdout
+
+    again = _recover(tmp_path)  # idempotent: the flight log went with the first recover
+    assert again["written"] == [] and "no flight log" in again["nothing_to_recover"]
+
+
+@pytest.mark.parametrize(("how", "signame", "code"), [("segv", "SIGSEGV", -signal.SIGSEGV),
+                                                      ("abort", "SIGABRT", -signal.SIGABRT)])
+def test_a_segfault_or_an_abort_in_step_37_is_named_from_the_fault_log(tmp_path, how, signame, code):
+    proc = _train(tmp_path, 37, DIE_HOW=how)
+    assert proc.returncode == code, proc.stderr
+    [run] = _recover(tmp_path)["runs"]
+    assert run["status"] == "recovered", run
+    b = open_bundle(run["bundle"])
+    assert (b.failure.kind, b.failure.step, b.failure.exc_type) == ("crash", 37, signame)
+    assert b.failure.message == f"the process died with {signame} during step 37"
+    assert "Fatal Python error" in b.failure.detail["fault_log"]
+    assert b.failure.detail["signal"] == signame
+
+
+def test_a_durable_run_keeps_at_most_two_windows_and_leaves_nothing_after_close(tmp_path):
+    proc = _train(tmp_path, -1, STEPS="45")
+    assert proc.returncode == 0, proc.stderr
+    assert "windows at most 2; after close False" in proc.stdout
+    assert not (tmp_path / "out" / FLIGHT_DIR).exists()
+
+
+def test_a_torn_last_record_gives_the_longest_consistent_prefix_and_says_what_was_dropped(tmp_path):
+    proc = _train(tmp_path, 37, DIE_HOW="kill")
+    assert proc.returncode == -signal.SIGKILL
+    [log] = (tmp_path / "out" / FLIGHT_DIR).glob("*/rank0/win-00000030/log")
+    size = log.stat().st_size
+    with open(log, "r+b") as f:  # step 37's record is the last one: cut it in the middle
+        f.truncate(size - 3000)
+    [run] = _recover(tmp_path)["runs"]
+    assert run["status"] == "recovered", run
+    b = open_bundle(run["bundle"])
+    assert b.run["window"]["end"] == 36 and b.failure.step == 36
+    dropped = b.failure.detail["dropped"]
+    assert "cut short" in dropped and "win-00000030/log" in dropped
+    assert run["ranks"][0]["dropped"] == dropped
+    assert verify(Path(run["bundle"])) == []
+
+
+def test_a_flight_log_without_a_usable_snapshot_gives_nothing_to_recover_with_why(tmp_path):
+    proc = _train(tmp_path, 37, DIE_HOW="kill")
+    assert proc.returncode == -signal.SIGKILL
+    for state in (tmp_path / "out" / FLIGHT_DIR).glob("*/rank0/win-*/state-0.safetensors"):
+        state.unlink()
+    d = _recover(tmp_path)
+    assert d["written"] == []
+    assert d["runs"][0]["status"] == "nothing_to_recover"
+    assert "lacks state-0.safetensors" in d["runs"][0]["why"]
+    assert list((tmp_path / "out").glob("bundle-*")) == []
+
+
+def test_replay_and_inspect_given_the_out_dir_recover_first_and_say_so(tmp_path):
+    proc = _train(tmp_path, 37, DIE_HOW="kill")
+    assert proc.returncode == -signal.SIGKILL
+    shown = _reprokit("inspect", str(tmp_path / "out"), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "reprokit: recovered" in shown.stderr and "crash at step 37" in shown.stdout
+
+
+@pytest.mark.slow
+def test_kills_from_outside_at_random_moments_give_valid_bundles_or_nothing_to_recover(tmp_path):
+    rng = random.Random(20261127)
+    seen = {"recovered": 0, "nothing_to_recover": 0}
+    for i in range(20):
+        case = tmp_path / f"kill{i}"
+        case.mkdir()
+        (case / "train.py").write_text(SCRIPT)
+        ready = case / "ready"
+        proc = subprocess.Popen([sys.executable, str(case / "train.py"), str(case / "out"), "-1"], cwd=case,
+                                env=_env(STEPS="100000", PAUSE="0.002", READY=str(ready)),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # Half the kills land in the first steps (the first snapshot may not be on disk yet), half later.
+        time.sleep(rng.uniform(0.0, 0.05) if i % 2 else rng.uniform(0.05, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        d = _recover(case)
+        [run] = d["runs"]
+        assert run["status"] in seen, run
+        seen[run["status"]] += 1
+        if run["status"] == "recovered":
+            assert verify(Path(run["bundle"])) == [], run
+            b = open_bundle(run["bundle"])
+            assert b.failure.kind == "crash" and b.failure.step == b.run["window"]["end"]
+        else:
+            assert run["why"].startswith("nothing to recover: ") and len(run["why"]) > 30
+            assert list((case / "out").glob("bundle-*")) == []
+    assert seen["recovered"] >= 10, seen
+
+
+def _tiny_state():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _tiny_build(config):
+    return _tiny_state()
+
+
+def _tiny_step(state, batch):
+    loss = state.model(batch).pow(2).mean()
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    return loss
+
+
+def _train_in_process(out: Path, durable: bool) -> list[torch.Tensor]:
+    state = _tiny_state()
+    g = torch.Generator().manual_seed(3)
+    with reprokit.Recorder(state, _tiny_step, build=_tiny_build, out_dir=out, snapshot_every=4,
+                           durable=durable) as rec:
+        for _ in range(11):
+            rec.step(torch.randn(5, 3, generator=g))
+        if durable:
+            assert rec._flight is not None and len(rec._flight.windows_on_disk()) <= 2
+    return [p.detach().clone() for p in state.model.parameters()]
+
+
+def test_durable_recording_leaves_training_bit_identical_and_nothing_on_disk(tmp_path):
+    plain = _train_in_process(tmp_path / "plain", durable=False)
+    durable = _train_in_process(tmp_path / "durable", durable=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, durable))
+    assert not (tmp_path / "durable" / FLIGHT_DIR).exists()
+
+
+def test_a_flight_folder_that_cannot_be_made_warns_and_training_goes_on(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / FLIGHT_DIR).write_text("a file where the flight folder goes")
+    state = _tiny_state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = reprokit.Recorder(state, _tiny_step, build=_tiny_build, out_dir=out, snapshot_every=4, durable=True)
+        for _ in range(5):
+            rec.step(torch.randn(5, 3))
+        rec.close()
+    assert any(issubclass(w.category, RecorderWarning) and "durable recording is off" in str(w.message)
+               for w in caught)
+
+
+def test_durable_refuses_a_replicated_state_it_cannot_record_alone(tmp_path):
+    with pytest.raises(ConfigError, match="durable=True records every rank's own state"):
+        reprokit.Recorder(_tiny_state(), _tiny_step, build=_tiny_build, out_dir=tmp_path, durable=True,
+                          replicated_state=True)
+
+
+DDP_SCRIPT = textwrap.dedent('''
+    """Two ranks (gloo), durable recording; rank 1 SIGKILLs itself in step 17."""
+    import os
+    import signal
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    import reprokit
+
+
+    def build(config):
+        torch.manual_seed(config["seed"])
+        model = torch.nn.Linear(4, 1)
+        if dist.is_initialized():
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+    def train_step(state, batch):
+        if dist.get_rank() == 1 and bool((batch["x"] == 999.0).any()):
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = torch.nn.functional.mse_loss(state.model(batch["x"]), batch["y"])
+        loss.backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad()
+        return loss
+
+
+    if __name__ == "__main__":
+        dist.init_process_group("gloo")
+        cfg = {"seed": 0}
+        state = build(cfg)
+        g = torch.Generator().manual_seed(10 + dist.get_rank())
+        rec = reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=sys.argv[1], snapshot_every=5,
+                                durable=True, incident_wait_s=5)
+        for step in range(30):
+            x = torch.randn(8, 4, generator=g)
+            if step == 17:
+                x[0, 0] = 999.0
+            rec.step({"x": x, "y": torch.randn(8, 1, generator=g)})
+        rec.close()
+        dist.destroy_process_group()
+''')
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_rank1_killed_in_step_17_recover_to_one_incident_folder(tmp_path):
+    from reprokit.distributed.incident import describe_incident, free_port, rank_bundles
+
+    (tmp_path / "train_ddp.py").write_text(DDP_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), "train_ddp.py", str(tmp_path / "out")],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    d = _recover(tmp_path)
+    [run] = d["runs"]
+    assert run["status"] == "recovered", run
+    folder = Path(run["incident"])
+    assert folder.parent == tmp_path / "out" and folder.name.startswith("incident-")
+    bundles = rank_bundles(folder)  # every rank once, one world size, windows starting at one step
+    assert sorted(bundles) == [0, 1]
+    one = bundles[1]
+    assert (one.failure.kind, one.failure.step, one.failure.exc_type) == ("crash", 17, None)
+    assert one.failure.detail["rank"] == 1 and one.failure.detail["world_size"] == 2
+    assert one.run["window"]["end"] == 17 and one.run["distributed"]["incident"] == folder.name
+    batch, _, _ = one.step(17)
+    assert bool((batch["x"] == 999.0).any())
+    assert all(verify(b.path) == [] for b in bundles.values())
+    assert describe_incident(folder)["failing_rank"] == 1
+    shown = _reprokit("inspect", str(folder), cwd=tmp_path)
+    assert shown.returncode == 0 and "rank 1 failed first" in shown.stdout, shown.stdout + shown.stderr
