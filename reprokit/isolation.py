@@ -7,8 +7,8 @@ each step starts and finishes, then the run's outcome. When the child dies inste
 died in (the last one started) and how (the signal, from its exit status), and makes of that a ``crash`` failure,
 judged against the recorded one like any other (:func:`reprokit.signature.same_failure`).
 
-Importing torch costs seconds, so a child that ends an attempt alive runs the next one; a child that died is
-replaced at once, so that its successor starts up while the parent goes on (writing the next shrink candidate).
+Importing torch costs seconds, so a child that ends an attempt alive runs the next one, and a spare child starts up
+while each attempt runs, to take over at once from a child the attempt killed.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class IsolatedRunner:
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         self._env = env
         self._child: _Child | None = None
+        self._spare: _Child | None = None
         self.starts = 0
         """Children started."""
         self.deaths = 0
@@ -96,7 +97,8 @@ class IsolatedRunner:
         self.waited_seconds = 0.0
         """Of that, the time the caller waited for a child to be ready (a replacement starts while the caller works)."""
         self.keep_warm = True
-        """Start a child's replacement as soon as it dies (set False before the last attempt: none would use it)."""
+        """Keep a spare child starting up while an attempt runs, to take over at once if the attempt kills its child
+        (set False before the last attempt: none would use it)."""
 
     def __enter__(self) -> IsolatedRunner:
         return self
@@ -105,9 +107,10 @@ class IsolatedRunner:
         self.close()
 
     def close(self) -> None:
-        """Stop the child (it leaves when its input closes; killed if it does not within 5 s); remove the scratch."""
-        child, self._child = self._child, None
-        if child is not None:
+        """Stop the children (each leaves when its input closes; killed if not within 5 s); remove the scratch."""
+        children = [c for c in (self._child, self._spare) if c is not None]
+        self._child = self._spare = None
+        for child in children:
             with contextlib.suppress(OSError):
                 child.proc.stdin.close()  # type: ignore[union-attr]
             try:
@@ -143,6 +146,8 @@ class IsolatedRunner:
             child.proc.stdin.flush()
         except OSError:
             pass  # it died since it said it was ready: the events pipe says so next
+        if self.keep_warm and self._spare is None:
+            self._spare = self._spawn()  # imports torch while this attempt runs
         died: dict[str, Any] | None = None
         while True:
             event = self._next_event(child, deadline)
@@ -184,7 +189,7 @@ class IsolatedRunner:
         if self._child is None or self._child.proc.poll() is not None:
             if self._child is not None:
                 self._reap(self._child)
-            self._child = self._spawn()
+            self._child, self._spare = self._spare or self._spawn(), None
         child = self._child
         if not child.ready:
             t0 = time.perf_counter()
@@ -245,7 +250,7 @@ class IsolatedRunner:
         child.proc.kill()
         _, peak = self._reap(child, 0.0)
         self.deaths += 1
-        self._child = self._spawn() if self.keep_warm else None
+        self._child = None  # the spare takes over
         return Attempt(None, peak_rss_bytes=peak, timed_out=True)
 
     def _death(self, child: _Child, recorded: Failure, died: dict[str, Any] | None, started: list[int],
@@ -254,7 +259,7 @@ class IsolatedRunner:
 
         rc, peak = self._reap(child)  # its pipe closed: it is leaving
         self.deaths += 1
-        self._child = self._spawn() if self.keep_warm else None  # it starts up while the caller goes on
+        self._child = None  # the spare, started with the attempt, takes over
         tail = _tail(child.log)
         failure = death_failure(rc, died, started, finished, tail, child.proc.pid)
         death = {"signal": failure.detail["signal"], "returncode": rc, "step": failure.step, "where": fault_frame(tail),

@@ -605,6 +605,11 @@ def format_shrink(d: dict[str, Any]) -> str:
                                           f"replay{'' if v['replays'] == 1 else 's'}"
                                           for k, v in d["passes"].items()))
     lines.append(f"  still fails: {summary_line(d['failure'])}")
+    iso = d.get("isolation")
+    if iso:
+        lines.append(f"  isolation: each candidate in a child process; {iso['child_starts']} started "
+                     f"({iso['child_deaths']} died), {iso['startup_seconds']:.1f}s of start-up, "
+                     f"{iso['waited_seconds']:.1f}s of it waited for")
     if grew:
         lines.append(grew)
     if d.get("code"):
