@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from rk_testing import bundle_of, entries, record, with_failure
 from reprokit import bundle as B
 from reprokit.cli import main
 from reprokit.isolation import KILLED_FROM_OUTSIDE
+from reprokit.replay import format_report
 from reprokit.signature import Failure
 
 PROJECTS = Path(__file__).parent.parent / "projects"
@@ -95,10 +97,18 @@ def test_segfault_json_carries_signal_and_step(made):
     assert d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] == 2
 
 
-def test_an_abort_reproduces_as_sigabrt_on_every_run(made):
-    rc, d = replay_json(made["abort"], made["code-abort"], "--times", "2")
-    assert rc == 1 and d["verdict"] == "deterministic" and d["failed_runs"] == 2
-    assert [r["death"]["signal"] for r in d["per_run"]] == ["SIGABRT", "SIGABRT"]
+def test_an_abort_reproduces_as_sigabrt(made):
+    rc, d = replay_json(made["abort"], made["code-abort"])
+    assert rc == 1 and d["verdict"] == "deterministic"
+    assert (d["isolation"]["signal"], d["failure"]["exception_type"]) == ("SIGABRT", "SIGABRT")
+    assert d["per_run"][0]["death"]["returncode"] == -signal.SIGABRT
+
+
+@pytest.mark.slow
+def test_times_n_replays_each_run_in_a_fresh_child_after_a_death(made):
+    rc, d = replay_json(made["segv"], made["code-segv"], "--times", "2")
+    assert rc == 1 and d["verdict"] == "deterministic" and d["failed_runs"] == 2 and d["determinism_checked"]
+    assert [r["death"]["signal"] for r in d["per_run"]] == ["SIGSEGV", "SIGSEGV"]
     assert d["isolation"]["child_starts"] == 2  # a dead child is never reused
 
 
@@ -124,13 +134,11 @@ def test_a_python_level_death_reproduces_by_its_exception_class(made):
 
 
 def test_a_crash_that_replays_clean_was_killed_from_outside(made):
-    r = CliRunner().invoke(main, ["replay", str(made["unknown"]), "--code", str(made["code-clean"]),
-                                  *entries(made["unknown"])])
-    assert r.exit_code == 0, r.output
-    assert "NOT REPRODUCED" in r.output and KILLED_FROM_OUTSIDE in r.output
-    assert "peak host memory" in r.output and "recorded machine:" in r.output
-    assert "transient" not in r.output  # the kill note says what it was, not the transient-fault one
     rc, d = replay_json(made["unknown"], made["code-clean"])
+    text = format_report(d)  # what `reprokit replay` prints without --json
+    assert "NOT REPRODUCED" in text and KILLED_FROM_OUTSIDE in text
+    assert "peak host memory" in text and "recorded machine:" in text
+    assert "transient" not in text  # the kill note says what it was, not the transient-fault one
     iso = d["isolation"]
     assert rc == 0 and d["verdict"] == "not_reproduced" and iso["note"] == KILLED_FROM_OUTSIDE
     assert 10 * 2**20 < iso["peak_rss_bytes"] < 64 * 2**30
@@ -138,6 +146,7 @@ def test_a_crash_that_replays_clean_was_killed_from_outside(made):
     assert iso["signal"] is None and d["per_run"][0]["death"] is None
 
 
+@pytest.mark.slow
 def test_isolate_gives_an_ordinary_bundle_the_same_verdict(made):
     """The recorded RuntimeError bundle, replayed in process and with --isolate: same verdict, failure, losses."""
     src = made["source"]
