@@ -7,8 +7,13 @@ each step starts and finishes, then the run's outcome. When the child dies inste
 died in (the last one started) and how (the signal, from its exit status), and makes of that a ``crash`` failure,
 judged against the recorded one like any other (:func:`reprokit.signature.same_failure`).
 
-Importing torch costs seconds, so a child that ends an attempt alive runs the next one, and a spare child starts up
-while each attempt runs, to take over at once from a child the attempt killed.
+Importing torch costs seconds, and an attempt that dies would cost a fresh child each time (a shrink of a crash
+bundle kills one per interesting candidate). So the child started by ``python -m reprokit.isolation`` is a *fork
+server*, as multiprocessing's "forkserver" context is: it imports torch and reprokit, runs nothing of the user's, never
+touches a GPU, and forks one process per attempt, which it waits for and whose end (exit status, peak memory) it
+reports. The attempt's process is the one that may die; the fork server and reprokit go on. Forking is safe there
+because the server has one thread and no device context: the attempt starts as a fresh process would, less the
+imports. Should the server itself die, the next attempt starts another.
 """
 
 from __future__ import annotations
@@ -87,18 +92,16 @@ class IsolatedRunner:
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         self._env = env
         self._child: _Child | None = None
-        self._spare: _Child | None = None
         self.starts = 0
-        """Children started."""
+        """Fork servers started (one, unless one died)."""
+        self.attempts = 0
+        """Attempts run, each in a process of its own forked by the server."""
         self.deaths = 0
-        """Children that died during an attempt (or were killed for running past its limit)."""
+        """Attempts whose process died (or was killed for running past its limit)."""
         self.startup_seconds = 0.0
-        """Summed over the children: from their start until they were ready (python, torch and reprokit imported)."""
+        """Summed over the fork servers: from their start until they were ready (python, torch, reprokit imported)."""
         self.waited_seconds = 0.0
-        """Of that, the time the caller waited for a child to be ready (a replacement starts while the caller works)."""
-        self.keep_warm = True
-        """Keep a spare child starting up while an attempt runs, to take over at once if the attempt kills its child
-        (set False before the last attempt: none would use it)."""
+        """Of that, the time the caller waited for a server to be ready."""
 
     def __enter__(self) -> IsolatedRunner:
         return self
@@ -107,10 +110,9 @@ class IsolatedRunner:
         self.close()
 
     def close(self) -> None:
-        """Stop the children (each leaves when its input closes; killed if not within 5 s); remove the scratch."""
-        children = [c for c in (self._child, self._spare) if c is not None]
-        self._child = self._spare = None
-        for child in children:
+        """Stop the fork server (it leaves when its input closes; killed if not within 5 s); remove the scratch."""
+        child, self._child = self._child, None
+        if child is not None:
             with contextlib.suppress(OSError):
                 child.proc.stdin.close()  # type: ignore[union-attr]
             try:
@@ -122,8 +124,9 @@ class IsolatedRunner:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def summary(self) -> dict[str, Any]:
-        """What isolation cost: children started and died, their start-up time, and how much of it was waited for."""
-        return {"child_starts": self.starts, "child_deaths": self.deaths,
+        """What isolation cost: fork servers started and their start-up time (and how much of it was waited for),
+        attempts run and how many of them died."""
+        return {"child_starts": self.starts, "attempts": self.attempts, "child_deaths": self.deaths,
                 "startup_seconds": round(self.startup_seconds, 3), "waited_seconds": round(self.waited_seconds, 3)}
 
     def attempt(self, bundle: str | Path, *, recorded: Failure, device: str | None = None,
@@ -138,33 +141,45 @@ class IsolatedRunner:
         request = {"bundle": str(bundle), "device": device, "code": str(code) if code is not None else None}
         started: list[int] = []
         finished: dict[int, float | None] = {}
+        got: dict[str, dict[str, Any]] = {}  # the attempt's last word: result, error or died; its process's exit
         t0 = time.perf_counter()
         deadline = None if timeout is None else t0 + timeout
+        offset = child.log.stat().st_size  # this attempt's output starts here
+        self.attempts += 1
         try:
             assert child.proc.stdin is not None
             child.proc.stdin.write(json.dumps(request) + "\n")
             child.proc.stdin.flush()
         except OSError:
-            pass  # it died since it said it was ready: the events pipe says so next
-        if self.keep_warm and self._spare is None:
-            self._spare = self._spawn()  # imports torch while this attempt runs
-        died: dict[str, Any] | None = None
-        while True:
+            pass  # the server died since it said it was ready: the events pipe says so next
+        while "exit" not in got:
             event = self._next_event(child, deadline)
-            if event is None or event["event"] == "died":
-                died = event
-                break
+            if event is None:  # the server itself died (killed from outside): so did the attempt
+                return self._server_died(child, recorded, got, started, finished, time.perf_counter() - t0)
             if event["event"] == "timeout":
-                return self._killed(child, timeout)
-            if event["event"] == "started":
+                if "forked" not in got:
+                    return self._killed(child)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(got["forked"]["pid"], signal.SIGKILL)  # the server reports its exit next
+                got["timeout"], deadline = event, None
+            elif event["event"] == "started":
                 started.append(event["step"])
             elif event["event"] == "finished":
                 finished[event["step"]] = event["loss"]
-            elif event["event"] == "error":
-                raise _error_of(event)
-            elif event["event"] == "result":
-                return _attempt_of(event)
-        return self._death(child, recorded, died, started, finished, time.perf_counter() - t0)
+            else:
+                got[event["event"]] = event
+        end = got["exit"]
+        if "timeout" in got:
+            self.deaths += 1
+            return Attempt(None, peak_rss_bytes=end["peak_rss_bytes"], timed_out=True)
+        if "error" in got:
+            raise _error_of(got["error"])
+        if "result" in got:  # a process that dies after its result (a poisoned CUDA context at exit) ran the window
+            return _attempt_of(got["result"], end["peak_rss_bytes"])
+        self.deaths += 1
+        tail = _tail(child.log, offset)
+        failure = death_failure(end["returncode"], got.get("died"), started, finished, tail, got["forked"]["pid"])
+        return _died(failure, recorded, finished, time.perf_counter() - t0, end["peak_rss_bytes"])
 
     # -- children ------------------------------------------------------------------------------------------------
 
@@ -189,7 +204,7 @@ class IsolatedRunner:
         if self._child is None or self._child.proc.poll() is not None:
             if self._child is not None:
                 self._reap(self._child)
-            self._child, self._spare = self._spare or self._spawn(), None
+            self._child = self._spawn()
         child = self._child
         if not child.ready:
             t0 = time.perf_counter()
@@ -246,27 +261,37 @@ class IsolatedRunner:
         child.proc.returncode = os.waitstatus_to_exitcode(status)
         return child.proc.returncode, usage.ru_maxrss * 1024  # kB on Linux
 
-    def _killed(self, child: _Child, timeout: float | None) -> Attempt:
+    def _killed(self, child: _Child) -> Attempt:
+        """Past the time limit before the attempt's process said its pid: the server goes (the next attempt starts
+        another)."""
         child.proc.kill()
         _, peak = self._reap(child, 0.0)
         self.deaths += 1
-        self._child = None  # the spare takes over
+        self._child = None
         return Attempt(None, peak_rss_bytes=peak, timed_out=True)
 
-    def _death(self, child: _Child, recorded: Failure, died: dict[str, Any] | None, started: list[int],
-               finished: dict[int, float | None], seconds: float) -> Attempt:
-        from reprokit.replay import RunOutcome
-
+    def _server_died(self, child: _Child, recorded: Failure, got: dict[str, dict[str, Any]], started: list[int],
+                     finished: dict[int, float | None], seconds: float) -> Attempt:
         rc, peak = self._reap(child)  # its pipe closed: it is leaving
         self.deaths += 1
-        self._child = None  # the spare, started with the attempt, takes over
+        self._child = None  # the next attempt starts another
         tail = _tail(child.log)
-        failure = death_failure(rc, died, started, finished, tail, child.proc.pid)
-        death = {"signal": failure.detail["signal"], "returncode": rc, "step": failure.step, "where": fault_frame(tail),
-                 "last_started": failure.detail["last_started"], "last_finished": failure.detail["last_finished"],
-                 "peak_rss_bytes": peak, "output_tail": tail}
-        outcome = RunOutcome(failure, failure.same_as(recorded, step=True), dict(finished), seconds, death=death)
-        return Attempt(outcome, peak_rss_bytes=peak)
+        pid = got["forked"]["pid"] if "forked" in got else child.proc.pid
+        failure = death_failure(rc, got.get("died"), started, finished, tail, pid)
+        return _died(failure, recorded, finished, seconds, peak)
+
+
+def _died(failure: Failure, recorded: Failure, finished: dict[int, float | None], seconds: float,
+          peak: int | None) -> Attempt:
+    """The attempt whose process died with ``failure`` (see :func:`death_failure`)."""
+    from reprokit.replay import RunOutcome
+
+    tail = failure.detail["fault_log"]
+    death = {"signal": failure.detail["signal"], "returncode": failure.detail["returncode"], "step": failure.step,
+             "where": fault_frame(tail), "last_started": failure.detail["last_started"],
+             "last_finished": failure.detail["last_finished"], "peak_rss_bytes": peak, "output_tail": tail}
+    outcome = RunOutcome(failure, failure.same_as(recorded, step=True), dict(finished), seconds, death=death)
+    return Attempt(outcome, peak_rss_bytes=peak)
 
 
 def death_failure(returncode: int, died: dict[str, Any] | None, started: list[int], finished: dict[int, Any],
@@ -306,13 +331,13 @@ def fault_frame(output: str) -> str | None:
     return None
 
 
-def _attempt_of(event: dict[str, Any]) -> Attempt:
+def _attempt_of(event: dict[str, Any], peak: int | None) -> Attempt:
     from reprokit.replay import RunOutcome
 
     failure = Failure.from_json(event["failure"]) if event["failure"] else None
     losses = {int(k): v for k, v in event["losses"]}
     outcome = RunOutcome(failure, event["same"], losses, event["seconds"])
-    return Attempt(outcome, event["device"], event["code"], event["same_device"], event["peak_rss_bytes"])
+    return Attempt(outcome, event["device"], event["code"], event["same_device"], peak)
 
 
 def _error_of(event: dict[str, Any]) -> errors.ReprokitError:
@@ -327,9 +352,12 @@ def _error_of(event: dict[str, Any]) -> errors.ReprokitError:
     return e
 
 
-def _tail(log: Path) -> str:
+def _tail(log: Path, offset: int = 0) -> str:
+    """The last lines of ``log`` written after ``offset``."""
     try:
-        text = log.read_bytes()[-16384:].decode(errors="replace")
+        with open(log, "rb") as f:
+            f.seek(max(offset, f.seek(0, os.SEEK_END) - 16384))
+            text = f.read().decode(errors="replace")
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
@@ -352,7 +380,6 @@ def replay_isolated(bundle: Any, *, times: int = 1, device: str | None = None, c
     runs, attempts = [], []
     with IsolatedRunner() as runner:
         for i in range(times):
-            runner.keep_warm = i < times - 1
             a = runner.attempt(bundle.path, recorded=bundle.failure, device=device, code=code)
             attempts.append(a)
             runs.append(a.outcome)
@@ -396,9 +423,8 @@ def isolation_lines(iso: dict[str, Any] | None) -> list[str]:
     """The lines ``reprokit replay`` prints about isolation (none for an in-process replay)."""
     if not iso:
         return []
-    starts = iso["child_starts"]
-    line = (f"  isolation: each run in a child process ({starts} started, {iso['startup_seconds']:.1f}s of start-up, "
-            f"{iso['waited_seconds']:.1f}s waited for)")
+    line = (f"  isolation: each run in a process of its own ({iso['child_deaths']} of {iso['attempts']} died), forked by "
+            f"a server that imported torch once ({iso['startup_seconds']:.1f}s)")
     if iso.get("peak_rss_bytes"):
         line += f"; peak host memory {_size(iso['peak_rss_bytes'])}"
         mem = iso.get("recorded_memory_bytes")
@@ -423,79 +449,63 @@ def _send(fd: int, event: dict[str, Any]) -> None:
         data = data[os.write(fd, data):]
 
 
-def _reset_peak() -> None:
-    """Start this process's peak RSS afresh (Linux: writing 5 to clear_refs resets VmHWM); else keep it."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+def _attempt(fd: int, req: dict[str, Any]) -> None:
+    """Run one attempt in this (forked) process: the events of its steps, then its result or the error that stopped
+    it. A death by an uncaught ``BaseException`` (``SystemExit`` from the step) is said before the process goes."""
+    from reprokit.bundle import open_bundle
+    from reprokit.replay import Session
 
-
-def _peak_rss() -> int | None:
+    _send(fd, {"event": "forked", "pid": os.getpid()})
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import resource
-    except ImportError:
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class _Served:
-    """The child's open session: kept while requests name the same bundle, code and device."""
-
-    def __init__(self) -> None:
-        self.key: tuple[Any, ...] | None = None
-        self.session: Any = None
-        self.inputs: Any = None
-
-    def open(self, key: tuple[Any, ...]) -> Any:
-        from reprokit.bundle import open_bundle
-        from reprokit.replay import Session
-
-        if key == self.key:
-            return self.session
-        self.close()
-        path, device, code = key
-        s = Session(open_bundle(path), device=device, code=code, preload=True)
+        s = Session(open_bundle(req["bundle"]), device=req["device"], code=req["code"], preload=True)
         s.__enter__()
-        self.key, self.session, self.inputs = key, s, s.inputs()
-        return s
-
-    def close(self) -> None:
-        s, self.session, self.key, self.inputs = self.session, None, None, None
-        if s is not None:
-            s.__exit__(None, None, None)
-            s.drop_code_copy()
+    except errors.ReprokitError as e:
+        _send(fd, {"event": "error", "error": type(e).__name__, "message": str(e),
+                   "attributes": {k: getattr(e, k) for k in ("problems", "cli_message") if hasattr(e, k)}})
+        return
+    s.on_step = lambda what, step, loss: _send(fd, {"event": what, "step": step, "loss": loss})
+    try:
+        out = s.run(s.inputs())
+    except BaseException as e:  # SystemExit, KeyboardInterrupt from the step: a Python-level death
+        _send(fd, {"event": "died", "exc_type": type(e).__qualname__,
+                   "message": str(e).splitlines()[0][:500] if str(e) else ""})
+        sys.stderr.flush()
+        os._exit(70)
+    _send(fd, {"event": "result", "failure": out.failure.to_json() if out.failure else None, "same": out.same,
+               "losses": list(out.losses.items()), "seconds": out.seconds, "device": str(s.device),
+               "code": s.code_label, "same_device": s.same_device()})
+    s.__exit__(None, None, None)
+    s.drop_code_copy()
 
 
 def _serve(fd: int, requests: IO[str]) -> None:
-    served = _Served()
+    """The fork server: one forked process per request, waited for; its exit status and peak memory reported."""
     _send(fd, {"event": "ready", "pid": os.getpid()})
     for line in requests:
         req = json.loads(line)
-        try:
-            s = served.open((req["bundle"], req["device"], req["code"]))
-        except errors.ReprokitError as e:
-            _send(fd, {"event": "error", "error": type(e).__name__, "message": str(e),
-                       "attributes": {k: getattr(e, k) for k in ("problems", "cli_message") if hasattr(e, k)}})
-            continue
-        s.on_step = lambda what, step, loss: _send(fd, {"event": what, "step": step, "loss": loss})
-        _reset_peak()
-        try:
-            out = s.run(served.inputs)
-        except BaseException as e:  # SystemExit, KeyboardInterrupt from the step: a Python-level death
-            _send(fd, {"event": "died", "exc_type": type(e).__qualname__, "message": str(e).splitlines()[0][:500]
-                       if str(e) else ""})
-            sys.stderr.flush()
-            os._exit(70)
-        _send(fd, {"event": "result", "failure": out.failure.to_json() if out.failure else None, "same": out.same,
-                   "losses": list(out.losses.items()), "seconds": out.seconds, "device": str(s.device),
-                   "code": s.code_label, "same_device": s.same_device(), "peak_rss_bytes": _peak_rss()})
-    served.close()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _attempt(fd, req)
+            except BaseException as e:  # reprokit's own fault in the attempt: said as a death, never a hang
+                _send(fd, {"event": "died", "exc_type": type(e).__qualname__, "message": str(e)[:500]})
+                code = 70
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status, usage = os.wait4(pid, 0)
+        _send(fd, {"event": "exit", "returncode": os.waitstatus_to_exitcode(status),
+                   "peak_rss_bytes": usage.ru_maxrss * 1024})  # kB on Linux
+
+
+def _preload() -> None:
+    """Import what every replay imports lazily, once in the server rather than in each attempt: setting the
+    determinism flags imports torch._dynamo and torch._inductor (seconds). The server still has one thread afterwards
+    (torch 2.13 on Linux), which keeps forking safe: with more, a fork could copy a lock another thread holds."""
+    import torch._dynamo  # noqa: F401
+    import torch._inductor  # noqa: F401
 
 
 def main(argv: list[str]) -> None:
@@ -503,10 +513,10 @@ def main(argv: list[str]) -> None:
     import faulthandler
 
     fd = int(argv[0])
-    os.set_inheritable(fd, False)  # processes the step starts must not keep the parent's end-of-file away
+    os.set_inheritable(fd, False)  # programs the step runs (exec) must not keep the parent's end-of-file away
     faulthandler.enable(all_threads=True)  # a segfault's Python traceback goes to the log the parent keeps
-    import reprokit.replay  # noqa: F401 - torch and reprokit before "ready": the start-up cost is the child's own
-
+    import reprokit.replay  # noqa: F401 - torch and reprokit before "ready": the start-up cost is the server's own
+    _preload()
     _serve(fd, sys.stdin)
 
 

@@ -607,9 +607,8 @@ def format_shrink(d: dict[str, Any]) -> str:
     lines.append(f"  still fails: {summary_line(d['failure'])}")
     iso = d.get("isolation")
     if iso:
-        lines.append(f"  isolation: each candidate in a child process; {iso['child_starts']} started "
-                     f"({iso['child_deaths']} died), {iso['startup_seconds']:.1f}s of start-up, "
-                     f"{iso['waited_seconds']:.1f}s of it waited for")
+        lines.append(f"  isolation: each candidate in a process of its own ({iso['child_deaths']} of {iso['attempts']} "
+                     f"died), forked by a server that imported torch once ({iso['startup_seconds']:.1f}s)")
     if grew:
         lines.append(grew)
     if d.get("code"):

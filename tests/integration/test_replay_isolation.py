@@ -54,7 +54,7 @@ def made(tmp_path_factory):
     for name, exc_type in (("segv", "SIGSEGV"), ("abort", "SIGABRT"), ("unknown", None), ("exit", "SystemExit")):
         out[name] = with_failure(source, root / "crash", crash(exc_type), name)
     text = (source / "code" / "rk_die.py").read_text()
-    for how in ("segv", "abort", "kill", "exit", "clean"):
+    for how in ("segv", "abort", "kill", "exit", "hang", "clean"):
         folder = root / f"code-{how}"
         folder.mkdir()
         (folder / "rk_die.py").write_text(text.replace('ON_MARKER = "raise"', f'ON_MARKER = "{how}"'))
@@ -80,7 +80,7 @@ def test_a_segfault_at_the_recorded_step_reproduces_and_reprokit_exits_normally(
     assert proc.returncode == 1, proc.stdout + proc.stderr  # reprokit's own exit: not -11
     assert f"replayed: the process died with SIGSEGV at step {MARKER_STEP}" in proc.stdout
     assert "died in rk_die.py:" in proc.stdout and "in _at_marker" in proc.stdout
-    assert "isolation: each run in a child process" in proc.stdout
+    assert "isolation: each run in a process of its own (1 of 1 died)" in proc.stdout
 
 
 def test_segfault_json_carries_signal_and_step(made):
@@ -89,7 +89,7 @@ def test_segfault_json_carries_signal_and_step(made):
     assert d["failure"]["kind"] == "crash" and d["failure"]["exception_type"] == "SIGSEGV"
     assert d["failure"]["step"] == MARKER_STEP
     iso = d["isolation"]
-    assert (iso["signal"], iso["step"], iso["child_starts"], iso["child_deaths"]) == ("SIGSEGV", MARKER_STEP, 1, 1)
+    assert (iso["signal"], iso["step"], iso["attempts"], iso["child_deaths"]) == ("SIGSEGV", MARKER_STEP, 1, 1)
     death = d["per_run"][0]["death"]
     assert death["returncode"] == -11 and death["last_finished"] == MARKER_STEP - 1
     assert "Segmentation fault" in death["output_tail"]
@@ -105,11 +105,13 @@ def test_an_abort_reproduces_as_sigabrt(made):
 
 
 @pytest.mark.slow
-def test_times_n_replays_each_run_in_a_fresh_child_after_a_death(made):
+def test_times_n_replays_each_run_in_its_own_process_from_one_server(made):
     rc, d = replay_json(made["segv"], made["code-segv"], "--times", "2")
     assert rc == 1 and d["verdict"] == "deterministic" and d["failed_runs"] == 2 and d["determinism_checked"]
     assert [r["death"]["signal"] for r in d["per_run"]] == ["SIGSEGV", "SIGSEGV"]
-    assert d["isolation"]["child_starts"] == 2  # a dead child is never reused
+    assert len({r["failure"]["step"] for r in d["per_run"]}) == 1
+    iso = d["isolation"]
+    assert (iso["child_starts"], iso["attempts"], iso["child_deaths"]) == (1, 2, 2)  # torch imported once
 
 
 def test_another_signal_is_a_different_failure(made):
@@ -157,7 +159,7 @@ def test_isolate_gives_an_ordinary_bundle_the_same_verdict(made):
     for key in ("verdict", "failure", "recorded_failure", "fidelity", "device", "code"):
         assert a[key] == b[key], key
     assert [r["losses"] for r in a["per_run"]] == [r["losses"] for r in b["per_run"]]
-    assert a["isolation"] is None and b["isolation"]["child_starts"] == 1 and b["isolation"]["child_deaths"] == 0
+    assert a["isolation"] is None and (b["isolation"]["attempts"], b["isolation"]["child_deaths"]) == (1, 0)
 
 
 def test_isolate_on_a_nan_bundle_matches_in_process(projects, tmp_path):
@@ -191,7 +193,20 @@ def test_shrink_of_a_segfault_bundle_ends_at_the_marker_row(made, tmp_path):
     assert d["dataset_indices"] == [MARKER_STEP * 8 + MARKER_ROW]
     assert d["failure"]["kind"] == "crash" and d["failure"]["exception_type"] == "SIGSEGV"
     iso = d["isolation"]
-    assert iso["child_deaths"] >= 3 and iso["child_starts"] <= iso["child_deaths"] + 2  # reused until it dies
+    assert iso["child_deaths"] >= 3 and iso["child_starts"] == 1  # one server forked every candidate
     assert B.verify(out) == [] and B.open_bundle(out).failure.step == MARKER_STEP
     again = CliRunner().invoke(main, ["replay", str(out), "--json"])  # its own code: the segfaulting copy
     assert again.exit_code == 1 and json.loads(again.output)["isolation"]["signal"] == "SIGSEGV"
+
+
+def test_an_attempt_past_its_time_limit_is_killed_and_the_next_one_runs(made):
+    """A hang costs the attempt (no verdict), not the runner: its server forks the next attempt at once."""
+    from reprokit.isolation import IsolatedRunner
+
+    recorded = B.open_bundle(made["segv"]).failure
+    with IsolatedRunner() as runner:
+        hung = runner.attempt(made["segv"], recorded=recorded, code=made["code-hang"], timeout=3)
+        died = runner.attempt(made["segv"], recorded=recorded, code=made["code-segv"])
+    assert hung.timed_out and hung.outcome is None
+    assert died.outcome.same and died.outcome.death["signal"] == "SIGSEGV"
+    assert (runner.starts, runner.attempts, runner.deaths) == (1, 2, 2)

@@ -2,7 +2,7 @@
 
 As recorded, the step raises a RuntimeError there. The replay tests point ``--code`` at a copy with ``ON_MARKER``
 changed, whose step dies instead: a segfault (a null read through ctypes), ``os.abort()``, a SIGKILL of its own
-process, a ``SystemExit`` out of the step, or nothing at all (``"clean"``: the marker is ignored).
+process, a ``SystemExit`` out of the step, a hang, or nothing at all (``"clean"``: the marker is ignored).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import time
 
 import torch
 
@@ -35,6 +36,8 @@ def _at_marker():
         os.kill(os.getpid(), signal.SIGKILL)
     elif ON_MARKER == "exit":
         raise SystemExit("the step gave up")
+    elif ON_MARKER == "hang":
+        time.sleep(600)
     elif ON_MARKER != "clean":
         raise RuntimeError(f"marker {MARKER} in the batch")
 
