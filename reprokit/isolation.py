@@ -72,9 +72,10 @@ class _Child:
 
 
 class IsolatedRunner:
-    """Child processes that run replay attempts, one at a time, each child reused until it dies.
+    """Replay attempts, one at a time, each in a process of its own forked by a fork server (see the module
+    docstring); the server is started at the first attempt, and again after one that killed it.
 
-    Use as a context manager: children still alive at the end are stopped, their scratch folder removed.
+    Use as a context manager: the server is stopped at the end, the scratch folder removed.
 
     Example:
         >>> with IsolatedRunner() as runner:                                        # doctest: +SKIP
@@ -178,7 +179,8 @@ class IsolatedRunner:
             return _attempt_of(got["result"], end["peak_rss_bytes"])
         self.deaths += 1
         tail = _tail(child.log, offset)
-        failure = death_failure(end["returncode"], got.get("died"), started, finished, tail, got["forked"]["pid"])
+        pid = got["forked"]["pid"] if "forked" in got else child.proc.pid
+        failure = death_failure(end["returncode"], got.get("died"), started, finished, tail, pid)
         return _died(failure, recorded, finished, time.perf_counter() - t0, end["peak_rss_bytes"])
 
     # -- children ------------------------------------------------------------------------------------------------
