@@ -370,6 +370,7 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
     A bundle whose failure is a crash (the process died: a signal, an abort) or a device
     error, or any bundle with --isolate, replays each run in a child process: "reproduced"
     then means the child died the same way at the same step (e.g. with SIGSEGV at step 37).
+
     Exit 1 deterministic or flaky, 0 not reproduced (fixed), 125 different failure
     (git bisect run skips it) or code that does not import, 3 invalid bundle.
     """
