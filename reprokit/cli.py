@@ -344,10 +344,13 @@ def _open(bundle: Path, kw: dict[str, Any]) -> Any:
 @click.option("--trust", is_flag=True, help="Do not print the note that replaying runs the bundle's code.")
 @click.option("--nproc", type=click.IntRange(1, 1024), default=None,
               help="For an incident folder of a multi-rank run: the number of ranks (default: the run's world size).")
+@click.option("--isolate", is_flag=True,
+              help="Run each replay in a child process, so that a step that kills the process (a segfault, an "
+                   "abort, a poisoned CUDA context) cannot end reprokit (always so for a crash or device-error bundle).")
 @archive_opts
 @json_opt
 def replay(bundle: Path, times: int, device: str | None, code: Path | None, entries: tuple[str, ...], trust: bool,
-           nproc: int | None, as_json: bool, **kw: Any) -> None:
+           nproc: int | None, isolate: bool, as_json: bool, **kw: Any) -> None:
     """Re-run BUNDLE and report whether it fails the same way at the same step.
 
     Replaying runs code: build() and the step function are imported from the bundle's
@@ -363,6 +366,11 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
     (none did, some failed with another signature or at another step), not_reproduced
     (marked transient, not a fix, when the bundle's own code on the recording device was
     bit-exact up to the failing step).
+
+    A bundle whose failure is a crash (the process died: a signal, an abort) or a device
+    error, or any bundle with --isolate, replays each run in a child process: "reproduced"
+    then means the child died the same way at the same step (e.g. with SIGSEGV at step 37).
+
     Exit 1 deterministic or flaky, 0 not reproduced (fixed), 125 different failure
     (git bisect run skips it) or code that does not import, 3 invalid bundle.
     """
@@ -382,7 +390,7 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
         note = None if trust else foreign_code_note(opened, is_archive(bundle), code)
         if note:
             _echo(note, err=True)
-        report = do_replay(opened, times=times, device=device, code=code,
+        report = do_replay(opened, times=times, device=device, code=code, isolate=isolate or None,
                            progress=lambda i, n: update(i, f"run {i}/{n}"))
     d = report.to_json()
     d["bundle"] = str(bundle)

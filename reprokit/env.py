@@ -35,6 +35,7 @@ def capture_env(code_root: Path | None) -> dict[str, Any]:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
         "cpu_threads": torch.get_num_threads(),
+        "memory_bytes": _host_memory(),
         "git": git_info(code_root),
         "env_vars": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},
     }
@@ -159,4 +160,13 @@ def _version(name: str) -> str | None:
 
         return version(name)
     except Exception:
+        return None
+
+
+def _host_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say): a replay of a process that was
+    killed from outside (the OOM killer) reports its own peak beside it."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
         return None

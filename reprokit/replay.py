@@ -33,7 +33,8 @@ from reprokit.code import check_refs, imported, materialize, resolve
 from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
 from reprokit.errors import BundleError, CodeLoadError, ConfigError, ReprokitError, StateMismatchError
-from reprokit.signature import Failure, summary_line
+from reprokit.isolation import isolation_lines
+from reprokit.signature import DEATHS, Failure, summary_line
 from reprokit.state import (
     BUFFERS,
     MODEL,
@@ -87,6 +88,10 @@ class RunOutcome:
     seconds: float
     fidelity: dict[str, Any] | None = None
     """Set by :func:`replay`: this run's losses against the recorded ones (see ``Session.fidelity``)."""
+    death: dict[str, Any] | None = None
+    """For a run in a child process that died (see :mod:`reprokit.isolation`): how (``signal``, ``returncode``),
+    the steps it had started and finished, its peak host memory and the last lines it wrote; ``failure`` is then a
+    ``crash``."""
 
     @property
     def verdict(self) -> str:
@@ -98,7 +103,7 @@ class RunOutcome:
                 "failure": self.failure.summary() if self.failure else None,
                 "failure_step": self.failure.step if self.failure else None,
                 "different_failure": bool(self.failure and not self.same), "seconds": round(self.seconds, 4),
-                "steps_run": len(self.losses),
+                "steps_run": len(self.losses), "death": self.death,
                 "fidelity": {k: self.fidelity[k] for k in ("bit_exact", "max_abs_diff", "first_diverging_step")}
                 if self.fidelity else None,
                 "losses": [{"step": k, "loss": v} for k, v in self.losses.items()]}
@@ -160,6 +165,10 @@ class ReplayReport:
     code: str
     distributed: dict[str, Any] | None = None
     """The rank, world size and incident the bundle was recorded in, when it came from a multi-rank run."""
+    isolation: dict[str, Any] | None = None
+    """Set when each run ran in a child process (see :func:`reprokit.isolation.replay_isolated`): the children
+    started and what that cost, the peak host memory of a run beside the recorded machine's, and a note on a crash
+    that replayed clean."""
 
     @property
     def failed_runs(self) -> int:
@@ -189,7 +198,8 @@ class ReplayReport:
         and batches, and every loss before the failing step was bit-exact: nothing recorded explains the failure
         (a transient fault, a data race, or an input outside the recording). Not a fix."""
         f = self.fidelity
-        if self.verdict != "not_reproduced" or not (f.get("same_device") and f.get("same_code")):
+        if self.verdict != "not_reproduced" or not (f.get("same_device") and f.get("same_code")) or (
+                self.isolation and self.isolation.get("note")):  # a kill from outside: its note says what it was
             return False
         first = f.get("first_diverging_step")
         return first is None or first >= self.recorded.step
@@ -214,6 +224,7 @@ class ReplayReport:
             "device": self.device,
             "code": self.code,
             "distributed": self.distributed,
+            "isolation": self.isolation,
             "per_run": [r.to_json() for r in self.runs],
         })
 
@@ -225,6 +236,11 @@ def _failure_summary(f: Failure | None) -> dict[str, Any] | None:
 def default_device(bundle: Bundle) -> str:
     recorded = str(bundle.run.get("device", "cpu"))
     return "cuda" if recorded.startswith("cuda") and torch.cuda.is_available() else "cpu"
+
+
+def code_label(bundle: Bundle, user_code: Path | None) -> str:
+    """What a report names as the code replayed: the ``--code`` folder, or the bundle's code/ (a verified copy)."""
+    return str(user_code or bundle.code_dir or "reprokit's own modules (the bundle holds no project code)")
 
 
 class Session:
@@ -263,13 +279,16 @@ class Session:
             # Removed by drop_code_copy(), else once the session is gone (extract copies it after the session
             # closed), at the latest at exit.
             self._code_copy = weakref.finalize(self, remove)
-        self.code_label = str(self.user_code or bundle.code_dir or "reprokit's own modules (the bundle holds no project code)")
+        self.code_label = code_label(bundle, self.user_code)
         """What the report names as the code replayed: the --code folder, or the bundle's code/ (a verified copy)."""
         # run.json comes from whoever sent the bundle: its refs may only name the code replay runs.
         check_refs(bundle.run.get("refs"), snapshot=self.code_dir if self.user_code is None else bundle.code_dir,
                    code=self.user_code, source=bundle.path / "run.json")
         self.recorded = bundle.failure
         self.state: TrainState | None = None
+        self.on_step: Callable[[str, int, float | None], None] | None = None
+        """Called by :meth:`run` as each step starts (``("started", step, None)``) and ends (``("finished", step,
+        loss)``): a child process of :mod:`reprokit.isolation` tells its parent, so a step that kills it is known."""
         self.after_restore: list[Callable[[TrainState], None]] = []
         """Run at the end of every :meth:`restore`, in order: a change to the state that must outlive what restore
         puts back (``bisect precision``'s fp32 upcast: restore casts parameters back to their recorded dtype)."""
@@ -395,8 +414,12 @@ class Session:
             restore_rng(inp.rng, inp.rng_tensors, self.state.extra if self.state else None)
             # A fresh copy every run: a step that edits its batch in place must not change the next replay.
             batch = _fresh_batch(inp.batch, self.device)
+            if self.on_step is not None:
+                self.on_step("started", inp.step, None)
             result = self.monitor.run(self.step_fn, batch, inp.step)
             losses[inp.step] = result.loss
+            if self.on_step is not None:
+                self.on_step("finished", inp.step, result.loss)
             if result.failure is not None:
                 failure = result.failure
                 break
@@ -433,26 +456,8 @@ class Session:
         ``hint`` says what commonly breaks bit-exactness when the bundle's own code was
         replayed on the device it was recorded on (elsewhere small differences are expected).
         """
-        recorded = {h["step"]: h["loss"] for h in self.bundle.run.get("history", [])}
-        compared, first, max_diff = 0, None, 0.0
-        for k, v in outcome.losses.items():
-            a = recorded.get(k)
-            if a is None or v is None:
-                continue
-            a = float(a)
-            compared += 1
-            if first is None and not _same_float(a, v):
-                first = {"step": k, "recorded": a, "replayed": v}
-            if math.isfinite(a) and math.isfinite(v):
-                max_diff = max(max_diff, abs(a - v))
-        exact = compared > 0 and first is None
-        same_device = self.same_device()
-        same_code = self.user_code is None
-        return {"steps_compared": compared, "max_abs_diff": max_diff, "bit_exact": exact,
-                "first_diverging_step": first["step"] if first else None, "first_diverging": first,
-                "recorded_device": str(self.bundle.run.get("device", "cpu")), "same_device": same_device,
-                "same_code": same_code,
-                "hint": NOT_BIT_EXACT_HINT if same_device and same_code and compared and not exact else None}
+        return loss_fidelity(self.bundle, outcome.losses, same_device=self.same_device(),
+                             same_code=self.user_code is None)
 
     def same_device(self) -> bool:
         """Is this replay on the kind of device (and, for CUDA, the GPU model) the bundle was recorded on?"""
@@ -467,6 +472,30 @@ class Session:
         names = self.bundle.env.get("devices") or []
         index = recorded.index or 0
         return index < len(names) and names[index] == torch.cuda.get_device_name(self.device)
+
+
+def loss_fidelity(bundle: Bundle, losses: dict[int, float | None], *, same_device: bool,
+                  same_code: bool) -> dict[str, Any]:
+    """:meth:`Session.fidelity` of a run's ``losses``, where the run's session is elsewhere (a child process):
+    ``same_device`` and ``same_code`` say what :meth:`Session.same_device` and ``--code`` said there."""
+    recorded = {h["step"]: h["loss"] for h in bundle.run.get("history", [])}
+    compared, first, max_diff = 0, None, 0.0
+    for k, v in losses.items():
+        a = recorded.get(k)
+        if a is None or v is None:
+            continue
+        a = float(a)
+        compared += 1
+        if first is None and not _same_float(a, v):
+            first = {"step": k, "recorded": a, "replayed": v}
+        if math.isfinite(a) and math.isfinite(v):
+            max_diff = max(max_diff, abs(a - v))
+    exact = compared > 0 and first is None
+    return {"steps_compared": compared, "max_abs_diff": max_diff, "bit_exact": exact,
+            "first_diverging_step": first["step"] if first else None, "first_diverging": first,
+            "recorded_device": str(bundle.run.get("device", "cpu")), "same_device": same_device,
+            "same_code": same_code,
+            "hint": NOT_BIT_EXACT_HINT if same_device and same_code and compared and not exact else None}
 
 
 _CHECK_OF_KIND = {"nonfinite_loss": "check_loss", "nonfinite_grad": "check_grads", "nonfinite_param": "check_params"}
@@ -591,7 +620,8 @@ def session(bundle: str | Path | Bundle, **kw: Any) -> Iterator[Session]:
 
 
 def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = None,
-           code: str | Path | None = None, progress: Any = None, as_rank: bool = False) -> ReplayReport:
+           code: str | Path | None = None, progress: Any = None, as_rank: bool = False,
+           isolate: bool | None = None) -> ReplayReport:
     """Re-run a bundle's window ``times`` times and say whether it fails the same way.
 
     Args:
@@ -603,6 +633,10 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
         progress: optional callable ``progress(i, n)`` after each run.
         as_rank: this process is one rank of an N-rank incident replay (see
             :func:`reprokit.distributed.replay_incident`): a ``peer`` bundle is run too.
+        isolate: run each replay in a child process, so that a step that kills the process (a segfault, an
+            abort, a poisoned CUDA context) ends the child and not this one (see :mod:`reprokit.isolation`).
+            Default (None): for a bundle whose failure is a ``crash`` or ``device_error``; a rank of an incident
+            replay is a child process already.
 
     Returns:
         A :class:`ReplayReport`; ``report.verdict`` is the headline: ``deterministic``,
@@ -619,6 +653,10 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
     bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     if not as_rank:  # one rank of an N-rank incident replay runs a peer's window too: its collectives need it
         _refuse_peer(bundle)
+        if isolate or (isolate is None and bundle.failure.kind in DEATHS):
+            from reprokit.isolation import replay_isolated
+
+            return replay_isolated(bundle, times=times, device=device, code=code, progress=progress)
     s = Session(bundle, device=device, code=code, preload=True)
     try:
         with s:
@@ -637,14 +675,21 @@ def _replay_runs(s: Session, times: int, progress: Any) -> ReplayReport:
             progress(i + 1, times)
     for r in runs:
         r.fidelity = s.fidelity(r)
+    return report_of(s.bundle, runs, str(s.device), s.code_label)
+
+
+def report_of(bundle: Bundle, runs: list[RunOutcome], device: str, code_label: str,
+              isolation: dict[str, Any] | None = None) -> ReplayReport:
+    """The report of ``runs`` (each with its ``fidelity`` set) of ``bundle``'s window, replayed on ``device`` from
+    the code ``code_label`` names."""
     fidelity = dict(runs[0].fidelity or {})  # the report's: the first run's, and whether the others match it
     fidelity["runs_bit_identical"] = all(
         r.losses.keys() == runs[0].losses.keys()
         and all(_same_float(a, b) for a, b in zip(r.losses.values(), runs[0].losses.values())
                 if a is not None and b is not None)
         for r in runs[1:])
-    return ReplayReport(s.bundle.path, s.recorded, runs, fidelity, str(s.device),
-                        s.code_label, s.bundle.run.get("distributed"))
+    return ReplayReport(bundle.path, bundle.failure, runs, fidelity, device, code_label,
+                        bundle.run.get("distributed"), isolation)
 
 
 def foreign_code_note(bundle: Bundle, archive: bool, code: str | Path | None = None) -> str | None:
@@ -793,6 +838,7 @@ def format_report(d: dict[str, Any]) -> str:
     elif got:
         lines.append(f"  replayed: {fail_line(got)}")
     lines.append(f"  fidelity: {fidelity_line(d['fidelity'], rec['step'] if rec else None)}")
+    lines += isolation_lines(d.get("isolation"))
     if d.get("transient"):
         lines.append(f"  note: {TRANSIENT_NOTE}")
     dist = d.get("distributed") or {}

@@ -605,6 +605,10 @@ def format_shrink(d: dict[str, Any]) -> str:
                                           f"replay{'' if v['replays'] == 1 else 's'}"
                                           for k, v in d["passes"].items()))
     lines.append(f"  still fails: {summary_line(d['failure'])}")
+    iso = d.get("isolation")
+    if iso:
+        lines.append(f"  isolation: each candidate in a process of its own ({iso['child_deaths']} of {iso['attempts']} "
+                     f"died), forked by a server that imported torch once ({iso['startup_seconds']:.1f}s)")
     if grew:
         lines.append(grew)
     if d.get("code"):

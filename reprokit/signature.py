@@ -24,10 +24,17 @@ from types import TracebackType
 from typing import Any
 
 KINDS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "scaler_collapse", "exception", "loss_spike",
-         "predicate", "peer", "crash")
+         "predicate", "peer", "crash", "device_error")
 """``peer``: this rank did not fail; another rank of the same run did, and this is this rank's window (see
-:mod:`reprokit.distributed`). ``crash``: the process died without a Python frame to catch it (a signal, the OOM
-killer, ``os._exit``); written by ``reprokit recover`` from a flight log (:mod:`reprokit.recover`)."""
+:mod:`reprokit.distributed`). ``crash``: the process died during the step, without a Python frame to catch it (a
+signal, the OOM killer, ``os._exit``); written by ``reprokit recover`` from a flight log (:mod:`reprokit.recover`), or
+seen by an isolated replay. ``exc_type`` names the signal, such as ``"SIGSEGV"``, when it is known, else None; a class
+name for a death by an uncaught exception. ``device_error``: the step hit a sticky device error (a CUDA device-side
+assert): ``exc_type`` is the exception's class."""
+
+DEATHS = frozenset({"crash", "device_error"})
+"""Failure kinds whose step can kill the process: replay and shrink run them in a child process
+(:mod:`reprokit.isolation`)."""
 
 def _torch_dir() -> str:
     """torch's folder, found without importing torch (``inspect`` reads failures and never needs it)."""
@@ -88,6 +95,10 @@ class Failure:
             "peer": "another rank failed",
             "crash": "the process died",
         }.get(self.kind)
+        if self.kind == "device_error":
+            return f"device error {self.exc_type} at step {self.step}: {self.message}"
+        if self.kind == "crash":
+            return f"{death_words(self.exc_type)} at step {self.step}" + (f" ({self.message})" if self.message else "")
         if self.kind == "exception":
             where = f" in {self.frame}" if self.frame else ""
             return f"{self.exc_type}{where} at step {self.step}: {self.message}"
@@ -123,6 +134,8 @@ def summary_line(d: dict[str, Any] | None, *, frame: bool = True, step: bool = T
     """
     if not d:
         return "none"
+    if d.get("kind") == "crash":
+        return death_words(d.get("exception_type")) + (f" at step {d['step']}" if step else "")
     what = f"{d['exception_type']}: {d['message']}" if d.get("exception_type") else f"{d['kind']} ({d['message']})"
     return what + (f" at step {d['step']}" if step else "") + (f" in {d['frame']}" if frame and d.get("frame") else "")
 
@@ -145,10 +158,42 @@ def message_template(message: str) -> str:
     return normalise(re.sub(r"0x[0-9a-fA-F]+", "<address>", message or ""))
 
 
+def is_signal(name: str | None) -> bool:
+    """Is ``name`` a signal's name (``"SIGSEGV"``), as a crash's ``exc_type`` holds it, not an exception class's?"""
+    return name is not None and name.startswith("SIG") and name.isupper()
+
+
+def death_words(exc_type: str | None) -> str:
+    """How a process died, in words: ``the process died with SIGSEGV``, ``... of RuntimeError``, or with nothing
+    recorded (a SIGKILL leaves no trace in the process itself)."""
+    if exc_type is None:
+        return "the process died (no error recorded)"
+    return f"the process died {'with' if is_signal(exc_type) else 'of'} {exc_type}"
+
+
+def _same_death(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The rule for signatures of which at least one is a death (:data:`DEATHS`).
+
+    Two crashes are the same when their signals are; a crash whose signal is unknown (a SIGKILL leaves no trace, so
+    a recovered bundle says None) is the same as a death by any signal. A death by an uncaught exception, or a device
+    error, is the same as an exception (caught by replay, in a child process) of the same class. Frames are not
+    compared: a process killed by a signal has none in user code.
+    """
+    ta, tb = a.get("exc_type"), b.get("exc_type")
+    kinds = {a.get("kind"), b.get("kind")}
+    if kinds == {"crash"}:
+        return ta == tb or (ta is None and is_signal(tb)) or (tb is None and is_signal(ta))
+    if kinds <= {"crash", "device_error", "exception"}:
+        return ta is not None and ta == tb and not is_signal(ta)
+    return False
+
+
 def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     """True when two signatures describe the same failure."""
     if a is None or b is None:
         return False
+    if a.get("kind") in DEATHS or b.get("kind") in DEATHS:
+        return _same_death(a, b)
     if a.get("frame_qualname") and b.get("frame_qualname") and a["frame_qualname"] != b["frame_qualname"]:
         return False  # bundles from before it was recorded, or Python 3.10, compare the function's name alone
     return all(a.get(k) == b.get(k) for k in ("kind", "exc_type", "frame"))
@@ -164,6 +209,11 @@ def from_exception(exc: BaseException, step: int) -> Failure:
         frame_qualname=user_frame(exc.__traceback__, qualname=True),
         traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:],
     )
+
+
+def in_library(path: str) -> bool:
+    """Is ``path`` in the standard library, an installed package, torch or reprokit (not the user's code)?"""
+    return os.path.realpath(path).startswith(_LIBRARY_ROOTS)
 
 
 def user_frame(tb: TracebackType | None, qualname: bool = False) -> str | None:

@@ -139,3 +139,18 @@ def record_incident_of_one(out_dir: Path) -> Path:
         dist.destroy_process_group()
     (bundle,) = rec.bundles
     return bundle.parent
+
+
+def with_failure(bundle: Path, out_dir: Path, failure: Any, name: str | None = None) -> Path:
+    """A copy of ``bundle`` whose failure.json is ``failure`` (a :class:`reprokit.signature.Failure`), written through
+    the bundle writer (checksums, manifest last): the window, state, env and code are the source's, unchanged."""
+    src = B.open_bundle(bundle)
+    steps = []
+    for k in src.steps:
+        doc, tensors = src.step_doc(k)
+        steps.append(B.StepRecord(k, doc["batch"], tensors, doc["rng"], doc.get("loss"), doc.get("grad_norm")))
+    code = [] if src.code_dir is None else [
+        (p.relative_to(src.code_dir).as_posix(), p) for p in sorted(src.code_dir.rglob("*")) if p.is_file()]
+    return B.write_bundle(B.BundleWriter(Path(out_dir), name or f"{Path(bundle).name}-{failure.kind}"),
+                          failure=failure.to_json(), run=src.run, env=src.env, state=src.state(), steps=steps,
+                          code=code)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -27,8 +26,9 @@ from reprokit.bundle import (
     sha256_file,
     write_bundle,
 )
-from reprokit.code import child_env, entry_args, git_info, snapshot_files
+from reprokit.code import git_info, snapshot_files
 from reprokit.errors import ConfigError, DidNotReproduce, ReprokitError
+from reprokit.isolation import IsolatedRunner
 from reprokit.origin import Origin, same_origin, watch_step
 from reprokit.replay import RunOutcome, Session, StepInput, alone_hint
 from reprokit.shrink import micro
@@ -45,7 +45,7 @@ from reprokit.shrink.case import (
 )
 from reprokit.shrink.culprit import STATE, check_state
 from reprokit.shrink.passes import DATA_PASSES, PASSES
-from reprokit.signature import Failure, message_template
+from reprokit.signature import DEATHS, Failure, message_template
 
 Progress = Callable[[str, int, str], None]
 NONFINITE = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
@@ -105,6 +105,9 @@ class ShrinkResult:
     state_check: dict[str, Any] | None = None
     """Whether the failing step fails from its start state on other steps' batches (see
     :mod:`reprokit.shrink.culprit`); with the verdict ``state``, no row or dataset index is named."""
+    isolation: dict[str, Any] | None = None
+    """When candidates ran in child processes (``--isolate``, or a crash / device-error bundle): the children
+    started and died, and their start-up time (see :meth:`reprokit.isolation.IsolatedRunner.summary`)."""
 
     def to_json(self) -> dict[str, Any]:
         return jsonable({
@@ -115,6 +118,7 @@ class ShrinkResult:
             "kept_rows": self.kept_rows,
             "dataset_indices": self.dataset_indices,
             "state_check": self.state_check,
+            "isolation": self.isolation,
             "rows_ambiguous": self.rows_ambiguous,
             "seq_window": self.seq_window,
             "budget_exhausted": self.budget_exhausted,
@@ -146,6 +150,8 @@ class Shrinker:
     pad_id: int = 0
     isolate: bool = False
     timeout: float = 60.0
+    runner: IsolatedRunner | None = None
+    """The child processes that judge candidates when ``isolate`` (made at the first; the caller closes it)."""
     progress: Progress | None = None
     replays: int = 0
     steps_run: int = 0
@@ -311,21 +317,20 @@ class Shrinker:
         self.steps_run += len(out.losses)
         return out.same, out
 
-    def _isolated(self, case: Case) -> tuple[bool, dict]:
-        """Replay ``case`` in a subprocess: a segfault or hang costs the candidate, not the shrink."""
+    def _isolated(self, case: Case) -> tuple[bool, RunOutcome | dict]:
+        """Replay ``case`` in a child process (:mod:`reprokit.isolation`): a death (a segfault, an abort) is the
+        candidate's outcome, judged like any failure, and a hang past ``timeout`` costs the candidate (no verdict:
+        ``{}``), never the shrink. The child is reused until a candidate kills it."""
+        if self.runner is None:
+            self.runner = IsolatedRunner()
         with tempfile.TemporaryDirectory(prefix="reprokit-candidate-") as tmp:
             path = write_case(self.session, case, Path(tmp), "candidate", self.session.recorded.to_json(), None, {})
-            cmd = [sys.executable, "-m", "reprokit", "replay", str(path), "--json", "--device", self.session.device.type]
-            if self.session.user_code is not None:
-                cmd += ["--code", str(self.session.user_code), *entry_args(self.session.bundle.run["refs"])]
-            try:
-                # its private code copy goes under tmp, removed here even when the candidate is killed or crashes
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout, env=child_env(tmp))
-                d = json.loads(proc.stdout) if proc.returncode in (0, 1, 125) and proc.stdout.strip() else {}
-            except (subprocess.TimeoutExpired, ValueError):
-                d = {}
+            attempt = self.runner.attempt(path, recorded=self.session.recorded, device=self.session.device.type,
+                                          code=self.session.user_code, timeout=self.timeout)
         self.steps_run += len(case.inputs)
-        return bool(d.get("reproduced")), d
+        if attempt.outcome is None:
+            return False, {}
+        return attempt.outcome.same, attempt.outcome
 
     def snapshot_at(self, case: Case, k: int) -> tuple[Snapshot, int] | None:
         """State just before ``case.inputs[k]``: replays the first k steps once, then cached."""
@@ -374,24 +379,21 @@ class Shrinker:
 
 def _what_happened(out: RunOutcome | dict) -> str:
     """A replay that did not count as the same failure, in words."""
-    if isinstance(out, dict) and not out.get("per_run"):
-        return "the replay gave no verdict: it crashed or timed out"
+    if isinstance(out, dict):
+        return "the replay gave no verdict: it ran past --timeout"
     if not _failed(out):
         return "it passed"
     return f"it failed otherwise: {_failure_of(out).describe()}"
 
 
 def _failure_of(out: RunOutcome | dict) -> Failure:
-    """The failure of a run that failed (in process, or the JSON of an isolated replay)."""
-    failure = out.failure if isinstance(out, RunOutcome) else Failure.from_json(out["per_run"][0]["failure"])
-    assert failure is not None
-    return failure
+    """The failure of a run that failed."""
+    assert isinstance(out, RunOutcome) and out.failure is not None
+    return out.failure
 
 
 def _failed(out: RunOutcome | dict) -> bool:
-    if isinstance(out, RunOutcome):
-        return out.failure is not None
-    return bool(out.get("per_run") and out["per_run"][0].get("different_failure"))
+    return isinstance(out, RunOutcome) and out.failure is not None
 
 
 def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: dict[str, Any],
@@ -442,7 +444,8 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             check the origin; those runs are ``origin_checks``, not replays.
         passes: which passes to run, from ``steps``, ``rows``, ``sequence``, ``tokens``.
         pad_id: the neutral value for integer tensors in the ``tokens`` pass.
-        isolate: replay each candidate in a subprocess (segfaults, hangs), ``timeout`` seconds each.
+        isolate: replay each candidate in a child process (segfaults, hangs), ``timeout`` seconds each; always so
+            for a bundle whose failure is a ``crash`` or ``device_error``.
 
     Raises:
         DidNotReproduce: when the bundle does not fail the same way to begin with.
@@ -463,7 +466,10 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
     if output.exists() and any(output.iterdir()):
         raise ReprokitError(f"{output} already exists and is not empty; pick another -o or remove it")
     src = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
-    with claimed_output(output), Session(src, device=device, code=code) as session:
+    # A step that can kill the process is judged in child processes, whatever --isolate says.
+    isolate = isolate or src.failure.kind in DEATHS
+    with claimed_output(output), Session(src, device=device, code=code) as session, \
+            (IsolatedRunner() if isolate else contextlib.nullcontext()) as runner:
         inputs = tuple(session.inputs())
         first = inputs[-1].batch
         lay = micro.layout(first)
@@ -471,7 +477,8 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         rows0 = micro.units(first, lay) if lay is not None else tuple(range(n)) if n else None
         rows0 = None if micro.ambiguous(first) else rows0
         original = Case(inputs, session.snapshot, 0, rows0, (0, s) if s else None)
-        sh = Shrinker(session, budget=budget, pad_id=pad_id, isolate=isolate, timeout=timeout, progress=progress)
+        sh = Shrinker(session, budget=budget, pad_id=pad_id, isolate=isolate, timeout=timeout, progress=progress,
+                      runner=runner)
         if not sh.test(original):
             out = sh.outcome(original)
             got = out.failure.describe() if isinstance(out, RunOutcome) and out.failure else "no failure"
@@ -541,7 +548,8 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         return ShrinkResult(written, sh.replays, before, dims(best, pad_id), kept, indices, window, stats,
                             time.perf_counter() - t0, exhausted, failure, sh.different_failures, sh.origin,
                             sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"), disk,
-                            state_check=checked.to_json(), rows_ambiguous=ambiguity)
+                            state_check=checked.to_json(), rows_ambiguous=ambiguity,
+                            isolation=runner.summary() if runner is not None else None)
 
 
 def _disk_bytes(manifest: dict[str, Any], when: str) -> dict[str, Any]:

@@ -1,0 +1,529 @@
+"""Replays that may kill the process, run in a child process.
+
+A step that segfaults in an extension, calls ``abort()``, is killed by a signal or poisons the CUDA context would
+take reprokit down with it. :class:`IsolatedRunner` runs each replay attempt in a child (``python -m
+reprokit.isolation``) that runs the ordinary :class:`~reprokit.replay.Session`, and tells its parent on a pipe as
+each step starts and finishes, then the run's outcome. When the child dies instead, the parent knows the step it
+died in (the last one started) and how (the signal, from its exit status), and makes of that a ``crash`` failure,
+judged against the recorded one like any other (:func:`reprokit.signature.same_failure`).
+
+Importing torch costs seconds, and an attempt that dies would cost a fresh child each time (a shrink of a crash
+bundle kills one per interesting candidate). So the child started by ``python -m reprokit.isolation`` is a *fork
+server*, as multiprocessing's "forkserver" context is: it imports torch and reprokit, runs nothing of the user's, never
+touches a GPU, and forks one process per attempt, which it waits for and whose end (exit status, peak memory) it
+reports. The attempt's process is the one that may die; the fork server and reprokit go on. Forking is safe there
+because the server has one thread and no device context: the attempt starts as a fresh process would, less the
+imports. Should the server itself die, the next attempt starts another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from reprokit import errors
+from reprokit.signature import Failure
+
+STARTUP_LIMIT_S = 600.0
+"""Seconds a child may take to import torch and reprokit before the runner gives up on it."""
+LOG_TAIL_LINES = 20
+"""Lines of a dead child's output (its ``faulthandler`` traceback, a CUDA error) kept in its death record."""
+KILLED_FROM_OUTSIDE = ("the process was killed from outside (SIGKILL with no error recorded): likely the OOM killer "
+                       "or the scheduler")
+
+
+@dataclass
+class Attempt:
+    """One replay attempt in a child process.
+
+    ``outcome`` is None when the attempt gave no verdict (it ran past its time limit and was killed); for a child
+    that died it is a run whose failure is a ``crash`` (``outcome.death`` says how).
+    """
+
+    outcome: Any  # RunOutcome | None (replay imports torch; this module's parent side need not)
+    device: str | None = None
+    code: str | None = None
+    same_device: bool = False
+    peak_rss_bytes: int | None = None
+    timed_out: bool = False
+
+
+@dataclass
+class _Child:
+    proc: subprocess.Popen
+    events: int
+    log: Path
+    started: float
+    buf: bytearray = field(default_factory=bytearray)
+    ready: bool = False
+
+
+class IsolatedRunner:
+    """Replay attempts, one at a time, each in a process of its own forked by a fork server (see the module
+    docstring); the server is started at the first attempt, and again after one that killed it.
+
+    Use as a context manager: the server is stopped at the end, the scratch folder removed.
+
+    Example:
+        >>> with IsolatedRunner() as runner:                                        # doctest: +SKIP
+        ...     a = runner.attempt(bundle.path, recorded=bundle.failure)
+        ...     a.outcome.verdict, a.outcome.death
+        ('reproduced', {'signal': 'SIGSEGV', 'step': 37, ...})
+    """
+
+    def __init__(self) -> None:
+        from reprokit.code import child_env
+
+        self._tmp = Path(tempfile.mkdtemp(prefix="reprokit-isolate-"))
+        root = str(Path(__file__).resolve().parent.parent)  # this reprokit, whatever the child's path says
+        env = child_env(self._tmp)  # the children's code copies go there: removed with it, even after a kill
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        self._env = env
+        self._child: _Child | None = None
+        self.starts = 0
+        """Fork servers started (one, unless one died)."""
+        self.attempts = 0
+        """Attempts run, each in a process of its own forked by the server."""
+        self.deaths = 0
+        """Attempts whose process died (or was killed for running past its limit)."""
+        self.startup_seconds = 0.0
+        """Summed over the fork servers: from their start until they were ready (python, torch, reprokit imported)."""
+        self.waited_seconds = 0.0
+        """Of that, the time the caller waited for a server to be ready."""
+
+    def __enter__(self) -> IsolatedRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the fork server (it leaves when its input closes; killed if not within 5 s); remove the scratch."""
+        child, self._child = self._child, None
+        if child is not None:
+            with contextlib.suppress(OSError):
+                child.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                child.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+            os.close(child.events)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def summary(self) -> dict[str, Any]:
+        """What isolation cost: fork servers started and their start-up time (and how much of it was waited for),
+        attempts run and how many of them died."""
+        return {"child_starts": self.starts, "attempts": self.attempts, "child_deaths": self.deaths,
+                "startup_seconds": round(self.startup_seconds, 3), "waited_seconds": round(self.waited_seconds, 3)}
+
+    def attempt(self, bundle: str | Path, *, recorded: Failure, device: str | None = None,
+                code: str | Path | None = None, timeout: float | None = None) -> Attempt:
+        """Replay ``bundle``'s window once in a child; judge a death against ``recorded`` (the bundle's failure).
+
+        Raises:
+            ReprokitError: the child could not replay the bundle (the error the replay raised there, such as a
+                :class:`~reprokit.errors.CodeLoadError`, of the same class), or could not start at all.
+        """
+        child = self._ready_child()
+        request = {"bundle": str(bundle), "device": device, "code": str(code) if code is not None else None}
+        started: list[int] = []
+        finished: dict[int, float | None] = {}
+        got: dict[str, dict[str, Any]] = {}  # the attempt's last word: result, error or died; its process's exit
+        t0 = time.perf_counter()
+        deadline = None if timeout is None else t0 + timeout
+        offset = child.log.stat().st_size  # this attempt's output starts here
+        self.attempts += 1
+        try:
+            assert child.proc.stdin is not None
+            child.proc.stdin.write(json.dumps(request) + "\n")
+            child.proc.stdin.flush()
+        except OSError:
+            pass  # the server died since it said it was ready: the events pipe says so next
+        while "exit" not in got:
+            event = self._next_event(child, deadline)
+            if event is None:  # the server itself died (killed from outside): so did the attempt
+                return self._server_died(child, recorded, got, started, finished, time.perf_counter() - t0)
+            if event["event"] == "timeout":
+                if "forked" not in got:
+                    return self._killed(child)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(got["forked"]["pid"], signal.SIGKILL)  # the server reports its exit next
+                got["timeout"], deadline = event, None
+            elif event["event"] == "started":
+                started.append(event["step"])
+            elif event["event"] == "finished":
+                finished[event["step"]] = event["loss"]
+            else:
+                got[event["event"]] = event
+        end = got["exit"]
+        if "timeout" in got:
+            self.deaths += 1
+            return Attempt(None, peak_rss_bytes=end["peak_rss_bytes"], timed_out=True)
+        if "error" in got:
+            raise _error_of(got["error"])
+        if "result" in got:  # a process that dies after its result (a poisoned CUDA context at exit) ran the window
+            return _attempt_of(got["result"], end["peak_rss_bytes"])
+        self.deaths += 1
+        tail = _tail(child.log, offset)
+        pid = got["forked"]["pid"] if "forked" in got else child.proc.pid
+        failure = death_failure(end["returncode"], got.get("died"), started, finished, tail, pid)
+        return _died(failure, recorded, finished, time.perf_counter() - t0, end["peak_rss_bytes"])
+
+    # -- children ------------------------------------------------------------------------------------------------
+
+    def _spawn(self) -> _Child:
+        read, write = os.pipe()
+        log = self._tmp / f"child-{self.starts}.log"
+        try:
+            with open(log, "wb") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "reprokit.isolation", str(write)], stdin=subprocess.PIPE,
+                                        stdout=out, stderr=subprocess.STDOUT, pass_fds=(write,), env=self._env,
+                                        text=True)
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)  # the child holds its end: end of file on ours means it is gone
+        self.starts += 1
+        return _Child(proc, read, log, time.perf_counter())
+
+    def _ready_child(self) -> _Child:
+        """The live child, ready for a request (started now, or waited for, if need be)."""
+        if self._child is None or self._child.proc.poll() is not None:
+            if self._child is not None:
+                self._reap(self._child)
+            self._child = self._spawn()
+        child = self._child
+        if not child.ready:
+            t0 = time.perf_counter()
+            event = self._next_event(child, child.started + STARTUP_LIMIT_S)
+            self.waited_seconds += time.perf_counter() - t0
+            if event is None or event["event"] != "ready":
+                tail = _tail(child.log)
+                self._reap(child)
+                self._child = None
+                why = "did not start in time" if event and event["event"] == "timeout" else "died while starting"
+                raise errors.ReprokitError(f"the child process that replays in isolation {why} ({sys.executable} -m "
+                                           f"reprokit.isolation); its last output:\n{tail or '(none)'}")
+            child.ready = True
+            self.startup_seconds += time.perf_counter() - child.started
+        return child
+
+    def _next_event(self, child: _Child, deadline: float | None) -> dict[str, Any] | None:
+        """The child's next event; None at end of file (it is gone); ``{"event": "timeout"}`` past ``deadline``."""
+        while b"\n" not in child.buf:
+            wait = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            ready, _, _ = select.select([child.events], [], [], wait)
+            if not ready:
+                return {"event": "timeout"}
+            data = os.read(child.events, 1 << 16)
+            if not data:
+                return None
+            child.buf += data
+        line, _, rest = bytes(child.buf).partition(b"\n")
+        child.buf = bytearray(rest)
+        return json.loads(line)
+
+    def _reap(self, child: _Child, wait_s: float = 30.0) -> tuple[int, int | None]:
+        """Wait for a child that is going (killed after ``wait_s``): ``(returncode, peak RSS in bytes)``
+        (``returncode < 0``: killed by that signal). ``wait4`` reads the peak of that child alone."""
+        with contextlib.suppress(OSError):
+            child.proc.stdin.close()  # type: ignore[union-attr]
+        with contextlib.suppress(OSError):
+            os.close(child.events)
+        if child.proc.returncode is not None:  # already reaped (by poll())
+            return child.proc.returncode, None
+        deadline = time.monotonic() + wait_s
+        try:
+            while True:
+                pid, status, usage = os.wait4(child.proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                if time.monotonic() > deadline:
+                    child.proc.kill()
+                    _, status, usage = os.wait4(child.proc.pid, 0)
+                    break
+                time.sleep(0.005)
+        except ChildProcessError:
+            return child.proc.poll() or 0, None
+        child.proc.returncode = os.waitstatus_to_exitcode(status)
+        return child.proc.returncode, usage.ru_maxrss * 1024  # kB on Linux
+
+    def _killed(self, child: _Child) -> Attempt:
+        """Past the time limit before the attempt's process said its pid: the server goes (the next attempt starts
+        another)."""
+        child.proc.kill()
+        _, peak = self._reap(child, 0.0)
+        self.deaths += 1
+        self._child = None
+        return Attempt(None, peak_rss_bytes=peak, timed_out=True)
+
+    def _server_died(self, child: _Child, recorded: Failure, got: dict[str, dict[str, Any]], started: list[int],
+                     finished: dict[int, float | None], seconds: float) -> Attempt:
+        rc, peak = self._reap(child)  # its pipe closed: it is leaving
+        self.deaths += 1
+        self._child = None  # the next attempt starts another
+        tail = _tail(child.log)
+        pid = got["forked"]["pid"] if "forked" in got else child.proc.pid
+        failure = death_failure(rc, got.get("died"), started, finished, tail, pid)
+        return _died(failure, recorded, finished, seconds, peak)
+
+
+def _died(failure: Failure, recorded: Failure, finished: dict[int, float | None], seconds: float,
+          peak: int | None) -> Attempt:
+    """The attempt whose process died with ``failure`` (see :func:`death_failure`)."""
+    from reprokit.replay import RunOutcome
+
+    tail = failure.detail["fault_log"]
+    death = {"signal": failure.detail["signal"], "returncode": failure.detail["returncode"], "step": failure.step,
+             "where": fault_frame(tail), "last_started": failure.detail["last_started"],
+             "last_finished": failure.detail["last_finished"], "peak_rss_bytes": peak, "output_tail": tail}
+    outcome = RunOutcome(failure, failure.same_as(recorded, step=True), dict(finished), seconds, death=death)
+    return Attempt(outcome, peak_rss_bytes=peak)
+
+
+def death_failure(returncode: int, died: dict[str, Any] | None, started: list[int], finished: dict[int, Any],
+                  output_tail: str, pid: int) -> Failure:
+    """The ``crash`` failure of a child that ended without a result: by a signal (``returncode < 0``), an uncaught
+    exception (``died``, the child's last word), or an exit status. Its step is the last one started (-1: none)."""
+    sig = signal.Signals(-returncode).name if returncode < 0 and -returncode in signal.valid_signals() else None
+    last = started[-1] if started else None
+    exc_type: str | None
+    if sig is not None:
+        exc_type, message = sig, signal.strsignal(-returncode) or sig
+    elif died is not None:
+        exc_type, message = died.get("exc_type"), str(died.get("message", ""))
+    else:
+        exc_type, message = None, f"exited with status {returncode} without a result"
+    if last is None:
+        message += "; before its first step (while loading the bundle or running build())"
+    return Failure("crash", last if last is not None else -1, exc_type=exc_type, message=message[:500],
+                   detail={"last_started": last, "last_finished": max(finished) if finished else None,
+                           "signal": sig, "fault_log": output_tail, "rank": None, "world_size": None, "pid": pid,
+                           "host": platform.node(), "recovered_from": None, "dropped": None,
+                           "returncode": returncode})
+
+
+_FAULT_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
+
+
+def fault_frame(output: str) -> str | None:
+    """``file:line in function`` of the innermost frame in user code of a ``faulthandler`` traceback (which lists
+    the most recent call first), or None when the output holds none."""
+    from reprokit.signature import in_library
+
+    for line in output.splitlines():
+        m = _FAULT_FRAME.match(line)
+        if m and not m["file"].startswith("<") and not in_library(m["file"]):
+            return f"{os.path.basename(m['file'])}:{m['line']} in {m['name']}"
+    return None
+
+
+def _attempt_of(event: dict[str, Any], peak: int | None) -> Attempt:
+    from reprokit.replay import RunOutcome
+
+    failure = Failure.from_json(event["failure"]) if event["failure"] else None
+    losses = {int(k): v for k, v in event["losses"]}
+    outcome = RunOutcome(failure, event["same"], losses, event["seconds"])
+    return Attempt(outcome, event["device"], event["code"], event["same_device"], peak)
+
+
+def _error_of(event: dict[str, Any]) -> errors.ReprokitError:
+    """The error the child's replay raised, as the same class here (its exit code and attributes with it)."""
+    cls = getattr(errors, event["error"], None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.ReprokitError)):
+        return errors.ReprokitError(f"the replay failed in its child process: {event['error']}: {event['message']}")
+    e = cls.__new__(cls)
+    Exception.__init__(e, event["message"])
+    for k, v in (event.get("attributes") or {}).items():
+        setattr(e, k, v)
+    return e
+
+
+def _tail(log: Path, offset: int = 0) -> str:
+    """The last lines of ``log`` written after ``offset``."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(offset, f.seek(0, os.SEEK_END) - 16384))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
+
+
+# -- the parent side of replay ------------------------------------------------------------------------------------
+
+def replay_isolated(bundle: Any, *, times: int = 1, device: str | None = None, code: str | Path | None = None,
+                    progress: Any = None) -> Any:
+    """:func:`reprokit.replay.replay` with each run in a child process (see the module docstring).
+
+    A run whose child died is a ``crash`` at the step it started last: it reproduces a recorded crash that died the
+    same way there (the same signal; any signal when the bundle recorded none; the same exception class for a death
+    by an uncaught exception), and a recorded device error of the same exception class. Deterministic and flaky are
+    told apart over ``times`` runs as in-process. ``report.isolation`` says what isolation cost and, for a crash
+    that replays clean, what that means, with the peak host memory of a run beside the recorded machine's memory.
+    """
+    from reprokit.replay import code_label, default_device, loss_fidelity, report_of
+
+    runs, attempts = [], []
+    with IsolatedRunner() as runner:
+        for i in range(times):
+            a = runner.attempt(bundle.path, recorded=bundle.failure, device=device, code=code)
+            attempts.append(a)
+            runs.append(a.outcome)
+            if progress:
+                progress(i + 1, times)
+    seen = next((a for a in attempts if a.device is not None), None)
+    for a in attempts:
+        a.outcome.fidelity = loss_fidelity(bundle, a.outcome.losses, same_device=bool(seen and seen.same_device),
+                                           same_code=code is None)
+    where = seen.device if seen else device or default_device(bundle)
+    label = seen.code if seen and seen.code else code_label(bundle, Path(code).resolve() if code else None)
+    report = report_of(bundle, runs, str(where), label)
+    report.isolation = isolation_summary(report, attempts, runner.summary(), bundle.env)
+    return report
+
+
+def isolation_summary(report: Any, attempts: list[Attempt], cost: dict[str, Any],
+                      env: dict[str, Any]) -> dict[str, Any]:
+    """``report.isolation``: the cost, the death that the verdict rests on, peak memory, and the note for a crash
+    with no error recorded that replayed clean."""
+    recorded = report.recorded
+    deaths = [r.death for r in report.runs if r.death]
+    death = next((r.death for r in report.runs if r.same and r.death), deaths[0] if deaths else None)
+    peaks = [a.peak_rss_bytes for a in attempts if a.peak_rss_bytes]
+    note = None
+    if recorded.kind == "crash" and recorded.exc_type in (None, "SIGKILL") and report.verdict == "not_reproduced":
+        note = KILLED_FROM_OUTSIDE
+    return {"isolated": True, **cost, "signal": death["signal"] if death else None,
+            "step": death["step"] if death else None, "where": death["where"] if death else None,
+            "peak_rss_bytes": max(peaks) if peaks else None,
+            "recorded_memory_bytes": recorded_memory(env), "note": note}
+
+
+def recorded_memory(env: dict[str, Any]) -> int | None:
+    """The recorded machine's host memory in bytes, where its env.json says (``memory_bytes``)."""
+    value = env.get("memory_bytes")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def isolation_lines(iso: dict[str, Any] | None) -> list[str]:
+    """The lines ``reprokit replay`` prints about isolation (none for an in-process replay)."""
+    if not iso:
+        return []
+    line = (f"  isolation: each run in a process of its own ({iso['child_deaths']} of {iso['attempts']} died), forked by "
+            f"a server that imported torch once ({iso['startup_seconds']:.1f}s)")
+    if iso.get("peak_rss_bytes"):
+        line += f"; peak host memory {_size(iso['peak_rss_bytes'])}"
+        mem = iso.get("recorded_memory_bytes")
+        line += f" (recorded machine: {_size(mem)})" if mem else " (the recorded machine's memory is not in env.json)"
+    out = [line]
+    if iso.get("where"):
+        out.append(f"  died in {iso['where']} (the child's faulthandler traceback)")
+    if iso.get("note"):
+        out.append(f"  note: {iso['note']}")
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+# -- the child ----------------------------------------------------------------------------------------------------
+
+def _send(fd: int, event: dict[str, Any]) -> None:
+    data = (json.dumps(event) + "\n").encode()
+    while data:  # a pipe takes a large write in parts
+        data = data[os.write(fd, data):]
+
+
+def _attempt(fd: int, req: dict[str, Any]) -> None:
+    """Run one attempt in this (forked) process: the events of its steps, then its result or the error that stopped
+    it. A death by an uncaught ``BaseException`` (``SystemExit`` from the step) is said before the process goes."""
+    from reprokit.bundle import open_bundle
+    from reprokit.replay import Session
+
+    _send(fd, {"event": "forked", "pid": os.getpid()})
+    try:
+        s = Session(open_bundle(req["bundle"]), device=req["device"], code=req["code"], preload=True)
+        s.__enter__()
+    except errors.ReprokitError as e:
+        _send(fd, {"event": "error", "error": type(e).__name__, "message": str(e),
+                   "attributes": {k: getattr(e, k) for k in ("problems", "cli_message") if hasattr(e, k)}})
+        return
+    s.on_step = lambda what, step, loss: _send(fd, {"event": what, "step": step, "loss": loss})
+    try:
+        out = s.run(s.inputs())
+    except BaseException as e:  # SystemExit, KeyboardInterrupt from the step: a Python-level death
+        _send(fd, {"event": "died", "exc_type": type(e).__qualname__,
+                   "message": str(e).splitlines()[0][:500] if str(e) else ""})
+        sys.stderr.flush()
+        os._exit(70)
+    _send(fd, {"event": "result", "failure": out.failure.to_json() if out.failure else None, "same": out.same,
+               "losses": list(out.losses.items()), "seconds": out.seconds, "device": str(s.device),
+               "code": s.code_label, "same_device": s.same_device()})
+    s.__exit__(None, None, None)
+    s.drop_code_copy()
+
+
+def _serve(fd: int, requests: IO[str]) -> None:
+    """The fork server: one forked process per request, waited for; its exit status and peak memory reported."""
+    _send(fd, {"event": "ready", "pid": os.getpid()})
+    for line in requests:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _attempt(fd, req)
+            except BaseException as e:  # reprokit's own fault in the attempt: said as a death, never a hang
+                _send(fd, {"event": "died", "exc_type": type(e).__qualname__, "message": str(e)[:500]})
+                code = 70
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status, usage = os.wait4(pid, 0)
+        _send(fd, {"event": "exit", "returncode": os.waitstatus_to_exitcode(status),
+                   "peak_rss_bytes": usage.ru_maxrss * 1024})  # kB on Linux
+
+
+def _preload() -> None:
+    """Import what every replay imports lazily, once in the server rather than in each attempt: setting the
+    determinism flags imports torch._dynamo and torch._inductor (seconds). The server still has one thread afterwards
+    (torch 2.13 on Linux), which keeps forking safe: with more, a fork could copy a lock another thread holds."""
+    import torch._dynamo  # noqa: F401
+    import torch._inductor  # noqa: F401
+
+
+def main(argv: list[str]) -> None:
+    """``python -m reprokit.isolation FD``: serve replay requests (JSON lines on stdin), events on file FD."""
+    import faulthandler
+
+    fd = int(argv[0])
+    os.set_inheritable(fd, False)  # programs the step runs (exec) must not keep the parent's end-of-file away
+    faulthandler.enable(all_threads=True)  # a segfault's Python traceback goes to the log the parent keeps
+    import reprokit.replay  # noqa: F401 - torch and reprokit before "ready": the start-up cost is the server's own
+    _preload()
+    _serve(fd, sys.stdin)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+
+
+__all__ = ["KILLED_FROM_OUTSIDE", "Attempt", "IsolatedRunner", "death_failure", "replay_isolated"]
