@@ -93,7 +93,8 @@ class Case:
     expect: dict[str, Any]
     args: tuple[str, ...] = ()  # more options ("{good}" / "{bad}" / "{repo}" filled in from the scenario)
     exit_code: int = 0
-    then_replays: bool = False  # the bundle the command wrote (shrink's, extract's) fails the same way again
+    then_replays: bool = False  # the bundle the command wrote (shrink's, extract's) verifies and fails the same way
+    writes: tuple[str, ...] = ()  # files the command must have written (relative to its output folder)
     slow: bool = False
     why: str = ""
     xfail: str = ""  # a known wrong answer, stated precisely (strict: the day it is right, the mark must go)
@@ -380,7 +381,8 @@ CASES = [
     Case("oov_token", "bisect layers", {"raised_in.module": "tok", "raised_in.class": "Embedding"}),
     Case("oov_token", "shrink", {"steps_after": 1, "rows_after": 1, "kept_rows": [2], "state_check.verdict": "data"},
          ROWS, then_replays=True, why="row 2 of step 33 holds id 65 of a 64-row embedding table"),
-    Case("oov_token", "extract", {"module": "tok", "class": "Embedding"}, then_replays=True),
+    Case("oov_token", "extract", {"module": "tok", "class": "Embedding"}, then_replays=True,
+         writes=("code/rk_extract.py", "extract/op_repro.py")),
     Case("long_sample", "replay", {**REPRODUCES, "failure.exception_type": "IndexError"}, exit_code=1),
     Case("long_sample", "bisect layers", {"raised_in.module": "pos", "raised_in.class": "Embedding"}),
     Case("long_sample", "shrink", {"steps_after": 1, "rows_after": 1, "seq_after": 33,
@@ -414,7 +416,9 @@ CASES = [
                                             "first_nonfinite.made_inside": True, "origin.op": starts("aten.div"),
                                             "already_out_of_range": None}),
     Case("naive_softmax", "extract", {"class": "NaiveSoftmax", "phase": "forward", "level": "module",
-                                      "op": starts("aten.div")}, then_replays=True),
+                                      "op": starts("aten.div")}, then_replays=True,
+         writes=("code/rk_extract.py", "code/naive_softmax.py", "extract/op_repro.py", "state/state.safetensors"),
+         why="the module alone, with its inputs (the causal mask's -inf among them), and the division op alone"),
     Case("nondeterministic", "replay", {"verdict": one_of("not_reproduced", "flaky", "different_failure")},
          ("--times", "3"), exit_code=-1, why="a fault that strikes at random is never called deterministic"),
     Case("shuffled_labels", "replay", {**REPRODUCES, "failure.kind": "predicate", "failure.step": 39},
@@ -426,8 +430,9 @@ CASES = [
          why="the LR jumps x100 at step 60; grads explode, the loss spikes at 64"),
     Case("lr_x100", "shrink", NO_DATA_CULPRIT, ROWS, why="the LR set 100x too high fails on any data",
          xfail="shrink names a data culprit (state_check 'data', kept_rows [24]): step 64 run from its start state "
-               "with step 63's batch did not spike, and step 64's own loss (5.155) is only 3% over the spike "
-               "threshold (3.0 x median 1.664 = 4.99); the state check cannot tell the LR from the data there"),
+               "with step 63's batch 'passed'; the LR jump already lifted steps 62 and 63 to losses 4.75 and 4.70, "
+               "just under the spike threshold (3.0 x median 1.664 = 4.99) that step 64's 5.155 crosses by 3%, so "
+               "whether a batch 'fails the same way' is decided by a few percent of loss, not by the data"),
     Case("missing_zero_grad", "replay", {**REPRODUCES, "failure.kind": "loss_spike"}, exit_code=1),
     Case("missing_zero_grad", "bisect steps", {"reason": has("gradient norm exploded")}),
     Case("sum_reduction", "replay", {**REPRODUCES, "failure.kind": "loss_spike", "failure.step": 40}, exit_code=1),
@@ -562,7 +567,10 @@ def run_case(case: Case, rec: Recorded, tmp_path: Path) -> dict[str, Any]:
         if not (want.test(got) if isinstance(want, Check) else got == want):
             wrong[key] = f"got {got!r}, right answer {want!r}"
     assert not wrong, f"{case.id}: {wrong}" + (f" ({case.why})" if case.why else "")
+    for rel in case.writes:
+        assert (tmp_path / "written" / rel).is_file(), f"{case.id}: {rel} not written"
     if case.then_replays:
+        assert cli("verify", str(tmp_path / "written"))[0] == 0, "the written bundle does not match its manifest"
         code, again = cli("replay", str(tmp_path / "written"))
         assert code == 1 and again["verdict"] == "deterministic", again
         if isinstance(answer.get("failure"), dict):  # shrink's: the failure the shrunk bundle still has
