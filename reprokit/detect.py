@@ -363,7 +363,8 @@ class Monitor:
         if s.spike_factor is not None and loss is not None and len(self.history) >= min(10, s.spike_window):
             median = statistics.median(self.history)
             if median > 0 and loss > s.spike_factor * median:
-                return Failure("loss_spike", step, message=f"loss {loss:.4g} > {s.spike_factor} x median {median:.4g}")
+                return Failure("loss_spike", step, message=f"loss {loss:.4g} > {s.spike_factor} x median {median:.4g}",
+                               detail={"loss": loss, "median": median, "factor": s.spike_factor})
             if median <= 0 and not self._spike_warned:
                 self._spike_warned = True
                 warnings.warn(f"reprokit: spike_factor cannot judge step {step}: the median of the recent losses is "

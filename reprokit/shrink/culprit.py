@@ -11,13 +11,14 @@ the row passes may look for the rows that do.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from reprokit import pytree
-from reprokit.replay import StepInput
+from reprokit.replay import RunOutcome, StepInput
 from reprokit.shrink.case import Case
 
 if TYPE_CHECKING:
@@ -32,6 +33,11 @@ DATA = "data"
 """Verdict: another step's batch, run from the same state, does not fail: the failing batch matters."""
 UNTESTED = "untested"
 """Verdict: no other step of the window has a batch of the failing one's shapes, so nothing could be swapped in."""
+
+STATE_SHARE = 0.5
+"""For a loss spike: a healthy batch that lifts the loss from the failing step's start state by at least this share of
+the recorded rise above the median (without crossing the threshold itself) shows the state making the spike: a
+threshold crossed by a few percent is not the batch's doing. A culprit batch stands far above the others."""
 
 STATE_MESSAGE = ("the state fails on any data: the cause is upstream of this batch (weights, LR, optimizer state); "
                  "no sample is to blame")
@@ -90,12 +96,30 @@ def check_state(sh: Shrinker, case: Case) -> StateCheck:
     for other in others:
         swapped = StepInput(last.step, other.batch, last.rng, last.rng_tensors)
         same, out = sh._judge(Case((swapped,), snap[0], snap[1], None, None))
-        tried.append({"batch_of": other.step, "result": "same failure" if same else _result(out)})
+        entry = {"batch_of": other.step, "result": "same failure" if same else _result(out)}
+        share = None if same else _share_of_rise(sh, out, last.step)
+        if share is not None and share >= STATE_SHARE:
+            same, entry["result"] = True, "same failure"
+            entry["note"] = (f"no spike, but the loss rose to {out.losses[last.step]:.4g}: {share:.0%} of the recorded "
+                             f"rise above the median")
+        tried.append(entry)
         if not same:
             break  # one healthy batch that passes is enough: the failing batch matters
     sh.different_failures, sh.origin_changed = counters
     verdict = STATE if all(t["result"] == "same failure" for t in tried) else DATA
     return StateCheck(verdict, last.step, tried)
+
+
+def _share_of_rise(sh: Shrinker, out: Any, step: int) -> float | None:
+    """For a loss spike: the share of the recorded rise (failing loss minus median) that ``out``'s loss at ``step``
+    makes; None where it is not a spike, the run did not reach the step, or its loss is not finite."""
+    if sh.spike_rise is None or not isinstance(out, RunOutcome) or out.failure is not None:
+        return None
+    loss, median = sh.spike_rise
+    got = out.losses.get(step)
+    if got is None or not math.isfinite(got) or loss <= median:
+        return None
+    return (got - median) / (loss - median)
 
 
 def _result(out: Any) -> str:

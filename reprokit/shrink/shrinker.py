@@ -167,6 +167,9 @@ class Shrinker:
     because the rows they dropped spike on their own)."""
     spike: bool = False
     """The failure is a loss spike: candidates must not spike without their rows too (see :meth:`spikes_without`)."""
+    spike_rise: tuple[float, float] | None = None
+    """For a loss spike: the failing step's loss on replay and the median it was judged against (the state check
+    asks how much of the rise other batches make from the same state, see :mod:`reprokit.shrink.culprit`)."""
     reference: tuple[Any, int] | None = None
     """The original failing batch and its row count: control rows for origin checks come from it."""
     message: str | None = None
@@ -491,6 +494,9 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             sh.origin, sh.reference = sh.find_origin(original), (first, n or 0)
         elif src.failure.kind == "loss_spike":
             sh.spike, sh.reference = True, (first, n or 0)
+            detail = _failure_of(sh.outcome(original)).detail
+            if isinstance(detail.get("loss"), float) and isinstance(detail.get("median"), float):
+                sh.spike_rise = detail["loss"], detail["median"]
         elif src.failure.kind == "exception":
             sh.message = message_template(_failure_of(sh.outcome(original)).message)
         missed = sh.confirm(original, 1)

@@ -428,11 +428,9 @@ CASES = [
     Case("lr_x100", "replay", {**REPRODUCES, "failure.kind": "loss_spike", "failure.step": 64}, exit_code=1),
     Case("lr_x100", "bisect steps", {"failure_step": 64, "first_bad_step": within(range(60, 65))},
          why="the LR jumps x100 at step 60; grads explode, the loss spikes at 64"),
-    Case("lr_x100", "shrink", NO_DATA_CULPRIT, ROWS, why="the LR set 100x too high fails on any data",
-         xfail="shrink names a data culprit (state_check 'data', kept_rows [24]): step 64 run from its start state "
-               "with step 63's batch 'passed'; the LR jump already lifted steps 62 and 63 to losses 4.75 and 4.70, "
-               "just under the spike threshold (3.0 x median 1.664 = 4.99) that step 64's 5.155 crosses by 3%, so "
-               "whether a batch 'fails the same way' is decided by a few percent of loss, not by the data"),
+    Case("lr_x100", "shrink", NO_DATA_CULPRIT, ROWS,
+         why="the LR set 100x too high fails on any data: from step 64's start state the batches of steps 61-63 lift "
+             "the loss by most of the recorded rise over the median, short of the threshold only by a few percent"),
     Case("missing_zero_grad", "replay", {**REPRODUCES, "failure.kind": "loss_spike"}, exit_code=1),
     Case("missing_zero_grad", "bisect steps", {"reason": has("gradient norm exploded")}),
     Case("sum_reduction", "replay", {**REPRODUCES, "failure.kind": "loss_spike", "failure.step": 40}, exit_code=1),
