@@ -98,7 +98,7 @@ def check_state(sh: Shrinker, case: Case) -> StateCheck:
         same, out = sh._judge(Case((swapped,), snap[0], snap[1], None, None))
         entry = {"batch_of": other.step, "result": "same failure" if same else _result(out)}
         share = None if same else _share_of_rise(sh, out, last.step)
-        if share is not None and share >= STATE_SHARE:
+        if share is not None and share >= STATE_SHARE and isinstance(out, RunOutcome):
             same, entry["result"] = True, "same failure"
             entry["note"] = (f"no spike, but the loss rose to {out.losses[last.step]:.4g}: {share:.0%} of the recorded "
                              f"rise above the median")
