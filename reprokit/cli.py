@@ -30,7 +30,6 @@ import contextlib
 import errno
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -367,8 +366,7 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
     (git bisect run skips it) or code that does not import, 3 invalid bundle.
     """
     from reprokit.archive import is_archive
-    from reprokit.bundle import open_bundle
-    from reprokit.distributed.incident import is_incident
+    from reprokit.bundle import is_incident, open_bundle
     from reprokit.replay import foreign_code_note, format_report
     from reprokit.replay import replay as do_replay
 
@@ -399,7 +397,8 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
 def _replay_incident(folder: Path, times: int, device: str | None, code: Path | None, entries: tuple[str, ...],
                      nproc: int | None, as_json: bool, trust: bool, kw: dict[str, Any]) -> None:
     """``replay`` of an incident folder: the same checks and code note as one bundle's, then every rank replayed."""
-    from reprokit.distributed.incident import is_incident, rank_bundles, replay_incident
+    from reprokit.bundle import is_incident
+    from reprokit.distributed.incident import rank_bundles, replay_incident
     from reprokit.replay import foreign_code_note
     from reprokit.report import format_incident
 
@@ -470,15 +469,12 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
         _echo(format_batch(d["batch_values"]))
 
 
-_RANK_BUNDLE = re.compile(r"bundle-.*-rank\d+of\d+(-\d+)?")
-
-
 def _is_incident(path: Path) -> bool:
     """A folder of rank bundles, named as a multi-rank run names them. A folder of one process's bundles (a copy of an
     out_dir, an unpacked repro) is not: inspect then names the bundles in it instead of talking of incidents."""
-    from reprokit.distributed.incident import is_incident
+    from reprokit.bundle.layout import RANK_BUNDLE, is_incident
 
-    return is_incident(path) and any(_RANK_BUNDLE.fullmatch(p.name) for p in path.iterdir() if p.is_dir())
+    return is_incident(path) and any(RANK_BUNDLE.fullmatch(p.name) for p in path.iterdir() if p.is_dir())
 
 
 def _inspect_incident(folder: Path, plot: Path | None, show_batch: bool, as_json: bool) -> None:
@@ -515,7 +511,8 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     from reprokit.bundle import MANIFEST
     from reprokit.bundle import verify as verify_bundle
     from reprokit.errors import BundleError
-    from reprokit.generated import accepted, differences
+    from reprokit.generated import accepted
+    from reprokit.pack import differences
 
     origin = digest_source(bundle, kw["sha256"]) if is_archive(bundle) else None
     from reprokit.bundle import folder_of_bundles
@@ -541,7 +538,7 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     if accepted() and not problems:
         d["accepted"] = diffs
     if bundle.is_dir():
-        from reprokit.distributed.replicated import referenced
+        from reprokit.bundle.reference import referenced
 
         refs = referenced(bundle)
         if refs is not None:  # a bundle that holds another rank's state by reference

@@ -44,7 +44,7 @@ from reprokit.extract_op import op_overload, refusal
 from reprokit.extract_repro import TORCH_MODULES
 from reprokit.origin import OriginWatcher, stamped_module, watch_step
 from reprokit.replay import Session
-from reprokit.shrink.case import batch_size
+from reprokit.shrink.batch import batch_size
 from reprokit.signature import Failure
 
 MAX_MODULE_BYTES = 10_000_000

@@ -41,20 +41,9 @@ import numpy as np
 import torch
 
 from reprokit import pytree
-from reprokit.bundle import (
-    CODE,
-    ENV,
-    FAILURE,
-    RUN,
-    STATE_JSON,
-    STEPS,
-    BundleWriter,
-    StepRecord,
-    find_leftovers,
-    step_name,
-    write_bundle,
-    write_probe,
-)
+from reprokit.bundle import BundleWriter, StepRecord, find_leftovers, write_bundle, write_probe
+from reprokit.bundle.layout import bundle_name
+from reprokit.bundle.tensorfile import WrittenFile
 from reprokit.code import importing_for_replay, ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
@@ -67,7 +56,6 @@ from reprokit.rng import encode as encode_rng
 from reprokit.signature import Failure
 from reprokit.snapshot import SnapshotEngine, mib
 from reprokit.state import TrainState, accumulation_phase, capture_state
-from reprokit.tensorfile import WrittenFile
 
 StepFn = Callable[[TrainState, Any], Any]
 
@@ -888,9 +876,9 @@ class Recorder:
         writer = None
         try:
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-            tag = f"-{self.rank.tag}" if self.rank is not None else ""
             where = self.out_dir / incident if incident else self.out_dir
-            writer = BundleWriter(where, f"bundle-{stamp}-step{failure.step:08d}-{failure.kind}{tag}")
+            writer = BundleWriter(where, bundle_name(stamp, failure.step, failure.kind,
+                                                     self.rank.tag if self.rank is not None else ""))
             path = self._write(writer, failure, ring, incident)
         except BaseException as e:  # Ctrl-C while writing must not leave a half-written folder behind either
             if writer is not None:
@@ -956,21 +944,9 @@ class Recorder:
             self._warn("", f"reprokit: rank {self.rank.rank}'s bundle references rank {replicated.OWNER_RANK}'s state,"
                            f" but {ref['problem']}. It is written without a state and cannot replay alone; replay "
                            "the incident's other bundles, or record with replicated_state=False.")
-        tree = {**snap.tree, "state": owner_tree}
-        with w:
-            for rel, doc in ((FAILURE, failure.to_json()), (RUN, run), (ENV, capture_env(self._root)),
-                             (STATE_JSON, tree), (replicated.REFERENCE, ref)):
-                w.write_json(rel, doc)
-            w.write_tensors(replicated.LOCAL_RNG, snap.tensors)
-            for rec in ring:
-                r = rec.record()
-                name = f"{STEPS}/{step_name(r.step)}"
-                w.write_json(name + ".json", {"step": r.step, "batch": r.batch, "rng": r.rng, "loss": r.loss,
-                                              "grad_norm": r.grad_norm})
-                w.write_tensors(name + ".safetensors", r.tensors)
-            for rel, src in code:
-                w.copy_file(f"{CODE}/{rel}", src)
-            return w.commit()
+        return write_bundle(w, failure=failure.to_json(), run=run, env=capture_env(self._root),
+                            state=({**snap.tree, "state": owner_tree}, snap.tensors),
+                            steps=(r.record() for r in ring), code=code, reference=ref)
 
     def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None) -> dict[str, Any]:
         ring = self._ring if ring is None else ring

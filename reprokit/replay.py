@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprokit import pytree, schema
-from reprokit.bundle import FAILURE, REPLICATED, Bundle, jsonable, open_bundle
+from reprokit import pytree
+from reprokit.bundle import FAILURE, REPLICATED, Bundle, jsonable, open_bundle, schema
 from reprokit.code import check_refs, imported, materialize, resolve
 from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags

@@ -3,7 +3,7 @@
     python bench/probes/io_load_ab.py [--gb 0.8] [--rounds 3]
 
 old: hash the file (1 MiB reads), ``read_bytes``, ``safetensors.torch.load`` (what ``open_bundle`` +
-``Bundle.state()`` did before); new: ``reprokit.tensorfile.read_verified`` (one read into one
+``Bundle.state()`` did before); new: ``reprokit.bundle.tensorfile.read_verified`` (one read into one
 buffer, hashed on the way, tensors as views). Page-cache pages are dropped before each load.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load
 
-from reprokit import tensorfile
+from reprokit.bundle import tensorfile
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ from reprokit.bundle import Bundle
 from reprokit.origin import OriginWatcher, watch_step
 from reprokit.origin import value_stats as _stats
 from reprokit.replay import Session
-from reprokit.shrink.case import batch_size
+from reprokit.shrink.batch import batch_size
 
 
 def _shapes(obj: Any) -> list[str]:

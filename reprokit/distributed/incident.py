@@ -21,17 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reprokit import schema
-from reprokit.bundle import MANIFEST, Bundle, open_bundle
+from reprokit.bundle import MANIFEST, Bundle, open_bundle, schema
 from reprokit.errors import BundleError, ConfigError, ReprokitError
 
 BLOCKED_GRACE_S = 5.0
-
-
-def is_incident(folder: Path) -> bool:
-    """A folder of rank bundles (no manifest of its own)."""
-    return folder.is_dir() and not (folder / MANIFEST).exists() and any(
-        (p / MANIFEST).exists() for p in folder.iterdir() if p.is_dir())
 
 
 def rank_bundles(folder: Path) -> dict[int, Bundle]:

@@ -18,7 +18,7 @@ import torch
 
 from reprokit import pytree
 from reprokit.replay import StepInput
-from reprokit.shrink.case import Case
+from reprokit.shrink.case import Case, what_happened
 
 if TYPE_CHECKING:
     from reprokit.shrink.shrinker import Shrinker
@@ -90,18 +90,12 @@ def check_state(sh: Shrinker, case: Case) -> StateCheck:
     for other in others:
         swapped = StepInput(last.step, other.batch, last.rng, last.rng_tensors)
         same, out = sh._judge(Case((swapped,), snap[0], snap[1], None, None))
-        tried.append({"batch_of": other.step, "result": "same failure" if same else _result(out)})
+        tried.append({"batch_of": other.step, "result": "same failure" if same else what_happened(out)})
         if not same:
             break  # one healthy batch that passes is enough: the failing batch matters
     sh.different_failures, sh.origin_changed = counters
     verdict = STATE if all(t["result"] == "same failure" for t in tried) else DATA
     return StateCheck(verdict, last.step, tried)
-
-
-def _result(out: Any) -> str:
-    from reprokit.shrink.shrinker import _what_happened
-
-    return _what_happened(out)
 
 
 def _shape(batch: Any) -> list[tuple[str, Any]]:

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from reprokit.search import ddmin, find_integer, shortest_window
 from reprokit.shrink import micro
-from reprokit.shrink.case import Case, neutralise, select_rows, select_seq, token_positions
+from reprokit.shrink.batch import neutralise, select_rows, select_seq, token_positions
+from reprokit.shrink.case import Case
 
 if TYPE_CHECKING:
     from reprokit.shrink.shrinker import Shrinker

@@ -32,17 +32,8 @@ from reprokit.errors import ConfigError, DidNotReproduce, ReprokitError
 from reprokit.origin import Origin, same_origin, watch_step
 from reprokit.replay import RunOutcome, Session, StepInput, alone_hint
 from reprokit.shrink import micro
-from reprokit.shrink.case import (
-    Case,
-    Snapshot,
-    concat_rows,
-    dataset_indices,
-    rows_and_seq,
-    select_rows,
-    select_seq,
-    seq_len,
-    token_positions,
-)
+from reprokit.shrink.batch import concat_rows, dataset_indices, select_rows, select_seq, seq_len, token_positions
+from reprokit.shrink.case import Case, Snapshot, failed, failure_of, rows_and_seq, what_happened
 from reprokit.shrink.culprit import STATE, check_state
 from reprokit.shrink.passes import DATA_PASSES, PASSES
 from reprokit.signature import Failure, message_template
@@ -194,7 +185,7 @@ class Shrinker:
     def _judge(self, case: Case) -> tuple[bool, RunOutcome | dict]:
         """Replay ``case`` once (uncached, outside the budget): does it fail the same way, and what happened."""
         interesting, out = self._isolated(case) if self.isolate else self._in_process(case)
-        if interesting and self.message is not None and message_template(_failure_of(out).message) != self.message:
+        if interesting and self.message is not None and message_template(failure_of(out).message) != self.message:
             interesting = False
             self.different_failures += 1
         elif interesting and self.origin is not None:
@@ -203,7 +194,7 @@ class Shrinker:
         elif interesting and self.spike:
             interesting = not self.spikes_without(case)
             self.origin_changed += not interesting
-        elif not interesting and _failed(out):
+        elif not interesting and failed(out):
             self.different_failures += 1
         return interesting, out
 
@@ -219,7 +210,7 @@ class Shrinker:
             self.confirm_runs += 1
             interesting, out = self._judge(case)
             if not interesting:
-                return _what_happened(out)
+                return what_happened(out)
         return None
 
     def find_origin(self, case: Case) -> Origin | None:
@@ -372,28 +363,6 @@ class Shrinker:
         return self.best, stats, exhausted
 
 
-def _what_happened(out: RunOutcome | dict) -> str:
-    """A replay that did not count as the same failure, in words."""
-    if isinstance(out, dict) and not out.get("per_run"):
-        return "the replay gave no verdict: it crashed or timed out"
-    if not _failed(out):
-        return "it passed"
-    return f"it failed otherwise: {_failure_of(out).describe()}"
-
-
-def _failure_of(out: RunOutcome | dict) -> Failure:
-    """The failure of a run that failed (in process, or the JSON of an isolated replay)."""
-    failure = out.failure if isinstance(out, RunOutcome) else Failure.from_json(out["per_run"][0]["failure"])
-    assert failure is not None
-    return failure
-
-
-def _failed(out: RunOutcome | dict) -> bool:
-    if isinstance(out, RunOutcome):
-        return out.failure is not None
-    return bool(out.get("per_run") and out["per_run"][0].get("different_failure"))
-
-
 def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: dict[str, Any],
                outcome: RunOutcome | None, provenance: dict[str, Any], exact: bool = False) -> Path:
     """Write ``case`` as an ordinary bundle (manifest, checksums) next to its source's code and env."""
@@ -485,7 +454,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         elif src.failure.kind == "loss_spike":
             sh.spike, sh.reference = True, (first, n or 0)
         elif src.failure.kind == "exception":
-            sh.message = message_template(_failure_of(sh.outcome(original)).message)
+            sh.message = message_template(failure_of(sh.outcome(original)).message)
         missed = sh.confirm(original, 1)
         if missed:
             raise FlakyFailure(f"{src.path} failed the same way on one replay but not on the next ({missed}), so "
@@ -506,7 +475,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             raise FlakyFailure(f"the smallest case shrinking found in {src.path} ({size}) did not fail the same way on "
                                f"each of {CONFIRM_TIMES} more replays ({missed}); nothing was written. {FLAKY_HINT}")
         out = sh.outcome(best)
-        failure = _failure_of(out)
+        failure = failure_of(out)
         blamed = checked.verdict != STATE
         kept = list(best.rows) if blamed and best.rows is not None and n and len(best.rows) < n else None
         indices = None if not blamed else micro.indices(first, lay, best.rows) \

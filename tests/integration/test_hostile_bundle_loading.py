@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from rk_testing import record_mlp_nan, reseal
 
 from reprokit import bundle as B
-from reprokit import schema, tensorfile
+from reprokit.bundle import schema, tensorfile
 from reprokit.cli import main
 from reprokit.distributed.incident import rank_bundles
 from reprokit.errors import BundleError, DoesNotFitError

@@ -18,8 +18,9 @@ from click.testing import CliRunner
 from rk_testing import record_mlp_nan, reseal
 
 import reprokit
-from reprokit import archive, pack, tensorfile
+from reprokit import archive, pack
 from reprokit import bundle as B
+from reprokit.bundle import reader, tensorfile
 from reprokit.cli import main
 from reprokit.errors import BundleError
 
@@ -60,7 +61,7 @@ def test_lazy_names_match_the_public_api():
     for name in reprokit.__all__:
         assert getattr(reprokit, name) is not None
     assert archive.MANIFEST == B.MANIFEST and archive.PACK_MANIFEST == pack.PACK_MANIFEST
-    assert "tensorfile.py" in pack.runtime_files() and "record.py" in pack.runtime_files()
+    assert "bundle/tensorfile.py" in pack.runtime_files() and "record.py" in pack.runtime_files()
 
 
 # --- the one tensor writer and reader ----------------------------------------------------
@@ -261,7 +262,7 @@ def test_inspect_does_not_hash_tensors_and_says_so(nan_bundle):
 
 
 def test_total_json_bytes_are_capped(nan_bundle, monkeypatch):
-    monkeypatch.setattr(B, "MAX_TOTAL_JSON_BYTES", 100)
+    monkeypatch.setattr(reader, "MAX_TOTAL_JSON_BYTES", 100)
     problems = B.verify(nan_bundle)
     assert len(problems) == 1 and "bytes of JSON files" in problems[0]["problem"], problems
 
