@@ -53,7 +53,7 @@ from reprokit.errors import CaptureError, CodeLoadError, ConfigError, RecorderWa
 from reprokit.rng import RNGState, check_generators
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
-from reprokit.signature import Failure
+from reprokit.signature import Failure, FailureKind
 from reprokit.snapshot import SnapshotEngine, mib
 from reprokit.state import TrainState, accumulation_phase, capture_state
 
@@ -850,7 +850,7 @@ class Recorder:
             board.handle(doc)
             self._stepped_since_incident = False
             step = max(self.step_index, self._ring[-1].step if self._ring else self.step_index)
-            failure = Failure(kind="peer", step=int(doc.get("step", step)),
+            failure = Failure(kind=FailureKind.PEER, step=int(doc.get("step", step)),
                               message=f"rank {doc.get('rank')} failed: {doc.get('what')}",
                               detail={"incident": doc, "this_rank_step": step})
             self._incident_bundle = self._dump(failure, incident=doc["incident"], from_watcher=True)

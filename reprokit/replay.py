@@ -33,7 +33,7 @@ from reprokit.code import check_refs, imported, materialize, resolve
 from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
 from reprokit.errors import BundleError, CodeLoadError, ConfigError, ReprokitError, StateMismatchError
-from reprokit.signature import Failure, summary_line
+from reprokit.signature import Failure, FailureKind, summary_line
 from reprokit.state import (
     BUFFERS,
     MODEL,
@@ -319,7 +319,7 @@ class Session:
         self.snapshot = (tree, tensors)
         # A bundle from before the loss was read out of a dict / number lacks the key: judge it as it was recorded.
         detect = {"loss_from_mapping": False, **run["recorder"]["detect"], **_recorded_check(self.recorded)}
-        if self.recorded.kind == "predicate" and not predicates:
+        if self.recorded.kind == FailureKind.PREDICATE and not predicates:
             raise BundleError(f"{self.bundle.path}: the recorded failure is a predicate's, but run.json names no "
                               "predicate replay can import (it was not a module-level function when recorded): "
                               "replay cannot check this failure, so it can neither reproduce nor pass. Record again "
@@ -469,7 +469,8 @@ class Session:
         return index < len(names) and names[index] == torch.cuda.get_device_name(self.device)
 
 
-_CHECK_OF_KIND = {"nonfinite_loss": "check_loss", "nonfinite_grad": "check_grads", "nonfinite_param": "check_params"}
+_CHECK_OF_KIND: dict[str, str] = {FailureKind.NONFINITE_LOSS: "check_loss", FailureKind.NONFINITE_GRAD: "check_grads",
+                                   FailureKind.NONFINITE_PARAM: "check_params"}
 
 
 def _recorded_check(recorded: Failure) -> dict[str, bool]:
@@ -671,7 +672,7 @@ def lost_peer(bundle: Bundle) -> bool:
     """The recorded failure is a collective that lost a peer: another rank's process ended (outside its recorded
     steps, or it would have declared the incident) and this rank's collective failed for it."""
     f = bundle.failure
-    if f.kind != "exception" or _world_size(bundle) < 2:
+    if f.kind != FailureKind.EXCEPTION or _world_size(bundle) < 2:
         return False
     # gloo raises a plain RuntimeError, NCCL a DistBackendError (a RuntimeError); an OSError such as a data
     # loader's ConnectionResetError ("Connection reset by peer") is the step's own failure, not a lost rank.
@@ -700,7 +701,7 @@ def _refuse_peer(bundle: Bundle) -> None:
     if lost_peer(bundle):
         raise ReprokitError(f"{bundle.path.name}: {_lost_peer_words(bundle)} Look for the error that ended the other "
                             "rank in the job's log (torchrun prints each rank's traceback).")
-    if f.kind != "peer":
+    if f.kind != FailureKind.PEER:
         return
     doc = f.detail.get("incident", {}) if isinstance(f.detail, dict) else {}
     dist = bundle.run.get("distributed") or {}

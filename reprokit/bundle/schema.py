@@ -40,6 +40,7 @@ from reprokit.bundle.layout import (
     step_name,
 )
 from reprokit.errors import DAMAGED_BUNDLE_ADVICE, BundleError
+from reprokit.signature import KINDS, FailureKind
 
 MAX_JSON_BYTES = 64 * 1024 * 1024
 """Largest JSON file a bundle may hold (tensors live in safetensors; JSON is metadata)."""
@@ -444,8 +445,6 @@ def check_manifest(m: Any, name: str = MANIFEST) -> None:
 
 
 def check_failure(d: Any, name: str = FAILURE) -> None:
-    from reprokit.signature import KINDS
-
     f = _File(name)
     f.obj(d, "", ("kind", "step"))
     f.string(d["kind"], "kind")
@@ -1021,14 +1020,14 @@ def uncheckable(run: dict[str, Any], failure: dict[str, Any]) -> list[tuple[str,
     if not steps:
         out.append(("run.json", "window.steps is empty: a replay would run no step, and nothing can fail in no step "
                                 "(a test that cannot fail is never \"fixed\")"))
-    elif kind != "peer" and step not in steps:
+    elif kind != FailureKind.PEER and step not in steps:
         out.append(("run.json", f"window.steps {_steps_text(steps)} does not hold step {step}, where failure.json says "
                                 "the run failed: a replay would never reach the failure (a test that cannot fail is "
                                 "never \"fixed\")"))
-    if kind == "loss_spike" and run["recorder"]["detect"].get("spike_factor") is None:
+    if kind == FailureKind.LOSS_SPIKE and run["recorder"]["detect"].get("spike_factor") is None:
         out.append(("run.json", "recorder.detect.spike_factor is null, but failure.json's kind is loss_spike: replay "
                                 "could not check the recorded failure"))
-    if kind == "predicate" and not run["refs"].get("predicates"):
+    if kind == FailureKind.PREDICATE and not run["refs"].get("predicates"):
         out.append(("run.json", "refs.predicates is empty, but failure.json's kind is predicate: replay could not "
                                 "check the recorded failure"))
     return out

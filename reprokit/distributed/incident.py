@@ -23,6 +23,7 @@ from typing import Any
 
 from reprokit.bundle import MANIFEST, Bundle, open_bundle, schema
 from reprokit.errors import BundleError, ConfigError, ReprokitError
+from reprokit.signature import FailureKind
 
 BLOCKED_GRACE_S = 5.0
 
@@ -63,7 +64,7 @@ def rank_bundles(folder: Path) -> dict[int, Bundle]:
     world = worlds.pop()
     if not isinstance(world, int) or sorted(found) != list(range(world)):
         missing = sorted(set(range(world if isinstance(world, int) else 0)) - set(found))
-        some = next((b.path for b in found.values() if b.failure.kind != "peer"), found[min(found)].path)
+        some = next((b.path for b in found.values() if b.failure.kind != FailureKind.PEER), found[min(found)].path)
         raise BundleError(f"{folder}: ranks {missing} of {world} have no bundle; an N-rank replay needs every rank. "
                           f"Replay one rank's bundle alone instead, e.g. `reprokit replay {some}`")
     if len(starts) != 1:
@@ -197,7 +198,7 @@ def incident_doc(bundles: dict[int, Bundle]) -> dict[str, Any]:
     incident = (bundles[min(bundles)].failure.detail or {}).get("incident") or {}
     for b in bundles.values():
         f = b.failure
-        if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
+        if f.kind != FailureKind.PEER and isinstance(f.detail, dict) and f.detail.get("incident"):
             incident = f.detail["incident"]
     return dict(incident)
 
@@ -225,7 +226,8 @@ def describe_incident(folder: str | Path) -> dict[str, Any]:
             "step": incident.get("step"), "ranks": ranks}
 
 
-_FIRST_IN_A_STEP = ("exception", "nonfinite_loss", "loss_spike", "predicate", "nonfinite_grad", "nonfinite_param")
+_FIRST_IN_A_STEP = (FailureKind.EXCEPTION, FailureKind.NONFINITE_LOSS, FailureKind.LOSS_SPIKE, FailureKind.PREDICATE,
+                    FailureKind.NONFINITE_GRAD, FailureKind.NONFINITE_PARAM)
 """Failure kinds in the order a step meets them: a rank's own loss goes bad before the all-reduced gradients do."""
 
 
@@ -235,9 +237,9 @@ def origin_rank(bundles: dict[int, Bundle], incident: dict[str, Any]) -> int | N
     one whose failure comes first in a step (its own exception or loss before gradients and parameters) is the
     origin; among equals, the declaring rank, then the lowest. None when no rank failed at the incident's step."""
     step = incident.get("step")
-    order = {kind: i for i, kind in enumerate(_FIRST_IN_A_STEP)}
+    order: dict[str, int] = {kind: i for i, kind in enumerate(_FIRST_IN_A_STEP)}
     found = [(order.get(b.failure.kind, len(order)), r != incident.get("rank"), r) for r, b in bundles.items()
-             if b.failure.kind != "peer" and b.failure.step == step]
+             if b.failure.kind != FailureKind.PEER and b.failure.step == step]
     return min(found)[2] if found else None
 
 

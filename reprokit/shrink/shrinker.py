@@ -35,12 +35,11 @@ from reprokit.shrink import micro
 from reprokit.shrink.batch import concat_rows, dataset_indices, select_rows, select_seq, seq_len, token_positions
 from reprokit.shrink.case import Case, Snapshot, failed, failure_of, rows_and_seq, what_happened
 from reprokit.shrink.culprit import STATE, check_state
-from reprokit.shrink.passes import DATA_PASSES, PASSES
-from reprokit.signature import Failure, message_template
+from reprokit.shrink.passes import PASSES
+from reprokit.shrink.registry import DATA_PASSES
+from reprokit.signature import NONFINITE, Failure, FailureKind, message_template
 
 Progress = Callable[[str, int, str], None]
-NONFINITE = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
-"""Failure kinds whose candidates must also keep the origin (where the first NaN/inf appeared)."""
 
 
 CONFIRM_TIMES = 2
@@ -451,9 +450,9 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         if src.failure.kind in NONFINITE:
             # Checked once here, then for every candidate that fails with the same signature.
             sh.origin, sh.reference = sh.find_origin(original), (first, n or 0)
-        elif src.failure.kind == "loss_spike":
+        elif src.failure.kind == FailureKind.LOSS_SPIKE:
             sh.spike, sh.reference = True, (first, n or 0)
-        elif src.failure.kind == "exception":
+        elif src.failure.kind == FailureKind.EXCEPTION:
             sh.message = message_template(failure_of(sh.outcome(original)).message)
         missed = sh.confirm(original, 1)
         if missed:
