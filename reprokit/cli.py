@@ -369,8 +369,8 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
     """
     from reprokit.archive import is_archive
     from reprokit.bundle import is_incident, open_bundle
-    from reprokit.replay import foreign_code_note, format_report
-    from reprokit.replay import replay as do_replay
+    from reprokit.replayer import foreign_code_note, format_report
+    from reprokit.replayer import replay as do_replay
 
     if is_incident(bundle) or nproc is not None:
         _replay_incident(bundle, times, device, code, entries, nproc, as_json, trust, kw)
@@ -401,7 +401,7 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
     """``replay`` of an incident folder: the same checks and code note as one bundle's, then every rank replayed."""
     from reprokit.bundle import is_incident
     from reprokit.distributed.incident import rank_bundles, replay_incident
-    from reprokit.replay import foreign_code_note
+    from reprokit.replayer import foreign_code_note
     from reprokit.report import format_incident
 
     if not is_incident(folder):
@@ -696,7 +696,7 @@ def _bisect_axis(axis: str, bundle: Path, device: str | None, code: Path | None,
     (what it printed then localises nothing, and it says so)."""
     from reprokit.bisect import axis as replay_axis
     from reprokit.bundle import open_bundle
-    from reprokit.replay import not_reproduced_note
+    from reprokit.replayer import not_reproduced_note
 
     fn, fmt = replay_axis(axis)
     with _open(bundle, kw) as path:

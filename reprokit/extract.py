@@ -43,7 +43,7 @@ from reprokit.errors import BundleError, DidNotReproduce, ReprokitError
 from reprokit.extract_op import op_overload, refusal
 from reprokit.extract_repro import TORCH_MODULES
 from reprokit.origin import OriginWatcher, stamped_module, watch_step
-from reprokit.replay import Session
+from reprokit.replayer import Session
 from reprokit.shrink.batch import batch_size
 from reprokit.signature import Failure, FailureKind
 

@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from reprokit.replay import RunOutcome, Session, StepInput
+from reprokit.replayer import RunOutcome, Session, StepInput
 from reprokit.signature import NONFINITE
 
 _KEY = "reprokit_origin"

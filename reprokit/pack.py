@@ -129,7 +129,7 @@ sys.path.insert(0, HERE)  # the vendored runtime wins over any installed reproki
 
 from reprokit.bundle import jsonable  # noqa: E402
 from reprokit.errors import ReprokitError  # noqa: E402
-from reprokit.replay import format_report, replay  # noqa: E402
+from reprokit.replayer import format_report, replay  # noqa: E402
 from reprokit.text import printable  # noqa: E402
 
 

@@ -501,7 +501,7 @@ def _finite_or_none(x: Any) -> float | None:
 
 def format_incident(d: dict[str, Any]) -> str:
     """The human summary of an N-rank incident replay (``IncidentReport.to_json()``)."""
-    from reprokit.replay import verdict_phrase
+    from reprokit.replayer import verdict_phrase
 
     inc = d.get("incident") or {}
     failing: dict[str, Any] = next((r for r in d["ranks"] if r.get("rank") == d["failing_rank"]), {})

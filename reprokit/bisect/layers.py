@@ -40,7 +40,7 @@ from reprokit.bisect.growth import Growth, grew_line
 from reprokit.bundle import Bundle
 from reprokit.origin import OriginWatcher, watch_step
 from reprokit.origin import value_stats as _stats
-from reprokit.replay import Session
+from reprokit.replayer import Session
 from reprokit.shrink.batch import batch_size
 from reprokit.signature import FailureKind
 

@@ -49,7 +49,7 @@ from reprokit.bisect import registry
 from reprokit.bundle import Bundle
 from reprokit.env import apply_determinism_flags, determinism_flags
 from reprokit.registry import bind
-from reprokit.replay import Session
+from reprokit.replayer import Session
 from reprokit.signature import Failure
 
 Variant = Callable[[Session], contextlib.AbstractContextManager[Any]]

@@ -131,7 +131,7 @@ class IncidentReport:
 
     @property
     def exit_code(self) -> int:
-        from reprokit.replay import VERDICT_EXIT_CODES
+        from reprokit.replayer import VERDICT_EXIT_CODES
 
         return VERDICT_EXIT_CODES.get(self.verdict, 125)
 
@@ -279,9 +279,9 @@ def _launch(folder: Path, bundles: dict[int, Bundle], device: str, code: str | P
 
 def _merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """One rank's reports of several launches (one run each) as one report, its verdict counted as
-    :class:`reprokit.replay.ReplayReport` counts it. A launch where the rank errored makes the whole an error (it
+    :class:`reprokit.replayer.ReplayReport` counts it. A launch where the rank errored makes the whole an error (it
     could not say); one where it stayed blocked in a collective counts as a run that failed otherwise."""
-    from reprokit.replay import VERDICT_EXIT_CODES, verdict_of
+    from reprokit.replayer import VERDICT_EXIT_CODES, verdict_of
 
     if len(docs) == 1:
         return docs[0]
@@ -343,7 +343,7 @@ def _rank_main(folder: str, out: str, times: str, device: str, code: str = "", e
     import torch
     import torch.distributed as dist
 
-    from reprokit.replay import replay
+    from reprokit.replayer import replay
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if device == "cuda":

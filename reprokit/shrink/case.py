@@ -7,7 +7,7 @@ import hashlib
 from dataclasses import dataclass, replace
 from typing import Any
 
-from reprokit.replay import RunOutcome, StepInput
+from reprokit.replayer import RunOutcome, StepInput
 from reprokit.shrink import micro
 from reprokit.shrink.batch import batch_size, seq_len, tensor_leaves, token_positions
 from reprokit.signature import Failure

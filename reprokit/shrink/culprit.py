@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reprokit import pytree
-from reprokit.replay import StepInput
+from reprokit.replayer import StepInput
 from reprokit.shrink.case import Case, what_happened
 
 if TYPE_CHECKING:

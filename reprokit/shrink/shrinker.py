@@ -30,7 +30,7 @@ from reprokit.bundle import (
 from reprokit.code import child_env, entry_args, git_info, snapshot_files
 from reprokit.errors import ConfigError, DidNotReproduce, ReprokitError
 from reprokit.origin import Origin, same_origin, watch_step
-from reprokit.replay import RunOutcome, Session, StepInput, alone_hint
+from reprokit.replayer import RunOutcome, Session, StepInput, alone_hint
 from reprokit.shrink import micro
 from reprokit.shrink.batch import concat_rows, dataset_indices, select_rows, select_seq, seq_len, token_positions
 from reprokit.shrink.case import Case, Snapshot, failed, failure_of, rows_and_seq, what_happened

@@ -606,7 +606,7 @@ def test_the_state_copied_to_the_gpu_while_read_restores_exactly_as_the_host_cop
     copies without cloning them, and both replays fail at the same step with the same losses; a second restore reads
     host memory and does the same."""
     from reprokit.bundle import state_files, tensorfile
-    from reprokit.replay import Session
+    from reprokit.replayer import Session
 
     monkeypatch.setattr(tensorfile, "SHARD_BYTES", 4096)
     gpu = projects("rk_gpu")
@@ -650,7 +650,7 @@ def test_the_state_copied_to_the_gpu_while_read_restores_exactly_as_the_host_cop
 
 
 def test_no_gpu_copy_while_read_for_an_optimizer_that_loads_its_own_way(projects, tmp_path):
-    from reprokit.replay import _Preload
+    from reprokit.replayer import _Preload
 
     class Own(torch.optim.AdamW):
         def load_state_dict(self, state_dict):

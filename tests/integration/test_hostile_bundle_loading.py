@@ -307,7 +307,7 @@ def test_replay_of_edited_json_ends_in_a_documented_error(seed: Path, tmp_path: 
     from hypothesis import strategies as st
 
     from reprokit.errors import ReprokitError
-    from reprokit.replay import replay
+    from reprokit.replayer import replay
 
     docs = {rel: json.loads((seed / rel).read_text()) for rel in FUZZ_FILES}
     paths = [(rel, p) for rel in FUZZ_FILES for p in _paths(docs[rel])]

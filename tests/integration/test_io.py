@@ -179,7 +179,7 @@ def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_on
     that step is asked for, as before."""
     import threading
 
-    from reprokit.replay import Session
+    from reprokit.replayer import Session
 
     b = B.open_bundle(nan_bundle)
     step, readers = b.step, []
@@ -216,7 +216,7 @@ def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_on
 def test_a_gpu_copy_that_fails_drops_the_preload_and_says_why():
     """Copies to a device that cannot take them (here one that does not exist, on any machine): nothing is kept, the
     restore will read host memory, and the error is kept for diagnosis."""
-    from reprokit.replay import _Preload
+    from reprokit.replayer import _Preload
 
     p = _Preload(torch.device("cuda", 99))
     assert p.wants("model/w", torch.ones(3)) and not p.wants("model/b._extra_state/count", torch.ones(3))

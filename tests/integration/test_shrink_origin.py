@@ -11,7 +11,7 @@ from rk_testing import record
 from reprokit.bisect import bisect_layers
 from reprokit.bundle import open_bundle
 from reprokit.cli import main
-from reprokit.replay import Session
+from reprokit.replayer import Session
 from reprokit.shrink.batch import batch_size, select_seq, seq_len
 from reprokit.shrink.case import Case
 from reprokit.shrink.shrinker import Shrinker
