@@ -6,7 +6,7 @@
 A real GPT-2-124M run (bench/gpt.py, fused AdamW on a GPU; a smaller GPT on a CPU) is recorded until step
 ``--fail-at`` returns a NaN loss (its batch carries the poison, so replay sees it too); the training steps' median
 is the reference. Then a fresh
-process (replay is what a colleague runs, with nothing warm) replays the bundle through ``reprokit.replay``'s own
+process (replay is what a colleague runs, with nothing warm) replays the bundle through ``reprokit.replayer``'s own
 session, phase by phase, with the bundle's pages dropped from the page cache first:
 
 - load: open the bundle, ``build(config)``, read and verify the state (``Session.__enter__``; on a GPU this
@@ -41,7 +41,7 @@ from recorder_overhead import make_batch
 
 import reprokit
 from reprokit.bundle import open_bundle
-from reprokit.replay import Session
+from reprokit.replayer import Session
 
 from gpt import GPT, GPT2
 from gpt import train_step as gpt_step

@@ -9,8 +9,6 @@ Public API (everything else is internal and may change)::
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from reprokit._version import __version__
@@ -36,14 +34,14 @@ if TYPE_CHECKING:
     from reprokit.bundle import Bundle, open_bundle, verify
     from reprokit.detect import DetectSettings
     from reprokit.record import Recorder
-    from reprokit.replay import ReplayReport, Session, replay
+    from reprokit.replayer import ReplayReport, Session, replay
     from reprokit.signature import Failure
     from reprokit.state import TrainState
 
 _LAZY = {
     "Bundle": "reprokit.bundle", "open_bundle": "reprokit.bundle", "verify": "reprokit.bundle",
-    "DetectSettings": "reprokit.detect", "Recorder": "reprokit.record", "ReplayReport": "reprokit.replay",
-    "Session": "reprokit.replay", "replay": "reprokit.replay", "Failure": "reprokit.signature",
+    "DetectSettings": "reprokit.detect", "Recorder": "reprokit.record", "ReplayReport": "reprokit.replayer",
+    "Session": "reprokit.replayer", "replay": "reprokit.replayer", "Failure": "reprokit.signature",
     "TrainState": "reprokit.state",
 }
 
@@ -61,20 +59,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
-
-
-class _Package(types.ModuleType):
-    """Importing the submodule ``reprokit.replay`` sets the package's attribute ``replay`` to that module, which
-    would hide the function ``reprokit.replay`` (loaded lazily, above) once anything imported the submodule. The
-    eager package rebound the name after that import; this keeps the function in place the same way."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f"{__name__}.{name}":
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
-from reprokit import schema
+from reprokit.bundle import _self_digest, schema, sha256_file, verify
+from reprokit.bundle.layout import MANIFEST
 from reprokit.errors import BundleError, BundleVersionError, ConfigError
 
-# This module is imported by the command line's option decorators (Limits), so it must not import
-# torch: reprokit.bundle and reprokit.pack (which do) are imported inside the functions that use them.
-MANIFEST = "manifest.json"  # reprokit.bundle.MANIFEST
+# This module is imported by the command line's option decorators (Limits), so it must not import torch (nor does
+# reprokit.bundle until tensors are read); reprokit.pack is imported inside the functions that use it.
 PACK_MANIFEST = "pack-manifest.json"  # reprokit.pack.PACK_MANIFEST
 
 GiB = 1 << 30
@@ -382,8 +382,6 @@ def _checked_digest(path: Path, expected: str | None) -> tuple[str | None, list[
     if len(want) != 64 or any(c not in "0123456789abcdef" for c in want):
         return None, [{"file": source, "problem": "not a sha256", "expected": "64 hex digits",
                        "found": want[:80]}]
-    from reprokit.bundle import sha256_file
-
     found = sha256_file(path)
     if found != want:
         return None, [{"file": path.name, "problem": f"archive sha256 does not match {source}", "expected": want,
@@ -562,7 +560,6 @@ def _coverage(root: Path, bundle: Path, files: dict[str, tuple[str, int]]) -> li
 
 
 def _read_pack_manifest(pm: Path, size: int) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    from reprokit.bundle import _self_digest
     from reprokit.pack import PACK_FORMAT, PACK_VERSION
 
     def bad(problem: str) -> tuple[None, list[dict[str, Any]]]:
@@ -613,8 +610,6 @@ def extracted(path: Path, *, sha256: str | None = None, limits: Limits | None = 
         BundleError: with ``.problems`` listing everything wrong (digest, members, manifests).
         BundleVersionError: for a bundle or pack manifest newer than this reprokit reads.
     """
-    from reprokit.bundle import verify
-
     limits = limits or Limits()
     digest, problems = _checked_digest(path, sha256)
     if problems:
@@ -633,7 +628,7 @@ def extracted(path: Path, *, sha256: str | None = None, limits: Limits | None = 
         bundle = _find_bundle(tmp)
         problems = _coverage(tmp, bundle, files)
         if not problems:  # consistent: then what runs beside the bundle must be what this reprokit packs
-            from reprokit.generated import archive_problems
+            from reprokit.pack import archive_problems
 
             problems = archive_problems(bundle)
         if problems:

@@ -30,7 +30,6 @@ import contextlib
 import errno
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -42,12 +41,14 @@ from typing import Any, TextIO
 import click
 
 from reprokit._version import __version__
+from reprokit.bisect.registry import AXES, VARIANTS
 from reprokit.errors import ConfigError, ReprokitError
+from reprokit.shrink.registry import PASS_NAMES
 
 # Import rule (`reprokit --help` and `--version` must answer in <= 0.3 s): at module level this
-# file imports only click, the standard library and modules that do not import torch
-# (reprokit.errors, reprokit.archive for Limits). Every command imports what it needs inside its
-# function (`from reprokit.bundle import open_bundle`), so torch loads only when a command runs.
+# file imports only click, the standard library and modules that do not import torch (reprokit.errors, the
+# registries of shrink passes and bisect axes, reprokit.archive for Limits). Every command imports what it needs
+# inside its function (`from reprokit.bundle import open_bundle`), so torch loads only when a command runs.
 # tests/integration/test_io.py::test_help_and_version_do_not_import_torch holds this.
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "REPROKIT"}
@@ -375,10 +376,9 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
     (git bisect run skips it) or code that does not import, 3 invalid bundle.
     """
     from reprokit.archive import is_archive
-    from reprokit.bundle import open_bundle
-    from reprokit.distributed.incident import is_incident
-    from reprokit.replay import foreign_code_note, format_report
-    from reprokit.replay import replay as do_replay
+    from reprokit.bundle import is_incident, open_bundle
+    from reprokit.replayer import foreign_code_note, format_report
+    from reprokit.replayer import replay as do_replay
 
     bundle = _recovered(bundle, as_json)
     if is_incident(bundle) or nproc is not None:
@@ -408,8 +408,9 @@ def replay(bundle: Path, times: int, device: str | None, code: Path | None, entr
 def _replay_incident(folder: Path, times: int, device: str | None, code: Path | None, entries: tuple[str, ...],
                      nproc: int | None, as_json: bool, trust: bool, kw: dict[str, Any]) -> None:
     """``replay`` of an incident folder: the same checks and code note as one bundle's, then every rank replayed."""
-    from reprokit.distributed.incident import is_incident, rank_bundles, replay_incident
-    from reprokit.replay import foreign_code_note
+    from reprokit.bundle import is_incident
+    from reprokit.distributed.incident import rank_bundles, replay_incident
+    from reprokit.replayer import foreign_code_note
     from reprokit.report import format_incident
 
     if not is_incident(folder):
@@ -480,15 +481,12 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
         _echo(format_batch(d["batch_values"]))
 
 
-_RANK_BUNDLE = re.compile(r"bundle-.*-rank\d+of\d+(-\d+)?")
-
-
 def _is_incident(path: Path) -> bool:
     """A folder of rank bundles, named as a multi-rank run names them. A folder of one process's bundles (a copy of an
     out_dir, an unpacked repro) is not: inspect then names the bundles in it instead of talking of incidents."""
-    from reprokit.distributed.incident import is_incident
+    from reprokit.bundle.layout import RANK_BUNDLE, is_incident
 
-    return is_incident(path) and any(_RANK_BUNDLE.fullmatch(p.name) for p in path.iterdir() if p.is_dir())
+    return is_incident(path) and any(RANK_BUNDLE.fullmatch(p.name) for p in path.iterdir() if p.is_dir())
 
 
 def _inspect_incident(folder: Path, plot: Path | None, show_batch: bool, as_json: bool) -> None:
@@ -525,7 +523,8 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     from reprokit.bundle import MANIFEST
     from reprokit.bundle import verify as verify_bundle
     from reprokit.errors import BundleError
-    from reprokit.generated import accepted, differences
+    from reprokit.generated import accepted
+    from reprokit.pack import differences
 
     origin = digest_source(bundle, kw["sha256"]) if is_archive(bundle) else None
     from reprokit.bundle import folder_of_bundles
@@ -551,7 +550,7 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
     if accepted() and not problems:
         d["accepted"] = diffs
     if bundle.is_dir():
-        from reprokit.distributed.replicated import referenced
+        from reprokit.bundle.reference import referenced
 
         refs = referenced(bundle)
         if refs is not None:  # a bundle that holds another rank's state by reference
@@ -573,7 +572,7 @@ def verify(bundle: Path, as_json: bool, **kw: Any) -> None:
               help="Directory for the shrunk bundle (must not exist, or be empty).")
 @click.option("--budget", default=300, show_default=True, type=click.IntRange(1),
               help="Most candidate replays to spend.")
-@click.option("--passes", default=",".join(["steps", "micro", "rows", "sequence", "tokens"]), show_default=True,
+@click.option("--passes", default=",".join(PASS_NAMES), show_default=True,
               help="Comma-separated passes to run, in order.")
 @click.option("--pad-id", default=0, show_default=True, type=int,
               help="Neutral value for integer tensors in the tokens pass (your tokenizer's pad id).")
@@ -691,10 +690,9 @@ class _AxisGroup(click.Group):
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
         if args and args[0] not in self.commands and os.path.exists(args[0]):
-            axes = "|".join(self.commands)  # in the order they are defined: steps first
-            raise click.UsageError(f"bisect needs an axis before the bundle: reprokit bisect {axes} {args[0]} "
-                                   "(steps: the first step that went bad; layers: the first module; precision: "
-                                   "the dtype or kernel that matters; commits: the first bad git commit)", ctx)
+            what = "; ".join(f"{name}: {finds}" for name, finds in AXES.items())
+            raise click.UsageError(f"bisect needs an axis before the bundle: reprokit bisect {'|'.join(AXES)} "
+                                   f"{args[0]} ({what})", ctx)
         return super().resolve_command(ctx, args)
 
 
@@ -707,12 +705,11 @@ def _bisect_axis(axis: str, bundle: Path, device: str | None, code: Path | None,
                  **opts: Any) -> None:
     """Run one replay-based bisect axis, print its result, and exit 1 when the recorded failure did not reproduce
     (what it printed then localises nothing, and it says so)."""
-    from reprokit.bisect import AXES
+    from reprokit.bisect import axis as replay_axis
     from reprokit.bundle import open_bundle
-    from reprokit.replay import not_reproduced_note
+    from reprokit.replayer import not_reproduced_note
 
-    fn: Any = AXES[axis][0]
-    fmt: Any = AXES[axis][1]
+    fn, fmt = replay_axis(axis)
     with _open(bundle, kw) as path:
         opened = open_bundle(path)
         _confirm_entries(opened, code, kw.pop("entries"))
@@ -725,11 +722,6 @@ def _bisect_axis(axis: str, bundle: Path, device: str | None, code: Path | None,
             _echo(d["note"])
         sys.exit(1)
 
-
-# The names of reprokit.bisect.precision.VARIANTS, spelled out here because importing that module imports torch
-# (see the import rule above); tests/integration/test_cli_usage_errors_and_help.py holds the two lists equal.
-PRECISION_VARIANTS = ("recorded", "fp32", "bf16", "fp16", "tf32_on", "tf32_off", "sdpa_math", "sdpa_flash",
-                      "sdpa_efficient", "sdpa_cudnn", "deterministic")
 
 device_opt = click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to replay.")
 code_opt = click.option("--code", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -778,7 +770,7 @@ def bisect_layers(bundle: Path, device: str | None, code: Path | None, keep: int
 @code_opt
 @entry_opt
 @click.option("--variants", default=None,
-              help="Comma-separated subset of variants to run (default: all): " + ", ".join(PRECISION_VARIANTS) + ".")
+              help="Comma-separated subset of variants to run (default: all): " + ", ".join(VARIANTS) + ".")
 @archive_opts
 @json_opt
 def bisect_precision(bundle: Path, device: str | None, code: Path | None, variants: str | None, as_json: bool,
@@ -790,8 +782,6 @@ def bisect_precision(bundle: Path, device: str | None, code: Path | None, varian
     Exit 0; 1 when the recorded failure does not reproduce; 3 invalid bundle; 125 code does not
     import or state does not fit.
     """
-    from reprokit.bisect.precision import VARIANTS
-
     names = [v.strip() for v in variants.split(",") if v.strip()] if variants is not None else None
     if names == []:
         raise click.BadParameter(f"{variants!r} names no variant; give some, e.g. --variants recorded,fp32 (or "

@@ -14,7 +14,7 @@ from reprokit.bundle import verify as verify_bundle
 from reprokit.errors import ReprokitError, TrainingFailure
 from reprokit.pack import pack
 from reprokit.record import Recorder
-from reprokit.replay import replay
+from reprokit.replayer import replay
 from reprokit.shrink import shrink
 
 

@@ -31,7 +31,7 @@ import torch
 from reprokit import pytree
 from reprokit.detect_settings import DetectSettings
 from reprokit.errors import ConfigError, RecorderWarning
-from reprokit.signature import Failure, from_exception
+from reprokit.signature import Failure, FailureKind, from_exception
 from reprokit.state import TrainState
 
 _GRAD = attrgetter("grad")
@@ -347,23 +347,24 @@ class Monitor:
                param_norm: float | None) -> Failure | None:
         s = self.settings
         if s.check_loss and loss is not None and not _finite(loss):
-            return Failure("nonfinite_loss", step, message=f"loss = {loss}")
+            return Failure(FailureKind.NONFINITE_LOSS, step, message=f"loss = {loss}")
         if grad_norm is not None and not _finite(grad_norm):
-            return Failure("nonfinite_grad", step, message=f"grad norm = {grad_norm}")
+            return Failure(FailureKind.NONFINITE_GRAD, step, message=f"grad norm = {grad_norm}")
         if param_norm is not None and not _finite(param_norm):
-            return Failure("nonfinite_param", step, message=f"param norm = {param_norm}")
+            return Failure(FailureKind.NONFINITE_PARAM, step, message=f"param norm = {param_norm}")
         if self.state.scaler_enabled():
             scale = self._scale if self._scale is not None else float(self.state.scaler.get_scale())
             skipped = self.last_scale is not None and scale < self.last_scale
             self.skip_streak = self.skip_streak + 1 if skipped else 0
             self.last_scale = scale
             if self.skip_streak >= s.scaler_patience:
-                return Failure("scaler_collapse", step,
+                return Failure(FailureKind.SCALER_COLLAPSE, step,
                                message=f"{self.skip_streak} skipped steps in a row, scale = {scale}")
         if s.spike_factor is not None and loss is not None and len(self.history) >= min(10, s.spike_window):
             median = statistics.median(self.history)
             if median > 0 and loss > s.spike_factor * median:
-                return Failure("loss_spike", step, message=f"loss {loss:.4g} > {s.spike_factor} x median {median:.4g}",
+                return Failure(FailureKind.LOSS_SPIKE, step,
+                               message=f"loss {loss:.4g} > {s.spike_factor} x median {median:.4g}",
                                detail={"loss": loss, "median": median, "factor": s.spike_factor})
             if median <= 0 and not self._spike_warned:
                 self._spike_warned = True
@@ -385,7 +386,7 @@ class Monitor:
                 return _unjudged(fn, verdict, e, step)
             if fired:
                 name = getattr(fn, "__qualname__", repr(fn))
-                return Failure("predicate", step, frame=name,
+                return Failure(FailureKind.PREDICATE, step, frame=name,
                                message=verdict if isinstance(verdict, str) else f"{name} returned {verdict!r}")
         return None
 

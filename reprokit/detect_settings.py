@@ -1,7 +1,7 @@
 """Which detectors run after every step: :class:`DetectSettings`, stored in the bundle's run.json.
 
 Apart from :mod:`reprokit.detect` (which imports torch) so that reading a bundle's run.json
-(``reprokit inspect``, :mod:`reprokit.schema`) does not import torch. ``reprokit.detect`` re-exports it.
+(``reprokit inspect``, :mod:`reprokit.bundle.schema`) does not import torch. ``reprokit.detect`` re-exports it.
 """
 
 from __future__ import annotations

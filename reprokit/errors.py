@@ -15,6 +15,12 @@ class ReprokitError(Exception):
     exit_code = 2
 
 
+DAMAGED_BUNDLE_ADVICE = ("Get an intact copy from whoever sent it, or re-record it; `reprokit verify` lists every "
+                         "problem.")
+"""What to do about a bundle that is damaged or not what its writer wrote: the last sentence of every such
+:class:`BundleError` message (the reader's and the schema's)."""
+
+
 class BundleError(ReprokitError):
     """A bundle is missing, malformed, or fails its checksums."""
 

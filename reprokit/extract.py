@@ -43,9 +43,9 @@ from reprokit.errors import BundleError, DidNotReproduce, ReprokitError
 from reprokit.extract_op import op_overload, refusal
 from reprokit.extract_repro import TORCH_MODULES
 from reprokit.origin import OriginWatcher, stamped_module, watch_step
-from reprokit.replay import Session
-from reprokit.shrink.case import batch_size
-from reprokit.signature import Failure
+from reprokit.replayer import Session
+from reprokit.shrink.batch import batch_size
+from reprokit.signature import Failure, FailureKind
 
 MAX_MODULE_BYTES = 10_000_000
 """Above this many bytes of weights, a module is narrowed to its one op where that op shows the failure alone."""
@@ -53,7 +53,7 @@ EXTRACT_MODULE = "rk_extract"
 """Name of the generated step module in an extract's code snapshot."""
 OP_FILES = ("extract/op.json", "extract/op.safetensors", "extract/op_repro.py")
 _PLAIN = (bool, int, float, str, type(None))
-_NO_CULPRIT = ("loss_spike",)
+_NO_CULPRIT = (FailureKind.LOSS_SPIKE,)
 """Failure kinds without a non-finite value or an exception, so without a module that made one. (A predicate may
 fire on a non-finite value: its bundle goes through the search, which says when it finds none.)"""
 
@@ -224,7 +224,7 @@ class _RaiseCapture(OriginWatcher):
 
     def matching(self, failure: Failure | None) -> _Raised | None:
         """The last op whose error is the step's failure (same type, same first line), if any op raised it."""
-        if failure is None or failure.kind != "exception":
+        if failure is None or failure.kind != FailureKind.EXCEPTION:
             return None
         for r in reversed(self.raised):
             msg = str(r.error).splitlines()[0][:500] if str(r.error) else ""
@@ -366,7 +366,7 @@ def _extract(bundle: Bundle, output: Path, *, device: str | None, code: Any, sou
                                   "first (`reprokit replay`), then extract")
         watcher = _OpCapture(batch_size(inputs[-1].batch))
         raised, notes = None, []
-        if bundle.failure.kind == "exception":
+        if bundle.failure.kind == FailureKind.EXCEPTION:
             raiser = _RaiseCapture()
             raised = raiser.matching(watch_step(s, inputs[-1], before, None, raiser)[0].failure)
             notes += _raise_notes(raised, bundle.failure)
@@ -387,11 +387,11 @@ def _extract(bundle: Bundle, output: Path, *, device: str | None, code: Any, sou
                 s.run(inputs[-1:], before)
         finally:
             cap.close()
-        call = _pick(cap, phase, bundle.failure.kind == "exception")
+        call = _pick(cap, phase, bundle.failure.kind == FailureKind.EXCEPTION)
         origin = watcher.origin
         made_in_phase = origin is not None and origin.created and origin.phase == phase and \
             _inside(origin.module, name)
-        bad = _already_bad(call, phase, made_in_phase, mod) if bundle.failure.kind != "exception" else None
+        bad = _already_bad(call, phase, made_in_phase, mod) if bundle.failure.kind != FailureKind.EXCEPTION else None
         if bad is not None:
             raise DidNotReproduce(f"module {name} ({type(mod).__qualname__}) received the non-finite value in {bad} "
                                   f"({phase}) when the failing step ran again, so it did not make it there: no "
@@ -556,7 +556,7 @@ def _makes_it_alone(call: _Call, mod: torch.nn.Module) -> bool:
 
 def _nothing(bundle: Bundle, output: Path, located: dict[str, Any], watcher: _OpCapture,
              raised: _Raised | None) -> ExtractResult:
-    if bundle.failure.kind == "exception":
+    if bundle.failure.kind == FailureKind.EXCEPTION:
         return _nothing_raised(bundle, output, raised)
     origin = watcher.origin
     where = origin.describe() if origin is not None else "unknown (no op made a non-finite value)"
@@ -683,11 +683,11 @@ def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: 
             raise DidNotReproduce(f"{what} alone, on the inputs it received, does not fail the same "
                                   "way (its failure may need state it does not hold); use the whole bundle, or "
                                   "`reprokit shrink` it instead")
-        if bundle.failure.kind == "exception" and type(recorded).__qualname__ != bundle.failure.exc_type:
+        if bundle.failure.kind == FailureKind.EXCEPTION and type(recorded).__qualname__ != bundle.failure.exc_type:
             raise DidNotReproduce(f"{what} alone raises {type(recorded).__qualname__}, not the "
                                   f"bundle's {bundle.failure.exc_type}: it does not fail the same way alone; use the "
                                   "whole bundle, or `reprokit shrink` it instead" + _said(notes))
-        if bundle.failure.kind != "exception" and not _nonfinite_check(recorded):
+        if bundle.failure.kind != FailureKind.EXCEPTION and not _nonfinite_check(recorded):
             # The bundle's failure is a non-finite value: only rk_extract's own check finding one is that failure
             # (the module raising, say for an attribute the extract could not carry, is another one).
             raise DidNotReproduce(f"{what} alone raises {type(recorded).__qualname__}: "

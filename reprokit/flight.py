@@ -488,7 +488,7 @@ class FlightLog:
         self._write(self._step_record(step, batch, tensors, rng))
 
     def _write_snapshot(self, step: int, tree: dict[str, Any], tensors: Any, landed: Callable[[], bool] | None) -> None:
-        from reprokit.tensorfile import WrittenFile, shard, write_safetensors
+        from reprokit.bundle.tensorfile import WrittenFile, shard, write_safetensors
 
         t0 = time.perf_counter()
         folder = self.folder / window_dir(step)

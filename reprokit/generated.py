@@ -11,13 +11,15 @@ accepts it explicitly: ``--accept-generated`` on the command line, :func:`accept
 A file an earlier reprokit wrote differs too (the templates change between versions): the problem names the version
 that wrote it (the manifest's ``reprokit_version``, the archive's vendored ``_version.py``) and, for files of earlier
 builds this reprokit knows by digest, says so; re-extract or re-pack with this reprokit, or accept it after reading it.
+
+This module checks a bundle's own generated files (:func:`bundle_problems`, part of every verification); an archive's
+(:func:`reprokit.pack.archive_problems`) are checked where archives are written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import re
 from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
@@ -76,11 +78,11 @@ def is_generated_problem(problem: dict[str, Any]) -> bool:
     return PROBLEM_MARK in str(problem.get("problem", ""))
 
 
-def _digest(data: bytes) -> str:
+def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _problem(rel: str, found: str, expected: str, writer: str | None, what: str) -> dict[str, Any]:
+def mismatch(rel: str, found: str, expected: str, writer: str | None, what: str) -> dict[str, Any]:
     """One difference, worded by who wrote the file: this version (so it was edited), another version, or a known
     earlier build."""
     if found in EARLIER:
@@ -106,69 +108,8 @@ def bundle_problems(path: Path, listed: dict[str, Any], writer: str | None) -> l
         meta = listed.get(rel)
         if meta is None:
             continue
-        expected = _digest((_PACKAGE / template).read_bytes())
+        expected = digest((_PACKAGE / template).read_bytes())
         if meta.get("sha256") != expected:  # the file's own digest, checked against the manifest by the caller
-            out.append(_problem(rel, str(meta.get("sha256")), expected, writer, f"the {rel.rsplit('/', 1)[-1]} "
+            out.append(mismatch(rel, str(meta.get("sha256")), expected, writer, f"the {rel.rsplit('/', 1)[-1]} "
                                                                                 "of every bundle"))
     return out
-
-
-_VERSION_RE = re.compile(rb"""^__version__\s*=\s*["']([^"'\n]{1,64})["']""", re.M)
-
-
-def _packed_by(top: Path) -> str | None:
-    """The version of the runtime an archive vendors (read, never imported)."""
-    try:
-        m = _VERSION_RE.search((top / "reprokit" / "_version.py").read_bytes()[:4096])
-    except OSError:
-        return None
-    return m[1].decode(errors="replace") if m else None
-
-
-def archive_problems(bundle: Path) -> list[dict[str, Any]]:
-    """Files ``reprokit pack`` writes beside ``bundle`` (``repro.py``, ``README.md``, the vendored runtime) that
-    differ from what this reprokit writes for it, or are missing, or are there though pack writes no such file.
-    Empty for a bundle folder tarred by hand (no pack manifest), for a bundle that does not open (its own problems
-    are reported where it is opened), and while :func:`accepting`."""
-    from reprokit.bundle import open_bundle
-    from reprokit.errors import ReprokitError
-    from reprokit.pack import PACK_MANIFEST, generated_files
-
-    top = bundle.parent
-    if accepted() or bundle.name != "bundle" or not (top / PACK_MANIFEST).is_file():
-        return []
-    try:
-        with accepting():  # the bundle's own generated files are reported where the bundle is verified
-            expected = generated_files(open_bundle(bundle))
-    except ReprokitError:
-        return []
-    writer = _packed_by(top)
-    present = sorted(p.relative_to(top).as_posix() for p in top.rglob("*")
-                     if p.is_file() and not p.is_symlink() and p.relative_to(top).parts[0] not in ("bundle",)
-                     and p.name != PACK_MANIFEST)
-    out = []
-    for rel in present:
-        if rel not in expected:
-            out.append({"file": rel, "problem": f"not a file reprokit pack writes: the archive {PROBLEM_MARK} "
-                                                f"({__version__}) packs (packed by reprokit {writer or 'unknown'})"})
-            continue
-        data = (top / rel).read_bytes()
-        want = expected[rel]
-        if data != want:
-            out.append(_problem(rel, _digest(data), _digest(want), writer, "the packed " + rel + " of this bundle"))
-    for rel in sorted(set(expected) - set(present)):
-        out.append({"file": rel, "problem": f"missing: the archive {PROBLEM_MARK} ({__version__}) packs, which "
-                                            f"writes this file (packed by reprokit {writer or 'unknown'})"})
-    return out
-
-
-def differences(bundle: Path) -> list[dict[str, Any]]:
-    """Every generated file of the bundle folder ``bundle`` (and of the archive it was extracted from) that differs
-    from what this reprokit writes, accepted or not: what ``verify --accept-generated`` lists as accepted."""
-    from reprokit.bundle import _read_manifest
-
-    manifest, _ = _read_manifest(bundle)
-    if manifest is None:
-        return []
-    with accepting(False):
-        return bundle_problems(bundle, manifest["files"], manifest.get("reprokit_version")) + archive_problems(bundle)

@@ -2,7 +2,7 @@
 
 A step that segfaults in an extension, calls ``abort()``, is killed by a signal or poisons the CUDA context would
 take reprokit down with it. :class:`IsolatedRunner` runs each replay attempt in a child (``python -m
-reprokit.isolation``) that runs the ordinary :class:`~reprokit.replay.Session`, and tells its parent on a pipe as
+reprokit.isolation``) that runs the ordinary :class:`~reprokit.replayer.Session`, and tells its parent on a pipe as
 each step starts and finishes, then the run's outcome. When the child dies instead, the parent knows the step it
 died in (the last one started) and how (the signal, from its exit status), and makes of that a ``crash`` failure,
 judged against the recorded one like any other (:func:`reprokit.signature.same_failure`).
@@ -32,9 +32,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from reprokit import errors
+from reprokit.outcome import RunOutcome
 from reprokit.signature import Failure
 
 STARTUP_LIMIT_S = 600.0
@@ -190,7 +191,7 @@ class IsolatedRunner:
         log = self._tmp / f"child-{self.starts}.log"
         try:
             with open(log, "wb") as out:
-                proc = subprocess.Popen([sys.executable, "-m", "reprokit.isolation", str(write)], stdin=subprocess.PIPE,
+                proc = subprocess.Popen([sys.executable, "-m", "reprokit.isolation_server", str(write)], stdin=subprocess.PIPE,
                                         stdout=out, stderr=subprocess.STDOUT, pass_fds=(write,), env=self._env,
                                         text=True)
         except BaseException:
@@ -286,8 +287,6 @@ class IsolatedRunner:
 def _died(failure: Failure, recorded: Failure, finished: dict[int, float | None], seconds: float,
           peak: int | None) -> Attempt:
     """The attempt whose process died with ``failure`` (see :func:`death_failure`)."""
-    from reprokit.replay import RunOutcome
-
     tail = failure.detail["fault_log"]
     death = {"signal": failure.detail["signal"], "returncode": failure.detail["returncode"], "step": failure.step,
              "where": fault_frame(tail), "last_started": failure.detail["last_started"],
@@ -334,8 +333,6 @@ def fault_frame(output: str) -> str | None:
 
 
 def _attempt_of(event: dict[str, Any], peak: int | None) -> Attempt:
-    from reprokit.replay import RunOutcome
-
     failure = Failure.from_json(event["failure"]) if event["failure"] else None
     losses = {int(k): v for k, v in event["losses"]}
     outcome = RunOutcome(failure, event["same"], losses, event["seconds"])
@@ -366,37 +363,6 @@ def _tail(log: Path, offset: int = 0) -> str:
 
 
 # -- the parent side of replay ------------------------------------------------------------------------------------
-
-def replay_isolated(bundle: Any, *, times: int = 1, device: str | None = None, code: str | Path | None = None,
-                    progress: Any = None) -> Any:
-    """:func:`reprokit.replay.replay` with each run in a child process (see the module docstring).
-
-    A run whose child died is a ``crash`` at the step it started last: it reproduces a recorded crash that died the
-    same way there (the same signal; any signal when the bundle recorded none; the same exception class for a death
-    by an uncaught exception), and a recorded device error of the same exception class. Deterministic and flaky are
-    told apart over ``times`` runs as in-process. ``report.isolation`` says what isolation cost and, for a crash
-    that replays clean, what that means, with the peak host memory of a run beside the recorded machine's memory.
-    """
-    from reprokit.replay import code_label, default_device, loss_fidelity, report_of
-
-    runs, attempts = [], []
-    with IsolatedRunner() as runner:
-        for i in range(times):
-            a = runner.attempt(bundle.path, recorded=bundle.failure, device=device, code=code)
-            attempts.append(a)
-            runs.append(a.outcome)
-            if progress:
-                progress(i + 1, times)
-    seen = next((a for a in attempts if a.device is not None), None)
-    for a in attempts:
-        a.outcome.fidelity = loss_fidelity(bundle, a.outcome.losses, same_device=bool(seen and seen.same_device),
-                                           same_code=code is None)
-    where = seen.device if seen else device or default_device(bundle)
-    label = seen.code if seen and seen.code else code_label(bundle, Path(code).resolve() if code else None)
-    report = report_of(bundle, runs, str(where), label)
-    report.isolation = isolation_summary(report, attempts, runner.summary(), bundle.env)
-    return report
-
 
 def isolation_summary(report: Any, attempts: list[Attempt], cost: dict[str, Any],
                       env: dict[str, Any]) -> dict[str, Any]:
@@ -443,87 +409,4 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-# -- the child ----------------------------------------------------------------------------------------------------
-
-def _send(fd: int, event: dict[str, Any]) -> None:
-    data = (json.dumps(event) + "\n").encode()
-    while data:  # a pipe takes a large write in parts
-        data = data[os.write(fd, data):]
-
-
-def _attempt(fd: int, req: dict[str, Any]) -> None:
-    """Run one attempt in this (forked) process: the events of its steps, then its result or the error that stopped
-    it. A death by an uncaught ``BaseException`` (``SystemExit`` from the step) is said before the process goes."""
-    from reprokit.bundle import open_bundle
-    from reprokit.replay import Session
-
-    _send(fd, {"event": "forked", "pid": os.getpid()})
-    try:
-        s = Session(open_bundle(req["bundle"]), device=req["device"], code=req["code"], preload=True)
-        s.__enter__()
-    except errors.ReprokitError as e:
-        _send(fd, {"event": "error", "error": type(e).__name__, "message": str(e),
-                   "attributes": {k: getattr(e, k) for k in ("problems", "cli_message") if hasattr(e, k)}})
-        return
-    s.on_step = lambda what, step, loss: _send(fd, {"event": what, "step": step, "loss": loss})
-    try:
-        out = s.run(s.inputs())
-    except BaseException as e:  # SystemExit, KeyboardInterrupt from the step: a Python-level death
-        _send(fd, {"event": "died", "exc_type": type(e).__qualname__,
-                   "message": str(e).splitlines()[0][:500] if str(e) else ""})
-        sys.stderr.flush()
-        os._exit(70)
-    _send(fd, {"event": "result", "failure": out.failure.to_json() if out.failure else None, "same": out.same,
-               "losses": list(out.losses.items()), "seconds": out.seconds, "device": str(s.device),
-               "code": s.code_label, "same_device": s.same_device()})
-    s.__exit__(None, None, None)
-    s.drop_code_copy()
-
-
-def _serve(fd: int, requests: IO[str]) -> None:
-    """The fork server: one forked process per request, waited for; its exit status and peak memory reported."""
-    _send(fd, {"event": "ready", "pid": os.getpid()})
-    for line in requests:
-        req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                _attempt(fd, req)
-            except BaseException as e:  # reprokit's own fault in the attempt: said as a death, never a hang
-                _send(fd, {"event": "died", "exc_type": type(e).__qualname__, "message": str(e)[:500]})
-                code = 70
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status, usage = os.wait4(pid, 0)
-        _send(fd, {"event": "exit", "returncode": os.waitstatus_to_exitcode(status),
-                   "peak_rss_bytes": usage.ru_maxrss * 1024})  # kB on Linux
-
-
-def _preload() -> None:
-    """Import what every replay imports lazily, once in the server rather than in each attempt: setting the
-    determinism flags imports torch._dynamo and torch._inductor (seconds). The server still has one thread afterwards
-    (torch 2.13 on Linux), which keeps forking safe: with more, a fork could copy a lock another thread holds."""
-    import torch._dynamo  # noqa: F401
-    import torch._inductor  # noqa: F401
-
-
-def main(argv: list[str]) -> None:
-    """``python -m reprokit.isolation FD``: serve replay requests (JSON lines on stdin), events on file FD."""
-    import faulthandler
-
-    fd = int(argv[0])
-    os.set_inheritable(fd, False)  # programs the step runs (exec) must not keep the parent's end-of-file away
-    faulthandler.enable(all_threads=True)  # a segfault's Python traceback goes to the log the parent keeps
-    import reprokit.replay  # noqa: F401 - torch and reprokit before "ready": the start-up cost is the server's own
-    _preload()
-    _serve(fd, sys.stdin)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
-
-
-__all__ = ["KILLED_FROM_OUTSIDE", "Attempt", "IsolatedRunner", "death_failure", "replay_isolated"]
+__all__ = ["KILLED_FROM_OUTSIDE", "Attempt", "IsolatedRunner", "death_failure"]

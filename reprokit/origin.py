@@ -43,7 +43,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from reprokit.replay import RunOutcome, Session, StepInput
+from reprokit.replayer import RunOutcome, Session, StepInput
+from reprokit.signature import NONFINITE
 
 _KEY = "reprokit_origin"
 """Key of the ``(module, site)`` stamp in an autograd node's ``metadata``."""
@@ -368,7 +369,7 @@ def watch_step(session: Session, inp: StepInput, snapshot: tuple[dict, dict] | N
 
 def _infinite_only(failure: Any) -> bool:
     """The failure is a non-finite loss, gradient norm or parameter norm whose value is +-inf (so holds no NaN)."""
-    if failure.kind not in ("nonfinite_loss", "nonfinite_grad", "nonfinite_param"):
+    if failure.kind not in NONFINITE:
         return False
     value = failure.message.rpartition("= ")[2].strip()
     return value in ("inf", "-inf")

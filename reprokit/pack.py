@@ -33,6 +33,7 @@ import hashlib
 import io
 import os
 import queue
+import re
 import tarfile
 import tempfile
 import threading
@@ -42,10 +43,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from reprokit.bundle import MANIFEST, REPLICATED, Bundle, _self_digest, dumps, open_bundle, sha256_file
+from reprokit._version import __version__
+from reprokit.bundle import MANIFEST, REPLICATED, Bundle, _self_digest, dumps, open_bundle, reference, sha256_file
+from reprokit.bundle.hashing import open_regular
+from reprokit.bundle.reader import _read_manifest
 from reprokit.env import FRAMEWORKS
-from reprokit.errors import BundleError
-from reprokit.hashing import open_regular
+from reprokit.errors import BundleError, ReprokitError
+from reprokit.generated import PROBLEM_MARK, accepted, accepting, bundle_problems, digest, mismatch
 
 # The archive's own manifest; reprokit.archive checks it.
 PACK_MANIFEST = "pack-manifest.json"
@@ -90,6 +94,9 @@ def _runtime_files(extra_roots: tuple[str, ...]) -> tuple[str, ...]:
                 for cand in ("/".join(parts) + ".py", "/".join(parts) + "/__init__.py"):
                     if parts and (_PACKAGE / cand).is_file():
                         todo.append(cand)
+                # a module of a subpackage (reprokit.bundle.layout) imports its package's __init__ first
+                todo += ["/".join(parts[:i]) + "/__init__.py" for i in range(1, len(parts))
+                         if (_PACKAGE / "/".join(parts[:i]) / "__init__.py").is_file()]
     return tuple(sorted(found))
 
 
@@ -122,7 +129,7 @@ sys.path.insert(0, HERE)  # the vendored runtime wins over any installed reproki
 
 from reprokit.bundle import jsonable  # noqa: E402
 from reprokit.errors import ReprokitError  # noqa: E402
-from reprokit.replay import format_report, replay  # noqa: E402
+from reprokit.replayer import format_report, replay  # noqa: E402
 from reprokit.text import printable  # noqa: E402
 
 
@@ -370,11 +377,9 @@ def pack(bundle: str | Path, output: str | Path) -> PackResult:
     if REPLICATED in b.manifest["files"]:
         # A rank's bundle that references rank 0's state: the archive must stand alone, so the state is written
         # into a self-contained copy (digests checked as it is read) and that copy is packed.
-        from reprokit.distributed import replicated
-
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".reprokit-materialise-", dir=Path(output).parent) as tmp:
-            return _pack(open_bundle(replicated.materialise(b, Path(tmp), b.path.name)), Path(output))
+            return _pack(open_bundle(reference.materialise(b, Path(tmp), b.path.name)), Path(output))
     return _pack(b, Path(output))
 
 
@@ -387,6 +392,64 @@ def generated_files(b: Bundle) -> dict[str, bytes]:
     out = {f"reprokit/{name}": (_PACKAGE / name).read_bytes() for name in runtime_files(integrations)}
     repro_py = REPRO_PY.replace("NEEDS = {}", f"NEEDS = {needs!r}", 1)
     return out | {"repro.py": repro_py.encode(), "README.md": _readme(b, needs).encode()}
+
+
+# --- generated files of an archive (reprokit.generated holds a bundle's own) -------------------------
+
+_VERSION_RE = re.compile(rb"""^__version__\s*=\s*["']([^"'\n]{1,64})["']""", re.M)
+
+
+def _packed_by(top: Path) -> str | None:
+    """The version of the runtime an archive vendors (read, never imported)."""
+    try:
+        m = _VERSION_RE.search((top / "reprokit" / "_version.py").read_bytes()[:4096])
+    except OSError:
+        return None
+    return m[1].decode(errors="replace") if m else None
+
+
+def archive_problems(bundle: Path) -> list[dict[str, Any]]:
+    """Files ``reprokit pack`` writes beside ``bundle`` (``repro.py``, ``README.md``, the vendored runtime) that
+    differ from what this reprokit writes for it, or are missing, or are there though pack writes no such file.
+    Empty for a bundle folder tarred by hand (no pack manifest), for a bundle that does not open (its own problems
+    are reported where it is opened), and while :func:`accepting`."""
+    top = bundle.parent
+    if accepted() or bundle.name != "bundle" or not (top / PACK_MANIFEST).is_file():
+        return []
+    try:
+        with accepting():  # the bundle's own generated files are reported where the bundle is verified
+            expected = generated_files(open_bundle(bundle))
+    except ReprokitError:
+        return []
+    writer = _packed_by(top)
+    present = sorted(p.relative_to(top).as_posix() for p in top.rglob("*")
+                     if p.is_file() and not p.is_symlink() and p.relative_to(top).parts[0] not in ("bundle",)
+                     and p.name != PACK_MANIFEST)
+    out = []
+    for rel in present:
+        if rel not in expected:
+            out.append({"file": rel, "problem": f"not a file reprokit pack writes: the archive {PROBLEM_MARK} "
+                                                f"({__version__}) packs (packed by reprokit {writer or 'unknown'})"})
+            continue
+        data = (top / rel).read_bytes()
+        want = expected[rel]
+        if data != want:
+            out.append(mismatch(rel, digest(data), digest(want), writer, "the packed " + rel + " of this bundle"))
+    for rel in sorted(set(expected) - set(present)):
+        out.append({"file": rel, "problem": f"missing: the archive {PROBLEM_MARK} ({__version__}) packs, which "
+                                            f"writes this file (packed by reprokit {writer or 'unknown'})"})
+    return out
+
+
+def differences(bundle: Path) -> list[dict[str, Any]]:
+    """Every generated file of the bundle folder ``bundle`` (and of the archive it was extracted from) that differs
+    from what this reprokit writes, accepted or not: what ``verify --accept-generated`` lists as accepted
+    (:mod:`reprokit.generated`)."""
+    manifest, _ = _read_manifest(bundle)
+    if manifest is None:
+        return []
+    with accepting(False):
+        return bundle_problems(bundle, manifest["files"], manifest.get("reprokit_version")) + archive_problems(bundle)
 
 
 def _pack(b: Bundle, output: Path) -> PackResult:

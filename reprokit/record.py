@@ -42,20 +42,15 @@ import torch
 
 from reprokit import pytree
 from reprokit.bundle import (
-    CODE,
-    ENV,
-    FAILURE,
-    RUN,
-    STATE_JSON,
-    STEPS,
     BundleWriter,
     StepRecord,
     find_leftovers,
-    step_name,
     verify,
     write_bundle,
     write_probe,
 )
+from reprokit.bundle.layout import bundle_name
+from reprokit.bundle.tensorfile import WrittenFile
 from reprokit.code import importing_for_replay, ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
@@ -68,10 +63,9 @@ from reprokit.flight import run_id as flight_run_id
 from reprokit.rng import RNGState, check_generators
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
-from reprokit.signature import Failure
+from reprokit.signature import Failure, FailureKind
 from reprokit.snapshot import SnapshotEngine, mib
 from reprokit.state import TrainState, accumulation_phase, capture_state
-from reprokit.tensorfile import WrittenFile
 
 StepFn = Callable[[TrainState, Any], Any]
 
@@ -976,7 +970,7 @@ class Recorder:
             board.handle(doc)
             self._stepped_since_incident = False
             step = max(self.step_index, self._ring[-1].step if self._ring else self.step_index)
-            failure = Failure(kind="peer", step=int(doc.get("step", step)),
+            failure = Failure(kind=FailureKind.PEER, step=int(doc.get("step", step)),
                               message=f"rank {doc.get('rank')} failed: {doc.get('what')}",
                               detail={"incident": doc, "this_rank_step": step})
             self._incident_bundle = self._dump(failure, incident=doc["incident"], from_watcher=True)
@@ -1098,9 +1092,9 @@ class Recorder:
         writer = None
         try:
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-            tag = f"-{self.rank.tag}" if self.rank is not None else ""
             where = self.out_dir / incident if incident else self.out_dir
-            writer = BundleWriter(where, f"bundle-{stamp}-step{failure.step:08d}-{failure.kind}{tag}")
+            writer = BundleWriter(where, bundle_name(stamp, failure.step, failure.kind,
+                                                     self.rank.tag if self.rank is not None else ""))
             path = self._write(writer, failure, ring, incident)
         except BaseException as e:  # Ctrl-C while writing must not leave a half-written folder behind either
             if writer is not None:
@@ -1169,21 +1163,9 @@ class Recorder:
             self._warn("", f"reprokit: rank {self.rank.rank}'s bundle references rank {replicated.OWNER_RANK}'s state,"
                            f" but {ref['problem']}. It is written without a state and cannot replay alone; replay "
                            "the incident's other bundles, or record with replicated_state=False.")
-        tree = {**snap.tree, "state": owner_tree}
-        with w:
-            for rel, doc in ((FAILURE, failure.to_json()), (RUN, run), (ENV, capture_env(self._root)),
-                             (STATE_JSON, tree), (replicated.REFERENCE, ref)):
-                w.write_json(rel, doc)
-            w.write_tensors(replicated.LOCAL_RNG, snap.tensors)
-            for rec in ring:
-                r = rec.record()
-                name = f"{STEPS}/{step_name(r.step)}"
-                w.write_json(name + ".json", {"step": r.step, "batch": r.batch, "rng": r.rng, "loss": r.loss,
-                                              "grad_norm": r.grad_norm})
-                w.write_tensors(name + ".safetensors", r.tensors)
-            for rel, src in code:
-                w.copy_file(f"{CODE}/{rel}", src)
-            return w.commit()
+        return write_bundle(w, failure=failure.to_json(), run=run, env=capture_env(self._root),
+                            state=({**snap.tree, "state": owner_tree}, snap.tensors),
+                            steps=(r.record() for r in ring), code=code, reference=ref)
 
     def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None) -> dict[str, Any]:
         ring = self._ring if ring is None else ring

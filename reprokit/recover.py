@@ -350,7 +350,7 @@ def _tag(log: RankLog) -> str:
 def _write(log: RankLog, where: Path, chain: tuple[int, list[int]], failure: Failure,
            incident: str | None = None) -> Path:
     """Write and verify the crash bundle of ``log``; an invalid one is removed (never left behind)."""
-    from reprokit.tensorfile import WrittenFile
+    from reprokit.bundle.tensorfile import WrittenFile
 
     start, steps = chain
     snap = log.snaps[start]

@@ -14,12 +14,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from reprokit import pytree, schema
-from reprokit.bundle import _FIX, REPLICATED, STEPS, Bundle, jsonable, state_files, step_name
+from reprokit import pytree
+from reprokit.bundle import REPLICATED, STEPS, Bundle, jsonable, reference, schema, state_files, step_name
+from reprokit.bundle.hashing import open_regular
 from reprokit.code import ref_label
 from reprokit.diagnose import findings
-from reprokit.errors import BundleError, ReprokitError
-from reprokit.hashing import open_regular
+from reprokit.errors import DAMAGED_BUNDLE_ADVICE, BundleError, ReprokitError
 from reprokit.signature import summary_line
 from reprokit.text import one_line
 
@@ -195,13 +195,13 @@ def step_batch(bundle: Bundle, step: int) -> Any:
     try:
         tensors = load(data)
     except (SafetensorError, ValueError, KeyError) as e:
-        raise BundleError(f"{bundle.path}: {rel}.safetensors: {str(e)[:300]}; refusing to load it. {_FIX}",
+        raise BundleError(f"{bundle.path}: {rel}.safetensors: {str(e)[:300]}; refusing to load it. {DAMAGED_BUNDLE_ADVICE}",
                           [{"file": f"{rel}.safetensors", "problem": str(e)[:300]}]) from None
     return pytree.decode(bundle._json(f"{rel}.json")["batch"], tensors)  # checked against the manifest, as its tensors
 
 
 def _unreadable(bundle: Bundle, rel: str, e: OSError) -> BundleError:
-    return BundleError(f"{bundle.path}: {rel} cannot be read ({e.strerror or e}). {_FIX}",
+    return BundleError(f"{bundle.path}: {rel} cannot be read ({e.strerror or e}). {DAMAGED_BUNDLE_ADVICE}",
                        [{"file": rel, "problem": f"cannot be read: {e.strerror or e}"}])
 
 
@@ -209,7 +209,7 @@ def _verified_bytes(bundle: Bundle, rel: str) -> bytes:
     """The bytes of one listed file, refused unless their size and sha256 are the manifest's."""
     meta = bundle.manifest["files"].get(rel)
     if meta is None:
-        raise BundleError(f"{bundle.path}: {rel} is not in the manifest; the bundle is incomplete. {_FIX}",
+        raise BundleError(f"{bundle.path}: {rel} is not in the manifest; the bundle is incomplete. {DAMAGED_BUNDLE_ADVICE}",
                           [{"file": rel, "problem": "missing"}])
     schema.check_fits(meta["size"] + 1, str(bundle.path / rel), "read its batch")
     try:
@@ -225,7 +225,8 @@ def _verified_bytes(bundle: Bundle, rel: str) -> bytes:
         why = f"checksum mismatch: sha256 {found}, the manifest says {meta['sha256']}"
     else:
         return data
-    raise BundleError(f"{bundle.path}: {rel}: {why}; refusing to load it. {_FIX}", [{"file": rel, "problem": why}])
+    raise BundleError(f"{bundle.path}: {rel}: {why}; refusing to load it. {DAMAGED_BUNDLE_ADVICE}",
+                      [{"file": rel, "problem": why}])
 
 
 def _batch_structure(batch: Any) -> dict[str, Any]:
@@ -240,9 +241,7 @@ def _batch_structure(batch: Any) -> dict[str, Any]:
 
 def _state_reference(bundle: Bundle) -> dict[str, Any] | None:
     """Where the state of a bundle that references rank 0's lives (replicated DDP state), else None."""
-    from reprokit.distributed import replicated
-
-    return replicated.describe(bundle)
+    return reference.describe(bundle)
 
 
 def _state_sizes(bundle: Bundle) -> dict[str, int]:
@@ -502,7 +501,7 @@ def _finite_or_none(x: Any) -> float | None:
 
 def format_incident(d: dict[str, Any]) -> str:
     """The human summary of an N-rank incident replay (``IncidentReport.to_json()``)."""
-    from reprokit.replay import verdict_phrase
+    from reprokit.replayer import verdict_phrase
 
     inc = d.get("incident") or {}
     failing: dict[str, Any] = next((r for r in d["ranks"] if r.get("rank") == d["failing_rank"]), {})

@@ -20,21 +20,58 @@ import re
 import sysconfig
 import traceback
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from types import TracebackType
 from typing import Any
 
-KINDS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "scaler_collapse", "exception", "loss_spike",
-         "predicate", "peer", "crash", "device_error")
-"""``peer``: this rank did not fail; another rank of the same run did, and this is this rank's window (see
-:mod:`reprokit.distributed`). ``crash``: the process died during the step, without a Python frame to catch it (a
-signal, the OOM killer, ``os._exit``); written by ``reprokit recover`` from a flight log (:mod:`reprokit.recover`), or
-seen by an isolated replay. ``exc_type`` names the signal, such as ``"SIGSEGV"``, when it is known, else None; a class
-name for a death by an uncaught exception. ``device_error``: the step hit a sticky device error (a CUDA device-side
-assert): ``exc_type`` is the exception's class."""
 
-DEATHS = frozenset({"crash", "device_error"})
+class FailureKind(str, Enum):
+    """What failed: the ``kind`` of ``failure.json``, every kind listed once, here.
+
+    A ``str``: a member equals its value (``FailureKind.EXCEPTION == "exception"``), prints as it and is written to
+    JSON as it, so kinds read back from a bundle (plain strings) compare with members as they are.
+    """
+
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_GRAD = "nonfinite_grad"
+    NONFINITE_PARAM = "nonfinite_param"
+    SCALER_COLLAPSE = "scaler_collapse"
+    EXCEPTION = "exception"
+    LOSS_SPIKE = "loss_spike"
+    PREDICATE = "predicate"
+    PEER = "peer"
+    """This rank did not fail; another rank of the same run did, and this is this rank's window (see
+    :mod:`reprokit.distributed`)."""
+    CRASH = "crash"
+    """The process died during the step, without a Python frame to catch it (a signal, the OOM killer,
+    ``os._exit``); written by ``reprokit recover`` from a flight log (:mod:`reprokit.recover`), or seen by an isolated
+    replay. ``exc_type`` names the signal, such as ``"SIGSEGV"``, when it is known, else None; a class name for a
+    death by an uncaught exception."""
+    DEVICE_ERROR = "device_error"
+    """The step hit a sticky device error (a CUDA device-side assert): ``exc_type`` is the exception's class."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+KINDS = tuple(kind.value for kind in FailureKind)
+"""Every kind's value, in :class:`FailureKind`'s order (what ``failure.json`` may hold)."""
+NONFINITE = frozenset({FailureKind.NONFINITE_LOSS, FailureKind.NONFINITE_GRAD, FailureKind.NONFINITE_PARAM})
+"""The kinds a non-finite value fires: they have an origin (where the first non-finite value appeared)."""
+DEATHS = frozenset({FailureKind.CRASH, FailureKind.DEVICE_ERROR})
 """Failure kinds whose step can kill the process: replay and shrink run them in a child process
 (:mod:`reprokit.isolation`)."""
+_WHAT: dict[str, str] = {
+    FailureKind.NONFINITE_LOSS: "non-finite loss",
+    FailureKind.NONFINITE_GRAD: "non-finite gradient norm",
+    FailureKind.NONFINITE_PARAM: "non-finite parameter",
+    FailureKind.SCALER_COLLAPSE: "GradScaler skipped too many steps in a row",
+    FailureKind.LOSS_SPIKE: "loss spike",
+    FailureKind.PREDICATE: "user predicate fired",
+    FailureKind.PEER: "another rank failed",
+    FailureKind.CRASH: "the process died",
+}
+
 
 def _torch_dir() -> str:
     """torch's folder, found without importing torch (``inspect`` reads failures and never needs it)."""
@@ -54,6 +91,7 @@ class Failure:
     """One failure: detector kind, step, and for exceptions what raised where."""
 
     kind: str
+    """A :class:`FailureKind` (kept as the plain string: one read from a bundle is one)."""
     step: int
     exc_type: str | None = None
     message: str = ""
@@ -62,6 +100,9 @@ class Failure:
     detail: dict[str, Any] = field(default_factory=dict)
     frame_qualname: str | None = None
     """``file:Class.function`` of the raising frame (Python 3.11+: ``co_qualname``); None where unknown."""
+
+    def __post_init__(self) -> None:
+        self.kind = str(self.kind)  # a FailureKind member as its value: the same object, made or read back
 
     def signature(self) -> dict[str, Any]:
         """The fields that decide "same failure" (plus the normalised message, for show)."""
@@ -85,21 +126,12 @@ class Failure:
         return same_failure(self.signature(), other_sig) and (not step or self.step == other_step)
 
     def describe(self) -> str:
-        what = {
-            "nonfinite_loss": "non-finite loss",
-            "nonfinite_grad": "non-finite gradient norm",
-            "nonfinite_param": "non-finite parameter",
-            "scaler_collapse": "GradScaler skipped too many steps in a row",
-            "loss_spike": "loss spike",
-            "predicate": "user predicate fired",
-            "peer": "another rank failed",
-            "crash": "the process died",
-        }.get(self.kind)
-        if self.kind == "device_error":
+        what = _WHAT.get(self.kind)
+        if self.kind == FailureKind.DEVICE_ERROR:
             return f"device error {self.exc_type} at step {self.step}: {self.message}"
-        if self.kind == "crash":
+        if self.kind == FailureKind.CRASH:
             return f"{death_words(self.exc_type)} at step {self.step}" + (f" ({self.message})" if self.message else "")
-        if self.kind == "exception":
+        if self.kind == FailureKind.EXCEPTION:
             where = f" in {self.frame}" if self.frame else ""
             return f"{self.exc_type}{where} at step {self.step}: {self.message}"
         extra = f" ({self.message})" if self.message else ""
@@ -201,7 +233,7 @@ def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
 
 def from_exception(exc: BaseException, step: int) -> Failure:
     return Failure(
-        kind="exception",
+        kind=FailureKind.EXCEPTION,
         step=step,
         exc_type=type(exc).__qualname__,
         message=str(exc).splitlines()[0][:500] if str(exc) else "",

@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
+from reprokit.bundle.tensorfile import WrittenFile, parallelism, shard, write_safetensors
 from reprokit.errors import RecorderWarning
 from reprokit.state import TrainState, capture_rng, capture_state
-from reprokit.tensorfile import WrittenFile, parallelism, shard, write_safetensors
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 """Tensor types whose data pointer is read (a DTensor has no storage of its own)."""

@@ -32,7 +32,7 @@ ARCHIVES = (".tar", ".tar.gz", ".tgz")
 """Names of packed bundles the plugin collects (what ``reprokit pack`` writes, and earlier versions' archives)."""
 
 if TYPE_CHECKING:
-    from reprokit.replay import ReplayReport
+    from reprokit.replayer import ReplayReport
 
 __all__ = ["DifferentFailure", "StillFails", "assert_fixed", "find_bundles"]
 
@@ -69,7 +69,7 @@ def assert_fixed(bundle: str | Path, *, code: str | Path | None = None, times: i
         device: ``"cpu"`` or ``"cuda"``; default: where it was recorded, if available.
 
     Returns:
-        The :class:`~reprokit.replay.ReplayReport` (verdict ``not_reproduced``).
+        The :class:`~reprokit.replayer.ReplayReport` (verdict ``not_reproduced``).
 
     Raises:
         StillFails: the recorded failure reproduced in at least one run (an ``AssertionError``).
@@ -82,7 +82,7 @@ def assert_fixed(bundle: str | Path, *, code: str | Path | None = None, times: i
     from reprokit.archive import bundle_dir
     from reprokit.bundle import open_bundle
     from reprokit.code import entry_args
-    from reprokit.replay import replay, verdict_phrase
+    from reprokit.replayer import replay, verdict_phrase
 
     with bundle_dir(bundle, sha256=sha256) as path:
         opened = open_bundle(path)

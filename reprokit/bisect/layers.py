@@ -40,8 +40,9 @@ from reprokit.bisect.growth import Growth, grew_line
 from reprokit.bundle import Bundle
 from reprokit.origin import OriginWatcher, watch_step
 from reprokit.origin import value_stats as _stats
-from reprokit.replay import Session
-from reprokit.shrink.case import batch_size
+from reprokit.replayer import Session
+from reprokit.shrink.batch import batch_size
+from reprokit.signature import FailureKind
 
 
 def _shapes(obj: Any) -> list[str]:
@@ -209,7 +210,7 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
     result: dict[str, Any] = {"failure": out.failure.describe() if out.failure else None, "reproduced": out.same,
                               "first_nonfinite": None, "frames": [], "raised_in": None, "origin": None,
                               "already_out_of_range": None}
-    if out.failure is not None and out.failure.kind == "exception" and (tracer.stack or tracer.backward):
+    if out.failure is not None and out.failure.kind == FailureKind.EXCEPTION and (tracer.stack or tracer.backward):
         # Raised in a module's forward, else in a module's backward (innermost first; a module whose
         # inputs need no grad has its backward hook fire early, so it is not seen there).
         phase = "forward" if tracer.stack else "backward"
@@ -222,7 +223,7 @@ def _bisect(s: Session, keep: int) -> dict[str, Any]:
         since = min(keep, tracer.recorded - tracer.forward_from) if phase == "forward" else keep
         result["frames"] = list(tracer.frames)[-since:] if since else []
         return result
-    if out.failure is not None and out.failure.kind != "exception":
+    if out.failure is not None and out.failure.kind != FailureKind.EXCEPTION:
         origin = watch_step(s, inputs[-1], before, batch_size(inputs[-1].batch))[1]
         result["origin"] = origin.to_json() if origin else None
     if tracer.first is None:

@@ -45,9 +45,11 @@ from typing import Any
 import torch
 
 from reprokit import pytree
+from reprokit.bisect import registry
 from reprokit.bundle import Bundle
 from reprokit.env import apply_determinism_flags, determinism_flags
-from reprokit.replay import Session
+from reprokit.registry import bind
+from reprokit.replayer import Session
 from reprokit.signature import Failure
 
 Variant = Callable[[Session], contextlib.AbstractContextManager[Any]]
@@ -293,9 +295,7 @@ def _available(name: str, device: torch.device) -> bool:
 SDPA = {"sdpa_math": "MATH", "sdpa_flash": "FLASH_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION",
         "sdpa_cudnn": "CUDNN_ATTENTION"}
 
-# The one list. Order is also the order of preference for "the smallest change that makes it pass":
-# a kernel or flag switch before a change of precision.
-VARIANTS: dict[str, Variant] = {
+VARIANTS: dict[str, Variant] = bind(registry.VARIANTS, {
     "recorded": lambda s: contextlib.nullcontext(),
     "tf32_off": lambda s: _flags(tf32=False),
     "tf32_on": lambda s: _flags(tf32=True),
@@ -304,7 +304,8 @@ VARIANTS: dict[str, Variant] = {
     "bf16": lambda s: _autocast(s, torch.bfloat16),
     "fp16": lambda s: _autocast(s, torch.float16),
     "fp32": _fp32,
-}
+}, "precision variants")
+"""The context each variant of :data:`reprokit.bisect.registry.VARIANTS` (the one list, in its order) replays in."""
 
 
 def bisect_precision(bundle: Bundle, *, device: str | None = None, code: Any = None,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from reprokit.bundle import Bundle
-from reprokit.replay import Session
+from reprokit.replayer import Session
 
 
 @dataclass(kw_only=True, slots=True)

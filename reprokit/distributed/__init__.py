@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reprokit.bundle.layout import INCIDENT_PREFIX, rank_tag
+
 INCIDENTS_DIR = ".reprokit-incidents"
 EXIT_WAIT_S = 300.0
 """How long interpreter exit waits for a window the incident watcher is writing (a large state takes a while)."""
@@ -52,8 +54,7 @@ class RankInfo:
     @property
     def tag(self) -> str:
         """``rank01of04``: the part of a bundle folder's name that says which rank wrote it."""
-        width = len(str(self.world_size - 1))
-        return f"rank{self.rank:0{width}d}of{self.world_size}"
+        return rank_tag(self.rank, self.world_size)
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
@@ -158,7 +159,7 @@ class IncidentBoard:
         incident folder."""
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         number = self.handled
-        doc = {"incident": f"incident-{stamp}-step{step:08d}-{self.info.run_key[:8]}", "step": step, "rank": rank,
+        doc = {"incident": f"{INCIDENT_PREFIX}{stamp}-step{step:08d}-{self.info.run_key[:8]}", "step": step, "rank": rank,
                "what": what, "world_size": self.info.world_size, "number": number}
         path = self.incident_path(number)
         path.parent.mkdir(parents=True, exist_ok=True)

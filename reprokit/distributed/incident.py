@@ -21,17 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reprokit import schema
-from reprokit.bundle import MANIFEST, Bundle, open_bundle
+from reprokit.bundle import MANIFEST, Bundle, open_bundle, schema
 from reprokit.errors import BundleError, ConfigError, ReprokitError
+from reprokit.signature import FailureKind
 
 BLOCKED_GRACE_S = 5.0
-
-
-def is_incident(folder: Path) -> bool:
-    """A folder of rank bundles (no manifest of its own)."""
-    return folder.is_dir() and not (folder / MANIFEST).exists() and any(
-        (p / MANIFEST).exists() for p in folder.iterdir() if p.is_dir())
 
 
 def rank_bundles(folder: Path) -> dict[int, Bundle]:
@@ -70,7 +64,7 @@ def rank_bundles(folder: Path) -> dict[int, Bundle]:
     world = worlds.pop()
     if not isinstance(world, int) or sorted(found) != list(range(world)):
         missing = sorted(set(range(world if isinstance(world, int) else 0)) - set(found))
-        some = next((b.path for b in found.values() if b.failure.kind != "peer"), found[min(found)].path)
+        some = next((b.path for b in found.values() if b.failure.kind != FailureKind.PEER), found[min(found)].path)
         raise BundleError(f"{folder}: ranks {missing} of {world} have no bundle; an N-rank replay needs every rank. "
                           f"Replay one rank's bundle alone instead, e.g. `reprokit replay {some}`")
     if len(starts) != 1:
@@ -137,7 +131,7 @@ class IncidentReport:
 
     @property
     def exit_code(self) -> int:
-        from reprokit.replay import VERDICT_EXIT_CODES
+        from reprokit.replayer import VERDICT_EXIT_CODES
 
         return VERDICT_EXIT_CODES.get(self.verdict, 125)
 
@@ -204,7 +198,7 @@ def incident_doc(bundles: dict[int, Bundle]) -> dict[str, Any]:
     incident = (bundles[min(bundles)].failure.detail or {}).get("incident") or {}
     for b in bundles.values():
         f = b.failure
-        if f.kind != "peer" and isinstance(f.detail, dict) and f.detail.get("incident"):
+        if f.kind != FailureKind.PEER and isinstance(f.detail, dict) and f.detail.get("incident"):
             incident = f.detail["incident"]
     return dict(incident)
 
@@ -232,7 +226,8 @@ def describe_incident(folder: str | Path) -> dict[str, Any]:
             "step": incident.get("step"), "ranks": ranks}
 
 
-_FIRST_IN_A_STEP = ("crash", "exception", "nonfinite_loss", "loss_spike", "predicate", "nonfinite_grad", "nonfinite_param")
+_FIRST_IN_A_STEP = (FailureKind.CRASH, FailureKind.EXCEPTION, FailureKind.NONFINITE_LOSS, FailureKind.LOSS_SPIKE,
+                    FailureKind.PREDICATE, FailureKind.NONFINITE_GRAD, FailureKind.NONFINITE_PARAM)
 """Failure kinds in the order a step meets them: a rank's own loss goes bad before the all-reduced gradients do, and
 a rank whose process died comes first (its peers' errors, a connection closed in a collective, follow from it)."""
 
@@ -243,9 +238,9 @@ def origin_rank(bundles: dict[int, Bundle], incident: dict[str, Any]) -> int | N
     one whose failure comes first in a step (its own exception or loss before gradients and parameters) is the
     origin; among equals, the declaring rank, then the lowest. None when no rank failed at the incident's step."""
     step = incident.get("step")
-    order = {kind: i for i, kind in enumerate(_FIRST_IN_A_STEP)}
+    order: dict[str, int] = {kind: i for i, kind in enumerate(_FIRST_IN_A_STEP)}
     found = [(order.get(b.failure.kind, len(order)), r != incident.get("rank"), r) for r, b in bundles.items()
-             if b.failure.kind != "peer" and b.failure.step == step]
+             if b.failure.kind != FailureKind.PEER and b.failure.step == step]
     return min(found)[2] if found else None
 
 
@@ -285,9 +280,9 @@ def _launch(folder: Path, bundles: dict[int, Bundle], device: str, code: str | P
 
 def _merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """One rank's reports of several launches (one run each) as one report, its verdict counted as
-    :class:`reprokit.replay.ReplayReport` counts it. A launch where the rank errored makes the whole an error (it
+    :class:`reprokit.replayer.ReplayReport` counts it. A launch where the rank errored makes the whole an error (it
     could not say); one where it stayed blocked in a collective counts as a run that failed otherwise."""
-    from reprokit.replay import VERDICT_EXIT_CODES, verdict_of
+    from reprokit.replayer import VERDICT_EXIT_CODES, verdict_of
 
     if len(docs) == 1:
         return docs[0]
@@ -349,7 +344,7 @@ def _rank_main(folder: str, out: str, times: str, device: str, code: str = "", e
     import torch
     import torch.distributed as dist
 
-    from reprokit.replay import replay
+    from reprokit.replayer import replay
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if device == "cuda":

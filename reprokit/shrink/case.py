@@ -1,22 +1,17 @@
-"""The thing being shrunk: a window of steps, its starting snapshot, and how it maps to the original.
-
-Batch surgery lives here too: selecting rows along the batch dimension,
-windows along the sequence dimension, and neutralising token values.
-"""
+"""The thing being shrunk: a window of steps, its starting snapshot, and how it maps to the original; and what a
+candidate's replay did, in words. Batch surgery is :mod:`reprokit.shrink.batch`."""
 
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
+from reprokit.replayer import RunOutcome, StepInput
+from reprokit.shrink import micro
+from reprokit.shrink.batch import batch_size, seq_len, tensor_leaves, token_positions
+from reprokit.signature import Failure
 
-from reprokit.replay import StepInput
-
-INDEX_NAMES = frozenset({"index", "indices", "idx", "sample_id"})
 Snapshot = tuple[dict, dict]
 
 
@@ -62,14 +57,8 @@ class Case:
         """The one definition of "smaller": fewer steps, then rows, sequence, meaningful tokens, elements."""
         b = self.last.batch
         n, s = self.rows_and_seq()
-        elements = sum(t.numel() for t in _tensors(b))
+        elements = sum(t.numel() for t in tensor_leaves(b))
         return (len(self.inputs), n or 0, s or 0, len(token_positions(b, pad_id)), elements)
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    from reprokit.pytree import leaves
-
-    return [leaf for _, leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
 
 
 def rows_and_seq(batch: Any, n: int | None = None) -> tuple[int | None, int | None]:
@@ -79,8 +68,6 @@ def rows_and_seq(batch: Any, n: int | None = None) -> tuple[int | None, int | No
     ``n``: the row count when it is known (:attr:`Case.n_rows`: what the rows pass kept), else it is read from
     the batch (:func:`batch_size`, or the micro-batches' rows).
     """
-    from reprokit.shrink import micro
-
     lay = micro.layout(batch)
     if lay is not None:
         return (n if n is not None else len(micro.units(batch, lay))), micro.seq_of(batch, lay)
@@ -90,183 +77,24 @@ def rows_and_seq(batch: Any, n: int | None = None) -> tuple[int | None, int | No
     return n, seq_len(batch, n)
 
 
-def batch_size(batch: Any) -> int | None:
-    """The number of rows: the most common leading dimension among tensor leaves (ties: the larger).
-
-    A list of per-sample items (one ``[C, H, W]`` image or one target dict per sample, as detection collates
-    make) is one vote for its length, and its items share one vote between them: eight 3-channel images are a
-    batch of 8, not of 3.
-
-    Example:
-        >>> batch_size({"images": [torch.zeros(3, 6) for _ in range(8)], "y": torch.zeros(8)})
-        8
-    """
-    votes: dict[int, float] = {}
-    _vote(batch, 1.0, votes)
-    return max(votes, key=lambda k: (votes[k], k)) if votes else None
+def what_happened(out: RunOutcome | dict) -> str:
+    """A replay that did not count as the same failure, in words."""
+    if isinstance(out, dict) and not out.get("per_run"):
+        return "the replay gave no verdict: it crashed or timed out"
+    if not failed(out):
+        return "it passed"
+    return f"it failed otherwise: {failure_of(out).describe()}"
 
 
-def _vote(node: Any, weight: float, votes: dict[int, float]) -> None:
-    if isinstance(node, torch.Tensor):
-        if node.dim() >= 1:
-            votes[node.shape[0]] = votes.get(node.shape[0], 0.0) + weight
-    elif isinstance(node, Mapping):
-        for v in node.values():
-            _vote(v, weight, votes)
-    elif isinstance(node, (list, tuple)) and node:
-        items = all(isinstance(v, (torch.Tensor, Mapping)) for v in node) and len(node) >= 2
-        if items and _per_sample(node, None):
-            votes[len(node)] = votes.get(len(node), 0.0) + weight
-        for v in node:
-            _vote(v, weight / len(node) if items else weight, votes)
+def failure_of(out: RunOutcome | dict) -> Failure:
+    """The failure of a run that failed (in process, or the JSON of an isolated replay)."""
+    failure = out.failure if isinstance(out, RunOutcome) else Failure.from_json(out["per_run"][0]["failure"])
+    assert failure is not None
+    return failure
 
 
-def _per_sample(items: list | tuple, n: int | None) -> bool:
-    """``items`` (``n`` of them, when given) are one entry per row: tensors or dicts, not all of them tensors
-    whose own leading dimension is the number of rows (``(x, y)`` is two batched tensors, not two samples).
-
-    Guessing the row count (``n`` not given), tensors that all lead with 1 are a batch of one row: the ``(x, y)``
-    a shrink leaves, not two samples (read as two, the rows pass indexed past the one row it had kept)."""
-    if (n is not None and len(items) != n) or not items:
-        return False
-    if not all(isinstance(v, (torch.Tensor, Mapping)) for v in items):
-        return False
-    if n is None and all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == 1 for v in items):
-        return False
-    rows = n if n is not None else len(items)
-    return not all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == rows for v in items)
-
-
-TOKEN_DTYPES = frozenset({torch.int32, torch.int64})
-"""Integer dtypes that carry token ids (uint8 images and bool masks are not sequences)."""
-
-
-def seq_len(batch: Any, n: int | None) -> int | None:
-    """The sequence length: the most common dim 1 among ``[n, S, ...]`` integer token tensors.
-
-    Only token tensors define it: a dense float input ``[n, 64]`` has features along
-    dim 1, not positions, and a batch without token tensors has no sequence at all.
-    """
-    sizes = Counter(t.shape[1] for t in _tensors(batch) if t.dim() >= 2 and t.dtype in TOKEN_DTYPES
-                    and (n is None or t.shape[0] == n))
-    return max(sizes, key=lambda k: (sizes[k], k)) if sizes else None
-
-
-def select_rows(batch: Any, n: int, keep: list[int]) -> Any:
-    """Keep rows ``keep`` of every leaf with leading dimension ``n`` (tensors, lists of scalars, and lists of
-    per-sample tensors or dicts)."""
-    if isinstance(batch, torch.Tensor):
-        return batch[torch.tensor(keep, dtype=torch.long, device=batch.device)] \
-            if batch.dim() >= 1 and batch.shape[0] == n else batch
-    if isinstance(batch, Mapping):
-        return {k: select_rows(v, n, keep) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        if len(batch) == n and (all(isinstance(v, (str, int, float, bool)) or v is None for v in batch)
-                                or _per_sample(batch, n)):
-            return type(batch)(batch[i] for i in keep)
-        return type(batch)(select_rows(v, n, keep) for v in batch)
-    return batch
-
-
-def select_seq(batch: Any, n: int | None, s: int, lo: int, hi: int) -> Any:
-    """Slice ``[:, lo:hi]`` out of every ``[n, s, ...]`` tensor leaf: the token tensors (``s`` is their
-    :func:`seq_len`) and the leaves sharing their length (masks, labels, per-position features).
-
-    A position-by-position mask (a 4-D attention mask ``[n, 1, s, s]`` or ``[n, heads, s, s]``, of any dtype, or
-    a boolean or integer ``[n, s, s]``) has both of its last two dimensions cut, which leaves the mask over the
-    kept positions. A floating ``[n, s, s]`` is cut along dim 1 only: it may be features whose width happens to
-    equal ``s``. A broadcast padding mask ``[n, 1, 1, s]`` is cut along its last dimension."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() < 2 or (n is not None and batch.shape[0] != n):
-            return batch
-        pairwise = batch.dim() >= 4 or (batch.dim() == 3 and not batch.is_floating_point())
-        if pairwise and batch.shape[-2:] == (s, s):
-            return batch[..., lo:hi, lo:hi].contiguous()
-        if batch.dim() >= 3 and batch.shape[-1] == s and all(d == 1 for d in batch.shape[1:-1]):
-            return batch[..., lo:hi].contiguous()  # a broadcast padding mask [n, 1, 1, s]
-        return batch[:, lo:hi].contiguous() if batch.shape[1] == s else batch
-    if isinstance(batch, Mapping):
-        return {k: select_seq(v, n, s, lo, hi) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(select_seq(v, n, s, lo, hi) for v in batch)
-    return batch
-
-
-def concat_rows(a: Any, n: int, b: Any) -> Any:
-    """``a`` (``n`` rows) with the rows of ``b`` (the same structure, one row) appended; None if they do not fit."""
-    if isinstance(a, torch.Tensor):
-        if a.dim() == 0 or a.shape[0] != n:
-            return a
-        if not isinstance(b, torch.Tensor) or b.dtype != a.dtype or b.shape[1:] != a.shape[1:]:
-            return None
-        return torch.cat([a, b.to(a.device)])
-    if isinstance(a, Mapping):
-        if not isinstance(b, Mapping) or set(a) != set(b):
-            return None
-        out = {k: concat_rows(v, n, b[k]) for k, v in a.items()}
-        return None if any(v is None and a[k] is not None for k, v in out.items()) else out
-    if isinstance(a, (list, tuple)):
-        if not isinstance(b, (list, tuple)):
-            return None
-        if len(a) == n and (all(isinstance(v, (str, int, float, bool)) or v is None for v in a)
-                            or _per_sample(a, n)):
-            return type(a)([*a, *b]) if len(b) == 1 else None
-        if len(a) != len(b):
-            return None
-        parts = [concat_rows(x, n, y) for x, y in zip(a, b)]
-        return None if any(p is None and x is not None for p, x in zip(parts, a)) else type(a)(parts)
-    return a
-
-
-def _eligible(path: str, leaf: Any) -> bool:
-    return (isinstance(leaf, torch.Tensor) and leaf.dtype != torch.bool and leaf.numel() > 0
-            and not leaf.is_complex() and path.rsplit("/", 1)[-1] not in INDEX_NAMES)
-
-
-def _neutral(t: torch.Tensor, pad_id: int) -> float | int:
-    return 0.0 if t.is_floating_point() else pad_id
-
-
-def token_positions(batch: Any, pad_id: int) -> list[tuple[str, int]]:
-    """``(leaf path, flat index)`` of every value that is not already neutral."""
-    from reprokit.pytree import leaves
-
-    out: list[tuple[str, int]] = []
-    for path, leaf in leaves(batch):
-        if _eligible(path, leaf):
-            flat = leaf.detach().reshape(-1)
-            idx = torch.nonzero(flat != _neutral(leaf, pad_id)).reshape(-1).tolist()
-            out.extend((path, i) for i in idx)
-    return out
-
-
-def neutralise(batch: Any, keep: set[tuple[str, int]], pad_id: int, path: str = "") -> Any:
-    """Set every eligible value not in ``keep`` to its neutral value (0, or ``pad_id`` for integers)."""
-    if isinstance(batch, Mapping):
-        return {k: neutralise(v, keep, pad_id, f"{path}/{k}" if path else str(k)) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(neutralise(v, keep, pad_id, f"{path}/{i}" if path else str(i)) for i, v in enumerate(batch))
-    leaf_path = path or "<root>"
-    if not _eligible(leaf_path, batch):
-        return batch
-    flat = batch.detach().clone().reshape(-1)
-    mask = torch.ones(flat.numel(), dtype=torch.bool)
-    kept = [i for p, i in keep if p == leaf_path]
-    if kept:
-        mask[torch.tensor(kept, dtype=torch.long)] = False
-    flat[mask.to(flat.device)] = _neutral(batch, pad_id)
-    return flat.reshape(batch.shape)
-
-
-def dataset_indices(batch: Any, rows: tuple[int, ...] | None) -> list[Any] | None:
-    """Values of an ``index``-like leaf at the kept rows, when the batch carries one."""
-    from reprokit.pytree import leaves
-
-    if rows is None:
-        return None
-    for path, leaf in leaves(batch):
-        if path.rsplit("/", 1)[-1] in INDEX_NAMES:
-            values = leaf.tolist() if isinstance(leaf, torch.Tensor) else leaf
-            if isinstance(values, list) and rows and max(rows) < len(values):
-                return [values[i] for i in rows]
-    return None
+def failed(out: RunOutcome | dict) -> bool:
+    """Whether a run failed: in process, in any way; the JSON of an isolated replay, otherwise than recorded."""
+    if isinstance(out, RunOutcome):
+        return out.failure is not None
+    return bool(out.get("per_run") and out["per_run"][0].get("different_failure"))

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reprokit import pytree
-from reprokit.replay import RunOutcome, StepInput
-from reprokit.shrink.case import Case
+from reprokit.replayer import RunOutcome, StepInput
+from reprokit.shrink.case import Case, what_happened
 
 if TYPE_CHECKING:
     from reprokit.shrink.shrinker import Shrinker
@@ -96,7 +96,7 @@ def check_state(sh: Shrinker, case: Case) -> StateCheck:
     for other in others:
         swapped = StepInput(last.step, other.batch, last.rng, last.rng_tensors)
         same, out = sh._judge(Case((swapped,), snap[0], snap[1], None, None))
-        entry = {"batch_of": other.step, "result": "same failure" if same else _result(out)}
+        entry = {"batch_of": other.step, "result": "same failure" if same else what_happened(out)}
         share = None if same else _share_of_rise(sh, out, last.step)
         if share is not None and share >= STATE_SHARE and isinstance(out, RunOutcome):
             same, entry["result"] = True, "same failure"
@@ -120,12 +120,6 @@ def _share_of_rise(sh: Shrinker, out: Any, step: int) -> float | None:
     if got is None or not math.isfinite(got) or loss <= median:
         return None
     return (got - median) / (loss - median)
-
-
-def _result(out: Any) -> str:
-    from reprokit.shrink.shrinker import _what_happened
-
-    return _what_happened(out)
 
 
 def _shape(batch: Any) -> list[tuple[str, Any]]:

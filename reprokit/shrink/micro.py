@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from reprokit import pytree
-from reprokit.shrink.case import INDEX_NAMES, TOKEN_DTYPES, batch_size, dataset_indices, select_rows, select_seq, seq_len
+from reprokit.shrink.batch import INDEX_NAMES, TOKEN_DTYPES, batch_size, dataset_indices, select_rows, select_seq, seq_len
 
 MICRO = "micro"
 """The key of the micro-batch list (``reprokit.integrations.transformers.MICRO``)."""

@@ -1,4 +1,4 @@
-"""The shrink passes, each a small function listed once in ``PASSES``.
+"""The shrink passes, each a small function, bound by name to the one list of passes (:mod:`reprokit.shrink.registry`).
 
 The contract, as :meth:`reprokit.shrink.shrinker.Shrinker.run` uses it:
 
@@ -22,9 +22,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from reprokit.registry import bind
 from reprokit.search import ddmin, find_integer, shortest_window
 from reprokit.shrink import micro
-from reprokit.shrink.case import Case, neutralise, select_rows, select_seq, token_positions
+from reprokit.shrink.batch import neutralise, select_rows, select_seq, token_positions
+from reprokit.shrink.case import Case
+from reprokit.shrink.registry import PASS_NAMES
 
 if TYPE_CHECKING:
     from reprokit.shrink.shrinker import Shrinker
@@ -147,7 +150,6 @@ def tokens(sh: Shrinker, case: Case) -> Case | None:
     return make(keep) if len(keep) < len(positions) else None
 
 
-# The one list. Order matters: fewer steps make every later replay cheaper.
-PASSES: dict[str, Pass] = {"steps": steps, "micro": micro_batches, "rows": rows, "sequence": sequence, "tokens": tokens}
-DATA_PASSES = frozenset({"micro", "rows", "sequence", "tokens"})
-"""The passes that cut the failing batch: skipped when the state fails on any data (they would name a row)."""
+PASSES: dict[str, Pass] = bind(PASS_NAMES, {"steps": steps, "micro": micro_batches, "rows": rows, "sequence": sequence,
+                                            "tokens": tokens}, "shrink passes")
+"""The function of each pass :data:`reprokit.shrink.registry.PASS_NAMES` lists (the one list), in its order."""

@@ -30,26 +30,16 @@ from reprokit.code import git_info, snapshot_files
 from reprokit.errors import ConfigError, DidNotReproduce, ReprokitError
 from reprokit.isolation import IsolatedRunner
 from reprokit.origin import Origin, same_origin, watch_step
-from reprokit.replay import RunOutcome, Session, StepInput, alone_hint
+from reprokit.replayer import RunOutcome, Session, StepInput, alone_hint
 from reprokit.shrink import micro
-from reprokit.shrink.case import (
-    Case,
-    Snapshot,
-    concat_rows,
-    dataset_indices,
-    rows_and_seq,
-    select_rows,
-    select_seq,
-    seq_len,
-    token_positions,
-)
+from reprokit.shrink.batch import concat_rows, dataset_indices, select_rows, select_seq, seq_len, token_positions
+from reprokit.shrink.case import Case, Snapshot, failed, failure_of, rows_and_seq, what_happened
 from reprokit.shrink.culprit import STATE, check_state
-from reprokit.shrink.passes import DATA_PASSES, PASSES
-from reprokit.signature import DEATHS, Failure, message_template
+from reprokit.shrink.passes import PASSES
+from reprokit.shrink.registry import DATA_PASSES
+from reprokit.signature import DEATHS, NONFINITE, Failure, FailureKind, message_template
 
 Progress = Callable[[str, int, str], None]
-NONFINITE = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
-"""Failure kinds whose candidates must also keep the origin (where the first NaN/inf appeared)."""
 
 
 CONFIRM_TIMES = 2
@@ -203,7 +193,7 @@ class Shrinker:
     def _judge(self, case: Case) -> tuple[bool, RunOutcome | dict]:
         """Replay ``case`` once (uncached, outside the budget): does it fail the same way, and what happened."""
         interesting, out = self._isolated(case) if self.isolate else self._in_process(case)
-        if interesting and self.message is not None and message_template(_failure_of(out).message) != self.message:
+        if interesting and self.message is not None and message_template(failure_of(out).message) != self.message:
             interesting = False
             self.different_failures += 1
         elif interesting and self.origin is not None:
@@ -212,7 +202,7 @@ class Shrinker:
         elif interesting and self.spike:
             interesting = not self.spikes_without(case)
             self.origin_changed += not interesting
-        elif not interesting and _failed(out):
+        elif not interesting and failed(out):
             self.different_failures += 1
         return interesting, out
 
@@ -228,7 +218,7 @@ class Shrinker:
             self.confirm_runs += 1
             interesting, out = self._judge(case)
             if not interesting:
-                return _what_happened(out)
+                return what_happened(out)
         return None
 
     def find_origin(self, case: Case) -> Origin | None:
@@ -380,25 +370,6 @@ class Shrinker:
         return self.best, stats, exhausted
 
 
-def _what_happened(out: RunOutcome | dict) -> str:
-    """A replay that did not count as the same failure, in words."""
-    if isinstance(out, dict):
-        return "the replay gave no verdict: it ran past --timeout"
-    if not _failed(out):
-        return "it passed"
-    return f"it failed otherwise: {_failure_of(out).describe()}"
-
-
-def _failure_of(out: RunOutcome | dict) -> Failure:
-    """The failure of a run that failed."""
-    assert isinstance(out, RunOutcome) and out.failure is not None
-    return out.failure
-
-
-def _failed(out: RunOutcome | dict) -> bool:
-    return isinstance(out, RunOutcome) and out.failure is not None
-
-
 def write_case(session: Session, case: Case, out_dir: Path, name: str, failure: dict[str, Any],
                outcome: RunOutcome | None, provenance: dict[str, Any], exact: bool = False) -> Path:
     """Write ``case`` as an ordinary bundle (manifest, checksums) next to its source's code and env."""
@@ -492,13 +463,13 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
         if src.failure.kind in NONFINITE:
             # Checked once here, then for every candidate that fails with the same signature.
             sh.origin, sh.reference = sh.find_origin(original), (first, n or 0)
-        elif src.failure.kind == "loss_spike":
+        elif src.failure.kind == FailureKind.LOSS_SPIKE:
             sh.spike, sh.reference = True, (first, n or 0)
-            detail = _failure_of(sh.outcome(original)).detail
+            detail = failure_of(sh.outcome(original)).detail
             if isinstance(detail.get("loss"), float) and isinstance(detail.get("median"), float):
                 sh.spike_rise = detail["loss"], detail["median"]
-        elif src.failure.kind == "exception":
-            sh.message = message_template(_failure_of(sh.outcome(original)).message)
+        elif src.failure.kind == FailureKind.EXCEPTION:
+            sh.message = message_template(failure_of(sh.outcome(original)).message)
         missed = sh.confirm(original, 1)
         if missed:
             raise FlakyFailure(f"{src.path} failed the same way on one replay but not on the next ({missed}), so "
@@ -519,7 +490,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             raise FlakyFailure(f"the smallest case shrinking found in {src.path} ({size}) did not fail the same way on "
                                f"each of {CONFIRM_TIMES} more replays ({missed}); nothing was written. {FLAKY_HINT}")
         out = sh.outcome(best)
-        failure = _failure_of(out)
+        failure = failure_of(out)
         blamed = checked.verdict != STATE
         kept = list(best.rows) if blamed and best.rows is not None and n and len(best.rows) < n else None
         indices = None if not blamed else micro.indices(first, lay, best.rows) \

@@ -3,7 +3,7 @@
     python tests/golden/make_golden.py
 
 Golden bundles of every past version stay in the repository unchanged: readers
-must keep opening them (through the upgrade functions in reprokit/bundle.py).
+must keep opening them (through the upgrade functions in reprokit/bundle/reader.py).
 """
 
 from __future__ import annotations

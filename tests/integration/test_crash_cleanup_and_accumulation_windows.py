@@ -12,7 +12,7 @@ from rk_testing import record
 
 import reprokit
 from reprokit.bundle import open_bundle
-from reprokit.replay import Session, replay
+from reprokit.replayer import Session, replay
 from reprokit.shrink.shrinker import Case, Shrinker
 
 

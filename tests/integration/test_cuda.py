@@ -41,7 +41,7 @@ def test_cuda_run_records_and_replays_bit_exact_on_gpu(projects, tmp_path, amp):
 def test_cuda_state_spilled_in_parts_through_one_staging_buffer_replays_bit_exact(projects, tmp_path, monkeypatch):
     """Several part files written at once from the GPU, each through its own slice of the pinned staging buffer."""
     from reprokit import bundle as B
-    from reprokit import tensorfile
+    from reprokit.bundle import tensorfile
 
     monkeypatch.setattr(tensorfile, "SHARD_BYTES", 4096)
     gpu = projects("rk_gpu")
@@ -605,9 +605,8 @@ def test_the_state_copied_to_the_gpu_while_read_restores_exactly_as_the_host_cop
     (AdamW's ``step`` stays where the optimizer keeps it: the CPU, or the GPU when fused), the optimizer keeps the
     copies without cloning them, and both replays fail at the same step with the same losses; a second restore reads
     host memory and does the same."""
-    from reprokit import tensorfile
-    from reprokit.bundle import state_files
-    from reprokit.replay import Session
+    from reprokit.bundle import state_files, tensorfile
+    from reprokit.replayer import Session
 
     monkeypatch.setattr(tensorfile, "SHARD_BYTES", 4096)
     gpu = projects("rk_gpu")
@@ -651,7 +650,7 @@ def test_the_state_copied_to_the_gpu_while_read_restores_exactly_as_the_host_cop
 
 
 def test_no_gpu_copy_while_read_for_an_optimizer_that_loads_its_own_way(projects, tmp_path):
-    from reprokit.replay import _Preload
+    from reprokit.replayer import _Preload
 
     class Own(torch.optim.AdamW):
         def load_state_dict(self, state_dict):

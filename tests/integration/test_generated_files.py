@@ -153,7 +153,7 @@ def test_a_genuine_archive_verifies(packed, tmp_path):
     assert cli("verify", str(same)).exit_code == 0
 
 
-@pytest.mark.parametrize("rel", ["repro.py", "README.md", "reprokit/replay.py"])
+@pytest.mark.parametrize("rel", ["repro.py", "README.md", "reprokit/replayer.py"])
 def test_a_swapped_file_beside_the_bundle_is_a_problem(packed, tmp_path, rel):
     tar = repack(packed, tmp_path / "r.tar", lambda top: (top / rel).write_text(EVIL))
     v = cli("verify", "--json", str(tar))

@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from rk_testing import record_mlp_nan, reseal
 
 from reprokit import bundle as B
-from reprokit import schema, tensorfile
+from reprokit.bundle import schema, tensorfile
 from reprokit.cli import main
 from reprokit.distributed.incident import rank_bundles
 from reprokit.errors import BundleError, DoesNotFitError
@@ -307,7 +307,7 @@ def test_replay_of_edited_json_ends_in_a_documented_error(seed: Path, tmp_path: 
     from hypothesis import strategies as st
 
     from reprokit.errors import ReprokitError
-    from reprokit.replay import replay
+    from reprokit.replayer import replay
 
     docs = {rel: json.loads((seed / rel).read_text()) for rel in FUZZ_FILES}
     paths = [(rel, p) for rel in FUZZ_FILES for p in _paths(docs[rel])]

@@ -18,8 +18,9 @@ from click.testing import CliRunner
 from rk_testing import record_mlp_nan, reseal
 
 import reprokit
-from reprokit import archive, pack, tensorfile
+from reprokit import archive, pack
 from reprokit import bundle as B
+from reprokit.bundle import reader, tensorfile
 from reprokit.cli import main
 from reprokit.errors import BundleError
 
@@ -60,7 +61,7 @@ def test_lazy_names_match_the_public_api():
     for name in reprokit.__all__:
         assert getattr(reprokit, name) is not None
     assert archive.MANIFEST == B.MANIFEST and archive.PACK_MANIFEST == pack.PACK_MANIFEST
-    assert "tensorfile.py" in pack.runtime_files() and "record.py" in pack.runtime_files()
+    assert "bundle/tensorfile.py" in pack.runtime_files() and "record.py" in pack.runtime_files()
 
 
 # --- the one tensor writer and reader ----------------------------------------------------
@@ -178,7 +179,7 @@ def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_on
     that step is asked for, as before."""
     import threading
 
-    from reprokit.replay import Session
+    from reprokit.replayer import Session
 
     b = B.open_bundle(nan_bundle)
     step, readers = b.step, []
@@ -215,7 +216,7 @@ def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_on
 def test_a_gpu_copy_that_fails_drops_the_preload_and_says_why():
     """Copies to a device that cannot take them (here one that does not exist, on any machine): nothing is kept, the
     restore will read host memory, and the error is kept for diagnosis."""
-    from reprokit.replay import _Preload
+    from reprokit.replayer import _Preload
 
     p = _Preload(torch.device("cuda", 99))
     assert p.wants("model/w", torch.ones(3)) and not p.wants("model/b._extra_state/count", torch.ones(3))
@@ -261,7 +262,7 @@ def test_inspect_does_not_hash_tensors_and_says_so(nan_bundle):
 
 
 def test_total_json_bytes_are_capped(nan_bundle, monkeypatch):
-    monkeypatch.setattr(B, "MAX_TOTAL_JSON_BYTES", 100)
+    monkeypatch.setattr(reader, "MAX_TOTAL_JSON_BYTES", 100)
     problems = B.verify(nan_bundle)
     assert len(problems) == 1 and "bytes of JSON files" in problems[0]["problem"], problems
 

@@ -22,7 +22,7 @@ from rk_testing import record_mlp_nan, reseal
 from reprokit import bundle as B
 from reprokit.cli import main
 from reprokit.errors import BundleError
-from reprokit.replay import replay
+from reprokit.replayer import replay
 
 ROOT = Path(__file__).resolve().parents[2]
 

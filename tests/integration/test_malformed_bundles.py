@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from rk_testing import record_mlp_nan, reseal
 
 from reprokit import bundle as B
-from reprokit import schema
+from reprokit.bundle import schema
 from reprokit.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

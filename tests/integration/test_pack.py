@@ -57,7 +57,7 @@ def test_round_trip_pack_verify_replay(nan_bundle, tmp_path, scratch):
     with tarfile.open(out) as tf:
         names = tf.getnames()
     top = names[0]
-    assert {f"{top}/repro.py", f"{top}/README.md", f"{top}/reprokit/replay.py", f"{top}/bundle/manifest.json",
+    assert {f"{top}/repro.py", f"{top}/README.md", f"{top}/reprokit/replayer.py", f"{top}/bundle/manifest.json",
             f"{top}/bundle/code/rk_mlp.py"} <= set(names)
     assert not any(n.endswith(("cli.py", "pack.py", "archive.py")) or "/shrink/" in n for n in names), \
         "only what replay needs"
@@ -317,7 +317,7 @@ def test_packed_manifest_lists_every_file_of_the_archive(nan_bundle, tmp_path):
         names = {m.name.split("/", 1)[1]: m for m in tf.getmembers() if m.isfile()}
         listed = json.loads(tf.extractfile(names["pack-manifest.json"]).read())["files"]
     assert set(listed) == set(names) - {"pack-manifest.json"}
-    assert {"repro.py", "README.md", "reprokit/replay.py", "bundle/manifest.json", "bundle/run.json"} <= set(listed)
+    assert {"repro.py", "README.md", "reprokit/replayer.py", "bundle/manifest.json", "bundle/run.json"} <= set(listed)
     code, d = _verify(out)
     assert code == 0 and d["ok"] and d["origin_checked"] is False and "origin not checked" in d["note"]
 

@@ -11,8 +11,7 @@ from rk_testing import bundle_of, record
 
 import reprokit
 from reprokit import bundle as B
-from reprokit import tensorfile
-from reprokit.bundle import open_bundle
+from reprokit.bundle import open_bundle, tensorfile
 
 
 def test_nan_after_n_steps_is_recorded_and_replays_bit_exact(projects, tmp_path):

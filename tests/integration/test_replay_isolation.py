@@ -22,7 +22,7 @@ from rk_testing import bundle_of, entries, record, with_failure
 from reprokit import bundle as B
 from reprokit.cli import main
 from reprokit.isolation import KILLED_FROM_OUTSIDE
-from reprokit.replay import format_report
+from reprokit.replayer import format_report
 from reprokit.signature import Failure
 
 PROJECTS = Path(__file__).parent.parent / "projects"

@@ -17,7 +17,7 @@ import torch
 from rk_testing import bundle_of, record
 
 import reprokit
-from reprokit.replay import session
+from reprokit.replayer import session
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ def nan_bundle(recorded, tmp_path):
     return Path(shutil.copytree(recorded, tmp_path / "repros" / recorded.name))
 
 
-replay_mod = importlib.import_module("reprokit.replay")  # the module (reprokit.replay is also the function)
+replay_mod = importlib.import_module("reprokit.replayer")  # the module that replays (reprokit.replay is its function)
 
 
 def marker_code(marker: Path) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from reprokit.bundle import MANIFEST, REPLICATED, _self_digest, dumps, open_bundle, verify
+from reprokit.bundle import LOCAL_RNG, MANIFEST, REPLICATED, _self_digest, dumps, open_bundle, reference, verify
 from reprokit.cli import main as cli
 from reprokit.distributed import replicated
 from reprokit.distributed.incident import free_port
@@ -58,7 +58,7 @@ def test_rank_1_references_rank_0_s_state_and_both_replay_bit_exact(incident, tm
     folder, ranks = incident
     owner, mine = open_bundle(ranks[0]), open_bundle(ranks[1])
     files = mine.manifest["files"]
-    assert REPLICATED in files and replicated.LOCAL_RNG in files
+    assert REPLICATED in files and LOCAL_RNG in files
     assert not [rel for rel in files if rel.startswith("state/state") and rel.endswith(".safetensors")], sorted(files)
     ref = json.loads((ranks[1] / REPLICATED).read_text())
     assert ref["owner"] == {"rank": 0, "bundle": ranks[0].name, "step": 4} and "problem" not in ref
@@ -89,7 +89,7 @@ def test_rank_1_references_rank_0_s_state_and_both_replay_bit_exact(incident, tm
     shown = CliRunner().invoke(cli, ["inspect", str(ranks[1])])
     assert f"referenced from rank 0's bundle {ranks[0].name} (snapshot at step 4)" in shown.stdout, shown.output
     assert json.loads(CliRunner().invoke(cli, ["inspect", str(ranks[1]), "--json"]).stdout)["state"]["model"] > 0
-    assert replicated.check(ranks[1], ref, hash_tensors=True) == [
+    assert reference.check(ranks[1], ref, hash_tensors=True) == [
         {"file": f"{ranks[0].name}/state/state.safetensors (referenced)", "status": "ok"}]
     checked = CliRunner().invoke(cli, ["verify", str(ranks[1])])
     assert checked.exit_code == 0, checked.output
@@ -118,7 +118,7 @@ def test_a_packed_rank_1_bundle_stands_alone(incident, tmp_path):
         tf.extractall(unpacked, filter="data")
     (top,) = list(unpacked.iterdir())
     files = json.loads((top / "bundle" / MANIFEST).read_text())["files"]
-    assert "state/state.safetensors" in files and REPLICATED not in files and replicated.LOCAL_RNG not in files
+    assert "state/state.safetensors" in files and REPLICATED not in files and LOCAL_RNG not in files
     assert CliRunner().invoke(cli, ["verify", str(out)]).exit_code == 0
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
            "PYTHONFAULTHANDLER": "1"}
@@ -205,7 +205,7 @@ def test_an_owner_that_never_writes_its_bundle_is_reported_not_waited_for_foreve
     assert time.monotonic() - t0 < 5 and tree == {}
     assert ref["owner"]["bundle"] is None and "had not written one" in ref["problem"], ref
     with pytest.raises(BundleError, match="cannot replay alone"):
-        replicated._owner_dir(tmp_path / "bundle-x", ref)
+        reference._owner_dir(tmp_path / "bundle-x", ref)
 
 
 def test_an_owner_window_that_starts_elsewhere_is_never_referenced(incident):

@@ -11,8 +11,9 @@ from rk_testing import record
 from reprokit.bisect import bisect_layers
 from reprokit.bundle import open_bundle
 from reprokit.cli import main
-from reprokit.replay import Session
-from reprokit.shrink.case import Case, batch_size, select_seq, seq_len
+from reprokit.replayer import Session
+from reprokit.shrink.batch import batch_size, select_seq, seq_len
+from reprokit.shrink.case import Case
 from reprokit.shrink.shrinker import Shrinker
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from reprokit.origin import Origin, OriginWatcher, same_origin
-from reprokit.shrink.case import concat_rows, select_seq, seq_len
+from reprokit.shrink.batch import concat_rows, select_seq, seq_len
 
 
 def _line(marker: str) -> str:

@@ -1,4 +1,4 @@
-"""Strict JSON and safetensors header checks (reprokit.schema)."""
+"""Strict JSON and safetensors header checks (reprokit.bundle.schema)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from reprokit import schema
+from reprokit.bundle import schema
 from reprokit.errors import BundleError
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "v1" / "demo-nan"

@@ -12,7 +12,7 @@ from rk_testing import bundle_of, record
 import reprokit
 from reprokit.bundle import open_bundle
 from reprokit.shrink import shrink
-from reprokit.shrink.case import batch_size, concat_rows, select_rows
+from reprokit.shrink.batch import batch_size, concat_rows, select_rows
 
 PROJECT = '''\
 import torch

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reprokit import bundle as B
-from reprokit import schema
+from reprokit.bundle import schema
 
 
 def _reference_depth(data: bytes) -> int:

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
 
     import torch
 
-    from reprokit import tensorfile
+    from reprokit.bundle import tensorfile
     from reprokit.bundle import BundleWriter
 
     out = Path(sys.argv[1])

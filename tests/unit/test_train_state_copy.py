@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import reprokit
-from reprokit.replay import as_train_state
+from reprokit.replayer import as_train_state
 
 STATE_PY = Path(reprokit.__file__).parent / "state.py"
 

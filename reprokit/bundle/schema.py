@@ -22,7 +22,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from reprokit.errors import BundleError
+from reprokit.bundle.hashing import open_regular
+from reprokit.bundle.layout import (
+    CODE,
+    ENV,
+    FAILURE,
+    MANIFEST,
+    OP_JSON,
+    REPLICATED,
+    RUN,
+    STATE_FILE,
+    STATE_JSON,
+    STEP_FILE,
+    STEPS,
+    state_file_name,
+    state_parts,
+    step_name,
+)
+from reprokit.errors import DAMAGED_BUNDLE_ADVICE, BundleError
+from reprokit.signature import KINDS, FailureKind
 
 MAX_JSON_BYTES = 64 * 1024 * 1024
 """Largest JSON file a bundle may hold (tensors live in safetensors; JSON is metadata)."""
@@ -60,7 +78,6 @@ _QUOTE_OR_BRACKET = b'"[]{}'
 _OTHER_BYTES = bytes(sorted(set(range(256)) - set(_QUOTE_OR_BRACKET)))
 _DEPTH_CHUNK = 4 << 20
 _TREE_TAGS = ("__rk_tensor__", "__rk_ndarray__", "__rk_tuple__", "__rk_dict__", "__rk_float__")
-_FIX = "Re-record the bundle, or get an intact copy from whoever made it."
 
 
 class SchemaError(BundleError):
@@ -68,7 +85,7 @@ class SchemaError(BundleError):
 
     def __init__(self, file: str, field: str, why: str):
         where = f"{file}: {field}" if field else file
-        super().__init__(f"{where} {why}. {_FIX}", [{"file": file, "problem": f"{field} {why}".strip()}])
+        super().__init__(f"{where} {why}. {DAMAGED_BUNDLE_ADVICE}", [{"file": file, "problem": f"{field} {why}".strip()}])
         self.file, self.field, self.why = file, field, why
 
 
@@ -150,8 +167,6 @@ def load_json(path: Path, what: str, *, follow_links: bool = True) -> Any:
     checked on that same descriptor before it is read; at most :data:`MAX_JSON_BYTES` + 1 bytes are read
     whatever the size said, so a file that grows meanwhile is refused too.
     """
-    from reprokit.hashing import open_regular
-
     try:
         with open_regular(path, follow_links=follow_links) as f:
             size = os.fstat(f.fileno()).st_size
@@ -220,8 +235,6 @@ def load_listed_json(root: Path, rel: str, meta: dict[str, Any]) -> Any:
         BundleError: the file cannot be read, is not a regular file, or its bytes are not the manifest's.
         SchemaError: the bytes are not strict JSON (see :func:`parse_json`).
     """
-    from reprokit.hashing import open_regular
-
     size = meta["size"]
     if size > MAX_JSON_BYTES:
         raise SchemaError(rel, "", f"is {size} bytes; bundle JSON files are at most {MAX_JSON_BYTES}")
@@ -229,13 +242,13 @@ def load_listed_json(root: Path, rel: str, meta: dict[str, Any]) -> Any:
         with open_regular(root / rel) as f:
             data = f.read(size + 1)  # one byte more: a longer file shows as a size mismatch
     except OSError as e:
-        raise BundleError(f"{root}: {rel} cannot be read ({e.strerror or e}). {_FIX}",
+        raise BundleError(f"{root}: {rel} cannot be read ({e.strerror or e}). {DAMAGED_BUNDLE_ADVICE}",
                           [{"file": rel, "problem": f"cannot be read: {e.strerror or e}"}]) from None
     found = hashlib.sha256(data).hexdigest()
     if len(data) != size or found != meta["sha256"]:
         what = "size" if len(data) != size else "checksum"
         raise BundleError(f"{root}: {rel}: {what} mismatch: it changed since the manifest was checked (sha256 {found}, "
-                          f"the manifest says {meta['sha256']}); refusing to read it. {_FIX}",
+                          f"the manifest says {meta['sha256']}); refusing to read it. {DAMAGED_BUNDLE_ADVICE}",
                           [{"file": rel, "problem": f"{what} mismatch", "expected": meta["sha256"], "found": found}])
     return parse_json(data, rel)
 
@@ -401,7 +414,7 @@ def _hashable_key(v: Any) -> bool:
 
 # --- the files ----------------------------------------------------------------------------
 
-def check_manifest_files(files: dict[str, Any], name: str = "manifest.json") -> None:
+def check_manifest_files(files: dict[str, Any], name: str = MANIFEST) -> None:
     """The ``files`` table: each a relative path -> ``{"sha256": 64 hex, "size": int >= 0}``."""
     f = _File(name)
     for rel, meta in files.items():
@@ -418,7 +431,7 @@ def check_manifest_files(files: dict[str, Any], name: str = "manifest.json") -> 
         f.integer(meta["size"], f"{field}.size")
 
 
-def check_manifest(m: Any, name: str = "manifest.json") -> None:
+def check_manifest(m: Any, name: str = MANIFEST) -> None:
     f = _File(name)
     f.obj(m, "", ("format", "version", "files"))
     f.string(m["format"], "format")
@@ -431,9 +444,7 @@ def check_manifest(m: Any, name: str = "manifest.json") -> None:
     check_manifest_files(f.obj(m["files"], "files"), name)
 
 
-def check_failure(d: Any, name: str = "failure.json") -> None:
-    from reprokit.signature import KINDS
-
+def check_failure(d: Any, name: str = FAILURE) -> None:
     f = _File(name)
     f.obj(d, "", ("kind", "step"))
     f.string(d["kind"], "kind")
@@ -459,7 +470,7 @@ def _detect_fields() -> dict[str, Any]:
     return {x.name: x.type for x in dataclasses.fields(DetectSettings)}
 
 
-def check_run(d: Any, name: str = "run.json") -> None:
+def check_run(d: Any, name: str = RUN) -> None:
     """What replay, inspect, shrink and bisect read of ``run.json`` (extra keys, like provenance, are kept)."""
     from reprokit.code import _check_shape
 
@@ -638,7 +649,7 @@ def _check_extract(f: _File, x: Any) -> None:
         f.integer(x["source_step"], "extract.source_step")
 
 
-def check_op(d: Any, keys: set[str] | None, name: str = "extract/op.json") -> None:
+def check_op(d: Any, keys: set[str] | None, name: str = OP_JSON) -> None:
     """An extract's one-op repro: ``{"op": "aten.NAME.OVERLOAD", "args": [...], "kwargs": {...}}``."""
     f = _File(name)
     f.obj(d, "", ("op", "args", "kwargs"))
@@ -663,7 +674,7 @@ def check_op(d: Any, keys: set[str] | None, name: str = "extract/op.json") -> No
         arg(v, _join("kwargs", k))
 
 
-def check_env(d: Any, name: str = "env.json") -> None:
+def check_env(d: Any, name: str = ENV) -> None:
     f = _File(name)
     f.obj(d, "", ("python", "torch", "cuda", "devices"))
     f.string(d["python"], "python")
@@ -746,7 +757,7 @@ def _check_state_tree(f: _File, st: dict[str, Any]) -> None:
         f.mapping(st["extra"], "state.extra")
 
 
-def check_state(d: Any, keys: set[str] | None, name: str = "state/state.json") -> None:
+def check_state(d: Any, keys: set[str] | None, name: str = STATE_JSON) -> None:
     f = _File(name)
     f.obj(d, "", ("state", "rng"))
     f.tree(f.obj(d["state"], "state"), "state", keys)
@@ -768,8 +779,8 @@ def check_state(d: Any, keys: set[str] | None, name: str = "state/state.json") -
 _BUNDLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
-def check_replicated(d: Any, name: str = "state/replicated.json") -> None:
-    """A reference to another rank's state (:mod:`reprokit.distributed.replicated`): the owner bundle is one plain
+def check_replicated(d: Any, name: str = REPLICATED) -> None:
+    """A reference to another rank's state (:mod:`reprokit.bundle.reference`): the owner bundle is one plain
     folder name beside this bundle (no separators, no ``..``), and the files are that bundle's state files."""
     f = _File(name)
     f.obj(d, "", ("owner", "files"))
@@ -844,8 +855,6 @@ def check_safetensors(path: Path, name: str) -> set[str]:
     a shape of ints >= 0 whose byte size equals its data range, and the ranges tile the data section
     exactly, in order, without overlap or gaps.
     """
-    from reprokit.hashing import open_regular
-
     f = _File(name)
     try:
         with open_regular(path) as fh:  # a FIFO or device swapped in is refused unread (no hang)
@@ -859,7 +868,7 @@ def check_safetensors(path: Path, name: str) -> set[str]:
 def check_header(doc: dict[str, Any], data_len: int, name: str) -> set[str]:
     """Check a parsed safetensors header against a data section of ``data_len`` bytes (see
     :func:`check_safetensors`); returns its tensor names. The tensor reader runs it too, on the header of the
-    bytes it hashed (:func:`reprokit.tensorfile.read_verified`)."""
+    bytes it hashed (:func:`reprokit.bundle.tensorfile.read_verified`)."""
     f = _File(name)
     if len(doc) > MAX_TENSORS + 1:  # + __metadata__
         raise f.fail("header", f"lists {len(doc)} tensors; a file holds at most {MAX_TENSORS}")
@@ -914,25 +923,6 @@ def check_header(doc: dict[str, Any], data_len: int, name: str) -> set[str]:
 
 # --- a whole bundle -----------------------------------------------------------------------
 
-STEP_FILE = re.compile(r"steps/(\d{8})\.(json|safetensors)")
-STATE_FILE = re.compile(r"state/state(?:-([1-9][0-9]*))?\.safetensors")
-"""The state's tensor files: ``state/state.safetensors``, then ``state/state-1.safetensors``, ... (format version 2)."""
-
-
-def state_file_name(i: int) -> str:
-    """The bundle path of part ``i`` of the state's tensors."""
-    return "state/state.safetensors" if i == 0 else f"state/state-{i}.safetensors"
-
-
-def state_parts(files: dict[str, Any]) -> tuple[list[str], int | None]:
-    """The state's tensor files a manifest lists, in order, and the first missing part number (None when they are
-    ``0..n-1`` without gaps). Sized by how many parts are listed, never by a part's number (a manifest could name
-    ``state-999999999999``)."""
-    parts = {int(m.group(1) or 0): rel for rel in files if (m := STATE_FILE.fullmatch(rel))}
-    missing = next((i for i in range(len(parts)) if i not in parts), None)
-    return ([] if missing is not None else [parts[i] for i in range(len(parts))]), missing
-
-
 def _state_keys(files: dict[str, Any], keys: dict[str, set[str] | None], skip: set[str],
                 problems: list[dict[str, Any]]) -> set[str] | None:
     """The tensor names of all the state's files together (None when one of them could not be read)."""
@@ -972,14 +962,14 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
             return None
 
     for rel in sorted(files):
-        if rel in skip or rel.startswith("code/"):
+        if rel in skip or rel.startswith(f"{CODE}/"):
             continue
-        if rel.endswith(".safetensors") and rel.split("/", 1)[0] in ("steps", "state", "extract"):
+        if rel.endswith(".safetensors") and rel.split("/", 1)[0] in (STEPS, "state", "extract"):
             keys[rel] = run(rel, lambda rel=rel: check_safetensors(path / rel, rel))
         elif rel.endswith(".json"):
             # [doc]: a file may hold null. Parsed from the bytes that hash to the manifest's digest.
             docs[rel] = run(rel, lambda rel=rel: [load_listed_json(path, rel, files[rel])])
-    checks = {"run.json": check_run, "failure.json": check_failure, "env.json": check_env}
+    checks = {RUN: check_run, FAILURE: check_failure, ENV: check_env}
     for rel, loaded in docs.items():
         if loaded is None:  # not strict JSON: reported already
             continue
@@ -989,30 +979,30 @@ def check_bundle(path: Path, files: dict[str, Any], skip: set[str] = frozenset()
         m = STEP_FILE.fullmatch(rel)
         if rel in checks:
             run(rel, lambda rel=rel, doc=doc: checks[rel](doc, rel))
-        elif rel == "extract/op.json":
+        elif rel == OP_JSON:
             run(rel, lambda doc=doc, k=k: check_op(doc, k))
-        elif rel == "state/state.json":
+        elif rel == STATE_JSON:
             # A state referenced from another rank's bundle: its tensor names are known once those files are read
             # (Bundle.state() checks them then).
-            k = _state_keys(files, keys, skip, problems) if "state/replicated.json" not in files else None
+            k = _state_keys(files, keys, skip, problems) if REPLICATED not in files else None
             run(rel, lambda doc=doc, k=k: check_state(doc, k))
-        elif rel == "state/replicated.json":
+        elif rel == REPLICATED:
             run(rel, lambda doc=doc: check_replicated(doc))
             if any(STATE_FILE.fullmatch(x) for x in files):
                 problems.append({"file": rel, "problem": "references another rank's state, but the bundle also lists "
                                                          "state files of its own: ambiguous, refused"})
         elif m:
             run(rel, lambda rel=rel, doc=doc, k=k, m=m: check_step(doc, int(m[1]), k, rel))
-    window = (docs.get("run.json") or [None])[0]
-    if isinstance(window, dict) and not any(p["file"] == "run.json" for p in problems):
+    window = (docs.get(RUN) or [None])[0]
+    if isinstance(window, dict) and not any(p["file"] == RUN for p in problems):
         for i, s in enumerate(window["window"]["steps"]):
             for ext in ("json", "safetensors"):
-                rel = f"steps/{s:08d}.{ext}"
+                rel = f"{STEPS}/{step_name(s)}.{ext}"
                 if rel not in files:
-                    problems.append({"file": "run.json", "problem": f"window.steps[{i}] is step {s}, but the "
+                    problems.append({"file": RUN, "problem": f"window.steps[{i}] is step {s}, but the "
                                                                     f"manifest lists no {rel}"})
-        failure = (docs.get("failure.json") or [None])[0]
-        if isinstance(failure, dict) and not any(p["file"] == "failure.json" for p in problems):
+        failure = (docs.get(FAILURE) or [None])[0]
+        if isinstance(failure, dict) and not any(p["file"] == FAILURE for p in problems):
             problems += [{"file": rel, "problem": why} for rel, why in uncheckable(window, failure)]
     return problems
 
@@ -1030,14 +1020,14 @@ def uncheckable(run: dict[str, Any], failure: dict[str, Any]) -> list[tuple[str,
     if not steps:
         out.append(("run.json", "window.steps is empty: a replay would run no step, and nothing can fail in no step "
                                 "(a test that cannot fail is never \"fixed\")"))
-    elif kind != "peer" and step not in steps:
+    elif kind != FailureKind.PEER and step not in steps:
         out.append(("run.json", f"window.steps {_steps_text(steps)} does not hold step {step}, where failure.json says "
                                 "the run failed: a replay would never reach the failure (a test that cannot fail is "
                                 "never \"fixed\")"))
-    if kind == "loss_spike" and run["recorder"]["detect"].get("spike_factor") is None:
+    if kind == FailureKind.LOSS_SPIKE and run["recorder"]["detect"].get("spike_factor") is None:
         out.append(("run.json", "recorder.detect.spike_factor is null, but failure.json's kind is loss_spike: replay "
                                 "could not check the recorded failure"))
-    if kind == "predicate" and not run["refs"].get("predicates"):
+    if kind == FailureKind.PREDICATE and not run["refs"].get("predicates"):
         out.append(("run.json", "refs.predicates is empty, but failure.json's kind is predicate: replay could not "
                                 "check the recorded failure"))
     return out

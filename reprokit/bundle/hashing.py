@@ -1,6 +1,6 @@
 """sha256 of files at disk speed, reading and hashing overlapped (a helper thread hashes piece *i* while piece
-*i + 1* is read: ``hashlib`` and file reads both release the GIL). No torch here: ``inspect`` and ``verify``
-hash files without importing it.
+*i + 1* is read: ``hashlib`` and file reads both release the GIL), and the manifest's digest of itself. No torch
+here: ``inspect`` and ``verify`` hash files without importing it.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import json
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -74,8 +75,8 @@ def read_hashed(path: Path, pieces: Iterator[memoryview], *, follow_links: bool 
     return h.hexdigest(), total
 
 
-def sha256_file(path: Path, chunk: int = CHUNK) -> tuple[str, int]:
-    """``(sha256, bytes)`` of a file, reading and hashing overlapped (two buffers in turn).
+def sha256_file(path: Path, chunk: int = CHUNK) -> str:
+    """The sha256 of a file, reading and hashing overlapped (two buffers in turn).
 
     A file that fits in one chunk (JSON, code, most step files) is read and hashed in one go: two chunk-sized
     buffers and a hashing thread would cost more than the file. Links are followed (an archive the user names may
@@ -85,7 +86,7 @@ def sha256_file(path: Path, chunk: int = CHUNK) -> tuple[str, int]:
         if os.fstat(f.fileno()).st_size < chunk:
             data = f.read()  # to the end, whatever the size now (a file that grew is hashed as it is read)
             if len(data) < chunk:
-                return hashlib.sha256(data).hexdigest(), len(data)
+                return hashlib.sha256(data).hexdigest()
     bufs = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
 
     def turns() -> Iterator[memoryview]:
@@ -94,4 +95,28 @@ def sha256_file(path: Path, chunk: int = CHUNK) -> tuple[str, int]:
             yield bufs[i % 2]
             i += 1
 
-    return read_hashed(path, turns(), follow_links=True)
+    return read_hashed(path, turns(), follow_links=True)[0]
+
+
+def sha256_many(paths: list[Path]) -> dict[Path, str | OSError]:
+    """sha256 of every file, several at once (one file's hash is one sequential stream, so a bundle's
+    files are spread over the cores, largest first); the ``OSError`` for a file that cannot be read (a FIFO
+    or a device swapped in, permissions)."""
+    def digest(p: Path) -> str | OSError:
+        try:
+            return sha256_file(p)
+        except OSError as e:
+            return e
+
+    workers = min(len(paths), os.cpu_count() or 1, 8)
+    if workers <= 1:
+        return {p: digest(p) for p in paths}
+    order = sorted(paths, key=lambda p: -p.stat().st_size)
+    with ThreadPoolExecutor(workers, thread_name_prefix="reprokit-verify") as pool:
+        return dict(zip(order, pool.map(digest, order)))
+
+
+def _self_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's own content (minus this field), so edits to the manifest show too."""
+    body = {k: v for k, v in manifest.items() if k != "self_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -26,8 +26,8 @@ from typing import Any, BinaryIO, cast
 
 import torch
 
-from reprokit import schema
-from reprokit.hashing import CHUNK, read_hashed, submit
+from reprokit.bundle import schema
+from reprokit.bundle.hashing import CHUNK, read_hashed, submit
 
 _SMALL = 1 << 20  # pieces below this are hashed inline (a thread hand-off costs more than it saves)
 SHARD_BYTES = 256 << 20
@@ -63,7 +63,7 @@ class WrittenFile:
 
 def shard(tensors: dict[str, torch.Tensor], shard_bytes: int | None = None) -> list[dict[str, torch.Tensor]]:
     """``tensors`` split in key order into groups of at most ``shard_bytes`` (default :data:`SHARD_BYTES`; one
-    larger tensor stays whole) and at most :data:`reprokit.schema.MAX_TENSORS` tensors (what a reader accepts in
+    larger tensor stays whole) and at most :data:`reprokit.bundle.schema.MAX_TENSORS` tensors (what a reader accepts in
     one file); always at least one group (an empty state is one empty file)."""
     shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
     groups: list[dict[str, torch.Tensor]] = [{}]

@@ -27,14 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprokit import pytree, schema
-from reprokit.bundle import FAILURE, REPLICATED, Bundle, jsonable, open_bundle
+from reprokit import pytree
+from reprokit.bundle import FAILURE, REPLICATED, Bundle, jsonable, open_bundle, schema
 from reprokit.code import check_refs, imported, materialize, resolve
 from reprokit.detect import DetectSettings, Monitor
 from reprokit.env import apply_determinism_flags
 from reprokit.errors import BundleError, CodeLoadError, ConfigError, ReprokitError, StateMismatchError
-from reprokit.isolation import isolation_lines
-from reprokit.signature import DEATHS, Failure, summary_line
+from reprokit.isolation import IsolatedRunner, isolation_lines, isolation_summary
+from reprokit.outcome import RunOutcome
+from reprokit.signature import DEATHS, Failure, FailureKind, summary_line
 from reprokit.state import (
     BUFFERS,
     MODEL,
@@ -72,41 +73,6 @@ class StepInput:
             else:
                 h.update(repr(leaf).encode())
         return h.hexdigest()
-
-
-@dataclass
-class RunOutcome:
-    """One replay of a window.
-
-    ``same`` is the verdict of this run: it failed with the recorded signature *at
-    the recorded step*. A failure that is not ``same`` is a different failure.
-    """
-
-    failure: Failure | None
-    same: bool
-    losses: dict[int, float | None]
-    seconds: float
-    fidelity: dict[str, Any] | None = None
-    """Set by :func:`replay`: this run's losses against the recorded ones (see ``Session.fidelity``)."""
-    death: dict[str, Any] | None = None
-    """For a run in a child process that died (see :mod:`reprokit.isolation`): how (``signal``, ``returncode``),
-    the steps it had started and finished, its peak host memory and the last lines it wrote; ``failure`` is then a
-    ``crash``."""
-
-    @property
-    def verdict(self) -> str:
-        """``reproduced``, ``different_failure`` or ``passed``."""
-        return "reproduced" if self.same else "different_failure" if self.failure else "passed"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "reproduced": self.same,
-                "failure": self.failure.summary() if self.failure else None,
-                "failure_step": self.failure.step if self.failure else None,
-                "different_failure": bool(self.failure and not self.same), "seconds": round(self.seconds, 4),
-                "steps_run": len(self.losses), "death": self.death,
-                "fidelity": {k: self.fidelity[k] for k in ("bit_exact", "max_abs_diff", "first_diverging_step")}
-                if self.fidelity else None,
-                "losses": [{"step": k, "loss": v} for k, v in self.losses.items()]}
 
 
 # What ``reprokit replay`` exits with for each verdict. 1 / 0 / 125 are what ``git bisect run``
@@ -166,7 +132,7 @@ class ReplayReport:
     distributed: dict[str, Any] | None = None
     """The rank, world size and incident the bundle was recorded in, when it came from a multi-rank run."""
     isolation: dict[str, Any] | None = None
-    """Set when each run ran in a child process (see :func:`reprokit.isolation.replay_isolated`): the children
+    """Set when each run ran in a child process (see :func:`replay_isolated`): the children
     started and what that cost, the peak host memory of a run beside the recorded machine's, and a note on a crash
     that replayed clean."""
 
@@ -338,7 +304,7 @@ class Session:
         self.snapshot = (tree, tensors)
         # A bundle from before the loss was read out of a dict / number lacks the key: judge it as it was recorded.
         detect = {"loss_from_mapping": False, **run["recorder"]["detect"], **_recorded_check(self.recorded)}
-        if self.recorded.kind == "predicate" and not predicates:
+        if self.recorded.kind == FailureKind.PREDICATE and not predicates:
             raise BundleError(f"{self.bundle.path}: the recorded failure is a predicate's, but run.json names no "
                               "predicate replay can import (it was not a module-level function when recorded): "
                               "replay cannot check this failure, so it can neither reproduce nor pass. Record again "
@@ -498,7 +464,8 @@ def loss_fidelity(bundle: Bundle, losses: dict[int, float | None], *, same_devic
             "hint": NOT_BIT_EXACT_HINT if same_device and same_code and compared and not exact else None}
 
 
-_CHECK_OF_KIND = {"nonfinite_loss": "check_loss", "nonfinite_grad": "check_grads", "nonfinite_param": "check_params"}
+_CHECK_OF_KIND: dict[str, str] = {FailureKind.NONFINITE_LOSS: "check_loss", FailureKind.NONFINITE_GRAD: "check_grads",
+                                   FailureKind.NONFINITE_PARAM: "check_params"}
 
 
 def _recorded_check(recorded: Failure) -> dict[str, bool]:
@@ -619,6 +586,35 @@ def session(bundle: str | Path | Bundle, **kw: Any) -> Iterator[Session]:
         yield s
 
 
+def replay_isolated(bundle: Any, *, times: int = 1, device: str | None = None, code: str | Path | None = None,
+                    progress: Any = None) -> Any:
+    """:func:`replay` with each run in a child process (see :mod:`reprokit.isolation`).
+
+    A run whose child died is a ``crash`` at the step it started last: it reproduces a recorded crash that died the
+    same way there (the same signal; any signal when the bundle recorded none; the same exception class for a death
+    by an uncaught exception), and a recorded device error of the same exception class. Deterministic and flaky are
+    told apart over ``times`` runs as in-process. ``report.isolation`` says what isolation cost and, for a crash
+    that replays clean, what that means, with the peak host memory of a run beside the recorded machine's memory.
+    """
+    runs, attempts = [], []
+    with IsolatedRunner() as runner:
+        for i in range(times):
+            a = runner.attempt(bundle.path, recorded=bundle.failure, device=device, code=code)
+            attempts.append(a)
+            runs.append(a.outcome)
+            if progress:
+                progress(i + 1, times)
+    seen = next((a for a in attempts if a.device is not None), None)
+    for a in attempts:
+        a.outcome.fidelity = loss_fidelity(bundle, a.outcome.losses, same_device=bool(seen and seen.same_device),
+                                           same_code=code is None)
+    where = seen.device if seen else device or default_device(bundle)
+    label = seen.code if seen and seen.code else code_label(bundle, Path(code).resolve() if code else None)
+    report = report_of(bundle, runs, str(where), label)
+    report.isolation = isolation_summary(report, attempts, runner.summary(), bundle.env)
+    return report
+
+
 def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = None,
            code: str | Path | None = None, progress: Any = None, as_rank: bool = False,
            isolate: bool | None = None) -> ReplayReport:
@@ -654,7 +650,6 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
     if not as_rank:  # one rank of an N-rank incident replay runs a peer's window too: its collectives need it
         _refuse_peer(bundle)
         if isolate or (isolate is None and bundle.failure.kind in DEATHS):
-            from reprokit.isolation import replay_isolated
 
             return replay_isolated(bundle, times=times, device=device, code=code, progress=progress)
     s = Session(bundle, device=device, code=code, preload=True)
@@ -716,7 +711,7 @@ def lost_peer(bundle: Bundle) -> bool:
     """The recorded failure is a collective that lost a peer: another rank's process ended (outside its recorded
     steps, or it would have declared the incident) and this rank's collective failed for it."""
     f = bundle.failure
-    if f.kind != "exception" or _world_size(bundle) < 2:
+    if f.kind != FailureKind.EXCEPTION or _world_size(bundle) < 2:
         return False
     # gloo raises a plain RuntimeError, NCCL a DistBackendError (a RuntimeError); an OSError such as a data
     # loader's ConnectionResetError ("Connection reset by peer") is the step's own failure, not a lost rank.
@@ -745,7 +740,7 @@ def _refuse_peer(bundle: Bundle) -> None:
     if lost_peer(bundle):
         raise ReprokitError(f"{bundle.path.name}: {_lost_peer_words(bundle)} Look for the error that ended the other "
                             "rank in the job's log (torchrun prints each rank's traceback).")
-    if f.kind != "peer":
+    if f.kind != FailureKind.PEER:
         return
     doc = f.detail.get("incident", {}) if isinstance(f.detail, dict) else {}
     dist = bundle.run.get("distributed") or {}

@@ -1,0 +1,94 @@
+"""The child side of :mod:`reprokit.isolation`: a fork server that imports torch and reprokit once, then runs each
+replay attempt it is asked for in a forked process of its own and reports the attempt's events, exit status and peak
+memory to the parent on a pipe. Run as ``python -m reprokit.isolation_server FD``; it never runs user code itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import IO, Any
+
+from reprokit import errors
+from reprokit.bundle import open_bundle
+from reprokit.replayer import Session
+
+# -- the child ----------------------------------------------------------------------------------------------------
+
+def _send(fd: int, event: dict[str, Any]) -> None:
+    data = (json.dumps(event) + "\n").encode()
+    while data:  # a pipe takes a large write in parts
+        data = data[os.write(fd, data):]
+
+
+def _attempt(fd: int, req: dict[str, Any]) -> None:
+    """Run one attempt in this (forked) process: the events of its steps, then its result or the error that stopped
+    it. A death by an uncaught ``BaseException`` (``SystemExit`` from the step) is said before the process goes."""
+    _send(fd, {"event": "forked", "pid": os.getpid()})
+    try:
+        s = Session(open_bundle(req["bundle"]), device=req["device"], code=req["code"], preload=True)
+        s.__enter__()
+    except errors.ReprokitError as e:
+        _send(fd, {"event": "error", "error": type(e).__name__, "message": str(e),
+                   "attributes": {k: getattr(e, k) for k in ("problems", "cli_message") if hasattr(e, k)}})
+        return
+    s.on_step = lambda what, step, loss: _send(fd, {"event": what, "step": step, "loss": loss})
+    try:
+        out = s.run(s.inputs())
+    except BaseException as e:  # SystemExit, KeyboardInterrupt from the step: a Python-level death
+        _send(fd, {"event": "died", "exc_type": type(e).__qualname__,
+                   "message": str(e).splitlines()[0][:500] if str(e) else ""})
+        sys.stderr.flush()
+        os._exit(70)
+    _send(fd, {"event": "result", "failure": out.failure.to_json() if out.failure else None, "same": out.same,
+               "losses": list(out.losses.items()), "seconds": out.seconds, "device": str(s.device),
+               "code": s.code_label, "same_device": s.same_device()})
+    s.__exit__(None, None, None)
+    s.drop_code_copy()
+
+
+def _serve(fd: int, requests: IO[str]) -> None:
+    """The fork server: one forked process per request, waited for; its exit status and peak memory reported."""
+    _send(fd, {"event": "ready", "pid": os.getpid()})
+    for line in requests:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _attempt(fd, req)
+            except BaseException as e:  # reprokit's own fault in the attempt: said as a death, never a hang
+                _send(fd, {"event": "died", "exc_type": type(e).__qualname__, "message": str(e)[:500]})
+                code = 70
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status, usage = os.wait4(pid, 0)
+        _send(fd, {"event": "exit", "returncode": os.waitstatus_to_exitcode(status),
+                   "peak_rss_bytes": usage.ru_maxrss * 1024})  # kB on Linux
+
+
+def _preload() -> None:
+    """Import what every replay imports lazily, once in the server rather than in each attempt: setting the
+    determinism flags imports torch._dynamo and torch._inductor (seconds). The server still has one thread afterwards
+    (torch 2.13 on Linux), which keeps forking safe: with more, a fork could copy a lock another thread holds."""
+    import torch._dynamo  # noqa: F401
+    import torch._inductor  # noqa: F401
+
+
+def main(argv: list[str]) -> None:
+    """``python -m reprokit.isolation_server FD``: serve replay requests (JSON lines on stdin), events on file FD."""
+    import faulthandler
+
+    fd = int(argv[0])
+    os.set_inheritable(fd, False)  # programs the step runs (exec) must not keep the parent's end-of-file away
+    faulthandler.enable(all_threads=True)  # a segfault's Python traceback goes to the log the parent keeps
+    import reprokit.replayer  # noqa: F401 - torch and reprokit before "ready": the start-up cost is the server's own
+    _preload()
+    _serve(fd, sys.stdin)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
