@@ -578,7 +578,7 @@ def _read_pack_manifest(pm: Path, size: int) -> tuple[dict[str, Any] | None, lis
     if m["version"] > PACK_VERSION:
         raise BundleVersionError(f"this archive's {PACK_MANIFEST} has format version {m['version']}, but this "
                                  f"reprokit reads versions up to {PACK_VERSION}. Upgrade reprokit "
-                                 "(pip install -U reprokit) to open it.")
+                                 "(in your clone: git pull && pip install -e .) to open it.")
     if set(m) != {"format", "version", "files", "self_sha256"}:
         return bad("no self_sha256 digest, or unknown fields: "
                    + ", ".join(sorted(set(m) ^ {"format", "version", "files", "self_sha256"})))

@@ -253,7 +253,7 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, An
     if version > VERSION:
         raise BundleVersionError(
             f"{path} uses bundle format version {version}, but this reprokit ({__version__}) reads versions "
-            f"up to {VERSION}. Upgrade reprokit (pip install -U reprokit) to open it."
+            f"up to {VERSION}. Upgrade reprokit (in your clone: git pull && pip install -e .) to open it."
         )
     unknown = sorted(set(manifest) - MANIFEST_KEYS)
     if "self_sha256" not in manifest and not (set(manifest) == LEGACY_KEYS and version == 1):
