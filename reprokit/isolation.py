@@ -43,6 +43,10 @@ LOG_TAIL_LINES = 20
 """Lines of a dead child's output (its ``faulthandler`` traceback, a CUDA error) kept in its death record."""
 KILLED_FROM_OUTSIDE = ("the process was killed from outside (SIGKILL with no error recorded): likely the OOM killer "
                        "or the scheduler")
+STOPPED_FROM_OUTSIDE = ("the process was stopped from outside (SIGTERM): the scheduler or torchrun stopping the job, or "
+                        "its launcher after another rank died")
+FROM_OUTSIDE = {None: KILLED_FROM_OUTSIDE, "SIGKILL": KILLED_FROM_OUTSIDE, "SIGTERM": STOPPED_FROM_OUTSIDE}
+"""The note for a recorded crash (by its ``exc_type``) that replays clean: a death that came from outside the step."""
 
 
 @dataclass
@@ -407,8 +411,8 @@ def isolation_summary(report: Any, attempts: list[Attempt], cost: dict[str, Any]
     death = next((r.death for r in report.runs if r.same and r.death), deaths[0] if deaths else None)
     peaks = [a.peak_rss_bytes for a in attempts if a.peak_rss_bytes]
     note = None
-    if recorded.kind == "crash" and recorded.exc_type in (None, "SIGKILL") and report.verdict == "not_reproduced":
-        note = KILLED_FROM_OUTSIDE
+    if recorded.kind == "crash" and report.verdict == "not_reproduced":
+        note = FROM_OUTSIDE.get(recorded.exc_type)
     return {"isolated": True, **cost, "signal": death["signal"] if death else None,
             "step": death["step"] if death else None, "where": death["where"] if death else None,
             "peak_rss_bytes": max(peaks) if peaks else None,
@@ -526,4 +530,5 @@ if __name__ == "__main__":
     main(sys.argv[1:])
 
 
-__all__ = ["KILLED_FROM_OUTSIDE", "Attempt", "IsolatedRunner", "death_failure", "replay_isolated"]
+__all__ = ["FROM_OUTSIDE", "KILLED_FROM_OUTSIDE", "STOPPED_FROM_OUTSIDE", "Attempt", "IsolatedRunner", "death_failure",
+           "replay_isolated"]
