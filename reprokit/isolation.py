@@ -185,7 +185,7 @@ class IsolatedRunner:
         tail = _tail(child.log, offset)
         pid = got["forked"]["pid"] if "forked" in got else child.proc.pid
         failure = death_failure(end["returncode"], got.get("died"), started, finished, tail, pid)
-        return _died(failure, recorded, finished, time.perf_counter() - t0, end["peak_rss_bytes"])
+        return died(failure, recorded, finished, time.perf_counter() - t0, end["peak_rss_bytes"])
 
     # -- children ------------------------------------------------------------------------------------------------
 
@@ -284,12 +284,13 @@ class IsolatedRunner:
         tail = _tail(child.log)
         pid = got["forked"]["pid"] if "forked" in got else child.proc.pid
         failure = death_failure(rc, got.get("died"), started, finished, tail, pid)
-        return _died(failure, recorded, finished, seconds, peak)
+        return died(failure, recorded, finished, seconds, peak)
 
 
-def _died(failure: Failure, recorded: Failure, finished: dict[int, float | None], seconds: float,
-          peak: int | None) -> Attempt:
-    """The attempt whose process died with ``failure`` (see :func:`death_failure`)."""
+def died(failure: Failure, recorded: Failure, finished: dict[int, float | None], seconds: float,
+         peak: int | None) -> Attempt:
+    """The attempt whose process died with ``failure`` (see :func:`death_failure`), judged against ``recorded``;
+    ``finished``: the losses of the steps it finished. Also used for a rank of an incident replay that died."""
     from reprokit.replay import RunOutcome
 
     tail = failure.detail["fault_log"]
@@ -531,4 +532,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["FROM_OUTSIDE", "KILLED_FROM_OUTSIDE", "STOPPED_FROM_OUTSIDE", "Attempt", "IsolatedRunner", "death_failure",
-           "replay_isolated"]
+           "died", "replay_isolated"]

@@ -24,6 +24,7 @@ from reprokit.bundle import open_bundle, verify
 from reprokit.cli import main
 from reprokit.errors import ConfigError, RecorderWarning
 from reprokit.flight import FLIGHT_DIR
+from reprokit.report import format_incident
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = 12345.0
@@ -327,3 +328,18 @@ def test_two_ranks_under_torchrun_rank1_killed_in_step_17_recover_to_one_inciden
     assert describe_incident(folder)["failing_rank"] == 1
     shown = _reprokit("inspect", str(folder), cwd=tmp_path)
     assert shown.returncode == 0 and "rank 1 failed first" in shown.stdout, shown.stdout + shown.stderr
+
+    # Both ranks replayed together: rank 1's replay dies with SIGKILL in step 17 again (its rank process forks the
+    # replay and reports the death); rank 0's all-reduce then loses its peer. The verdict is rank 1's.
+    r = _reprokit("replay", str(folder), "--nproc", "2", "--json", cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    d = json.loads(r.stdout)
+    assert (d["verdict"], d["failing_rank"], d["reproduced"]) == ("deterministic", 1, True), d
+    rank0, rank1 = d["ranks"]
+    assert (rank1["failure"]["kind"], rank1["failure"]["step"], rank1["failure"]["exception_type"]) == (
+        "crash", 17, "SIGKILL"), rank1
+    assert rank1["per_run"][0]["death"]["returncode"] == -signal.SIGKILL
+    assert rank1["per_run"][0]["fidelity"]["bit_exact"], rank1  # steps 15 and 16 ran as recorded first
+    assert rank0["verdict"] in ("different_failure", "blocked"), rank0  # gloo's error, or still waiting for rank 1
+    assert "rank 1: reproduced once (recorded crash, replayed crash (the process died with SIGKILL at step 17))" \
+        in format_incident(d), format_incident(d)
