@@ -364,8 +364,13 @@ def _rank_main(folder: str, out: str, times: str, device: str, code: str = "", e
     if pid == 0:
         try:
             _rank_replay(folder, out, times, device, code, entries, steps, parent)
+        except BaseException:  # _rank_replay leaves with os._exit(0); here only if reprokit itself failed
+            import traceback
+
+            traceback.print_exc()
         finally:
-            os._exit(70)  # _rank_replay leaves with os._exit(0); here only if reprokit itself failed
+            sys.stderr.flush()
+            os._exit(70)
     _, status, usage = os.wait4(pid, 0)
     if not mine.exists():
         _write(mine, _death_doc(rank, out, device, code, steps, os.waitstatus_to_exitcode(status), pid,
@@ -391,6 +396,10 @@ def _death_doc(rank: int, out: str, device: str, code: str, steps: Path, returnc
                 finished[int(step)] = loss
     except (OSError, ValueError):
         pass  # a line torn by the death: the lines before it stand
+    if not started:  # it ended before the window's first step (the process group, loading): no death to judge
+        return {"rank": rank, "verdict": "error", "error": (
+            f"rank {rank}'s replay ended without a report and before its first step (exit status {returncode}); the "
+            f"last lines of its output: {_output_tail(Path(out) / 'logs', rank) or '(none)'}")}
     try:
         bundle = open_bundle(json.loads((Path(out) / "ranks.json").read_text())[str(rank)])
     except (OSError, ValueError, KeyError, ReprokitError) as e:
