@@ -44,6 +44,10 @@ LOG_TAIL_LINES = 20
 """Lines of a dead child's output (its ``faulthandler`` traceback, a CUDA error) kept in its death record."""
 KILLED_FROM_OUTSIDE = ("the process was killed from outside (SIGKILL with no error recorded): likely the OOM killer "
                        "or the scheduler")
+STOPPED_FROM_OUTSIDE = ("the process was stopped from outside (SIGTERM): the scheduler or torchrun stopping the job, or "
+                        "its launcher after another rank died")
+FROM_OUTSIDE = {None: KILLED_FROM_OUTSIDE, "SIGKILL": KILLED_FROM_OUTSIDE, "SIGTERM": STOPPED_FROM_OUTSIDE}
+"""The note for a recorded crash (by its ``exc_type``) that replays clean: a death that came from outside the step."""
 
 
 @dataclass
@@ -182,7 +186,7 @@ class IsolatedRunner:
         tail = _tail(child.log, offset)
         pid = got["forked"]["pid"] if "forked" in got else child.proc.pid
         failure = death_failure(end["returncode"], got.get("died"), started, finished, tail, pid)
-        return _died(failure, recorded, finished, time.perf_counter() - t0, end["peak_rss_bytes"])
+        return died(failure, recorded, finished, time.perf_counter() - t0, end["peak_rss_bytes"])
 
     # -- children ------------------------------------------------------------------------------------------------
 
@@ -281,12 +285,13 @@ class IsolatedRunner:
         tail = _tail(child.log)
         pid = got["forked"]["pid"] if "forked" in got else child.proc.pid
         failure = death_failure(rc, got.get("died"), started, finished, tail, pid)
-        return _died(failure, recorded, finished, seconds, peak)
+        return died(failure, recorded, finished, seconds, peak)
 
 
-def _died(failure: Failure, recorded: Failure, finished: dict[int, float | None], seconds: float,
-          peak: int | None) -> Attempt:
-    """The attempt whose process died with ``failure`` (see :func:`death_failure`)."""
+def died(failure: Failure, recorded: Failure, finished: dict[int, float | None], seconds: float,
+         peak: int | None) -> Attempt:
+    """The attempt whose process died with ``failure`` (see :func:`death_failure`), judged against ``recorded``;
+    ``finished``: the losses of the steps it finished. Also used for a rank of an incident replay that died."""
     tail = failure.detail["fault_log"]
     death = {"signal": failure.detail["signal"], "returncode": failure.detail["returncode"], "step": failure.step,
              "where": fault_frame(tail), "last_started": failure.detail["last_started"],
@@ -373,8 +378,8 @@ def isolation_summary(report: Any, attempts: list[Attempt], cost: dict[str, Any]
     death = next((r.death for r in report.runs if r.same and r.death), deaths[0] if deaths else None)
     peaks = [a.peak_rss_bytes for a in attempts if a.peak_rss_bytes]
     note = None
-    if recorded.kind == "crash" and recorded.exc_type in (None, "SIGKILL") and report.verdict == "not_reproduced":
-        note = KILLED_FROM_OUTSIDE
+    if recorded.kind == "crash" and report.verdict == "not_reproduced":
+        note = FROM_OUTSIDE.get(recorded.exc_type)
     return {"isolated": True, **cost, "signal": death["signal"] if death else None,
             "step": death["step"] if death else None, "where": death["where"] if death else None,
             "peak_rss_bytes": max(peaks) if peaks else None,
@@ -409,4 +414,5 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-__all__ = ["KILLED_FROM_OUTSIDE", "Attempt", "IsolatedRunner", "death_failure"]
+__all__ = ["FROM_OUTSIDE", "KILLED_FROM_OUTSIDE", "STOPPED_FROM_OUTSIDE", "Attempt", "IsolatedRunner", "death_failure",
+           "died"]

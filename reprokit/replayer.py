@@ -617,7 +617,8 @@ def replay_isolated(bundle: Any, *, times: int = 1, device: str | None = None, c
 
 def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = None,
            code: str | Path | None = None, progress: Any = None, as_rank: bool = False,
-           isolate: bool | None = None) -> ReplayReport:
+           isolate: bool | None = None,
+           on_step: Callable[[str, int, float | None], None] | None = None) -> ReplayReport:
     """Re-run a bundle's window ``times`` times and say whether it fails the same way.
 
     Args:
@@ -633,6 +634,9 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
             abort, a poisoned CUDA context) ends the child and not this one (see :mod:`reprokit.isolation`).
             Default (None): for a bundle whose failure is a ``crash`` or ``device_error``; a rank of an incident
             replay is a child process already.
+        on_step: for a replay in this process (not isolated), called as each step starts and finishes (see
+            ``Session.on_step``): a rank of an incident replay writes them where its supervisor finds them if the
+            step kills the process.
 
     Returns:
         A :class:`ReplayReport`; ``report.verdict`` is the headline: ``deterministic``,
@@ -653,6 +657,7 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
 
             return replay_isolated(bundle, times=times, device=device, code=code, progress=progress)
     s = Session(bundle, device=device, code=code, preload=True)
+    s.on_step = on_step
     try:
         with s:
             return _replay_runs(s, times, progress)

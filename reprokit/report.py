@@ -516,6 +516,8 @@ def format_incident(d: dict[str, Any]) -> str:
         else:
             f = r.get("failure") or {}
             got = f"{f.get('kind')} at step {f.get('step')}" if f else "no failure"
+            if f.get("kind") == "crash":  # how the process died, not just that it did
+                got = f"crash ({summary_line(f)})"
             recorded = (r.get("recorded_failure") or {}).get("kind")
             what = f"{verdict_phrase(str(r.get('verdict')), r.get('runs'), None)} (recorded {recorded}, replayed {got})"
         lines.append(f"  rank {r.get('rank')}: {what}")

@@ -318,15 +318,21 @@ def _bits(x: Any) -> Any:
 
 def _output_tail(logs: Path, rank: int, lines: int = 3) -> str:
     """The last lines rank ``rank`` wrote to stderr (torch.distributed.run's ``--log-dir``), joined with `` | ``."""
+    kept = [x.strip() for x in _stderr_lines(logs, rank)]
+    return " | ".join([x for x in kept if x and set(x) != {"^"}][-lines:])
+
+
+def _stderr_lines(logs: Path, rank: int) -> list[str]:
+    """What rank ``rank`` wrote to stderr (torch.distributed.run's ``--log-dir``), each line without its
+    ``[rankN]:`` prefix."""
     found = sorted(logs.glob(f"*/attempt_*/{rank}/stderr.log"))
     if not found:
-        return ""
+        return []
     try:
         text = found[-1].read_text(errors="replace")
     except OSError:
-        return ""
-    kept = [x.removeprefix(f"[rank{rank}]:").strip() for x in text.splitlines()]
-    return " | ".join([x for x in kept if x and set(x) != {"^"}][-lines:])
+        return []
+    return [x.removeprefix(f"[rank{rank}]:") for x in text.splitlines()]
 
 
 def free_port() -> int:
@@ -337,8 +343,81 @@ def free_port() -> int:
 
 
 def _rank_main(folder: str, out: str, times: str, device: str, code: str = "", entries: str = "") -> None:
-    """One rank, under torch.distributed.run: init the process group, replay this rank's bundle, write its report."""
+    """One rank, under torch.distributed.run. Its replay runs in a process forked from this one (which imported torch
+    and nothing else: no thread, no device, so the fork is safe), as :mod:`reprokit.isolation` runs one replay: a
+    step that kills its process (a SIGKILL, a segfault, an abort: what a ``crash`` bundle recorded) ends that child,
+    and this process, which torchrun watches, writes the rank's report of the death (the signal, the step it started
+    last) and exits normally, so torchrun stops no other rank for it."""
+    import torch  # noqa: F401 - before the fork: the replay's process has it
+
+    rank = int(os.environ["RANK"])
+    mine = Path(out) / f"rank{rank}.json"
+    steps = Path(out) / f"rank{rank}.steps"
+    t0 = time.perf_counter()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _rank_replay(folder, out, times, device, code, entries, steps, parent)
+        except BaseException:  # _rank_replay leaves with os._exit(0); here only if reprokit itself failed
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(70)
+    _, status, usage = os.wait4(pid, 0)
+    if not mine.exists():
+        _write(mine, _death_doc(rank, out, device, code, steps, os.waitstatus_to_exitcode(status), pid,
+                                time.perf_counter() - t0, usage.ru_maxrss * 1024))
+    os._exit(0)
+
+
+def _death_doc(rank: int, out: str, device: str, code: str, steps: Path, returncode: int, pid: int, seconds: float,
+               peak: int) -> dict[str, Any]:
+    """The report of a rank whose replay's process died (see :func:`_rank_main`): a ``crash`` at the step it started
+    last, judged against the rank's recorded failure as an isolated replay judges one."""
+    from reprokit.isolation import LOG_TAIL_LINES, death_failure, died, isolation_summary
+    from reprokit.replayer import code_label, loss_fidelity, report_of
+
+    started: list[int] = []
+    finished: dict[int, float | None] = {}
+    try:
+        for line in steps.read_text().splitlines():
+            what, step, loss = json.loads(line)
+            if what == "started":
+                started.append(int(step))
+            elif what == "finished":
+                finished[int(step)] = loss
+    except (OSError, ValueError):
+        pass  # a line torn by the death: the lines before it stand
+    if not started:  # it ended before the window's first step (the process group, loading): no death to judge
+        return {"rank": rank, "verdict": "error", "error": (
+            f"rank {rank}'s replay ended without a report and before its first step (exit status {returncode}); the "
+            f"last lines of its output: {_output_tail(Path(out) / 'logs', rank) or '(none)'}")}
+    try:
+        bundle = open_bundle(json.loads((Path(out) / "ranks.json").read_text())[str(rank)])
+    except (OSError, ValueError, KeyError, ReprokitError) as e:
+        return {"rank": rank, "verdict": "error", "error": f"rank {rank}'s replay died ({returncode}) and its "
+                f"bundle could not be read again: {e}"}
+    tail = "\n".join(_stderr_lines(Path(out) / "logs", rank)[-LOG_TAIL_LINES:])
+    failure = death_failure(returncode, None, started, finished, tail, pid)
+    attempt = died(failure, bundle.failure, finished, seconds, peak)
+    outcome = attempt.outcome
+    outcome.fidelity = loss_fidelity(bundle, outcome.losses, same_device=device == "cpu" and str(
+        bundle.run.get("device", "cpu")) == "cpu", same_code=not code)
+    report = report_of(bundle, [outcome], device, code_label(bundle, Path(code) if code else None))
+    report.isolation = isolation_summary(report, [attempt], {"child_starts": 0, "attempts": 1, "child_deaths": 1,
+                                                      "startup_seconds": 0.0, "waited_seconds": 0.0}, bundle.env)
+    return {"rank": rank, **report.to_json()}
+
+
+def _rank_replay(folder: str, out: str, times: str, device: str, code: str, entries: str, steps: Path,
+                 parent: int) -> None:
+    """The replay of one rank (in the process :func:`_rank_main` forked): init the process group, replay this rank's
+    bundle, telling ``steps`` as each step starts and finishes, write its report."""
     import datetime
+    import faulthandler
     import threading
 
     import torch
@@ -346,16 +425,24 @@ def _rank_main(folder: str, out: str, times: str, device: str, code: str = "", e
 
     from reprokit.replayer import replay
 
+    faulthandler.enable(all_threads=True)  # a segfault's traceback goes to this rank's stderr log: its death says where
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
     mine = Path(out) / f"rank{rank}.json"
+    fd = os.open(steps, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def on_step(what: str, step: int, loss: float | None) -> None:
+        os.write(fd, (json.dumps([what, step, loss]) + "\n").encode())  # one write: the page cache outlives a kill
 
     def watch_peers() -> None:
-        """A peer finished with a failure and this rank still runs: it waits in a collective that never completes."""
+        """A peer finished with a failure and this rank still runs: it waits in a collective that never completes.
+        The rank's process (this one's parent) ended: so does this one."""
         while not mine.exists():
             time.sleep(0.2)
+            if os.getppid() != parent:
+                os._exit(1)
             for r in range(world):
                 p = Path(out) / f"rank{r}.json"
                 if r == rank or not p.exists():
@@ -381,7 +468,8 @@ def _rank_main(folder: str, out: str, times: str, device: str, code: str = "", e
             mine_bundle = open_bundle(mine_bundle)
             confirm_entries(mine_bundle.run.get("refs"), json.loads(entries), code, snapshot=mine_bundle.code_dir,
                             source=mine_bundle.path / "run.json")
-        report = replay(mine_bundle, times=int(times), device=device, code=code or None, as_rank=True)
+        report = replay(mine_bundle, times=int(times), device=device, code=code or None, as_rank=True,
+                        on_step=on_step)
         doc = {"rank": rank, **report.to_json()}
     except Exception as e:  # a report, not a traceback: the peers' collectives then break and they report too
         doc = {"rank": rank, "error": f"{type(e).__name__}: {e}", "verdict": "error"}

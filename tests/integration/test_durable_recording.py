@@ -16,76 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
+from rk_forked import ForkedRuns
 
 import reprokit
 from reprokit.bundle import open_bundle, verify
+from reprokit.cli import main
 from reprokit.errors import ConfigError, RecorderWarning
 from reprokit.flight import FLIGHT_DIR
+from reprokit.report import format_incident
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = 12345.0
-
-SCRIPT = textwrap.dedent('''
-    """A tiny seeded run recorded with durable=True that dies in step CRASH_STEP when the marker is in the batch."""
-    import ctypes
-    import os
-    import signal
-    import sys
-    import time
-
-    import torch
-
-    import reprokit
-
-    MARKER = 12345.0
-
-
-    def build(config):
-        torch.manual_seed(config["seed"])
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
-
-
-    def train_step(state, batch):
-        x = batch["x"]
-        if bool((x == MARKER).any()):
-            how = os.environ.get("DIE_HOW", "kill")
-            if how == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif how == "segv":
-                ctypes.string_at(0)
-            elif how == "abort":
-                os.abort()
-        loss = torch.nn.functional.mse_loss(state.model(x), batch["y"])
-        loss.backward()
-        state.optimizer.step()
-        state.optimizer.zero_grad()
-        return loss
-
-
-    if __name__ == "__main__":
-        out, crash_step = sys.argv[1], int(sys.argv[2])
-        steps = int(os.environ.get("STEPS", "60"))
-        pause = float(os.environ.get("PAUSE", "0"))
-        cfg = {"seed": 0}
-        state = build(cfg)
-        g = torch.Generator().manual_seed(1)
-        rec = reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out, snapshot_every=10,
-                                durable=True)
-        most = 0
-        for step in range(steps):
-            x = torch.randn(16, 4, generator=g)
-            if step == crash_step:
-                x[3, 2] = MARKER
-            rec.step({"x": x, "y": torch.randn(16, 1, generator=g)})
-            most = max(most, len(rec._flight.windows_on_disk()))
-            if step == 2 and os.environ.get("READY"):
-                open(os.environ["READY"], "w").close()
-            time.sleep(pause)
-        flight = rec._flight.folder
-        rec.close()
-        print(f"windows at most {most}; after close {flight.exists()}")
-''')
+SCRIPT = (ROOT / "tests" / "projects" / "rk_durable_die.py").read_text()
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -94,16 +37,33 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _train(tmp_path: Path, crash_step: int, **extra: str) -> subprocess.CompletedProcess[str]:
+@pytest.fixture(scope="module")
+def forked():
+    """One server that imported torch forks every training run of this module (a real process each)."""
+    with ForkedRuns(env=_env()) as runs:
+        yield runs
+
+
+def _train(forked: ForkedRuns, tmp_path: Path, crash_step: int, **extra: str) -> subprocess.CompletedProcess[str]:
+    """Run the training script (forked, see tests/rk_forked.py) in ``tmp_path``; its output in stdout and stderr."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    return subprocess.run([sys.executable, str(script), str(tmp_path / "out"), str(crash_step)], cwd=tmp_path,
-                          env=_env(**extra), capture_output=True, text=True, timeout=300)
+    code = forked.run(script, [str(tmp_path / "out"), str(crash_step)], cwd=tmp_path, env=extra)
+    log = (tmp_path / "run.log").read_text()
+    return subprocess.CompletedProcess([str(script)], code, log, log)
 
 
 def _reprokit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "reprokit", *args], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+    """``reprokit ARGS`` in this process (click's CliRunner): the CLI's own code, without a torch import."""
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        r = CliRunner().invoke(main, list(args))
+    finally:
+        os.chdir(old)
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return subprocess.CompletedProcess(["reprokit", *args], r.exit_code, r.stdout, r.stderr)
 
 
 def _recover(tmp_path: Path) -> dict:
@@ -112,8 +72,8 @@ def _recover(tmp_path: Path) -> dict:
     return json.loads(r.stdout)
 
 
-def test_a_run_that_sigkills_itself_in_step_37_recovers_to_a_bundle_ending_at_step_37(tmp_path):
-    proc = _train(tmp_path, 37, DIE_HOW="kill")
+def test_a_run_that_sigkills_itself_in_step_37_recovers_to_a_bundle_ending_at_step_37(forked, tmp_path):
+    proc = _train(forked, tmp_path, 37, DIE_HOW="kill")
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert list((tmp_path / "out").glob("bundle-*")) == []  # nothing but the flight log: no Python frame caught it
 
@@ -142,8 +102,8 @@ def test_a_run_that_sigkills_itself_in_step_37_recovers_to_a_bundle_ending_at_st
 
 @pytest.mark.parametrize(("how", "signame", "code"), [("segv", "SIGSEGV", -signal.SIGSEGV),
                                                       ("abort", "SIGABRT", -signal.SIGABRT)])
-def test_a_segfault_or_an_abort_in_step_37_is_named_from_the_fault_log(tmp_path, how, signame, code):
-    proc = _train(tmp_path, 37, DIE_HOW=how)
+def test_a_segfault_or_an_abort_in_step_37_is_named_from_the_fault_log(forked, tmp_path, how, signame, code):
+    proc = _train(forked, tmp_path, 37, DIE_HOW=how)
     assert proc.returncode == code, proc.stderr
     [run] = _recover(tmp_path)["runs"]
     assert run["status"] == "recovered", run
@@ -154,15 +114,15 @@ def test_a_segfault_or_an_abort_in_step_37_is_named_from_the_fault_log(tmp_path,
     assert b.failure.detail["signal"] == signame
 
 
-def test_a_durable_run_keeps_at_most_two_windows_and_leaves_nothing_after_close(tmp_path):
-    proc = _train(tmp_path, -1, STEPS="45")
+def test_a_durable_run_keeps_at_most_two_windows_and_leaves_nothing_after_close(forked, tmp_path):
+    proc = _train(forked, tmp_path, -1, STEPS="45")
     assert proc.returncode == 0, proc.stderr
     assert "windows at most 2; after close False" in proc.stdout
     assert not (tmp_path / "out" / FLIGHT_DIR).exists()
 
 
-def test_a_torn_last_record_gives_the_longest_consistent_prefix_and_says_what_was_dropped(tmp_path):
-    proc = _train(tmp_path, 37, DIE_HOW="kill")
+def test_a_torn_last_record_gives_the_longest_consistent_prefix_and_says_what_was_dropped(forked, tmp_path):
+    proc = _train(forked, tmp_path, 37, DIE_HOW="kill")
     assert proc.returncode == -signal.SIGKILL
     [log] = (tmp_path / "out" / FLIGHT_DIR).glob("*/rank0/win-00000030/log")
     size = log.stat().st_size
@@ -178,8 +138,8 @@ def test_a_torn_last_record_gives_the_longest_consistent_prefix_and_says_what_wa
     assert verify(Path(run["bundle"])) == []
 
 
-def test_a_flight_log_without_a_usable_snapshot_gives_nothing_to_recover_with_why(tmp_path):
-    proc = _train(tmp_path, 37, DIE_HOW="kill")
+def test_a_flight_log_without_a_usable_snapshot_gives_nothing_to_recover_with_why(forked, tmp_path):
+    proc = _train(forked, tmp_path, 37, DIE_HOW="kill")
     assert proc.returncode == -signal.SIGKILL
     for state in (tmp_path / "out" / FLIGHT_DIR).glob("*/rank0/win-*/state-0.safetensors"):
         state.unlink()
@@ -190,8 +150,8 @@ def test_a_flight_log_without_a_usable_snapshot_gives_nothing_to_recover_with_wh
     assert list((tmp_path / "out").glob("bundle-*")) == []
 
 
-def test_replay_and_inspect_given_the_out_dir_recover_first_and_say_so(tmp_path):
-    proc = _train(tmp_path, 37, DIE_HOW="kill")
+def test_replay_and_inspect_given_the_out_dir_recover_first_and_say_so(forked, tmp_path):
+    proc = _train(forked, tmp_path, 37, DIE_HOW="kill")
     assert proc.returncode == -signal.SIGKILL
     shown = _reprokit("inspect", str(tmp_path / "out"), cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
@@ -199,35 +159,41 @@ def test_replay_and_inspect_given_the_out_dir_recover_first_and_say_so(tmp_path)
 
 
 @pytest.mark.slow
-def test_kills_from_outside_at_random_moments_give_valid_bundles_or_nothing_to_recover(tmp_path):
+def test_kills_from_outside_at_random_moments_give_valid_bundles_or_nothing_to_recover(forked, tmp_path):
+    from reprokit.isolation import IsolatedRunner
+
     rng = random.Random(20261127)
     seen = {"recovered": 0, "nothing_to_recover": 0}
-    for i in range(20):
-        case = tmp_path / f"kill{i}"
-        case.mkdir()
-        (case / "train.py").write_text(SCRIPT)
-        ready = case / "ready"
-        proc = subprocess.Popen([sys.executable, str(case / "train.py"), str(case / "out"), "-1"], cwd=case,
-                                env=_env(STEPS="100000", PAUSE="0.002", READY=str(ready)),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        # Half the kills land in the first steps (the first snapshot may not be on disk yet), half later.
-        time.sleep(rng.uniform(0.0, 0.05) if i % 2 else rng.uniform(0.05, 1.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        d = _recover(case)
-        [run] = d["runs"]
-        assert run["status"] in seen, run
-        seen[run["status"]] += 1
-        if run["status"] == "recovered":
-            assert verify(Path(run["bundle"])) == [], run
-            b = open_bundle(run["bundle"])
-            assert b.failure.kind == "crash" and b.failure.step == b.run["window"]["end"]
-        else:
-            assert run["why"].startswith("nothing to recover: ") and len(run["why"]) > 30
-            assert list((case / "out").glob("bundle-*")) == []
+    with IsolatedRunner() as replays:  # one torch import for the replays of all the recovered bundles
+        for i in range(20):
+            case = tmp_path / f"kill{i}"
+            case.mkdir()
+            (case / "train.py").write_text(SCRIPT)
+            ready = case / "ready"
+            pid = forked.start(case / "train.py", [str(case / "out"), "-1"], cwd=case,
+                               env={"STEPS": "100000", "PAUSE": "0.002", "READY": str(ready)})
+            deadline = time.monotonic() + 120
+            while not ready.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert ready.exists(), (case / "run.log").read_text()
+            # Half the kills land in the first steps (the first snapshot may not be on disk yet), half later.
+            time.sleep(rng.uniform(0.0, 0.05) if i % 2 else rng.uniform(0.05, 1.5))
+            os.kill(pid, signal.SIGKILL)
+            assert forked.wait() == -signal.SIGKILL, (case / "run.log").read_text()
+            d = _recover(case)
+            [run] = d["runs"]
+            assert run["status"] in seen, run
+            seen[run["status"]] += 1
+            if run["status"] == "recovered":
+                assert verify(Path(run["bundle"])) == [], run
+                b = open_bundle(run["bundle"])
+                assert b.failure.kind == "crash" and b.failure.step == b.run["window"]["end"]
+                # The step did nothing that kills: its replay runs clean, never "reproduced" (nor another failure).
+                outcome = replays.attempt(b.path, recorded=b.failure).outcome
+                assert outcome.failure is None and not outcome.same, (run, outcome)
+            else:
+                assert run["why"].startswith("nothing to recover: ") and len(run["why"]) > 30
+                assert list((case / "out").glob("bundle-*")) == []
     assert seen["recovered"] >= 10, seen
 
 
@@ -362,3 +328,18 @@ def test_two_ranks_under_torchrun_rank1_killed_in_step_17_recover_to_one_inciden
     assert describe_incident(folder)["failing_rank"] == 1
     shown = _reprokit("inspect", str(folder), cwd=tmp_path)
     assert shown.returncode == 0 and "rank 1 failed first" in shown.stdout, shown.stdout + shown.stderr
+
+    # Both ranks replayed together: rank 1's replay dies with SIGKILL in step 17 again (its rank process forks the
+    # replay and reports the death); rank 0's all-reduce then loses its peer. The verdict is rank 1's.
+    r = _reprokit("replay", str(folder), "--nproc", "2", "--json", cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    d = json.loads(r.stdout)
+    assert (d["verdict"], d["failing_rank"], d["reproduced"]) == ("deterministic", 1, True), d
+    rank0, rank1 = d["ranks"]
+    assert (rank1["failure"]["kind"], rank1["failure"]["step"], rank1["failure"]["exception_type"]) == (
+        "crash", 17, "SIGKILL"), rank1
+    assert rank1["per_run"][0]["death"]["returncode"] == -signal.SIGKILL
+    assert rank1["per_run"][0]["fidelity"]["bit_exact"], rank1  # steps 15 and 16 ran as recorded first
+    assert rank0["verdict"] in ("different_failure", "blocked"), rank0  # gloo's error, or still waiting for rank 1
+    assert "rank 1: reproduced once (recorded crash, replayed crash (the process died with SIGKILL at step 17))" \
+        in format_incident(d), format_incident(d)

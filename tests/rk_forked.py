@@ -1,0 +1,130 @@
+"""Training scripts run as real processes without a torch import each: forked from a server that imported torch once.
+
+Importing torch costs seconds (tens on a loaded 2-core CI machine), and the durable-recording tests start a training
+process per case (20 for the random kill points alone). :class:`ForkedRuns` starts ``python tests/rk_forked.py``
+once: it imports torch and reprokit, starts no thread (checked) and forks one process per run, which chdirs, sets
+its environment and ``sys.argv`` and runs the script as ``__main__`` (``runpy.run_path``, as ``python train.py``
+does). The run is a real process: it records, dies by its own signal or is SIGKILLed from the test by its pid; the
+server waits for it and reports its exit status as ``subprocess`` would (``-9`` for SIGKILL). This is what
+``reprokit.isolation`` does for replays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ForkedRuns:
+    """A fork server for training scripts. Use as a context manager (the server stops at the end).
+
+    Example:
+        >>> with ForkedRuns() as runs:                                   # doctest: +SKIP
+        ...     runs.run("train.py", ["out", "37"], cwd=tmp, env={"DIE_HOW": "segv"})
+        -11
+    """
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._read()
+        assert ready.get("threads") == 1, f"the fork server has {ready.get('threads')} threads: forking is unsafe"
+
+    def __enter__(self) -> ForkedRuns:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._proc.stdin:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stdout:
+            self._proc.stdout.close()
+
+    def _read(self) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the fork server died (exit {self._proc.wait()})")
+        return json.loads(line)
+
+    def start(self, script: Path, argv: list[str], *, cwd: Path, env: dict[str, str] | None = None,
+              log: Path | None = None) -> int:
+        """Fork a run of ``script`` with ``argv``; its pid (the caller may signal it). Its stdout and stderr go to
+        ``log`` (default: ``cwd/run.log``). Call :meth:`wait` before the next :meth:`start`."""
+        assert self._proc.stdin is not None
+        req = {"script": str(script), "argv": argv, "cwd": str(cwd), "env": env or {},
+               "log": str(log or Path(cwd) / "run.log")}
+        self._proc.stdin.write(json.dumps(req) + "\n")
+        self._proc.stdin.flush()
+        return int(self._read()["pid"])
+
+    def wait(self) -> int:
+        """The exit status of the run :meth:`start` forked, as ``subprocess`` gives it (``-N``: killed by signal N)."""
+        return int(self._read()["returncode"])
+
+    def run(self, script: Path, argv: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> int:
+        """:meth:`start` then :meth:`wait`."""
+        self.start(script, argv, cwd=cwd, env=env)
+        return self.wait()
+
+
+def _child(req: dict[str, Any]) -> None:
+    import runpy
+    import traceback
+
+    code = 0
+    try:
+        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.chdir(req["cwd"])
+        os.environ.update(req["env"])
+        sys.argv = [req["script"], *req["argv"]]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(req["script"])))
+        runpy.run_path(req["script"], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve(requests: IO[str]) -> None:
+    print(json.dumps({"threads": threading.active_count()}), flush=True)
+    for line in requests:
+        req = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(req)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+if __name__ == "__main__":
+    import torch  # noqa: F401 - once, here: every run forked from this process has it
+    import torch._dynamo  # noqa: F401 - imported lazily by the recorder's determinism flags
+
+    import reprokit  # noqa: F401
+
+    _serve(sys.stdin)
