@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,30 @@ def projects(monkeypatch):
         return importlib.import_module(name)
 
     return load
+
+
+@pytest.fixture(scope="session")
+def shared_nan_bundle(tmp_path_factory) -> Iterator[Path]:
+    """One valid bundle whose failure is a NaN loss, recorded once per test process (each xdist worker): rk_mlp,
+    ``rk_testing.NAN_STEPS`` steps, a NaN in one input at step ``NAN_STEP``, a snapshot every ``NAN_SNAPSHOT_EVERY``.
+    Shared, so read-only: a test that changes a bundle (or writes into its folder) takes ``nan_bundle``, a copy. Its
+    files are checked at the end of the session, and a change fails the run naming this fixture."""
+    from rk_testing import record_mlp_nan, tree_digest
+
+    bundle = record_mlp_nan(tmp_path_factory.mktemp("shared_nan") / "repros")
+    before = tree_digest(bundle.parent)
+    yield bundle
+    assert tree_digest(bundle.parent) == before, (
+        f"a test changed the shared NaN bundle {bundle} (or its folder): tests that change a bundle take the "
+        "nan_bundle fixture (a copy) instead of shared_nan_bundle")
+
+
+@pytest.fixture
+def nan_bundle(shared_nan_bundle: Path, tmp_path: Path) -> Path:
+    """A fresh copy of ``shared_nan_bundle`` under ``tmp_path / "repros"``, free to change."""
+    from rk_testing import copy_bundle
+
+    return copy_bundle(shared_nan_bundle, tmp_path / "repros")
 
 
 @pytest.fixture(autouse=True)

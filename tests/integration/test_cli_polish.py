@@ -11,25 +11,14 @@ import subprocess
 import sys
 import tarfile
 import threading
-from pathlib import Path
 
 import click
-import pytest
 from click.testing import CliRunner
-from rk_testing import bundle_of, record
+from rk_testing import bundle_of, env_with_checkout, record
 
 from reprokit.bisect.layers import format_layers
 from reprokit.bisect.steps import format_steps
 from reprokit.cli import main
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def nan_bundle(projects, tmp_path):
-    mlp = projects("rk_mlp")
-    _, exc = record(mlp, {}, mlp.batches({}, 14, poison_step=11), tmp_path / "repros", snapshot_every=5)
-    return bundle_of(exc)
 
 
 def _commands(group: click.Group, words: tuple[str, ...] = ()):
@@ -78,9 +67,9 @@ def test_no_progress_when_stderr_is_not_a_terminal(nan_bundle, tmp_path):
 
 def test_progress_bar_on_a_terminal_stays_off_stdout(nan_bundle):
     master, slave = pty.openpty()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
     proc = subprocess.Popen([sys.executable, "-m", "reprokit", "replay", str(nan_bundle), "--times", "3"],
-                            stdout=subprocess.PIPE, stderr=slave, env=env, cwd="/", text=True)
+                            stdout=subprocess.PIPE, stderr=slave, env=env_with_checkout(COLUMNS="100"), cwd="/",
+                            text=True)
     os.close(slave)
     chunks: list[bytes] = []
 
@@ -154,8 +143,8 @@ def test_inspect_of_a_shrunk_bundle_shows_where_it_came_from(nan_bundle, tmp_pat
     assert p["source_bundle"] == str(nan_bundle) and p["kept_rows"] == s["kept_rows"] == [3]
     text = CliRunner().invoke(main, ["inspect", str(out)]).stdout
     assert f"shrunk   from {nan_bundle}" in text
-    assert "kept rows [3] of the failing batch (dataset indices [179])" in text
-    assert "  before steps 2, rows 16" in text
+    assert "kept rows [3] of the failing batch (dataset indices [99])" in text
+    assert "  before steps 3, rows 16" in text
     assert "  passes " in text and "steps 1/2 accepted, 1 replay" in text and "1 replays" not in text
     assert "(1 step," in text and "1 steps" not in text
 

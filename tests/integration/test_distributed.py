@@ -3,32 +3,25 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from rk_testing import entries
+from rk_testing import PROJECTS, entries, torchrun
 
 from reprokit.bundle import open_bundle
 from reprokit.cli import main as cli
-from reprokit.distributed.incident import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-PROJECT = ROOT / "tests" / "projects" / "rk_ddp.py"
+PROJECT = PROJECTS / "rk_ddp.py"
 
 
 def _torchrun(out: Path, mode: str, device: str = "cpu") -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
+    """rk_ddp.py on two ranks; with the seconds it took (a rank stuck in a collective must not hang the run)."""
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PROJECT), str(out),
-                           mode, device], env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
+    proc = torchrun(PROJECT, out, mode, device, cwd=out.parent)
     return proc, time.monotonic() - t0
 
 
@@ -175,7 +168,7 @@ def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     bad = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "3"])
     assert bad.exit_code == 2 and "recorded on 2 ranks" in bad.output
     # --code: every rank imports build/step from a checkout; one without the project is refused before any rank runs
-    coded = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(ROOT / "tests" / "projects"),
+    coded = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(PROJECTS),
                                          *entries(_incident(out)[1][0]), "--json"])
     assert coded.exit_code == 1 and json.loads(coded.stdout)["verdict"] == "deterministic", coded.output
     empty = tmp_path / "empty-checkout"
@@ -185,7 +178,7 @@ def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     # Each rank checks --entry again on the bundle it opens itself (the folder may change after the CLI's check): a
     # ref not confirmed makes that rank an error, never a run of code the user did not name.
     from reprokit.distributed.incident import replay_incident
-    report = replay_incident(folder, code=ROOT / "tests" / "projects", entries=["step=nothing:here"])
+    report = replay_incident(folder, code=PROJECTS, entries=["step=nothing:here"])
     assert report.verdict == "error" and report.exit_code == 125, report.to_json()
     assert all("not confirmed with --entry" in x["error"] for x in report.to_json()["ranks"]), report.to_json()
 
@@ -233,12 +226,7 @@ def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp
     its rank's shards and their layout; replayed on two ranks (build() shards the model again), both reproduce
     bit-exactly. Replayed alone, the shards mean nothing: refused before build(), pointing at the incident."""
     out = tmp_path / "repros"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                           str(ROOT / "tests" / "projects" / "rk_fsdp.py"), str(out), device],
-                          env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = torchrun(PROJECTS / "rk_fsdp.py", out, device, cwd=tmp_path)
     # the run ends in reprokit's TrainingFailure, and the recorder itself had no trouble with DTensors
     assert proc.returncode != 0 and "TrainingFailure" in proc.stderr, proc.stderr[-3000:]
     assert "RecorderWarning" not in proc.stderr, proc.stderr[-3000:]

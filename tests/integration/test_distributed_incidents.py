@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from click.testing import CliRunner
+from rk_testing import PROJECTS, torchrun
 
 import reprokit
 from reprokit.bundle import REPLICATED, open_bundle
@@ -26,19 +26,13 @@ from reprokit.distributed.incident import free_port
 from reprokit.errors import RecorderWarning
 from reprokit.report import format_incident
 
-ROOT = Path(__file__).resolve().parents[2]
-PROJECTS = ROOT / "tests" / "projects"
 sys.path.insert(0, str(PROJECTS))
 
 import rk_dist_incidents  # noqa: E402
 
 
 def _torchrun(out: Path, scenario: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{PROJECTS}", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), str(PROJECTS / "rk_dist_incidents.py"), str(out),
-                           scenario], env=env, capture_output=True, text=True, timeout=120, cwd=out.parent)
+    return torchrun(PROJECTS / "rk_dist_incidents.py", out, scenario, cwd=out.parent, timeout=120)
 
 
 def test_a_second_incident_after_recovery_gets_its_own_folder_on_every_rank(tmp_path):

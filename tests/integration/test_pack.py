@@ -16,18 +16,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import minimal_site, record
+from rk_testing import minimal_site
 
 from reprokit import bundle as B
 from reprokit.cli import main
 from reprokit.pack import pack
-
-
-@pytest.fixture
-def nan_bundle(projects, tmp_path):
-    mlp = projects("rk_mlp")
-    _, exc = record(mlp, {}, mlp.batches({}, 9, poison_step=7), tmp_path / "repros", snapshot_every=4)
-    return exc.bundle
 
 
 @pytest.fixture
@@ -101,7 +94,7 @@ def test_hand_off_runs_with_only_torch_numpy_safetensors(nan_bundle, tmp_path):
     # Exit 1 means "reproduced", but an uncaught exception also exits 1: require the JSON and no traceback.
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     d = json.loads(proc.stdout)
-    assert d["verdict"] == "deterministic" and d["failure"]["kind"] == "nonfinite_loss" and d["failure"]["step"] == 7
+    assert d["verdict"] == "deterministic" and d["failure"]["kind"] == "nonfinite_loss" and d["failure"]["step"] == 6
     assert d["fidelity"]["bit_exact"] and str(top) in d["code"]
     human = subprocess.run([sys.executable, "-S", str(top / "repro.py")], env=env, cwd=elsewhere,
                            capture_output=True, text=True, timeout=300)

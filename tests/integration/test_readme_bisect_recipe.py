@@ -12,6 +12,7 @@ from pathlib import Path
 
 import git
 import pytest
+from rk_testing import cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,8 +78,7 @@ def project(tmp_path_factory):
 
 
 def _replay(bundle: Path, cwd: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reprokit", "replay", str(bundle), "--code", ".", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return cli_process("replay", bundle, "--code", ".", *args, cwd=cwd, env=env, timeout=120)
 
 
 def test_readme_entry_fits_a_script_and_a_module_form_entry_is_named_in_the_error(project):

@@ -14,24 +14,19 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from rk_testing import PROJECTS, torchrun
 
 from reprokit.bundle import MANIFEST, REPLICATED, _self_digest, dumps, open_bundle, verify
 from reprokit.cli import main as cli
 from reprokit.distributed import replicated
-from reprokit.distributed.incident import free_port
 from reprokit.errors import BundleError
 from reprokit.pack import pack
 
-ROOT = Path(__file__).resolve().parents[2]
-PROJECT = ROOT / "tests" / "projects" / "rk_ddp.py"
+PROJECT = PROJECTS / "rk_ddp.py"
 
 
 def _torchrun(out: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), str(PROJECT), str(out), *args],
-                          env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
+    return torchrun(PROJECT, out, *args, cwd=out.parent)
 
 
 def _by_rank(out: Path) -> tuple[Path, dict[int, Path]]:
@@ -250,7 +245,7 @@ def test_replicated_state_true_without_a_process_group_is_refused_at_attach(tmp_
     import reprokit
     from reprokit.errors import ConfigError
 
-    monkeypatch.syspath_prepend(str(ROOT / "tests" / "projects"))
+    monkeypatch.syspath_prepend(str(PROJECTS))
     import rk_ddp
 
     state = rk_ddp.build({})

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import git
+from rk_testing import cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,8 +80,7 @@ def test_script_in_a_dirty_git_repo(tmp_path):
 
     # Replay from an unrelated directory, with the repo moved out of the way.
     (repo_dir / "helpers.py").unlink()
-    proc = subprocess.run([sys.executable, "-m", "reprokit", "replay", str(bundle), "--json"], cwd="/", env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = cli_process("replay", bundle, "--json", env=env)
     assert proc.returncode == 1, proc.stderr
     d = json.loads(proc.stdout)
     assert d["failure"]["step"] == 17 and d["fidelity"]["bit_exact"]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rk_testing import cli_process
 from zoo_cases import STEPS, check_output
 
 import reprokit
@@ -48,8 +49,7 @@ def packed_replay(small: Path, tmp_path: Path) -> dict:
     """Pack the shrunk bundle and replay the tarball in a fresh process: it must still fail the same way."""
     tar = tmp_path / "repro.tar"
     pack(small, tar)
-    proc = subprocess.run([sys.executable, "-m", "reprokit", "replay", str(tar), "--json", "--trust"], cwd=tmp_path,
-                          env=ENV, capture_output=True, text=True, timeout=300)
+    proc = cli_process("replay", tar, "--json", "--trust", cwd=tmp_path, env=ENV)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     d = json.loads(proc.stdout)
     assert d["verdict"] == "deterministic", d
