@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import sys
 from collections.abc import Iterator
@@ -8,6 +10,27 @@ from pathlib import Path
 import pytest
 
 PROJECTS = Path(__file__).parent / "projects"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m "not slow"`` (the quick local run), a test module marked slow as a whole (a module-level
+    ``pytestmark`` holding ``pytest.mark.slow``) is not even imported: every test in it would be deselected anyway, and
+    importing the Lightning, transformers and accelerate modules alone costs each xdist worker about 10 s of CPU. Their
+    tests are then missing from the "deselected" count. Any other ``-m`` (and none, as in CI) collects them as usual."""
+    if " ".join(str(config.getoption("markexpr", "") or "").split()) != "not slow":
+        return None
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    return _marked_slow_as_a_whole(collection_path) or None
+
+
+@functools.cache
+def _marked_slow_as_a_whole(path: Path) -> bool:
+    """Whether ``path`` assigns a module-level ``pytestmark`` that holds ``pytest.mark.slow`` (read, not imported)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            return any(isinstance(n, ast.Attribute) and ast.unparse(n) == "pytest.mark.slow" for n in ast.walk(node.value))
+    return False
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from reprokit.bundle import open_bundle
 from reprokit.cli import main
 
 
+@pytest.mark.slow
 def test_fp16_overflow_fails_in_fp16_passes_in_fp32_and_bf16(projects, tmp_path):
     num = projects("rk_numerics")
     cfg = {"amp": True}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 from rk_testing import cli_process, entries
 
@@ -87,6 +88,7 @@ def test_usage_errors_exit_2(nan_bundle, tmp_path):
     assert result.exit_code == 3 and "is not a bundle folder" in result.output and "manifest.json" in result.output
 
 
+@pytest.mark.slow
 def test_subprocess_replay_from_unrelated_cwd(nan_bundle):
     proc = cli_process("replay", str(nan_bundle), "--json")
     assert proc.returncode == 1, proc.stderr
@@ -95,6 +97,7 @@ def test_subprocess_replay_from_unrelated_cwd(nan_bundle):
     assert proc.returncode == 0 and "ok" in proc.stdout
 
 
+@pytest.mark.slow
 def test_subprocess_demo(tmp_path):
     proc = cli_process("demo", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr

@@ -13,6 +13,7 @@ import tarfile
 import threading
 
 import click
+import pytest
 from click.testing import CliRunner
 from rk_testing import bundle_of, env_with_checkout, record
 
@@ -65,6 +66,7 @@ def test_no_progress_when_stderr_is_not_a_terminal(nan_bundle, tmp_path):
     assert "\r" not in r.stderr and json.loads(r.stdout)["runs"] == 2
 
 
+@pytest.mark.slow
 def test_progress_bar_on_a_terminal_stays_off_stdout(nan_bundle):
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "reprokit", "replay", str(nan_bundle), "--times", "3"],
@@ -108,6 +110,7 @@ def test_pack_prints_the_folder_the_archive_extracts_to(nan_bundle, tmp_path):
     assert d["folder"] == folder
 
 
+@pytest.mark.slow
 def test_sdpa_variants_are_na_on_a_model_without_attention(nan_bundle):
     r = CliRunner().invoke(main, ["bisect", "precision", str(nan_bundle), "--variants", "recorded,sdpa_math,sdpa_flash",
                                   "--json"])
@@ -122,6 +125,7 @@ def test_sdpa_variants_are_na_on_a_model_without_attention(nan_bundle):
     assert r.stderr == "", "each variant once, on stdout; no progress lines off a terminal"
 
 
+@pytest.mark.slow
 def test_sdpa_backend_without_a_kernel_is_na_and_math_still_runs(projects, tmp_path):
     attn = projects("rk_attn_cpu")
     _, exc = record(attn, {}, attn.batches(6, poison_step=4), tmp_path, snapshot_every=3)

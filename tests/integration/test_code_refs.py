@@ -196,6 +196,7 @@ def test_demo_bundle_replays_and_refuses_a_code_folder(tmp_path):
         reprokit.replay(demo, code=tmp_path)
 
 
+@pytest.mark.slow
 def test_packed_demo_replays_with_the_vendored_runtime(tmp_path):
     out = tmp_path / "demo.tar.gz"
     pack(GOLDEN_DEMO, out)

@@ -50,6 +50,7 @@ def test_concurrent_commits_under_one_name_keep_every_bundle(tmp_path):
     assert not [p for p in out.iterdir() if p.name.startswith(B.TMP_PREFIX)]
 
 
+@pytest.mark.slow
 def test_a_second_shrink_to_the_same_output_is_refused_up_front(shared_nan_bundle, tmp_path):
     bundle = copy_bundle(shared_nan_bundle, tmp_path)
     same = tmp_path / "small"

@@ -15,6 +15,7 @@ def _record(projects, tmp_path, batches, **kw):
     return record(m, {}, batches, tmp_path / "repros", snapshot_every=4, **kw)
 
 
+@pytest.mark.slow
 def test_a_nan_loss_inside_a_returned_dict_is_a_nonfinite_loss(projects, tmp_path):
     # Only the loss check can see it (grads are not checked): before, a dict return went unchecked.
     m = projects("rk_detect_cases")

@@ -16,6 +16,7 @@ from reprokit import bundle as B
 from reprokit.cli import main
 
 
+@pytest.mark.slow
 def test_gc_removes_an_abandoned_leftover_nested_3000_folders_deep(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     leftover = tmp_path / f".tmp-bundle-x-pid{dead.stdout.strip()}.0-on-{B._host()}-0123abcd"

@@ -47,6 +47,7 @@ def _incident(out: Path) -> tuple[Path, list[Path]]:
     return folders[0], sorted(p for p in folders[0].iterdir() if p.name.startswith("bundle-"))
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_gives_one_incident_with_every_rank_s_bundle(tmp_path, nan_run):
     out, proc, _ = nan_run
     assert proc.returncode != 0, "training failed"
@@ -89,6 +90,7 @@ def test_a_nan_on_one_rank_gives_one_incident_with_every_rank_s_bundle(tmp_path,
     assert "no single variant" not in r.output and "fp32            pass" in r.output, r.output
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(raise_run):
     """Rank 1 raises in its step; rank 0 waits in the all-reduce and never returns. Rank 0's watcher writes its
     window from host memory, long before the 60 s process-group timeout."""
@@ -109,6 +111,7 @@ def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(rai
     assert "did not fail itself" in json.loads(r.stdout)["error"]["message"]
 
 
+@pytest.mark.slow
 def test_a_rank_whose_collective_lost_its_peer_is_not_replayed_alone_as_fixed(raise_run, tmp_path):
     """A peer that dies outside its recorded steps (its data loader raised) leaves this rank a gloo "Connection
     closed by peer" exception and no bundle of its own. Alone, nothing can fail that way: replay said NOT
@@ -147,6 +150,7 @@ def test_a_rank_whose_collective_lost_its_peer_is_not_replayed_alone_as_fixed(ra
     assert r.exit_code == 3 and "distributed.world_size" in r.output, r.output
 
 
+@pytest.mark.slow
 def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     """Replayed alone, rank 0 cannot reproduce (its NaN came from rank 1 through the all-reduce); replayed together,
     with the process group initialised before build(), both ranks fail as recorded."""
@@ -183,6 +187,7 @@ def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     assert all("not confirmed with --entry" in x["error"] for x in report.to_json()["ranks"]), report.to_json()
 
 
+@pytest.mark.slow
 def test_an_incident_whose_rank_raised_replays_with_the_peer_blocked(raise_run, tmp_path, monkeypatch):
     out = raise_run[0]
     folder, _ = _incident(out)
@@ -221,6 +226,7 @@ fsdp2_on_cpu = pytest.mark.skipif(not _public_fsdp2(), reason="FSDP2 on the CPU 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=fsdp2_on_cpu),
                                     pytest.param("cuda", marks=[pytest.mark.cuda, two_gpus])])
+@pytest.mark.slow
 def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp_path, device):
     """FSDP2 (fully_shard, gloo): every rank holds half of each parameter and of AdamW's state. Each bundle carries
     its rank's shards and their layout; replayed on two ranks (build() shards the model again), both reproduce
@@ -249,6 +255,7 @@ def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp
     assert "shards of a sharded (FSDP2) state" in alone.output and "--nproc 2" in alone.output
 
 
+@pytest.mark.slow
 def test_inspect_json_names_rank_world_and_incident(nan_run):
     out = nan_run[0]
     folder, bundles = _incident(out)
@@ -259,6 +266,7 @@ def test_inspect_json_names_rank_world_and_incident(nan_run):
 @pytest.mark.cuda
 @two_gpus
 @pytest.mark.parametrize("mode", ["nan", "raise"])
+@pytest.mark.slow
 def test_nccl_incidents_on_two_gpus(tmp_path, mode):
     """The same two cases under NCCL: a rank blocked in an NCCL all-reduce keeps its GPU stream busy forever, so its
     watcher must write the window without synchronizing the device."""

@@ -10,12 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from rk_testing import PROJECTS, env_with_checkout, torchrun
 
 from reprokit.bundle import open_bundle
 from reprokit.cli import main as cli
 from reprokit.distributed import INCIDENTS_DIR
+
+pytestmark = pytest.mark.slow  # each case is a torchrun of two ranks restarted once, then replays on two ranks
 
 
 def _torchrun(out: Path, scenario: str) -> subprocess.CompletedProcess:

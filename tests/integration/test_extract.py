@@ -64,6 +64,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_extract_replays_from_the_packed_extract_alone(projects, tmp_path, site, case):
     module, cls, phase, exc_type, op = CASES[case]
     bundle = _record(projects, tmp_path, case)
@@ -114,6 +115,7 @@ def test_extract_into_a_folder_that_holds_files_is_refused(projects, tmp_path):
     assert (tmp_path / "busy" / "keep.txt").read_text() == "mine\n"
 
 
+@pytest.mark.slow
 def test_no_module_to_blame_names_the_step_function_line(projects, tmp_path):
     lm = projects("rk_lm_mask")
     cfg = {"vocab": 50}
@@ -138,6 +140,7 @@ def test_a_nan_from_the_batch_is_no_module_fault(shared_nan_bundle, tmp_path):
     assert "no module to blame" in msg and "already held it" in msg, msg
 
 
+@pytest.mark.slow
 def test_an_exception_raised_outside_every_module_gets_the_op_alone(projects, tmp_path):
     bundle = _record(projects, tmp_path, "loss_view")
     out = tmp_path / "x"
@@ -167,6 +170,7 @@ def test_an_op_that_does_not_fail_alone_is_not_written_as_a_repro():
 
 
 @pytest.mark.parametrize("case", ["masked", "bad_backward"])
+@pytest.mark.slow
 def test_a_module_over_the_size_limit_is_narrowed_to_its_one_op(projects, tmp_path, site, case):
     from reprokit.bundle import open_bundle
     from reprokit.extract import extract

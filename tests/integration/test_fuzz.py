@@ -507,6 +507,7 @@ def mutate_bundle(bundle: Path, pk: Picks) -> None:
 
 @given(plan=st.lists(st.tuples(PICKS, st.sampled_from([True, True, True, True, False])), min_size=1, max_size=3))
 @fuzz_settings("bundle")
+@pytest.mark.slow
 def test_fuzzed_bundle_folders_get_documented_answers_only(seeds, plan):
     case = workdir(seeds)
     bundle = Path(shutil.copytree(seeds["bundle"], case / seeds["bundle"].name, symlinks=True))
@@ -637,6 +638,7 @@ def mutate_archive(seeds: dict, data: st.DataObject) -> bytes:
 
 @given(data=st.data())
 @fuzz_settings("archive")
+@pytest.mark.slow
 def test_fuzzed_archives_get_documented_answers_only(seeds, data):
     case = workdir(seeds)
     tar = case / "repro.tar.gz"

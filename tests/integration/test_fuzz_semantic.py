@@ -213,6 +213,7 @@ def _named(*names: str) -> list[Edit]:
 @example(edits=_named("check_loss off", "check_grads off"))  # the detect-off lie of issue 31: still reproduces
 @example(edits=_named("empty window", "check_loss off"))
 @example(edits=_named("the NaN removed from the poisoned batch"))  # a real fix: the one edit that may say 0
+@pytest.mark.slow
 def test_semantic_lies_get_documented_answers_and_never_a_false_fixed(seed, edits):
     _counter[0] += 1
     bundle = Path(shutil.copytree(seed["bundle"], seed["root"] / f"case{_counter[0]}" / seed["bundle"].name))

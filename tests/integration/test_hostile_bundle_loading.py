@@ -244,6 +244,7 @@ def test_tensor_reader_refuses_absurd_shapes(tmp_path: Path):
         tensorfile.read_verified(p, B.sha256_file(p), p.stat().st_size)
 
 
+@pytest.mark.slow
 def test_a_header_of_a_million_tensors_is_refused_fast(nan_bundle: Path):
     def add(header: dict[str, Any], n: int) -> None:
         for i in range(1_000_000):
@@ -280,6 +281,7 @@ def _paths(v: Any, at: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
             yield from _paths(x, (*at, i))
 
 
+@pytest.mark.slow
 def test_replay_of_edited_json_ends_in_a_documented_error(shared_nan_bundle: Path, tmp_path: Path):
     """Replay (in process: build, restore, the window) of bundles with one JSON value replaced and the manifest
     re-signed: it reproduces, or refuses with a ReprokitError; never an internal error. Derandomized, a few seconds."""

@@ -28,6 +28,7 @@ def compiled_bundle(projects, tmp_path):
     return exc.bundle
 
 
+@pytest.mark.slow
 def test_a_compiled_model_replays_bit_exact(compiled_bundle):
     out = CliRunner().invoke(main, ["replay", str(compiled_bundle), "--json"])
     assert out.exit_code == 1, out.output

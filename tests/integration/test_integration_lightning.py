@@ -16,6 +16,7 @@ from reprokit.cli import main
 from reprokit.errors import CaptureError
 
 pytestmark = [
+    pytest.mark.slow,  # importing Lightning alone takes seconds; the fits and the torchrun case take more
     # Lightning's own warnings (a DataLoader without workers, its pytree shim on torch 2.13): not reprokit's.
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
     pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\).*:FutureWarning"),

@@ -31,6 +31,8 @@ from reprokit.cli import main
 from reprokit.integrations.transformers import ReprokitCallback
 from reprokit.pack import frameworks_needed
 
+pytestmark = pytest.mark.slow  # importing the Trainer alone takes seconds; the fits and the torchrun case take more
+
 VOCAB = 48
 SEQ = 8
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # --- start-up -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flag", ["--help", "--version"])
+@pytest.mark.slow
 def test_help_and_version_do_not_import_torch(flag):
     code = textwrap.dedent(f"""
         import sys

@@ -24,6 +24,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from rk_testing import cli
 
 from reprokit import bundle as B
@@ -71,6 +72,7 @@ def _child(out: Path, kill_at: int) -> subprocess.CompletedProcess:
                           text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_of_a_dump_leaves_only_hidden_temp_folders_that_gc_removes(tmp_path):
     whole = _child(tmp_path / "calibrate", 0)  # 0: never killed (a kill point never reached kills nothing)
     assert whole.returncode == 0, whole.stderr

@@ -98,6 +98,7 @@ def test_a_failure_kind_replay_cannot_check_is_an_invalid_bundle(nan_bundle, edi
     assert r.exit_code == 3 and words in r.output, r.output
 
 
+@pytest.mark.slow
 def test_the_pytest_plugin_reports_a_bundle_that_cannot_fail_as_an_error(shared_nan_bundle, tmp_path):
     folder = tmp_path / "regressions"
     for case, (edit, _) in CANNOT_FAIL.items():

@@ -35,6 +35,7 @@ def _error(result) -> dict:
     return json.loads(result.stdout)["error"]
 
 
+@pytest.mark.slow
 def test_the_readmes_python_api_block_runs_as_printed(tmp_path):
     text = (ROOT / "README.md").read_text()
     section = text[text.index("\n## Python API\n"):]
@@ -133,6 +134,7 @@ for step in range(6):
 '''
 
 
+@pytest.mark.slow
 def test_a_script_that_trains_when_imported_is_told_to_guard_its_loop(tmp_path, monkeypatch):
     (tmp_path / "train.py").write_text(UNGUARDED)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -186,6 +188,7 @@ def test_verify_folds_many_unexpected_files_of_one_folder_into_one_line(shared_n
     assert sorted(p["file"] for p in problems) == [*(f"junk/f{k}.txt" for k in range(6)), "stray.txt"], problems
 
 
+@pytest.mark.slow
 def test_a_failure_in_training_names_the_commands_to_run_next(tmp_path, monkeypatch):
     # the same script, letting TrainingFailure end it with a traceback, as a first script does
     script = UNGUARDED.replace("    except reprokit.TrainingFailure as e:\n        print(e.bundle)\n        break\n",

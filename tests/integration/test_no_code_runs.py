@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from rk_testing import PROJECTS, bundle_of, cli_process, entries, env_with_checkout, record
 
 
+@pytest.mark.slow
 def test_only_replay_imports_the_bundle_code(projects, tmp_path, monkeypatch):
     marker = tmp_path / "imports.log"
     monkeypatch.setenv("RK_IMPORT_MARKER", str(marker))

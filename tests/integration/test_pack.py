@@ -71,6 +71,7 @@ def test_pack_refuses_a_tampered_bundle(nan_bundle, tmp_path):
     assert not (tmp_path / "x.tar.gz").exists()
 
 
+@pytest.mark.slow
 def test_hand_off_runs_with_only_torch_numpy_safetensors(nan_bundle, tmp_path):
     out = tmp_path / "repro.tar.gz"
     pack(nan_bundle, out)
@@ -188,6 +189,7 @@ def test_gzip_bomb_is_refused_quickly(tmp_path, scratch):
     assert list(scratch.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_million_empty_members_is_refused(tmp_path, scratch):
     header = tarfile.TarInfo("repro/e").tobuf(tarfile.GNU_FORMAT)
     block = gzip.compress(header * 10_000)

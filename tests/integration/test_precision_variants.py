@@ -26,6 +26,7 @@ def _bundle(num, tmp_path, scale: float, **cfg):
     return open_bundle(exc.bundle)
 
 
+@pytest.mark.slow
 def test_a_float16_model_passes_in_fp32_because_fp32_really_runs_in_float32(projects, tmp_path):
     """exp overflows float16 at 11 and float32 at 88: logits near 20 fail only in float16. The fp32 variant
     upcast the model before the restore, which cast it back to float16: it failed, and bf16 was called the fix."""

@@ -81,6 +81,7 @@ def _replay(bundle: Path, cwd: Path, env: dict, *args: str) -> subprocess.Comple
     return cli_process("replay", bundle, "--code", ".", *args, cwd=cwd, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_readme_entry_fits_a_script_and_a_module_form_entry_is_named_in_the_error(project):
     repo, _, bundle, env = project
     cwd = Path(repo.working_tree_dir)
@@ -105,6 +106,7 @@ def _bisect(repo: git.Repo, shas: list[str], line: str) -> subprocess.CompletedP
         subprocess.run(["git", "bisect", "reset"], cwd=cwd, check=True, capture_output=True)
 
 
+@pytest.mark.slow
 def test_readme_git_bisect_run_line_finds_the_commit_and_stops_on_a_usage_error(project):
     repo, shas, bundle, _ = project
     line = next(ln for ln in _readme_bisect_block().splitlines() if ln.startswith("git bisect run"))

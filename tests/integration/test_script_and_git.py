@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import git
+import pytest
 from rk_testing import cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +57,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_script_in_a_dirty_git_repo(tmp_path):
     repo_dir = tmp_path / "proj"
     repo_dir.mkdir()

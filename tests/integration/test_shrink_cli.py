@@ -44,6 +44,7 @@ def test_shrink_human_summary(nan_bundle, tmp_path):
     assert "kept rows [3] of the failing batch" in result.output and "still fails: nonfinite_loss" in result.output
 
 
+@pytest.mark.slow
 def test_isolated_shrink_matches_in_process(nan_bundle, tmp_path):
     a = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(tmp_path / "a"), "--passes", "steps,rows",
                                   "--json"])

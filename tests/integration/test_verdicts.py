@@ -168,6 +168,7 @@ def train_step(state, batch):
 '''
 
 
+@pytest.mark.slow
 def test_bisect_commits_skips_a_commit_that_fails_earlier(tmp_path, monkeypatch):
     proj = tmp_path / "proj"
     proj.mkdir()

@@ -29,6 +29,8 @@ from reprokit.extract import extract
 from reprokit.pack import pack
 from reprokit.shrink import shrink
 
+pytestmark = pytest.mark.slow  # every case runs an example script to its failure in a fresh process, then shrinks and bisects it
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 

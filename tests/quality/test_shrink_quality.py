@@ -119,6 +119,7 @@ def test_bundle_that_does_not_reproduce_is_refused(projects, tmp_path):
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(2, 40), bad_row=st.integers(0, 39), steps=st.integers(1, 6), every=st.integers(1, 4))
+@pytest.mark.slow
 def test_shrinking_never_grows_and_always_replays(projects, tmp_path_factory, rows, bad_row, steps, every):
     mlp = projects("rk_mlp")
     tmp = tmp_path_factory.mktemp("prop")
