@@ -149,6 +149,7 @@ def test_a_snapshot_module_named_like_an_installed_package_not_imported_yet_is_r
     assert not marker.exists() and name not in sys.modules
 
 
+@pytest.mark.slow
 def test_the_folder_a_script_ref_puts_on_the_import_path_is_checked_too(nan_bundle, tmp_path):
     """A script ref ``tools/run.py`` puts ``code/tools`` on the import path: a module there named like an installed
     package would shadow it as well."""

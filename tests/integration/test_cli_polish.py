@@ -53,6 +53,7 @@ def test_json_and_variants_from_the_environment(nan_bundle):
     assert json.loads(r.stdout)["variants"] == {"recorded": "fail"}
 
 
+@pytest.mark.slow
 def test_no_progress_when_stderr_is_not_a_terminal(nan_bundle, tmp_path):
     r = CliRunner().invoke(main, ["replay", str(nan_bundle), "--times", "2"])
     assert r.exit_code == 1, r.output
@@ -137,6 +138,7 @@ def test_sdpa_backend_without_a_kernel_is_na_and_math_still_runs(projects, tmp_p
     assert "No available kernel" in d["details"]["sdpa_flash"]
 
 
+@pytest.mark.slow
 def test_inspect_of_a_shrunk_bundle_shows_where_it_came_from(nan_bundle, tmp_path):
     out = tmp_path / "small"
     r = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(out), "--passes", "steps,rows", "--json"])

@@ -180,6 +180,7 @@ def test_code_folder_without_the_project_exits_125(nan_bundle, tmp_path, project
     assert f"--code {empty} does not hold the bundle's code: no rk_mlp/__init__.py or rk_mlp.py" in result.output
 
 
+@pytest.mark.slow
 def test_valid_checkout_and_snapshot_still_replay(nan_bundle, tmp_path):
     assert reprokit.replay(nan_bundle).reproduced
     code = checkout_of(nan_bundle, tmp_path / "checkout", append="\nimport os  # noqa\n")

@@ -191,6 +191,7 @@ def test_a_module_over_the_size_limit_is_narrowed_to_its_one_op(projects, tmp_pa
     assert json.loads(proc.stdout)["failure"]["exception_type"] == exc_type
 
 
+@pytest.mark.slow
 def test_a_module_over_the_size_limit_without_one_op_is_carried_whole(projects, tmp_path):
     from reprokit.bundle import open_bundle
     from reprokit.extract import extract
@@ -200,6 +201,7 @@ def test_a_module_over_the_size_limit_without_one_op_is_carried_whole(projects, 
     assert any("no one op shows the failure alone: the extract carries them" in n for n in r.notes), r.notes
 
 
+@pytest.mark.slow
 def test_bisect_layers_names_the_module_whose_backward_raised(projects, tmp_path):
     r = cli("bisect", "layers", _record(projects, tmp_path, "guarded"))
     assert r.exit_code == 0, r.output

@@ -237,6 +237,7 @@ def test_semantic_lies_get_documented_answers_and_never_a_false_fixed(seed, edit
         shutil.rmtree(bundle.parent, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_every_edit_keeps_the_json_it_edits_parseable_and_the_manifest_valid(seed, tmp_path):
     """The edits are semantic, not byte damage: each one, alone and re-signed, leaves no checksum problem (so the
     property above tests the readers' judgement, not the checksums)."""

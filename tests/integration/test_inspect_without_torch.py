@@ -97,6 +97,7 @@ def test_inspect_batch_does_not_import_torch(oov_bundle):
     assert row["values"][7] == 67 and len(row["values"]) == 12 and all(isinstance(v, int) for v in row["values"])
 
 
+@pytest.mark.slow
 def test_inspect_archive_does_not_import_torch(oov_bundle, tmp_path):
     archive = pack(oov_bundle[0], tmp_path / "repro.tar.gz").output
     out, loaded = _run_inspect(str(archive))

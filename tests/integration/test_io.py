@@ -109,6 +109,7 @@ def test_shards_keep_key_order_and_stay_under_the_size_unless_one_tensor_is_larg
     assert tensorfile.shard({}) == [{}], "an empty state is one (empty) file"
 
 
+@pytest.mark.slow
 def test_a_state_in_several_files_replays_packs_and_refuses_a_missing_part(sharded_bundle, tmp_path):
     b = B.open_bundle(sharded_bundle)
     names = B.state_files(b.manifest["files"])
@@ -167,6 +168,7 @@ def test_each_state_file_is_handed_on_once_it_is_verified_and_a_tampered_one_nev
     assert not any(tampered & p.keys() for p in seen), "the tampered file's tensors are never handed on"
 
 
+@pytest.mark.slow
 def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_one_fails_where_asked(shared_nan_bundle,
                                                                                                      tmp_path):
     """A replay session reads the window's batches on a thread during the load (its first ``inputs()`` takes them):

@@ -74,6 +74,7 @@ def test_a_window_edited_in_memory_is_refused_too(nan_bundle):
         replay(b)
 
 
+@pytest.mark.slow
 def test_switching_off_the_detector_that_fired_does_not_hide_the_failure(nan_bundle):
     """``check_loss: false`` on a nonfinite_loss bundle: the same NaN at the same step still reproduces."""
     edit_run(nan_bundle, lambda run: run["recorder"]["detect"].__setitem__("check_loss", False))
@@ -157,6 +158,7 @@ def _code(bundle: Path, text: str, name: str = "rk_mlp.py") -> None:
 
 @pytest.mark.parametrize("deep", ["x = " + "-" * 200_000 + "1\n", "x = " + "+".join(["a"] * 300_000) + "\n"],
                          ids=["memory-error", "recursion-error"])
+@pytest.mark.slow
 def test_code_too_deep_to_parse_is_refused_by_verify_and_pack(nan_bundle, tmp_path, deep):
     _code(nan_bundle, (nan_bundle / "code" / "rk_mlp.py").read_text() + deep)
     assert any("nested too deeply" in p["problem"] for p in B.verify(nan_bundle))

@@ -30,6 +30,7 @@ def test_only_replay_imports_the_bundle_code(projects, tmp_path, monkeypatch):
     assert marker.read_text() == "imported code\n", "replay imports the code snapshot, and only that copy"
 
 
+@pytest.mark.slow
 def test_replay_says_it_runs_code_for_a_bundle_from_elsewhere(shared_nan_bundle, tmp_path):
     import json as _json
 

@@ -60,6 +60,7 @@ def test_extract_refuses_to_ship_the_overflowing_op_as_the_cause(projects, tmp_p
     assert err["type"] == "NothingToExtract" and err["already_out_of_range"]["grew"]["past_step"] == 0, err
 
 
+@pytest.mark.slow
 def test_a_module_that_overflows_values_in_range_is_still_the_culprit(projects, tmp_path):
     """The naive softmax given inputs of a few hundred (exp overflows at 88): the softmax is to blame."""
     num = projects("rk_numerics")

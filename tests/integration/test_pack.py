@@ -32,6 +32,7 @@ def scratch(tmp_path, monkeypatch):
     return d
 
 
+@pytest.mark.slow
 def test_round_trip_pack_verify_replay(nan_bundle, tmp_path, scratch):
     out = tmp_path / "ship" / "repro.tar.gz"
     r = CliRunner().invoke(main, ["pack", str(nan_bundle), "-o", str(out), "--json"])
@@ -169,6 +170,7 @@ def test_every_problem_is_reported_not_just_the_first(tmp_path, scratch):
     assert files == ["/tmp/reprokit-pwned", "repro/pipe", "repro/../../evil.txt"]
 
 
+@pytest.mark.slow
 def test_gzip_bomb_is_refused_quickly(tmp_path, scratch):
     """~5 MB on disk that would inflate to 5 GiB: refused by the ratio cap, long before that."""
     head = tarfile.TarInfo("repro/bomb.bin")
@@ -499,6 +501,7 @@ def test_verify_exit_codes_are_the_documented_ones(nan_bundle, tmp_path):
     assert r.exit_code == 3 and "Upgrade reprokit" in r.output
 
 
+@pytest.mark.slow
 def test_a_bundle_tarred_without_a_top_folder_opens(nan_bundle, tmp_path):
     archive = tmp_path / "flat.tar.gz"
     archive.write_bytes(gzip.compress(_raw_member("./", b"", tarfile.DIRTYPE)

@@ -158,6 +158,7 @@ def test_entry_syntax_errors_say_the_form():
 SANITIZED = "def train_step(state, batch):\n    batch = {**batch, 'x': torch.nan_to_num(batch['x'])}\n"
 
 
+@pytest.mark.slow
 def test_shrink_with_code_writes_the_code_it_shrank_against(nan_bundle, tmp_path):
     """The bundle's snapshot is a fixed version (the NaN row sanitised: it passes); --code DIR is the buggy code,
     which fails. The shrunk result must replay with DIR's code, as shrink confirmed, not the passing snapshot."""
@@ -178,6 +179,7 @@ def test_shrink_with_code_writes_the_code_it_shrank_against(nan_bundle, tmp_path
     assert provenance["code"]["shrunk_against"] == str(code.resolve())
 
 
+@pytest.mark.slow
 def test_shrink_without_code_keeps_the_verified_snapshot(nan_bundle, tmp_path):
     out = tmp_path / "small"
     shrink(nan_bundle, out, passes=["steps"], budget=20)
@@ -189,6 +191,7 @@ def test_shrink_without_code_keeps_the_verified_snapshot(nan_bundle, tmp_path):
 
 # --- 4. one run does not claim determinism ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_one_run_is_not_called_deterministic(nan_bundle):
     r = cli("replay", str(nan_bundle))
     assert r.exit_code == 1
@@ -203,6 +206,7 @@ def test_one_run_is_not_called_deterministic(nan_bundle):
     assert d["verdict"] == "deterministic" and d["determinism_checked"] is True
 
 
+@pytest.mark.slow
 def test_assert_fixed_does_not_call_one_run_deterministic(nan_bundle, tmp_path):
     from reprokit.testing import StillFails, assert_fixed
 

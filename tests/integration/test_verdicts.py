@@ -101,6 +101,7 @@ def test_every_verdict_shows_its_fidelity(nan_bundle, tmp_path):
     assert "state.extra" not in result.stdout
 
 
+@pytest.mark.slow
 def test_same_device_loss_mismatch_names_the_common_causes(projects, tmp_path):
     mod = projects("rk_outside_rng")
     _, exc = record(mod, {}, mod.batches(12, poison_step=9), tmp_path / "repros", snapshot_every=4)
