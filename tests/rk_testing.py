@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
 import re
-from collections.abc import Callable, Iterable
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata as md
 from pathlib import Path
 from typing import Any
 
+from click.testing import CliRunner, Result
+
 import reprokit
 from reprokit import bundle as B
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECTS = ROOT / "tests" / "projects"
+
+# The one recorded NaN bundle that most tests share (see ``nan_bundle`` in conftest.py): rk_mlp, 8 steps, a NaN in
+# one input at step 6, a snapshot every 4 steps, so the bundle holds the snapshot of step 4 and steps 4, 5 and 6.
+NAN_STEPS, NAN_STEP, NAN_SNAPSHOT_EVERY = 8, 6, 4
 
 
 def record(mod: Any, config: dict, batches: Iterable, out_dir: Path, step: Any = None,
@@ -37,19 +50,79 @@ def bundle_of(exc: BaseException | None) -> Path:
     return Path(notes[-1].removeprefix("reprokit: bundle written to "))
 
 
-def record_mlp_nan(out_dir: Path, steps: int, poison_step: int, snapshot_every: int) -> Path:
-    """Record the rk_mlp test project until the poisoned step's NaN loss; the bundle path (for module fixtures)."""
+def record_mlp_nan(out_dir: Path, steps: int = NAN_STEPS, poison_step: int = NAN_STEP,
+                   snapshot_every: int = NAN_SNAPSHOT_EVERY) -> Path:
+    """Record the rk_mlp test project until the poisoned step's NaN loss; the bundle path. With no arguments, the
+    shared NaN bundle's run (tests that only need a valid bundle of a NaN take the ``shared_nan_bundle`` or
+    ``nan_bundle`` fixture instead of recording one)."""
     import importlib
-    import sys
 
-    projects = str(Path(__file__).parent / "projects")
-    sys.path.insert(0, projects)
+    sys.path.insert(0, str(PROJECTS))
     try:
         mlp = importlib.import_module("rk_mlp")
     finally:
-        sys.path.remove(projects)
+        sys.path.remove(str(PROJECTS))
     _, exc = record(mlp, {}, mlp.batches({}, steps, poison_step=poison_step), out_dir, snapshot_every=snapshot_every)
     return bundle_of(exc)
+
+
+def copy_bundle(bundle: Path, dest_dir: Path) -> Path:
+    """A fresh copy of ``bundle`` (same folder name) inside ``dest_dir``: what a test that changes a shared bundle
+    works on."""
+    return Path(shutil.copytree(bundle, Path(dest_dir) / Path(bundle).name, symlinks=True))
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (relative path, links and folders included) with its sha256: equal digests mean
+    nothing in the folder changed."""
+    out = {}
+    for p in sorted(Path(folder).rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        out[rel] = ("link:" + os.readlink(p) if p.is_symlink() else "dir" if p.is_dir() else B.sha256_file(p))
+    return out
+
+
+def cli(*args: Any, clean: bool = True) -> Result:
+    """Run ``reprokit ARGS`` in this process with click's CliRunner (each argument ``str()``-ed) and return the
+    result (``.exit_code``, ``.output``, ``.stdout``). ``clean`` (the default) fails the test when the command ended
+    in anything but a clean exit: a Python exception escaping it, or a traceback or "internal error" in what it
+    printed; pass ``clean=False`` where the test looks at such an ending itself."""
+    from reprokit.cli import main
+
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    if clean:
+        assert r.exception is None or isinstance(r.exception, SystemExit), (args, repr(r.exception), r.output[-3000:])
+        assert "Traceback" not in r.output and "internal error" not in r.output, (args, r.output[-3000:])
+    return r
+
+
+def env_with_checkout(*paths: Path | str, **extra: str) -> dict[str, str]:
+    """This process's environment with this checkout (then ``paths``) alone on ``PYTHONPATH``, so a child process
+    imports the reprokit under test; ``extra`` variables set on top."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [ROOT, *paths])), **extra}
+
+
+def cli_process(*args: Any, cwd: Path | str = "/", env: dict[str, str] | None = None,
+                timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m reprokit ARGS`` in a fresh process (text output captured) from ``cwd``, with
+    :func:`env_with_checkout` unless ``env`` is given (the test projects are not importable there: a replay must
+    use the bundle's own code): what a user's shell runs, start-up and exit included."""
+    return subprocess.run([sys.executable, "-m", "reprokit", *map(str, args)], cwd=cwd,
+                          env=env_with_checkout() if env is None else env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def torchrun(script: Path, *args: Any, cwd: Path, launcher: Sequence[str] = (),
+             timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``script ARGS`` on two CPU ranks under ``python -m torch.distributed.run`` (gloo; the scripts pick it) on a
+    free local port, one thread per rank, the test projects importable and faulthandler on (a hung rank dumps its
+    stack). ``launcher`` adds torchrun options (``["--max-restarts", "1"]``). Text output captured."""
+    from reprokit.distributed.incident import free_port
+
+    env = env_with_checkout(PROJECTS, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *launcher, "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def minimal_site(dest: Path) -> Path:

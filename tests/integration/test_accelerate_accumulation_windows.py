@@ -36,6 +36,7 @@ def replayed(bundle) -> dict:
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])
+@pytest.mark.slow
 def test_a_snapshot_due_mid_accumulation_waits_for_the_synced_step(projects, tmp_path, precision):
     """snapshot_every=3 with accumulation over 2: the snapshot due at step 3 (mid-accumulation) is taken at step 4,
     so replay's fresh Accelerator syncs where the run did (at 3 it replayed another update: not bit-exact)."""

@@ -14,6 +14,7 @@ from reprokit.bundle import open_bundle
 from reprokit.cli import main
 
 
+@pytest.mark.slow
 def test_fp16_overflow_fails_in_fp16_passes_in_fp32_and_bf16(projects, tmp_path):
     num = projects("rk_numerics")
     cfg = {"amp": True}
@@ -88,6 +89,7 @@ def test_an_id_outside_the_embedding_table_is_named_with_the_table_size(projects
         "  id 33 at [5, 7] is outside its table of 30 (num_embeddings; valid ids 0..29); 1 id out of range"]
 
 
+@pytest.mark.slow
 def test_inspect_plot(nan_bundle_factory, tmp_path):
     bundle = nan_bundle_factory()
     out = tmp_path / "plot.png"
@@ -111,6 +113,7 @@ def nan_bundle_factory(projects, tmp_path):
     return make
 
 
+@pytest.mark.slow
 def test_bisect_layers_and_extract_on_a_model_that_returns_a_dict_print_no_torch_warning(projects, tmp_path):
     """Torch warns that a module returning a dict gets no backward hook; the suite turns warnings into errors."""
     from reprokit.extract import extract

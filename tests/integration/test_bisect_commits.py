@@ -108,6 +108,7 @@ def recorded(tmp_path, monkeypatch):
     return go
 
 
+@pytest.mark.slow
 def test_finds_commit_19_of_32_within_the_bound(recorded):
     repo, shas, bundle = recorded()
     r = bisect_commits(bundle, good=shas[0], bad=shas[-1])
@@ -123,6 +124,7 @@ def test_finds_commit_19_of_32_within_the_bound(recorded):
     assert all(p.verdict == ("bad" if shas.index(p.sha) >= 18 else "good") for p in r.probes)
 
 
+@pytest.mark.slow
 def test_skips_unimportable_and_unloadable_commits_and_still_answers(recorded):
     repo, shas, bundle = recorded(syntax_error=(16, 24), renamed=(25,))
     r = bisect_commits(bundle, good=shas[0], bad=shas[-1])
@@ -133,6 +135,7 @@ def test_skips_unimportable_and_unloadable_commits_and_still_answers(recorded):
     assert r.replays <= math.ceil(math.log2(31)) + 2 + len(reasons)
 
 
+@pytest.mark.slow
 def test_ambiguous_answer_lists_the_candidates(recorded):
     # Commit 4 cannot be imported and sits right before the first bad commit (5): either could be first.
     repo, shas, bundle = recorded(n=8, bug_at=5, syntax_error=(4,))
@@ -143,6 +146,7 @@ def test_ambiguous_answer_lists_the_candidates(recorded):
     assert "SyntaxError" in next(p["reason"] for p in d["probes"] if p["sha"] == shas[3])
 
 
+@pytest.mark.slow
 def test_wrong_ends_are_refused_with_a_clear_message(recorded):
     repo, shas, bundle = recorded(n=8, bug_at=5)
     with pytest.raises(BisectError, match="the bad end .* does not fail the same way"):
@@ -153,6 +157,7 @@ def test_wrong_ends_are_refused_with_a_clear_message(recorded):
         bisect_commits(bundle, good="no-such-tag", bad=shas[-1])
 
 
+@pytest.mark.slow
 def test_users_working_tree_is_untouched(recorded, tmp_path):
     repo, shas, bundle = recorded(n=8, bug_at=5)
     proj = tmp_path / "proj"
@@ -175,6 +180,7 @@ def test_users_working_tree_is_untouched(recorded, tmp_path):
     assert len(repo.git.worktree("list").splitlines()) == 1, "no worktree left behind"
 
 
+@pytest.mark.slow
 def test_plain_git_bisect_run_gives_the_same_answer(recorded, tmp_path):
     """The README's recipe: `git bisect run reprokit replay BUNDLE --code .` (exit codes 1/0/125 fit)."""
     repo, shas, bundle = recorded(n=8, bug_at=5, syntax_error=(3,))

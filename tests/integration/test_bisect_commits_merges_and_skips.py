@@ -59,6 +59,7 @@ def _merge_repo(path, bug_branch_len, other_branch_len, bug_on_side):
     return repo, root, culprit, merge
 
 
+@pytest.mark.slow
 def test_culprit_on_one_side_of_a_merge_is_found_not_the_merge(tmp_path, monkeypatch):
     """A short branch brought the bug, a long one did not: probing the long one's commits (good) must not clear
     the short one's. The first bad commit is the branch commit, never the merge (one of whose parents is bad).
@@ -130,6 +131,7 @@ def test_search_with_a_skip_beside_the_culprit_lists_both_and_decides_nothing():
     assert first is None and cands == ["c1", "c2"] and skipped == ["c1"]
 
 
+@pytest.mark.slow
 def test_a_commit_that_imports_a_file_it_did_not_commit_is_skipped_not_run_with_the_callers_copy(tmp_path,
                                                                                                  monkeypatch):
     """Commit 3 imports ``numerics``, a file committed only in commit 4 (a forgotten ``git add``). Bisecting from
@@ -173,6 +175,7 @@ def train_step(state, batch):  # noqa: F811 - the NaN gets through on 2 runs in 
 '''
 
 
+@pytest.mark.slow
 def test_a_failure_that_does_not_recur_on_every_replay_is_refused_at_the_bad_end(tmp_path, monkeypatch):
     """Every commit is judged on one replay, so a flaky failure would let a lucky pass call a bad commit good (here
     commit 3, the culprit, passes on the third run overall). The bad end is replayed three times first."""
@@ -189,6 +192,7 @@ def test_a_failure_that_does_not_recur_on_every_replay_is_refused_at_the_bad_end
     assert len(repo.git.worktree("list").splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_bug_in_uncommitted_changes_is_named_when_the_bad_end_passes(tmp_path, monkeypatch):
     """Recorded from a dirty tree whose uncommitted edit is the bug: HEAD passes, and the error says why."""
     proj = tmp_path / "proj"

@@ -43,6 +43,7 @@ def point_at(bundle: Path, root: Path) -> None:
     assert reprokit.verify(bundle) == []
 
 
+@pytest.mark.slow
 def test_a_bundle_naming_another_repository_does_not_choose_what_is_bisected(tmp_path, monkeypatch):
     """The attacker's repository has the same file names (so --entry fits), a post-checkout hook and code that
     leaves a marker when imported: bisecting from the user's repository touches none of it."""
@@ -80,6 +81,7 @@ def test_a_bundle_naming_another_repository_does_not_choose_what_is_bisected(tmp
     assert not ran.exists() and not imported.exists()
 
 
+@pytest.mark.slow
 def test_no_hook_of_the_users_own_repository_runs(tmp_path, monkeypatch):
     proj = tmp_path / "proj"
     proj.mkdir()

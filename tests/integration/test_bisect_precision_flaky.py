@@ -37,6 +37,7 @@ def _record(tmp_path, monkeypatch, counter):
     return open_bundle(info.value.bundle)
 
 
+@pytest.mark.slow
 def test_a_lucky_pass_of_a_flaky_failure_is_not_called_a_fix(tmp_path, monkeypatch):
     """The NaN gets through on 2 runs in 3: recorded fails (run 2), `deterministic` passes by luck (run 3). On CPU
     that variant changes nothing, so calling it the fix would be wrong: a second look at both says it was luck."""

@@ -48,6 +48,7 @@ def test_grad_norm_is_the_one_before_clipping_and_lr_the_one_the_step_used(clipp
     assert sum(r["clipped"] for r in finite) >= len(finite) - 1
 
 
+@pytest.mark.slow
 def test_first_bad_step_is_where_the_trajectory_departed(clipped):
     _, bundle = clipped
     d = bisect_steps(open_bundle(bundle))

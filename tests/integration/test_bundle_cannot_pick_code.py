@@ -15,22 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from rk_testing import bundle_of, entries, record_mlp_nan, reseal
+from rk_testing import bundle_of, cli, entries, reseal
 
 from reprokit import bundle as B
-from reprokit.cli import main
 from reprokit.errors import BundleError
-
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
-    pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\).*:FutureWarning"),
-]
-
-
-def cli(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(main, list(args))
-    return result.exit_code, result.output
 
 
 def plant(bundle: Path, files: dict[str, str], edit_run=None) -> None:
@@ -64,6 +52,11 @@ def _lightning_bundle(projects, tmp_path) -> Path:
     return bundle_of(info.value)
 
 
+@pytest.mark.slow
+# Lightning's own warnings (a DataLoader without workers, its pytree shim on torch 2.13): not reprokit's. On this test
+# alone: a filter naming Lightning's warning class imports Lightning (seconds) for every test it applies to.
+@pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
+@pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\).*:FutureWarning")
 def test_a_lightning_config_cannot_pick_a_module_of_the_snapshot_or_of_the_users_checkout(projects, tmp_path):
     """config.module naming a module refs.objects does not list (``deploy``, with import-time effects) is refused
     (exit 3) before anything is imported: from the bundle's snapshot, and from a --code checkout whose --entry
@@ -76,26 +69,28 @@ def test_a_lightning_config_cannot_pick_a_module_of_the_snapshot_or_of_the_users
     plant(bundle, {"code/deploy.py": deploy},
           lambda r: r["config"].__setitem__("module", {"module": "deploy", "qualname": "main"}))
 
-    rc, out = cli("replay", str(bundle))
+    r = cli("replay", str(bundle))
     assert not marker.exists(), "deploy.py of the snapshot was imported"
-    assert rc == 3, out
+    assert r.exit_code == 3, r.output
     assert "config.module = deploy:main is not among the classes the bundle lists under refs.objects " \
-           "(rk_lightning:TinyLit)" in out
+           "(rk_lightning:TinyLit)" in r.output
 
     checkout = Path(shutil.copytree(bundle / "code", tmp_path / "checkout"))
     assert entries(bundle) == ["--entry", "object=rk_lightning:TinyLit"]
-    rc, out = cli("replay", str(bundle), "--code", str(checkout), *entries(bundle))
+    r = cli("replay", str(bundle), "--code", str(checkout), *entries(bundle))
     assert not marker.exists(), "deploy.py of the user's checkout was imported"
-    assert rc == 3, out
-    assert "config.module = deploy:main is not among" in out
+    assert r.exit_code == 3, r.output
+    assert "config.module = deploy:main is not among" in r.output
 
     # Listing it under refs.objects too makes it an entry point the user must confirm (exit 2), still unimported.
     plant(bundle, {}, lambda r: r["refs"]["objects"].append({"module": "deploy", "qualname": "main"}))
-    rc, out = cli("replay", str(bundle), "--code", str(checkout), "--entry", "object=rk_lightning:TinyLit")
+    r = cli("replay", str(bundle), "--code", str(checkout), "--entry", "object=rk_lightning:TinyLit")
     assert not marker.exists()
-    assert rc == 2 and "not confirmed with --entry: object = deploy:main" in out, out
+    assert r.exit_code == 2 and "not confirmed with --entry: object = deploy:main" in r.output, r.output
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\).*:FutureWarning")
 def test_a_transformers_config_cannot_pick_a_module_refs_objects_does_not_list(projects, tmp_path):
     """The Hugging Face build imports the project's model class named in config.model.class: one that refs.objects
     does not list is refused (exit 3) before its module is imported (it used to run, then fail the subclass check)."""
@@ -123,11 +118,11 @@ def test_a_transformers_config_cannot_pick_a_module_refs_objects_does_not_list(p
     marker = tmp_path / "MODEL_MODULE_RAN"
     plant(bundle, {"code/other_model.py": side_effect(marker, "class Model:\n    pass\n")},
           lambda r: r["config"]["model"].__setitem__("class", {"module": "other_model", "qualname": "Model"}))
-    rc, out = cli("replay", str(bundle))
+    r = cli("replay", str(bundle))
     assert not marker.exists(), "other_model.py was imported"
-    assert rc == 3, out
+    assert r.exit_code == 3, r.output
     assert "config.model.class = other_model:Model is not among the classes the bundle lists under refs.objects" \
-        in out
+        in r.output
 
 
 # --- F8: a snapshot name an installed distribution provides, imported yet or not -------------------------------
@@ -144,26 +139,17 @@ def _unimported_installed_name() -> str:
     pytest.fail("no installed, unimported distribution found to plant")
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 8, 5, 4)
-
-
-@pytest.fixture
-def nan_bundle(recorded, tmp_path):
-    return Path(shutil.copytree(recorded, tmp_path / "repros" / recorded.name))
-
-
 def test_a_snapshot_module_named_like_an_installed_package_not_imported_yet_is_refused(nan_bundle, tmp_path):
     name = _unimported_installed_name()
     marker = tmp_path / "SHADOW_RAN"
     plant(nan_bundle, {f"code/{name}.py": side_effect(marker, "")})
-    rc, out = cli("replay", str(nan_bundle))
-    assert rc == 3, out
-    assert f"the code snapshot holds {name}.py, which would shadow {name} of " in out
+    r = cli("replay", str(nan_bundle))
+    assert r.exit_code == 3, r.output
+    assert f"the code snapshot holds {name}.py, which would shadow {name} of " in r.output
     assert not marker.exists() and name not in sys.modules
 
 
+@pytest.mark.slow
 def test_the_folder_a_script_ref_puts_on_the_import_path_is_checked_too(nan_bundle, tmp_path):
     """A script ref ``tools/run.py`` puts ``code/tools`` on the import path: a module there named like an installed
     package would shadow it as well."""
@@ -176,12 +162,12 @@ def test_the_folder_a_script_ref_puts_on_the_import_path_is_checked_too(nan_bund
         run["refs"]["step"] = {"script": "tools/run.py", "qualname": "train_step"}
 
     plant(nan_bundle, {"code/tools/run.py": script}, to_script)
-    rc, out = cli("replay", str(nan_bundle))
-    assert rc == 1, out  # the script's folder alone is fine: the failure reproduces from it
+    r = cli("replay", str(nan_bundle))
+    assert r.exit_code == 1, r.output  # the script's folder alone is fine: the failure reproduces from it
     plant(nan_bundle, {f"code/tools/{name}.py": side_effect(marker, "")})
-    rc, out = cli("replay", str(nan_bundle))
-    assert rc == 3, out
-    assert f"the code snapshot holds tools/{name}.py, which would shadow {name} of " in out
+    r = cli("replay", str(nan_bundle))
+    assert r.exit_code == 3, r.output
+    assert f"the code snapshot holds tools/{name}.py, which would shadow {name} of " in r.output
     assert not marker.exists()
 
 

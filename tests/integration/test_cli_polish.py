@@ -11,25 +11,15 @@ import subprocess
 import sys
 import tarfile
 import threading
-from pathlib import Path
 
 import click
 import pytest
 from click.testing import CliRunner
-from rk_testing import bundle_of, record
+from rk_testing import bundle_of, env_with_checkout, record
 
 from reprokit.bisect.layers import format_layers
 from reprokit.bisect.steps import format_steps
 from reprokit.cli import main
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def nan_bundle(projects, tmp_path):
-    mlp = projects("rk_mlp")
-    _, exc = record(mlp, {}, mlp.batches({}, 14, poison_step=11), tmp_path / "repros", snapshot_every=5)
-    return bundle_of(exc)
 
 
 def _commands(group: click.Group, words: tuple[str, ...] = ()):
@@ -63,6 +53,7 @@ def test_json_and_variants_from_the_environment(nan_bundle):
     assert json.loads(r.stdout)["variants"] == {"recorded": "fail"}
 
 
+@pytest.mark.slow
 def test_no_progress_when_stderr_is_not_a_terminal(nan_bundle, tmp_path):
     r = CliRunner().invoke(main, ["replay", str(nan_bundle), "--times", "2"])
     assert r.exit_code == 1, r.output
@@ -76,11 +67,12 @@ def test_no_progress_when_stderr_is_not_a_terminal(nan_bundle, tmp_path):
     assert "\r" not in r.stderr and json.loads(r.stdout)["runs"] == 2
 
 
+@pytest.mark.slow
 def test_progress_bar_on_a_terminal_stays_off_stdout(nan_bundle):
     master, slave = pty.openpty()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
     proc = subprocess.Popen([sys.executable, "-m", "reprokit", "replay", str(nan_bundle), "--times", "3"],
-                            stdout=subprocess.PIPE, stderr=slave, env=env, cwd="/", text=True)
+                            stdout=subprocess.PIPE, stderr=slave, env=env_with_checkout(COLUMNS="100"), cwd="/",
+                            text=True)
     os.close(slave)
     chunks: list[bytes] = []
 
@@ -119,6 +111,7 @@ def test_pack_prints_the_folder_the_archive_extracts_to(nan_bundle, tmp_path):
     assert d["folder"] == folder
 
 
+@pytest.mark.slow
 def test_sdpa_variants_are_na_on_a_model_without_attention(nan_bundle):
     r = CliRunner().invoke(main, ["bisect", "precision", str(nan_bundle), "--variants", "recorded,sdpa_math,sdpa_flash",
                                   "--json"])
@@ -133,6 +126,7 @@ def test_sdpa_variants_are_na_on_a_model_without_attention(nan_bundle):
     assert r.stderr == "", "each variant once, on stdout; no progress lines off a terminal"
 
 
+@pytest.mark.slow
 def test_sdpa_backend_without_a_kernel_is_na_and_math_still_runs(projects, tmp_path):
     attn = projects("rk_attn_cpu")
     _, exc = record(attn, {}, attn.batches(6, poison_step=4), tmp_path, snapshot_every=3)
@@ -144,6 +138,7 @@ def test_sdpa_backend_without_a_kernel_is_na_and_math_still_runs(projects, tmp_p
     assert "No available kernel" in d["details"]["sdpa_flash"]
 
 
+@pytest.mark.slow
 def test_inspect_of_a_shrunk_bundle_shows_where_it_came_from(nan_bundle, tmp_path):
     out = tmp_path / "small"
     r = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(out), "--passes", "steps,rows", "--json"])
@@ -154,8 +149,8 @@ def test_inspect_of_a_shrunk_bundle_shows_where_it_came_from(nan_bundle, tmp_pat
     assert p["source_bundle"] == str(nan_bundle) and p["kept_rows"] == s["kept_rows"] == [3]
     text = CliRunner().invoke(main, ["inspect", str(out)]).stdout
     assert f"shrunk   from {nan_bundle}" in text
-    assert "kept rows [3] of the failing batch (dataset indices [179])" in text
-    assert "  before steps 2, rows 16" in text
+    assert "kept rows [3] of the failing batch (dataset indices [99])" in text
+    assert "  before steps 3, rows 16" in text
     assert "  passes " in text and "steps 1/2 accepted, 1 replay" in text and "1 replays" not in text
     assert "(1 step," in text and "1 steps" not in text
 

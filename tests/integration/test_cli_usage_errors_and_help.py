@@ -14,17 +14,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import record_mlp_nan
 
 from reprokit.cli import main
 
 
-@pytest.fixture(scope="module")
-def out_dir(tmp_path_factory) -> Path:
-    """The recorder's out_dir, holding one bundle of a NaN loss (rk_mlp, a few steps)."""
-    out = tmp_path_factory.mktemp("cli_usage") / "repros"
-    record_mlp_nan(out, steps=8, poison_step=6, snapshot_every=4)
-    return out
+@pytest.fixture
+def out_dir(shared_nan_bundle) -> Path:
+    """The recorder's out_dir, holding one bundle of a NaN loss (the shared one: read-only)."""
+    return shared_nan_bundle.parent
 
 
 def _bundle(out_dir: Path) -> Path:

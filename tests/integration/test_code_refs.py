@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import entries, record_mlp_nan
+from rk_testing import cli, entries
 
 import reprokit
 from reprokit import bundle as B
@@ -25,17 +25,6 @@ from reprokit.pack import pack
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DEMO = ROOT / "tests" / "golden" / "v1" / "demo-nan"
-
-
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 14, 11, 5)
-
-
-@pytest.fixture
-def nan_bundle(recorded, tmp_path):
-    """A fresh copy of one recorded bundle (recording once keeps the module fast)."""
-    return Path(shutil.copytree(recorded, tmp_path / "repros" / recorded.name))
 
 
 def reseal(bundle: Path, edit_run=None, add: dict[str, str] | None = None) -> None:
@@ -67,11 +56,6 @@ def set_ref(role: str, ref, config=None):
     return edit
 
 
-def cli(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(main, list(args))
-    return result.exit_code, result.output
-
-
 def checkout_of(bundle: Path, dest: Path, append: str = "") -> Path:
     shutil.copytree(bundle / "code", dest)
     if append:
@@ -85,10 +69,10 @@ def test_os_system_ref_runs_nothing_and_exits_3(nan_bundle, tmp_path, with_code)
     marker = tmp_path / "MARKER"
     reseal(nan_bundle, set_ref("build", {"module": "os", "qualname": "system"}, config=f"touch {marker}"))
     extra = ["--code", str(checkout_of(nan_bundle, tmp_path / "checkout"))] if with_code else []
-    code, out = cli("replay", str(nan_bundle), *extra)
+    r = cli("replay", str(nan_bundle), *extra)
     assert not marker.exists(), "os.system ran"
-    assert code == 3, out
-    assert "run.json: refs.build = os:system" in out and "the standard library" in out
+    assert r.exit_code == 3, r.output
+    assert "run.json: refs.build = os:system" in r.output and "the standard library" in r.output
 
 
 @pytest.mark.parametrize("with_code", [False, True])
@@ -101,10 +85,10 @@ def test_script_ref_outside_the_bundle_runs_nothing(nan_bundle, tmp_path, with_c
     rel = os.path.relpath(evil, code)
     assert rel.startswith("../")
     reseal(nan_bundle, set_ref("build", {"script": rel, "qualname": "build"}))
-    rc, out = cli("replay", str(nan_bundle), *(["--code", str(code)] if with_code else []))
+    r = cli("replay", str(nan_bundle), *(["--code", str(code)] if with_code else []))
     assert not marker.exists(), "a script outside the bundle ran"
-    assert rc == 3, out
-    assert "refs.build" in out and "'..'" in out
+    assert r.exit_code == 3, r.output
+    assert "refs.build" in r.output and "'..'" in r.output
 
 
 def test_module_outside_the_snapshot_is_not_imported(nan_bundle, tmp_path, monkeypatch):
@@ -116,10 +100,10 @@ def test_module_outside_the_snapshot_is_not_imported(nan_bundle, tmp_path, monke
                                           "def check(*args):\n    return None\n")
     reseal(nan_bundle, set_ref("predicates", {"module": "rk_evil", "qualname": "check"}))
     monkeypatch.syspath_prepend(str(elsewhere))
-    code, out = cli("replay", str(nan_bundle))
+    r = cli("replay", str(nan_bundle))
     assert not marker.exists(), "a module outside the bundle was imported"
-    assert code == 3, out
-    assert "refs.predicates[0] = rk_evil:check" in out and "not in the bundle's code snapshot" in out
+    assert r.exit_code == 3, r.output
+    assert "refs.predicates[0] = rk_evil:check" in r.output and "not in the bundle's code snapshot" in r.output
 
 
 def test_attribute_chain_to_a_foreign_function_is_refused(nan_bundle, tmp_path):
@@ -127,10 +111,10 @@ def test_attribute_chain_to_a_foreign_function_is_refused(nan_bundle, tmp_path):
     marker = tmp_path / "MARKER"
     code = checkout_of(nan_bundle, tmp_path / "checkout", append="\nimport os  # noqa\n")
     reseal(nan_bundle, set_ref("build", {"module": "rk_mlp", "qualname": "os.system"}, config=f"touch {marker}"))
-    rc, out = cli("replay", str(nan_bundle), "--code", str(code), *entries(nan_bundle))
+    r = cli("replay", str(nan_bundle), "--code", str(code), *entries(nan_bundle))
     assert not marker.exists()
-    assert rc == 3, out
-    assert "refs.build = rk_mlp:os.system names an object defined in" in out
+    assert r.exit_code == 3, r.output
+    assert "refs.build = rk_mlp:os.system names an object defined in" in r.output
 
 
 @pytest.mark.parametrize("ref,why", [
@@ -155,10 +139,10 @@ def test_malformed_or_foreign_refs_are_invalid_bundles(nan_bundle, ref, why):
 def test_snapshot_shadowing_an_installed_module_is_refused(nan_bundle, tmp_path, planted, name, owner):
     marker = tmp_path / "MARKER"
     reseal(nan_bundle, add={planted: f"import pathlib; pathlib.Path({str(marker)!r}).write_text('x')\n"})
-    code, out = cli("replay", str(nan_bundle), "--json")
+    r = cli("replay", str(nan_bundle), "--json")
     assert not marker.exists()
-    assert code == 3, out
-    assert f"which would shadow {name} of {owner}" in out
+    assert r.exit_code == 3, r.output
+    assert f"which would shadow {name} of {owner}" in r.output
 
 
 def test_bundle_without_snapshot_needs_a_code_folder(nan_bundle, tmp_path):
@@ -181,9 +165,9 @@ def test_code_folder_module_linked_from_outside_is_not_imported(nan_bundle, tmp_
     code = checkout_of(nan_bundle, tmp_path / "checkout")
     (code / "rk_mlp.py").unlink()
     (code / "rk_mlp.py").symlink_to(outside)
-    rc, out = cli("replay", str(nan_bundle), "--code", str(code))
+    r = cli("replay", str(nan_bundle), "--code", str(code))
     assert not marker.exists()
-    assert rc == 125 and "does not hold the bundle's code" in out, out
+    assert r.exit_code == 125 and "does not hold the bundle's code" in r.output, r.output
 
 
 def test_code_folder_without_the_project_exits_125(nan_bundle, tmp_path, projects):
@@ -196,6 +180,7 @@ def test_code_folder_without_the_project_exits_125(nan_bundle, tmp_path, project
     assert f"--code {empty} does not hold the bundle's code: no rk_mlp/__init__.py or rk_mlp.py" in result.output
 
 
+@pytest.mark.slow
 def test_valid_checkout_and_snapshot_still_replay(nan_bundle, tmp_path):
     assert reprokit.replay(nan_bundle).reproduced
     code = checkout_of(nan_bundle, tmp_path / "checkout", append="\nimport os  # noqa\n")
@@ -212,6 +197,7 @@ def test_demo_bundle_replays_and_refuses_a_code_folder(tmp_path):
         reprokit.replay(demo, code=tmp_path)
 
 
+@pytest.mark.slow
 def test_packed_demo_replays_with_the_vendored_runtime(tmp_path):
     out = tmp_path / "demo.tar.gz"
     pack(GOLDEN_DEMO, out)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -14,13 +13,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import record_mlp_nan
+from rk_testing import PROJECTS, copy_bundle, env_with_checkout
 
 from reprokit import bundle as B
 from reprokit.cli import main
 from reprokit.errors import ReprokitError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_concurrent_commits_under_one_name_keep_every_bundle(tmp_path):
@@ -53,17 +50,13 @@ def test_concurrent_commits_under_one_name_keep_every_bundle(tmp_path):
     assert not [p for p in out.iterdir() if p.name.startswith(B.TMP_PREFIX)]
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 8, 6, 4)
-
-
-def test_a_second_shrink_to_the_same_output_is_refused_up_front(recorded, tmp_path):
-    bundle = Path(shutil.copytree(recorded, tmp_path / recorded.name))
+@pytest.mark.slow
+def test_a_second_shrink_to_the_same_output_is_refused_up_front(shared_nan_bundle, tmp_path):
+    bundle = copy_bundle(shared_nan_bundle, tmp_path)
     same = tmp_path / "small"
     claim = tmp_path / f".small{B.CLAIM_SUFFIX}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "projects")])}
-    first = subprocess.Popen([sys.executable, "-m", "reprokit", "shrink", str(bundle), "-o", str(same)], env=env,
+    first = subprocess.Popen([sys.executable, "-m", "reprokit", "shrink", str(bundle), "-o", str(same)],
+                             env=env_with_checkout(PROJECTS),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -81,7 +74,7 @@ def test_a_second_shrink_to_the_same_output_is_refused_up_front(recorded, tmp_pa
     assert not claim.exists() and sorted(p.name for p in tmp_path.iterdir()) == [bundle.name, "small"]
 
 
-def test_a_claim_left_by_a_dead_process_is_taken_over(recorded, tmp_path):
+def test_a_claim_left_by_a_dead_process_is_taken_over(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     claim = tmp_path / f".small{B.CLAIM_SUFFIX}"
     claim.write_text(f"pid{dead.stdout.strip()}.0-on-{B._host()}")

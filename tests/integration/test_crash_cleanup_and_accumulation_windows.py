@@ -16,6 +16,7 @@ from reprokit.replayer import Session, replay
 from reprokit.shrink.shrinker import Case, Shrinker
 
 
+@pytest.mark.slow
 def test_an_isolated_candidate_that_crashes_leaves_no_private_code_copy(projects, tmp_path, monkeypatch):
     """An isolated shrink candidate replays its snapshot from a private copy of its code (reprokit.code.materialize);
     one that crashes (SIGKILL: a segfault, or the --timeout's kill) never removes it. The copy must go with the

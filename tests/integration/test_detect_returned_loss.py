@@ -15,6 +15,7 @@ def _record(projects, tmp_path, batches, **kw):
     return record(m, {}, batches, tmp_path / "repros", snapshot_every=4, **kw)
 
 
+@pytest.mark.slow
 def test_a_nan_loss_inside_a_returned_dict_is_a_nonfinite_loss(projects, tmp_path):
     # Only the loss check can see it (grads are not checked): before, a dict return went unchecked.
     m = projects("rk_detect_cases")
@@ -25,6 +26,7 @@ def test_a_nan_loss_inside_a_returned_dict_is_a_nonfinite_loss(projects, tmp_pat
     assert report.reproduced and report.runs[0].failure.kind == "nonfinite_loss", report
 
 
+@pytest.mark.slow
 def test_a_spike_in_a_returned_dict_fires_and_replays_at_the_same_step(projects, tmp_path):
     m = projects("rk_detect_cases")
     _, exc = _record(projects, tmp_path, m.batches(20, returns="dict", spike=(15, 100.0)),

@@ -129,6 +129,7 @@ def test_rows_past_the_batch_are_named_as_spans(projects, tmp_path):
 
 # --- inspect --plot -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_plot_has_lr_and_loss_scale_panels_and_plain_narrow_axes(projects, tmp_path):
     from reprokit.bundle import open_bundle
     from reprokit.report import log_axis, plot_panels, plot_title

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import record_mlp_nan
 
 from reprokit import bundle as B
 from reprokit.cli import main
 
 
+@pytest.mark.slow
 def test_gc_removes_an_abandoned_leftover_nested_3000_folders_deep(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     leftover = tmp_path / f".tmp-bundle-x-pid{dead.stdout.strip()}.0-on-{B._host()}-0123abcd"
@@ -52,21 +52,16 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mnt)], check=True)
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 8, 6, 4)
-
-
-def test_pack_onto_a_full_disk_says_so(recorded, small_disk):
+def test_pack_onto_a_full_disk_says_so(shared_nan_bundle, small_disk):
     (small_disk / "filler").write_bytes(b"\0" * ((1 << 20) - 32 * 1024))  # what is left: less than the archive
-    r = CliRunner().invoke(main, ["pack", str(recorded), "-o", str(small_disk / "r.tar")])
+    r = CliRunner().invoke(main, ["pack", str(shared_nan_bundle), "-o", str(small_disk / "r.tar")])
     assert r.exit_code == 2 and "no space left" in r.output.lower(), r.output
     assert "This is a bug" not in r.output
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"], "nothing partial is left"
 
 
-def test_shrink_onto_a_full_disk_says_so(recorded, small_disk):
+def test_shrink_onto_a_full_disk_says_so(shared_nan_bundle, small_disk):
     (small_disk / "filler").write_bytes(b"\0" * ((1 << 20) - 32 * 1024))
-    r = CliRunner().invoke(main, ["shrink", str(recorded), "-o", str(small_disk / "small"), "--budget", "3"])
+    r = CliRunner().invoke(main, ["shrink", str(shared_nan_bundle), "-o", str(small_disk / "small"), "--budget", "3"])
     assert r.exit_code == 2 and "no space left" in r.output.lower(), r.output
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"], "nothing partial is left"

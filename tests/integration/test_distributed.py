@@ -3,32 +3,25 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from rk_testing import entries
+from rk_testing import PROJECTS, entries, torchrun
 
 from reprokit.bundle import open_bundle
 from reprokit.cli import main as cli
-from reprokit.distributed.incident import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-PROJECT = ROOT / "tests" / "projects" / "rk_ddp.py"
+PROJECT = PROJECTS / "rk_ddp.py"
 
 
 def _torchrun(out: Path, mode: str, device: str = "cpu") -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
+    """rk_ddp.py on two ranks; with the seconds it took (a rank stuck in a collective must not hang the run)."""
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PROJECT), str(out),
-                           mode, device], env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
+    proc = torchrun(PROJECT, out, mode, device, cwd=out.parent)
     return proc, time.monotonic() - t0
 
 
@@ -54,6 +47,7 @@ def _incident(out: Path) -> tuple[Path, list[Path]]:
     return folders[0], sorted(p for p in folders[0].iterdir() if p.name.startswith("bundle-"))
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_gives_one_incident_with_every_rank_s_bundle(tmp_path, nan_run):
     out, proc, _ = nan_run
     assert proc.returncode != 0, "training failed"
@@ -96,6 +90,7 @@ def test_a_nan_on_one_rank_gives_one_incident_with_every_rank_s_bundle(tmp_path,
     assert "no single variant" not in r.output and "fp32            pass" in r.output, r.output
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(raise_run):
     """Rank 1 raises in its step; rank 0 waits in the all-reduce and never returns. Rank 0's watcher writes its
     window from host memory, long before the 60 s process-group timeout."""
@@ -116,6 +111,7 @@ def test_a_rank_that_raises_leaves_its_peer_blocked_and_both_windows_written(rai
     assert "did not fail itself" in json.loads(r.stdout)["error"]["message"]
 
 
+@pytest.mark.slow
 def test_a_rank_whose_collective_lost_its_peer_is_not_replayed_alone_as_fixed(raise_run, tmp_path):
     """A peer that dies outside its recorded steps (its data loader raised) leaves this rank a gloo "Connection
     closed by peer" exception and no bundle of its own. Alone, nothing can fail that way: replay said NOT
@@ -154,6 +150,7 @@ def test_a_rank_whose_collective_lost_its_peer_is_not_replayed_alone_as_fixed(ra
     assert r.exit_code == 3 and "distributed.world_size" in r.output, r.output
 
 
+@pytest.mark.slow
 def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     """Replayed alone, rank 0 cannot reproduce (its NaN came from rank 1 through the all-reduce); replayed together,
     with the process group initialised before build(), both ranks fail as recorded."""
@@ -175,7 +172,7 @@ def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     bad = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "3"])
     assert bad.exit_code == 2 and "recorded on 2 ranks" in bad.output
     # --code: every rank imports build/step from a checkout; one without the project is refused before any rank runs
-    coded = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(ROOT / "tests" / "projects"),
+    coded = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(PROJECTS),
                                          *entries(_incident(out)[1][0]), "--json"])
     assert coded.exit_code == 1 and json.loads(coded.stdout)["verdict"] == "deterministic", coded.output
     empty = tmp_path / "empty-checkout"
@@ -185,11 +182,12 @@ def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     # Each rank checks --entry again on the bundle it opens itself (the folder may change after the CLI's check): a
     # ref not confirmed makes that rank an error, never a run of code the user did not name.
     from reprokit.distributed.incident import replay_incident
-    report = replay_incident(folder, code=ROOT / "tests" / "projects", entries=["step=nothing:here"])
+    report = replay_incident(folder, code=PROJECTS, entries=["step=nothing:here"])
     assert report.verdict == "error" and report.exit_code == 125, report.to_json()
     assert all("not confirmed with --entry" in x["error"] for x in report.to_json()["ranks"]), report.to_json()
 
 
+@pytest.mark.slow
 def test_an_incident_whose_rank_raised_replays_with_the_peer_blocked(raise_run, tmp_path, monkeypatch):
     out = raise_run[0]
     folder, _ = _incident(out)
@@ -228,17 +226,13 @@ fsdp2_on_cpu = pytest.mark.skipif(not _public_fsdp2(), reason="FSDP2 on the CPU 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=fsdp2_on_cpu),
                                     pytest.param("cuda", marks=[pytest.mark.cuda, two_gpus])])
+@pytest.mark.slow
 def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp_path, device):
     """FSDP2 (fully_shard, gloo): every rank holds half of each parameter and of AdamW's state. Each bundle carries
     its rank's shards and their layout; replayed on two ranks (build() shards the model again), both reproduce
     bit-exactly. Replayed alone, the shards mean nothing: refused before build(), pointing at the incident."""
     out = tmp_path / "repros"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                           str(ROOT / "tests" / "projects" / "rk_fsdp.py"), str(out), device],
-                          env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = torchrun(PROJECTS / "rk_fsdp.py", out, device, cwd=tmp_path)
     # the run ends in reprokit's TrainingFailure, and the recorder itself had no trouble with DTensors
     assert proc.returncode != 0 and "TrainingFailure" in proc.stderr, proc.stderr[-3000:]
     assert "RecorderWarning" not in proc.stderr, proc.stderr[-3000:]
@@ -261,6 +255,7 @@ def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp
     assert "shards of a sharded (FSDP2) state" in alone.output and "--nproc 2" in alone.output
 
 
+@pytest.mark.slow
 def test_inspect_json_names_rank_world_and_incident(nan_run):
     out = nan_run[0]
     folder, bundles = _incident(out)
@@ -271,6 +266,7 @@ def test_inspect_json_names_rank_world_and_incident(nan_run):
 @pytest.mark.cuda
 @two_gpus
 @pytest.mark.parametrize("mode", ["nan", "raise"])
+@pytest.mark.slow
 def test_nccl_incidents_on_two_gpus(tmp_path, mode):
     """The same two cases under NCCL: a rank blocked in an NCCL all-reduce keeps its GPU stream busy forever, so its
     watcher must write the window without synchronizing the device."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from click.testing import CliRunner
+from rk_testing import PROJECTS, torchrun
 
 import reprokit
 from reprokit.bundle import REPLICATED, open_bundle
@@ -26,21 +26,16 @@ from reprokit.distributed.incident import free_port
 from reprokit.errors import RecorderWarning
 from reprokit.report import format_incident
 
-ROOT = Path(__file__).resolve().parents[2]
-PROJECTS = ROOT / "tests" / "projects"
 sys.path.insert(0, str(PROJECTS))
 
 import rk_dist_incidents  # noqa: E402
 
 
 def _torchrun(out: Path, scenario: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{PROJECTS}", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), str(PROJECTS / "rk_dist_incidents.py"), str(out),
-                           scenario], env=env, capture_output=True, text=True, timeout=120, cwd=out.parent)
+    return torchrun(PROJECTS / "rk_dist_incidents.py", out, scenario, cwd=out.parent, timeout=120)
 
 
+@pytest.mark.slow
 def test_a_second_incident_after_recovery_gets_its_own_folder_on_every_rank(tmp_path):
     """Rank 1 feeds a NaN at step 3, every rank skips the step and goes on, rank 1 feeds another at step 9. The
     second failure is an incident of its own: every rank writes its window of step 9 into a second folder (it was
@@ -132,6 +127,7 @@ def test_an_incident_that_cannot_be_declared_leaves_the_training_s_own_error(tmp
         rec.close()
 
 
+@pytest.mark.slow
 def test_a_rank_whose_process_dies_in_the_replay_is_an_error_never_fixed(tmp_path, monkeypatch):
     """The failing rank's process dies in the failing step of the replay (a segfault, an OOM kill): it writes no
     report. That is no evidence of a fix: the incident replay says `error` and exits 125 (it said not_reproduced,
@@ -157,6 +153,7 @@ def test_a_rank_whose_process_dies_in_the_replay_is_an_error_never_fixed(tmp_pat
         assert r.exit_code == 2 and "use --device cpu" in r.output, r.output
 
 
+@pytest.mark.slow
 def test_times_replays_each_run_with_every_rank_starting_it_together(tmp_path):
     """Rank 1 raises before its backward at step 7 (window 4..7): rank 0 waits in step 7's all-reduce. With
     --times 2 the second run must not pair rank 1's step-4 all-reduce with rank 0's first-run step 7 (its
@@ -178,6 +175,7 @@ def test_times_replays_each_run_with_every_rank_starting_it_together(tmp_path):
     assert failing["fidelity"]["runs_bit_identical"] is True
 
 
+@pytest.mark.slow
 def test_a_rank_recording_into_another_folder_than_rank_0_is_told_at_attach(tmp_path):
     """``out_dir=f"repros/rank{rank}"``: no rank would see another's incident (and a rank blocked in a collective
     would write nothing). Rank 1 says so when its Recorder attaches, before any failure."""
@@ -211,6 +209,7 @@ def test_run_json_and_inspect_say_which_attempt_rank_local_rank_and_backend_wrot
     assert d["incident"] == bundle.parent.name
 
 
+@pytest.mark.slow
 def test_a_recorder_on_rank_0_only_neither_hangs_nor_waits_for_ranks_that_record_nothing(tmp_path):
     """Tooling on rank 0 alone: attaching took a collective rank 1 never joined (training hung for the process
     group's timeout, then died in gloo). Now rank 0 records its NaN at step 3 at once, and does not wait
@@ -229,6 +228,7 @@ def test_a_recorder_on_rank_0_only_neither_hangs_nor_waits_for_ranks_that_record
     assert open_bundle(bundle).failure.kind == "nonfinite_loss" and bundle.name.endswith("rank0of2")
 
 
+@pytest.mark.slow
 def test_a_script_that_ends_without_closing_its_recorder_still_writes_a_late_peers_window(tmp_path):
     """Rank 1 raises in the last step, after the all-reduce; rank 0 finishes its loop and its script ends at once,
     without ``rec.close()``. Its incident watcher had seen the incident and was in its grace second: the interpreter

@@ -10,24 +10,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
+from rk_testing import PROJECTS, env_with_checkout, torchrun
 
 from reprokit.bundle import open_bundle
 from reprokit.cli import main as cli
 from reprokit.distributed import INCIDENTS_DIR
-from reprokit.distributed.incident import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-PROJECTS = ROOT / "tests" / "projects"
+pytestmark = pytest.mark.slow  # each case is a torchrun of two ranks restarted once, then replays on two ranks
 
 
 def _torchrun(out: Path, scenario: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{PROJECTS}", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts",
-                           "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                           str(PROJECTS / "rk_elastic_restart.py"), str(out), scenario], env=env, capture_output=True,
-                          text=True, timeout=150, cwd=out.parent)
+    return torchrun(PROJECTS / "rk_elastic_restart.py", out, scenario, cwd=out.parent, launcher=["--max-restarts", "1"],
+                    timeout=150)
 
 
 def _incidents(out: Path) -> list[Path]:
@@ -87,7 +83,7 @@ def test_two_failing_attempts_give_two_incidents_each_replaying_on_two_ranks(tmp
     assert _by_rank(first) == {1: ("exception", 3, 0), 0: ("peer", 3, 0)}, first
     assert _by_rank(second) == {0: ("exception", 5, 1), 1: ("peer", 5, 1)}, second
     # both replays at once (each rank of each waits out its peers): `reprokit replay INCIDENT --nproc 2`
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = env_with_checkout(OMP_NUM_THREADS="1")
     replays = [subprocess.Popen([sys.executable, "-m", "reprokit", "replay", str(folder), "--nproc", "2", "--json"],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for folder in (first, second)]

@@ -29,6 +29,7 @@ def test_every_example_is_listed():
 
 
 @pytest.mark.parametrize("script", [p for p in EXAMPLES if p.name not in ZOO], ids=lambda p: p.name)
+@pytest.mark.slow
 def test_example_runs(script, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(script), "--quick"], cwd=tmp_path, env=env, capture_output=True,
@@ -49,11 +50,13 @@ def _bench_json(name: str) -> dict | list:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_shrink_bench_quick_runs():
     rows = _bench_json("shrink_bench")
     assert len(rows) == 4 and all(r["after"]["rows"] <= r["before"]["rows"] for r in rows)
 
 
+@pytest.mark.slow
 def test_extract_size_bench_quick_runs_and_replays_standalone():
     report = _bench_json("extract_size")
     for name, module in (("attention module", "blocks.0.attn"), ("attention inline", "blocks.0")):
@@ -63,18 +66,21 @@ def test_extract_size_bench_quick_runs_and_replays_standalone():
         assert res["packed_extract_bytes"] < res["bundle_bytes"], res
 
 
+@pytest.mark.slow
 def test_recorder_overhead_bench_quick_runs():
     report = _bench_json("recorder_overhead")
     assert {"bare", "recorder", "recorder+checks", "detect_anomaly"} <= report["variants"].keys()
     assert report["variants"]["bare"]["ratio"] == 1.0
 
 
+@pytest.mark.slow
 def test_memory_budget_bench_quick_runs_and_stays_under_its_budget():
     report = _bench_json("memory_budget")
     small = report["variants"]["recorder (budget 2 MiB)"]
     assert small["early_snapshots"] >= 1 and small["peak_buffers_bytes"] <= small["budget_bytes"], small
 
 
+@pytest.mark.slow
 def test_ddp_overhead_bench_quick_runs_two_ranks_and_writes_both_windows():
     report = _bench_json("ddp_overhead")
     assert report["world_size"] == 2 and [r["rank"] for r in report["ranks"]] == [0, 1]
@@ -83,6 +89,7 @@ def test_ddp_overhead_bench_quick_runs_two_ranks_and_writes_both_windows():
     assert all(r["dump_s"] is not None and r["bundle_bytes"] > 0 for r in report["ranks"]), report["ranks"]
 
 
+@pytest.mark.slow
 def test_io_bench_quick_runs():
     report = _bench_json("io_bench")
     assert {"dump", "load", "verify", "pack", "open_archive"} <= report["figures"].keys()
@@ -90,6 +97,7 @@ def test_io_bench_quick_runs():
     assert report["inspect_exit"] == 0 and report["archive"]["name"] == "repro.tar"
 
 
+@pytest.mark.slow
 def test_spill_bench_quick_records_and_replays_a_spilled_state():
     report = _bench_json("spill_bench")
     s = report["summary"]
@@ -98,6 +106,7 @@ def test_spill_bench_quick_records_and_replays_a_spilled_state():
     assert report["record"]["stats"]["snapshots_spilled"] is None, "spill_dir was asked for: not a budget fallback"
 
 
+@pytest.mark.slow
 def test_first_window_bench_quick_times_both_kinds_in_fresh_processes():
     report = _bench_json("first_window")
     assert len(report["bare_window_s"]) == len(report["recorder_window_s"]) == 1 and report["ratio"] > 0, report
@@ -107,6 +116,7 @@ def test_first_window_bench_quick_times_both_kinds_in_fresh_processes():
     assert report["ratio_in_process"] > 0 and report["ratio_in_process_aa"] > 0, report
 
 
+@pytest.mark.slow
 def test_cli_gpt2_bench_quick_times_every_command_on_a_recorded_failure():
     report = _bench_json("cli_gpt2")
     assert set(report["seconds"]) == {"--help", "--version", "inspect", "verify", "replay", "replay --times 2",
@@ -115,6 +125,7 @@ def test_cli_gpt2_bench_quick_times_every_command_on_a_recorded_failure():
     assert report["bundle_bytes"] > 0 and report["archive_bytes"] >= report["bundle_bytes"], report
 
 
+@pytest.mark.slow
 def test_replay_start_bench_quick_times_the_phases_of_a_fresh_replay():
     report = _bench_json("replay_start")
     assert report["reproduced"] and report["steps_replayed"] == report["window_steps"], report
@@ -125,6 +136,7 @@ def test_replay_start_bench_quick_times_the_phases_of_a_fresh_replay():
     assert ref["reproduced"] and ref["state_read_s"] > 0 and ref["restore_ms"] > 0, ref
 
 
+@pytest.mark.slow
 def test_soak_bench_quick_runs_without_leaking_file_handles():
     report = _bench_json("soak")
     assert report["steps"] == 1000 and report["samples_after_warmup"] >= 50

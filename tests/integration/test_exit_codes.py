@@ -12,7 +12,7 @@ from pathlib import Path
 import git
 import pytest
 from click.testing import CliRunner
-from rk_testing import bundle_of, entries, record
+from rk_testing import copy_bundle, entries
 
 from reprokit.cli import main
 
@@ -47,18 +47,10 @@ def test_cli_table_agrees_with_the_exit_code_table():
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory):
+def targets(shared_nan_bundle, tmp_path_factory):
     """A valid bundle, a missing path, a non-bundle file and an empty folder; and a git repo for bisect commits."""
-    import importlib
-    import sys
-
     root = tmp_path_factory.mktemp("targets")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "projects"))
-    try:
-        mlp = importlib.import_module("rk_mlp")
-        _, exc = record(mlp, {}, mlp.batches({}, 8, poison_step=6), root / "repros", snapshot_every=5)
-    finally:
-        sys.path.pop(0)
+    valid = copy_bundle(shared_nan_bundle, root / "repros")
     (root / "notes.txt").write_text("not a bundle\n")
     (root / "empty").mkdir()
     repo = git.Repo.init(root / "repo")
@@ -67,7 +59,7 @@ def targets(tmp_path_factory):
         (root / "repo" / "CHANGES").write_text(f"change {k}\n")
         repo.index.add(["CHANGES"])
         repo.index.commit(f"commit {k}", author=actor, committer=actor)
-    return {"valid": bundle_of(exc), "missing": root / "missing", "file": root / "notes.txt",
+    return {"valid": valid, "missing": root / "missing", "file": root / "notes.txt",
             "empty": root / "empty", "repo": root / "repo", "root": root}
 
 

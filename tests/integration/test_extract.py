@@ -9,20 +9,14 @@ import sys
 import tarfile
 
 import pytest
-from click.testing import CliRunner
-from rk_testing import bundle_of, minimal_site, record
+from rk_testing import bundle_of, cli, minimal_site, record
 
-from reprokit.cli import main
 from reprokit.pack import pack
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     return minimal_site(tmp_path_factory.mktemp("site") / "site")
-
-
-def _cli(*args):
-    return CliRunner().invoke(main, [*map(str, args)])
 
 
 def _record(projects, tmp_path, case):
@@ -70,21 +64,22 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_extract_replays_from_the_packed_extract_alone(projects, tmp_path, site, case):
     module, cls, phase, exc_type, op = CASES[case]
     bundle = _record(projects, tmp_path, case)
     out = tmp_path / "extract"
-    r = _cli("extract", bundle, "-o", out, "--json")
+    r = cli("extract", bundle, "-o", out, "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert (d["module"], d["class"], d["phase"], d["op"]) == (module, cls, phase, op), d
     assert d["failure"].startswith(exc_type), d
     assert d["bytes"] < 200_000, "an extract holds one module, not the model and optimizer"
     for command in ("verify", "inspect"):
-        assert _cli(command, out).exit_code == 0
+        assert cli(command, out).exit_code == 0
     info = json.loads((out / "run.json").read_text())["extract"]
     assert info["module"] == module and info["phase"] == phase and info["source_bundle"] == str(bundle)
-    rep = _cli("replay", out, "--json")
+    rep = cli("replay", out, "--json")
     assert rep.exit_code == 1 and json.loads(rep.stdout)["verdict"] == "deterministic", rep.output
 
     packed = tmp_path / "extract.tar.gz"
@@ -115,41 +110,41 @@ def test_extract_into_a_folder_that_holds_files_is_refused(projects, tmp_path):
     bundle = _record(projects, tmp_path, "embedding")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("mine\n")
-    r = _cli("extract", bundle, "-o", tmp_path / "busy")
+    r = cli("extract", bundle, "-o", tmp_path / "busy")
     assert r.exit_code == 2 and "not an empty folder" in r.output
     assert (tmp_path / "busy" / "keep.txt").read_text() == "mine\n"
 
 
+@pytest.mark.slow
 def test_no_module_to_blame_names_the_step_function_line(projects, tmp_path):
     lm = projects("rk_lm_mask")
     cfg = {"vocab": 50}
     _, exc = record(lm, cfg, lm.batches(cfg, 5, empty=(3, 2)), tmp_path / "repros", snapshot_every=2)
     bundle = bundle_of(exc)
-    layers = _cli("bisect", "layers", bundle)
+    layers = cli("bisect", "layers", bundle)
     assert layers.exit_code == 0
     assert "first non-finite: made by the step function, outside every module, at rk_lm_mask.py:32" in layers.output
     assert "inputs were already non-finite" not in layers.output
     out = tmp_path / "extract"
-    r = _cli("extract", bundle, "-o", out)
+    r = cli("extract", bundle, "-o", out)
     assert r.exit_code == 1, r.output
     assert "no module to blame" in r.output and "rk_lm_mask.py:32" in r.output and "aten.div.Tensor" in r.output
     one = subprocess.run([sys.executable, str(out / "op_repro.py")], capture_output=True, text=True, timeout=120)
     assert one.returncode == 1 and "aten.div.Tensor: " in one.stdout, one.stdout + one.stderr
 
 
-def test_a_nan_from_the_batch_is_no_module_fault(projects, tmp_path):
-    mlp = projects("rk_mlp")
-    _, exc = record(mlp, {}, mlp.batches({}, 6, poison_step=4), tmp_path / "repros", snapshot_every=3)
-    r = _cli("extract", bundle_of(exc), "-o", tmp_path / "x", "--json")
+def test_a_nan_from_the_batch_is_no_module_fault(shared_nan_bundle, tmp_path):
+    r = cli("extract", shared_nan_bundle, "-o", tmp_path / "x", "--json")
     assert r.exit_code == 1
     msg = json.loads(r.stdout)["error"]["message"]
     assert "no module to blame" in msg and "already held it" in msg, msg
 
 
+@pytest.mark.slow
 def test_an_exception_raised_outside_every_module_gets_the_op_alone(projects, tmp_path):
     bundle = _record(projects, tmp_path, "loss_view")
     out = tmp_path / "x"
-    r = _cli("extract", bundle, "-o", out, "--json")
+    r = cli("extract", bundle, "-o", out, "--json")
     assert r.exit_code == 1
     msg = json.loads(r.stdout)["error"]["message"]
     assert "no module to blame" in msg and "RuntimeError was raised outside every module" in msg, msg
@@ -175,6 +170,7 @@ def test_an_op_that_does_not_fail_alone_is_not_written_as_a_repro():
 
 
 @pytest.mark.parametrize("case", ["masked", "bad_backward"])
+@pytest.mark.slow
 def test_a_module_over_the_size_limit_is_narrowed_to_its_one_op(projects, tmp_path, site, case):
     from reprokit.bundle import open_bundle
     from reprokit.extract import extract
@@ -185,7 +181,7 @@ def test_a_module_over_the_size_limit_is_narrowed_to_its_one_op(projects, tmp_pa
     assert (r.level, r.module, r.cls, r.phase, r.op) == ("op", module, cls, phase, op)
     assert r.failure.startswith(exc_type) and any("the extract is the one op" in n for n in r.notes), r
     assert sorted(p.name for p in (out / "code").iterdir()) == ["rk_extract.py"], "no project code is needed"
-    rep = _cli("replay", out, "--json")
+    rep = cli("replay", out, "--json")
     assert rep.exit_code == 1 and json.loads(rep.stdout)["failure"]["exception_type"] == exc_type, rep.output
     packed = tmp_path / "extract.tar.gz"
     pack(out, packed)
@@ -195,6 +191,7 @@ def test_a_module_over_the_size_limit_is_narrowed_to_its_one_op(projects, tmp_pa
     assert json.loads(proc.stdout)["failure"]["exception_type"] == exc_type
 
 
+@pytest.mark.slow
 def test_a_module_over_the_size_limit_without_one_op_is_carried_whole(projects, tmp_path):
     from reprokit.bundle import open_bundle
     from reprokit.extract import extract
@@ -204,8 +201,9 @@ def test_a_module_over_the_size_limit_without_one_op_is_carried_whole(projects, 
     assert any("no one op shows the failure alone: the extract carries them" in n for n in r.notes), r.notes
 
 
+@pytest.mark.slow
 def test_bisect_layers_names_the_module_whose_backward_raised(projects, tmp_path):
-    r = _cli("bisect", "layers", _record(projects, tmp_path, "guarded"))
+    r = cli("bisect", "layers", _record(projects, tmp_path, "guarded"))
     assert r.exit_code == 0, r.output
     assert "raised in module 1 (Guarded) in backward: ValueError: gradient too large" in r.output, r.output
     assert "the gradient it received: 0: float32[4, 16]" in r.output, r.output

@@ -18,6 +18,7 @@ def _bundle(projects, tmp_path, attr):
     return open_bundle(bundle_of(exc))
 
 
+@pytest.mark.slow
 def test_a_module_keeping_its_settings_in_a_dict_is_extracted_with_them(projects, tmp_path):
     b = _bundle(projects, tmp_path, "dict")
     assert (b.failure.kind, b.failure.step) == ("nonfinite_loss", 5)
@@ -28,6 +29,7 @@ def test_a_module_keeping_its_settings_in_a_dict_is_extracted_with_them(projects
     assert not got.notes, got.notes
 
 
+@pytest.mark.slow
 def test_a_module_that_fails_alone_for_another_reason_is_no_extract_of_a_nan(projects, tmp_path):
     b = _bundle(projects, tmp_path, "namespace")
     with pytest.raises(DidNotReproduce) as e:
@@ -38,6 +40,7 @@ def test_a_module_that_fails_alone_for_another_reason_is_no_extract_of_a_nan(pro
 
 
 @pytest.mark.parametrize("probe", [False, True])
+@pytest.mark.slow
 def test_a_module_called_twice_is_extracted_at_the_call_whose_backward_made_the_nan(projects, tmp_path, probe):
     # probe: a third call under no_grad, which backward does not visit (before, it shifted the calls' gradients)
     m = projects("rk_detect_cases")
@@ -55,6 +58,7 @@ def test_a_module_called_twice_is_extracted_at_the_call_whose_backward_made_the_
     assert got.failure.startswith("FloatingPointError: the gradient of"), got.failure
 
 
+@pytest.mark.slow
 def test_a_module_taking_an_options_object_is_refused_for_that_reason(projects, tmp_path):
     m = projects("rk_detect_cases")
     _, exc = record(m, {"model": "options"}, m.batches(8, scale_at=(5, 1000.0)),
@@ -83,6 +87,7 @@ def test_a_loss_spike_has_no_module_to_cut_out_and_says_so(projects, tmp_path):
     assert "None" not in msg and not (tmp_path / "extract").exists()
 
 
+@pytest.mark.slow
 def test_a_nan_made_in_place_says_why_there_is_no_one_op_repro(projects, tmp_path):
     got = extract(_bundle(projects, tmp_path, "inplace"), tmp_path / "extract")
     assert (got.module, got.op) == ("n", None)

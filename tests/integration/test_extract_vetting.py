@@ -72,6 +72,7 @@ def _replay(tmp_path, bundles, watch=("this",)) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(bundles):]]
 
 
+@pytest.mark.slow
 def test_a_config_naming_a_class_outside_the_snapshot_and_torch_layers_is_refused(extracts, tmp_path):
     child = {"class": _REFS["stdlib"][0], "attrs": {}, "params": {}, "buffers": {}, "children": {}}
     tampered = {case: _copy(extracts, "module", tmp_path / case, lambda spec, ref=ref: spec.__setitem__("class", ref))
@@ -88,6 +89,7 @@ def test_a_config_naming_a_class_outside_the_snapshot_and_torch_layers_is_refuse
         assert "Zen of Python" not in got[case]["output"]
 
 
+@pytest.mark.slow
 def test_a_standard_library_class_listed_under_refs_objects_too_is_refused_before_any_import(extracts, tmp_path):
     # The tamperer lists its class under refs.objects as well: the refs' own vetting refuses it, before any import.
     dest = tmp_path / "listed"
@@ -102,6 +104,7 @@ def test_a_standard_library_class_listed_under_refs_objects_too_is_refused_befor
     assert got["imported"] == [], "the module the bundle names was never imported"
 
 
+@pytest.mark.slow
 def test_an_op_extract_naming_a_file_touching_op_is_refused_and_runs_nothing(extracts, tmp_path):
     target = tmp_path / "outside.bin"
     call = json.dumps({"args": [str(target), True, 1 << 20], "kwargs": {}})
@@ -114,6 +117,7 @@ def test_an_op_extract_naming_a_file_touching_op_is_refused_and_runs_nothing(ext
     assert not target.exists(), "aten.from_file was never run"
 
 
+@pytest.mark.slow
 def test_op_repro_refuses_an_op_json_naming_a_file_touching_op(extracts, tmp_path):
     out = _copy(extracts, "op", tmp_path / "evil")
     script = out / "extract" / "op_repro.py"

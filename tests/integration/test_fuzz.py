@@ -1,12 +1,13 @@
 """Fuzzing what reads bundles from strangers: open / verify / inspect, and opening packed archives.
 
-Seeds are a real recorded bundle (a tiny MLP whose loss goes NaN) and its packed ``.tar.gz``, made
-once per module. Hypothesis mutates them: byte flips and truncations (checksums left as they are,
-or recomputed as a careless tool would, so that the schema checks run and not only the checksums),
-JSON edits with the manifest re-signed, safetensors header edits, files removed, added, replaced by
-folders or links; for archives also flipped and truncated gzip streams, edited tar headers with
-their checksums fixed, and rebuilt tarballs with hostile members (``..`` and absolute names, links,
-devices, FIFOs, duplicates, lying sizes, pax records, extra bundles).
+Seeds are a real recorded bundle (the tiny MLP whose loss goes NaN that the suite shares:
+``shared_nan_bundle`` in conftest.py) and its packed ``.tar.gz``, made once per module. Hypothesis
+mutates them: byte flips and truncations (checksums left as they are, or recomputed as a careless
+tool would, so that the schema checks run and not only the checksums), JSON edits with the manifest
+re-signed, safetensors header edits, files removed, added, replaced by folders or links; for
+archives also flipped and truncated gzip streams, edited tar headers with their checksums fixed,
+and rebuilt tarballs with hostile members (``..`` and absolute names, links, devices, FIFOs,
+duplicates, lying sizes, pax records, extra bundles).
 
 The property, for every input:
 
@@ -49,7 +50,6 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rk_testing import record_mlp_nan
 
 from reprokit import archive
 from reprokit import bundle as B
@@ -265,9 +265,9 @@ class Seeds(dict):
 
 
 @pytest.fixture(scope="module")
-def seeds(tmp_path_factory, request):
+def seeds(shared_nan_bundle, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("fuzz")
-    bundle = record_mlp_nan(root / "repros", 6, 5, 4)
+    bundle = shared_nan_bundle
     tar = pack(bundle, root / "repro.tar.gz").output
     (root / "repro.tar.gz.sha256").unlink()  # a mutated archive would fail its digest before anything else
     with gzip.open(tar, "rb") as f:
@@ -507,6 +507,7 @@ def mutate_bundle(bundle: Path, pk: Picks) -> None:
 
 @given(plan=st.lists(st.tuples(PICKS, st.sampled_from([True, True, True, True, False])), min_size=1, max_size=3))
 @fuzz_settings("bundle")
+@pytest.mark.slow
 def test_fuzzed_bundle_folders_get_documented_answers_only(seeds, plan):
     case = workdir(seeds)
     bundle = Path(shutil.copytree(seeds["bundle"], case / seeds["bundle"].name, symlinks=True))
@@ -637,6 +638,7 @@ def mutate_archive(seeds: dict, data: st.DataObject) -> bytes:
 
 @given(data=st.data())
 @fuzz_settings("archive")
+@pytest.mark.slow
 def test_fuzzed_archives_get_documented_answers_only(seeds, data):
     case = workdir(seeds)
     tar = case / "repro.tar.gz"

@@ -5,7 +5,8 @@ could, and re-signs the manifest so that every edit reaches the readers: the win
 settings made inconsistent (the failing step dropped, an empty window, a failure moved, its kind changed, its detector
 switched off), tensor dtypes (state, batch, RNG), ``provenance`` shapes, and code-file shapes (too deep to parse,
 a shadowing ``triton.py``, a syntax error, a module without ``build``, bytes that are not UTF-8, a ``.pyc``). The seed
-is a real recorded bundle (rk_mlp, NaN loss at step 5, window 4..5). One to three edits per input.
+is a real recorded bundle (the suite's shared one: rk_mlp, NaN loss at step 6, window 4..6). One to three edits per
+input.
 
 The property, for every input:
 
@@ -36,14 +37,14 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from rk_testing import record_mlp_nan, reseal
+from rk_testing import NAN_STEP, reseal
 
 from reprokit import bundle as B
 from reprokit.cli import main
 
 LONG_RUN = int(os.environ.get("REPROKIT_FUZZ_EXAMPLES", "0"))
 REPLAY_CODES = {0, 1, 3, 125}
-FAILING_STEP, WINDOW = 5, [4, 5]
+FAILING_STEP, WINDOW = NAN_STEP, [4, 5, 6]  # the shared NaN bundle's (conftest.py)
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,9 @@ def _code(name: str, text: str | bytes | None = None, append: str = "") -> Calla
 STEP = f"steps/{FAILING_STEP:08d}.safetensors"
 EDITS = [
     # window / failure / detector consistency
-    Edit("drop the failing step", _window([4]), "invalid"),
+    Edit("drop the failing step", _window([4, 5]), "invalid"),
     Edit("empty window", _window([]), "invalid"),
-    Edit("window names a step it has no file for", _window([4, 5, 6]), "invalid"),
+    Edit("window names a step it has no file for", _window([4, 5, 6, 7]), "invalid"),
     Edit("failure moved before the window", _failure(lambda f: f.__setitem__("step", 3)), "invalid"),
     Edit("failure moved past the window", _failure(lambda f: f.__setitem__("step", 9)), "invalid"),
     Edit("failure moved to the window's first step", _failure(lambda f: f.__setitem__("step", 4))),
@@ -184,9 +185,9 @@ def verify_code(bundle: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def seed(tmp_path_factory, request):
+def seed(shared_nan_bundle, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("semantic")
-    bundle = record_mlp_nan(root / "repros", FAILING_STEP + 1, FAILING_STEP, 4)
+    bundle = shared_nan_bundle
     run = json.loads((bundle / B.RUN).read_text())
     assert run["window"]["steps"] == WINDOW and json.loads((bundle / B.FAILURE).read_text())["step"] == FAILING_STEP
     assert replay_json(bundle)[0] == 1, "the seed reproduces"  # and warms up every import
@@ -212,6 +213,7 @@ def _named(*names: str) -> list[Edit]:
 @example(edits=_named("check_loss off", "check_grads off"))  # both checks off is no fix: still reproduces
 @example(edits=_named("empty window", "check_loss off"))
 @example(edits=_named("the NaN removed from the poisoned batch"))  # a real fix: the one edit that may say 0
+@pytest.mark.slow
 def test_semantic_lies_get_documented_answers_and_never_a_false_fixed(seed, edits):
     _counter[0] += 1
     bundle = Path(shutil.copytree(seed["bundle"], seed["root"] / f"case{_counter[0]}" / seed["bundle"].name))
@@ -235,6 +237,7 @@ def test_semantic_lies_get_documented_answers_and_never_a_false_fixed(seed, edit
         shutil.rmtree(bundle.parent, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_every_edit_keeps_the_json_it_edits_parseable_and_the_manifest_valid(seed, tmp_path):
     """The edits are semantic, not byte damage: each one, alone and re-signed, leaves no checksum problem (so the
     property above tests the readers' judgement, not the checksums)."""

@@ -16,12 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from rk_testing import bundle_of, record, record_mlp_nan, reseal
+from rk_testing import bundle_of, cli, record, reseal
 
 from reprokit import bundle as B
 from reprokit import generated
-from reprokit.cli import main
 from reprokit.errors import BundleError
 from reprokit.extract import extract
 from reprokit.pack import PACK_MANIFEST, pack
@@ -44,13 +42,6 @@ def extracted(tmp_path_factory):
 @pytest.fixture
 def ext(extracted, tmp_path):
     return Path(shutil.copytree(extracted, tmp_path / "extract"))
-
-
-def cli(*args: str):
-    r = CliRunner().invoke(main, list(args))
-    assert isinstance(r.exception, SystemExit) or r.exception is None, r.exception
-    assert "internal error" not in r.output, r.output
-    return r
 
 
 def swap(bundle: Path, rel: str, text: str, manifest_edit: Callable[[dict], object] | None = None) -> None:
@@ -124,9 +115,8 @@ def test_an_unlisted_file_is_listed_by_verify(ext):
 # --- packed archives: repro.py, README.md, the vendored runtime ---------------------------------------------------
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("packed")
-    return pack(record_mlp_nan(root / "repros", 6, 5, 4), root / "repro.tar").output
+def packed(shared_nan_bundle, tmp_path_factory):
+    return pack(shared_nan_bundle, tmp_path_factory.mktemp("packed") / "repro.tar").output
 
 
 def repack(tar: Path, out: Path, edit: Callable[[Path], object]) -> Path:

@@ -25,28 +25,14 @@ from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner
-from rk_testing import record_mlp_nan, reseal
+from rk_testing import NAN_STEP, cli, reseal
 
 from reprokit import bundle as B
 from reprokit.bundle import schema, tensorfile
-from reprokit.cli import main
 from reprokit.distributed.incident import rank_bundles
 from reprokit.errors import BundleError, DoesNotFitError
 
-STEP = "steps/00000004.safetensors"
-
-
-@pytest.fixture(scope="module")
-def seed(tmp_path_factory) -> Path:
-    return record_mlp_nan(tmp_path_factory.mktemp("seed") / "repros", 6, 4, 4)
-
-
-@pytest.fixture
-def copy(seed: Path, tmp_path: Path) -> Path:
-    dest = tmp_path / seed.name
-    shutil.copytree(seed, dest)
-    return dest
+STEP = f"steps/{NAN_STEP:08d}.safetensors"  # the failing batch, which inspect reads
 
 
 class _Hung(BaseException):
@@ -66,12 +52,6 @@ def within(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-
-
-def cli(*args: Any) -> tuple[int, str]:
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    assert isinstance(r.exception, SystemExit) or r.exception is None, repr(r.exception)
-    return r.exit_code, r.output
 
 
 def edit(bundle: Path, rel: str, fn: Callable[[Any], None]) -> None:
@@ -97,10 +77,10 @@ def rewrite_header(path: Path, fn: Callable[[dict[str, Any], int], None], extra:
 # --- F3: an incident folder's run.json files, read before any verification --------------------------------------
 
 @pytest.mark.parametrize("make", ["fifo", "dev_zero", "deep"])
-def test_incident_folder_reads_unverified_run_json_strictly(copy: Path, tmp_path: Path, make: str):
+def test_incident_folder_reads_unverified_run_json_strictly(nan_bundle: Path, tmp_path: Path, make: str):
     folder = tmp_path / "incident"
     folder.mkdir()
-    copy.rename(folder / "bundle-rank0of2")
+    nan_bundle.rename(folder / "bundle-rank0of2")
     (folder / "evil").mkdir()
     bad = folder / "evil" / "run.json"
     if make == "fifo":
@@ -111,8 +91,8 @@ def test_incident_folder_reads_unverified_run_json_strictly(copy: Path, tmp_path
         bad.write_text("[" * 200_000)
     with within(20), pytest.raises(BundleError, match="bundle of one process"):
         rank_bundles(folder)  # the one bundle is of a single process: refused as such, the evil run.json skipped
-    code, out = cli("replay", folder)
-    assert code == 3, out
+    r = cli("replay", folder)
+    assert r.exit_code == 3, r.output
 
 
 def test_load_json_refuses_a_fifo_without_blocking(tmp_path: Path):
@@ -153,21 +133,21 @@ def _grow_sparse(bundle: Path, rel: str) -> None:
     (bundle / B.MANIFEST).write_text(json.dumps(m))
 
 
-def test_a_state_larger_than_memory_is_refused_before_allocating(copy: Path):
-    _grow_sparse(copy, B.STATE_TENSORS)
-    b = B.open_bundle(copy)  # verify reads sizes and headers only: the file passes
+def test_a_state_larger_than_memory_is_refused_before_allocating(nan_bundle: Path):
+    _grow_sparse(nan_bundle, B.STATE_TENSORS)
+    b = B.open_bundle(nan_bundle)  # verify reads sizes and headers only: the file passes
     with within(20), pytest.raises(DoesNotFitError, match="are available on this machine") as e:
         b.state()
     assert e.value.exit_code == 125 and "state.safetensors" in str(e.value)
-    code, out = cli("replay", copy)
-    assert code == 125, out
+    r = cli("replay", nan_bundle)
+    assert r.exit_code == 125, r.output
 
 
-def test_inspect_refuses_a_batch_larger_than_memory(copy: Path):
-    _grow_sparse(copy, STEP)
+def test_inspect_refuses_a_batch_larger_than_memory(nan_bundle: Path):
+    _grow_sparse(nan_bundle, STEP)
     with within(20):
-        code, out = cli("inspect", copy)
-    assert code == 125 and "are available on this machine" in out, out
+        r = cli("inspect", nan_bundle)
+    assert r.exit_code == 125 and "are available on this machine" in r.output, r.output
 
 
 def test_read_verified_checks_memory_before_the_buffer(tmp_path: Path):
@@ -211,31 +191,31 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_schema_refuses_what_replay_cannot_use(copy: Path, case: str):
+def test_schema_refuses_what_replay_cannot_use(nan_bundle: Path, case: str):
     rel, fn, words = CASES[case]
-    edit(copy, rel, fn)
-    problems = B.verify(copy)
+    edit(nan_bundle, rel, fn)
+    problems = B.verify(nan_bundle)
     assert any(p["file"] == rel for p in problems), problems
     with pytest.raises(BundleError, match=words):
-        B.open_bundle(copy)
+        B.open_bundle(nan_bundle)
 
 
 @pytest.mark.parametrize("case", ["spike_window", "peer incident", "adam step"])
-def test_replay_exits_3_not_70(copy: Path, case: str):
+def test_replay_exits_3_not_70(nan_bundle: Path, case: str):
     rel, fn, _ = CASES[case]
-    edit(copy, rel, fn)
-    code, out = cli("replay", copy)
-    assert code == 3, out
+    edit(nan_bundle, rel, fn)
+    r = cli("replay", nan_bundle)
+    assert r.exit_code == 3, r.output
 
 
-def test_inspect_exits_3_on_a_bad_distributed_section(copy: Path):
-    edit(copy, "run.json", _set(("distributed",), "x"))
-    code, out = cli("inspect", copy)
-    assert code == 3, out
+def test_inspect_exits_3_on_a_bad_distributed_section(nan_bundle: Path):
+    edit(nan_bundle, "run.json", _set(("distributed",), "x"))
+    r = cli("inspect", nan_bundle)
+    assert r.exit_code == 3, r.output
 
 
-def test_the_tightened_schema_takes_real_bundles(seed: Path):
-    assert B.verify(seed) == []
+def test_the_tightened_schema_takes_real_bundles(shared_nan_bundle: Path):
+    assert B.verify(shared_nan_bundle) == []
 
 
 # --- F7 and the tensor count: safetensors headers -------------------------------------------------------------------
@@ -244,16 +224,16 @@ def test_the_tightened_schema_takes_real_bundles(seed: Path):
     ([0, 1 << 62], "a dimension is at most"),
     ([0, 1 << 30, 1 << 30], "spans more than"),
 ])
-def test_verify_refuses_absurd_empty_shapes(copy: Path, shape: list[int], words: str):
+def test_verify_refuses_absurd_empty_shapes(nan_bundle: Path, shape: list[int], words: str):
     def add(header: dict[str, Any], n: int) -> None:
         header["zz_empty"] = {"dtype": "F32", "shape": shape, "data_offsets": [n, n]}
 
-    rewrite_header(copy / STEP, add)
-    reseal(copy)
-    problems = B.verify(copy)
+    rewrite_header(nan_bundle / STEP, add)
+    reseal(nan_bundle)
+    problems = B.verify(nan_bundle)
     assert any(p["file"] == STEP and words in p["problem"] for p in problems), problems
-    code, out = cli("verify", copy)
-    assert code == 1, out
+    r = cli("verify", nan_bundle)
+    assert r.exit_code == 1, r.output
 
 
 def test_tensor_reader_refuses_absurd_shapes(tmp_path: Path):
@@ -264,15 +244,16 @@ def test_tensor_reader_refuses_absurd_shapes(tmp_path: Path):
         tensorfile.read_verified(p, B.sha256_file(p), p.stat().st_size)
 
 
-def test_a_header_of_a_million_tensors_is_refused_fast(copy: Path):
+@pytest.mark.slow
+def test_a_header_of_a_million_tensors_is_refused_fast(nan_bundle: Path):
     def add(header: dict[str, Any], n: int) -> None:
         for i in range(1_000_000):
             header[f"e{i:07d}"] = {"dtype": "U8", "shape": [0], "data_offsets": [n, n]}
 
-    rewrite_header(copy / STEP, add)
-    reseal(copy)
+    rewrite_header(nan_bundle / STEP, add)
+    reseal(nan_bundle)
     t0 = time.perf_counter()
-    problems = B.verify(copy)
+    problems = B.verify(nan_bundle)
     assert any("a file holds at most" in p["problem"] for p in problems), problems
     assert time.perf_counter() - t0 < 5  # the old parse-then-check took 20 s
 
@@ -300,7 +281,8 @@ def _paths(v: Any, at: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
             yield from _paths(x, (*at, i))
 
 
-def test_replay_of_edited_json_ends_in_a_documented_error(seed: Path, tmp_path: Path):
+@pytest.mark.slow
+def test_replay_of_edited_json_ends_in_a_documented_error(shared_nan_bundle: Path, tmp_path: Path):
     """Replay (in process: build, restore, the window) of bundles with one JSON value replaced and the manifest
     re-signed: it reproduces, or refuses with a ReprokitError; never an internal error. Derandomized, a few seconds."""
     from hypothesis import HealthCheck, given, settings
@@ -309,7 +291,7 @@ def test_replay_of_edited_json_ends_in_a_documented_error(seed: Path, tmp_path: 
     from reprokit.errors import ReprokitError
     from reprokit.replayer import replay
 
-    docs = {rel: json.loads((seed / rel).read_text()) for rel in FUZZ_FILES}
+    docs = {rel: json.loads((shared_nan_bundle / rel).read_text()) for rel in FUZZ_FILES}
     paths = [(rel, p) for rel in FUZZ_FILES for p in _paths(docs[rel])]
     count = [0]
 
@@ -322,7 +304,7 @@ def test_replay_of_edited_json_ends_in_a_documented_error(seed: Path, tmp_path: 
         rel, path = paths[index]
         count[0] += 1
         b = tmp_path / f"b{count[0]}"
-        shutil.copytree(seed, b)
+        shutil.copytree(shared_nan_bundle, b)
         edit(b, rel, _set(path, value))
         with within(30):
             try:

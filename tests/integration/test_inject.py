@@ -21,6 +21,7 @@ CASES = {  # fault: (step function, recorded kind, replay verdict, exit code)
 
 
 @pytest.mark.parametrize("fault", CASES)
+@pytest.mark.slow
 def test_each_injected_fault_is_detected_bundled_and_classified(projects, tmp_path, fault):
     mod = projects("rk_inject")
     step_name, kind, verdict, code = CASES[fault]

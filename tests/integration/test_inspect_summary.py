@@ -7,6 +7,7 @@ import shutil
 import sys
 
 import git
+import pytest
 from click.testing import CliRunner
 from rk_testing import bundle_of, record, record_mlp_nan
 
@@ -31,6 +32,7 @@ def test_a_project_in_a_repository_without_commits_is_not_git_none(projects, tmp
     assert ", a git repository with no commits yet (dirty)" in out.output
 
 
+@pytest.mark.slow
 def test_a_shrunk_bundle_says_which_of_the_runs_losses_it_holds(tmp_path):
     """Shrunk to its failing step, a bundle keeps the run's loss history (bisect steps reads it) but holds one
     step: the header said `last 12 of 40`, as if it held them."""

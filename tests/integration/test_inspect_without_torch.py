@@ -97,6 +97,7 @@ def test_inspect_batch_does_not_import_torch(oov_bundle):
     assert row["values"][7] == 67 and len(row["values"]) == 12 and all(isinstance(v, int) for v in row["values"])
 
 
+@pytest.mark.slow
 def test_inspect_archive_does_not_import_torch(oov_bundle, tmp_path):
     archive = pack(oov_bundle[0], tmp_path / "repro.tar.gz").output
     out, loaded = _run_inspect(str(archive))
@@ -104,6 +105,7 @@ def test_inspect_archive_does_not_import_torch(oov_bundle, tmp_path):
     assert FINDING in out
 
 
+@pytest.mark.slow
 def test_a_bf16_batch_is_read_through_torch_and_diagnosed_the_same(oov_bundle):
     """numpy has no bfloat16: that one step file falls back to torch, and the output is what it always was."""
     out, loaded = _run_inspect(str(oov_bundle[1]), "--json", "--batch", "--rows", "3")
@@ -116,6 +118,7 @@ def test_a_bf16_batch_is_read_through_torch_and_diagnosed_the_same(oov_bundle):
     assert values["dtype"] == "bfloat16" and values["rows"]["3"]["values"] == ["nan"]
 
 
+@pytest.mark.slow
 def test_numpy_leaves_are_diagnosed_and_printed(oov_bundle):
     """A batch leaf recorded as a numpy array is checked like a tensor (it used to be skipped) and
     `--batch` prints it (it used to fail with an internal error)."""

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 
 import accelerate  # noqa: F401  the test extra installs it: a missing one must fail, not skip
+import pytest
 from click.testing import CliRunner
 from rk_testing import bundle_of, record
 
 from reprokit.bundle import open_bundle
 from reprokit.cli import main
+
+pytestmark = pytest.mark.slow  # importing accelerate alone takes seconds
 
 
 def test_a_prepared_loop_records_its_wrapped_optimizer_and_replays_bit_exact(projects, tmp_path):

@@ -28,6 +28,7 @@ def compiled_bundle(projects, tmp_path):
     return exc.bundle
 
 
+@pytest.mark.slow
 def test_a_compiled_model_replays_bit_exact(compiled_bundle):
     out = CliRunner().invoke(main, ["replay", str(compiled_bundle), "--json"])
     assert out.exit_code == 1, out.output
@@ -35,6 +36,7 @@ def test_a_compiled_model_replays_bit_exact(compiled_bundle):
     assert d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] == 2
 
 
+@pytest.mark.slow
 def test_bisect_layers_names_the_module_inside_the_compiled_one_and_says_it_ran_eagerly(compiled_bundle):
     out = CliRunner().invoke(main, ["bisect", "layers", str(compiled_bundle), "--json"])
     assert out.exit_code == 0, out.output

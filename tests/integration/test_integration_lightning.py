@@ -16,6 +16,7 @@ from reprokit.cli import main
 from reprokit.errors import CaptureError
 
 pytestmark = [
+    pytest.mark.slow,  # importing Lightning alone takes seconds; the fits and the torchrun case take more
     # Lightning's own warnings (a DataLoader without workers, its pytree shim on torch 2.13): not reprokit's.
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
     pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\).*:FutureWarning"),
@@ -144,21 +145,10 @@ def test_under_torchrun_every_rank_records_into_one_incident(tmp_path):
     """Lightning's DDP strategy (gloo, 2 CPU processes under torchrun): rank 1's data has a sample without labels;
     rank 0 gets the NaN through the gradient all-reduce. The callback records per rank through the multi-rank
     machinery (one incident folder, every rank's window)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from rk_testing import PROJECTS, torchrun
 
-    from reprokit.distributed.incident import free_port
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
     out = tmp_path / "repros"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), str(root / "tests" / "projects" /
-                                                                                 "rk_lightning_ddp.py"), str(out)],
-                          env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = torchrun(PROJECTS / "rk_lightning_ddp.py", out, cwd=tmp_path)
     assert proc.returncode != 0, "training failed"
     folders = [p for p in out.iterdir() if p.name.startswith("incident-")]
     assert len(folders) == 1, proc.stderr[-3000:]

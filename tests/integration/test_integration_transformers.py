@@ -22,15 +22,16 @@ import rk_hf_guard  # noqa: F401 - skips this module where transformers has no t
 import torch
 import transformers  # the test extra installs it: a missing one must fail, not skip
 from click.testing import CliRunner
-from rk_testing import bundle_of, record, reseal
+from rk_testing import PROJECTS, bundle_of, record, reseal, torchrun
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from reprokit import TrainingFailure
 from reprokit import bundle as B
 from reprokit.cli import main
-from reprokit.distributed.incident import free_port
 from reprokit.integrations.transformers import ReprokitCallback
 from reprokit.pack import frameworks_needed
+
+pytestmark = pytest.mark.slow  # importing the Trainer alone takes seconds; the fits and the torchrun case take more
 
 VOCAB = 48
 SEQ = 8
@@ -329,12 +330,7 @@ def test_callback_refuses_a_build_of_its_own():
 
 
 def test_trainer_under_torchrun_records_every_rank_and_the_incident_replays(tmp_path):
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                          "127.0.0.1", "--master_port", str(free_port()), str(root / "tests/projects/rk_hf_ddp.py"),
-                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    run = torchrun(PROJECTS / "rk_hf_ddp.py", tmp_path, cwd=tmp_path)
     assert run.returncode != 0, "rank 0's IndexError stops the run"
     (incident,) = [p for p in (tmp_path / "repros").iterdir() if p.name.startswith("incident-")]
     bundles = sorted(p.name.rsplit("-", 2)[-2:] for p in incident.iterdir() if p.name.startswith("bundle-"))

@@ -27,14 +27,10 @@ from reprokit.errors import BundleError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def nan_bundle(tmp_path_factory):
-    return record_mlp_nan(tmp_path_factory.mktemp("io") / "repros", steps=6, poison_step=4, snapshot_every=3)
-
-
 # --- start-up -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flag", ["--help", "--version"])
+@pytest.mark.slow
 def test_help_and_version_do_not_import_torch(flag):
     code = textwrap.dedent(f"""
         import sys
@@ -114,6 +110,7 @@ def test_shards_keep_key_order_and_stay_under_the_size_unless_one_tensor_is_larg
     assert tensorfile.shard({}) == [{}], "an empty state is one (empty) file"
 
 
+@pytest.mark.slow
 def test_a_state_in_several_files_replays_packs_and_refuses_a_missing_part(sharded_bundle, tmp_path):
     b = B.open_bundle(sharded_bundle)
     names = B.state_files(b.manifest["files"])
@@ -172,7 +169,8 @@ def test_each_state_file_is_handed_on_once_it_is_verified_and_a_tampered_one_nev
     assert not any(tampered & p.keys() for p in seen), "the tampered file's tensors are never handed on"
 
 
-def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_one_fails_where_asked(nan_bundle,
+@pytest.mark.slow
+def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_one_fails_where_asked(shared_nan_bundle,
                                                                                                      tmp_path):
     """A replay session reads the window's batches on a thread during the load (its first ``inputs()`` takes them):
     the same batches and RNG states as reading them on demand; a step file that fails its digest raises only where
@@ -181,7 +179,7 @@ def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_on
 
     from reprokit.replayer import Session
 
-    b = B.open_bundle(nan_bundle)
+    b = B.open_bundle(shared_nan_bundle)
     step, readers = b.step, []
 
     def step_read_by(k):
@@ -201,7 +199,7 @@ def test_batches_read_while_the_state_is_read_are_the_recorded_ones_and_a_bad_on
                for x, y in zip(ahead, again) for k in x.rng_tensors)
 
     bad = tmp_path / "bad"
-    shutil.copytree(nan_bundle, bad)
+    shutil.copytree(shared_nan_bundle, bad)
     first, last = B.open_bundle(bad).steps[0], B.open_bundle(bad).steps[-1]
     f = bad / f"steps/{first:08d}.safetensors"
     data = bytearray(f.read_bytes())
@@ -237,9 +235,9 @@ def test_a_tensor_in_two_state_files_is_refused(sharded_bundle, tmp_path):
         B.open_bundle(twice)
 
 
-def test_tampered_tensor_file_is_refused_when_loaded_packed_verified_and_replayed(nan_bundle, tmp_path):
+def test_tampered_tensor_file_is_refused_when_loaded_packed_verified_and_replayed(shared_nan_bundle, tmp_path):
     bad = tmp_path / "bad"
-    shutil.copytree(nan_bundle, bad)
+    shutil.copytree(shared_nan_bundle, bad)
     state = bad / B.STATE_TENSORS
     data = bytearray(state.read_bytes())
     data[-1] ^= 0xFF  # same size, same header: only the digest can tell
@@ -255,23 +253,23 @@ def test_tampered_tensor_file_is_refused_when_loaded_packed_verified_and_replaye
     assert r.exit_code == 3, r.output
 
 
-def test_inspect_does_not_hash_tensors_and_says_so(nan_bundle):
-    r = CliRunner().invoke(main, ["inspect", str(nan_bundle)])
+def test_inspect_does_not_hash_tensors_and_says_so(shared_nan_bundle):
+    r = CliRunner().invoke(main, ["inspect", str(shared_nan_bundle)])
     assert r.exit_code == 0, r.output
     assert "tensor files checked for size and header only, not hashed" in r.output
 
 
-def test_total_json_bytes_are_capped(nan_bundle, monkeypatch):
+def test_total_json_bytes_are_capped(shared_nan_bundle, monkeypatch):
     monkeypatch.setattr(reader, "MAX_TOTAL_JSON_BYTES", 100)
-    problems = B.verify(nan_bundle)
+    problems = B.verify(shared_nan_bundle)
     assert len(problems) == 1 and "bytes of JSON files" in problems[0]["problem"], problems
 
 
 # --- the container ----------------------------------------------------------------------
 
-def test_pack_writes_a_plain_tar_that_tar_lists_and_reprokit_opens(nan_bundle, tmp_path, monkeypatch):
+def test_pack_writes_a_plain_tar_that_tar_lists_and_reprokit_opens(shared_nan_bundle, tmp_path, monkeypatch):
     out = tmp_path / "repro.tar"
-    res = pack.pack(nan_bundle, out)
+    res = pack.pack(shared_nan_bundle, out)
     raw = out.read_bytes()
     assert raw[:2] != b"\x1f\x8b" and raw[257:262] == b"ustar", "uncompressed POSIX tar"
     assert res.sha256 == hashlib.sha256(raw).hexdigest()
@@ -283,15 +281,15 @@ def test_pack_writes_a_plain_tar_that_tar_lists_and_reprokit_opens(nan_bundle, t
     v = CliRunner().invoke(main, ["verify", str(out), "--json"])
     assert v.exit_code == 0 and json.loads(v.output)["ok"], v.output
     # same bundle in, same bytes out; a .tar.gz name still gets gzip (what earlier versions wrote)
-    assert pack.pack(nan_bundle, tmp_path / "again.tar").sha256 == res.sha256
-    gz = pack.pack(nan_bundle, tmp_path / "old.tar.gz")
+    assert pack.pack(shared_nan_bundle, tmp_path / "again.tar").sha256 == res.sha256
+    gz = pack.pack(shared_nan_bundle, tmp_path / "old.tar.gz")
     assert gz.output.read_bytes()[:2] == b"\x1f\x8b" and gzip.decompress(gz.output.read_bytes())[:512] == raw[:512]
     with archive.extracted(gz.output) as d:
         assert B.verify(d) == []
 
 
-def test_truncated_plain_tar_is_refused(nan_bundle, tmp_path):
-    out = pack.pack(nan_bundle, tmp_path / "r.tar").output
+def test_truncated_plain_tar_is_refused(shared_nan_bundle, tmp_path):
+    out = pack.pack(shared_nan_bundle, tmp_path / "r.tar").output
     cut = tmp_path / "cut.tar"
     cut.write_bytes(out.read_bytes()[: out.stat().st_size // 2])
     problems = archive.scan(cut, archive.Limits())

@@ -24,10 +24,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from click.testing import CliRunner
+import pytest
+from rk_testing import cli
 
 from reprokit import bundle as B
-from reprokit.cli import main
 
 PROJECTS = Path(__file__).resolve().parents[1] / "projects"
 POINTS = int(os.environ.get("REPROKIT_KILL_POINTS", "2"))
@@ -72,13 +72,7 @@ def _child(out: Path, kill_at: int) -> subprocess.CompletedProcess:
                           text=True, timeout=300, env=env)
 
 
-def _cli(*args: str) -> int:
-    r = CliRunner().invoke(main, list(args))
-    assert isinstance(r.exception, SystemExit) or r.exception is None, r.output
-    assert "Traceback" not in r.output and "internal error" not in r.output, r.output
-    return r.exit_code
-
-
+@pytest.mark.slow
 def test_sigkill_at_random_points_of_a_dump_leaves_only_hidden_temp_folders_that_gc_removes(tmp_path):
     whole = _child(tmp_path / "calibrate", 0)  # 0: never killed (a kill point never reached kills nothing)
     assert whole.returncode == 0, whole.stderr
@@ -105,10 +99,10 @@ def test_sigkill_at_random_points_of_a_dump_leaves_only_hidden_temp_folders_that
         assert [x.path for x in found] == entries and all(x.state == "abandoned" for x in found), (k, found)
         for tmp in entries:
             if k == len(ops):  # killed right before the commit's rename: whole, but hidden and never committed
-                assert (tmp / B.MANIFEST).is_file() and _cli("verify", str(tmp)) == 0, k
+                assert (tmp / B.MANIFEST).is_file() and cli("verify", tmp).exit_code == 0, k
                 continue
-            assert _cli("verify", str(tmp)) == 1, (k, ops[k - 1])
-            assert _cli("inspect", str(tmp)) == 3, (k, ops[k - 1])
-            assert _cli("replay", str(tmp)) == 3, (k, ops[k - 1])
-        assert _cli("gc", str(out)) == 0 and list(out.iterdir()) == [], k
+            assert cli("verify", tmp).exit_code == 1, (k, ops[k - 1])
+            assert cli("inspect", tmp).exit_code == 3, (k, ops[k - 1])
+            assert cli("replay", tmp).exit_code == 3, (k, ops[k - 1])
+        assert cli("gc", out).exit_code == 0 and list(out.iterdir()) == [], k
     print(f"{len(points)} kills over the {len(dump)} operations of the dump, at {points}")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from click.testing import CliRunner
 
 from reprokit import bundle as B
@@ -31,6 +32,7 @@ def _gc(*args: str) -> tuple[int, dict]:
     return r.exit_code, json.loads(r.output)
 
 
+@pytest.mark.slow
 def test_sigkilled_writer_leaves_a_folder_that_gc_removes_and_a_live_one_it_keeps(tmp_path):
     out = tmp_path / "repros"
     child = subprocess.Popen([sys.executable, "-c", WRITER, str(out)], stdout=subprocess.PIPE, text=True)

@@ -16,6 +16,7 @@ from reprokit.bundle import open_bundle
 from reprokit.cli import main
 
 pytestmark = [
+    pytest.mark.slow,  # importing Lightning alone takes seconds, and each case fits over epochs
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
     pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\).*:FutureWarning"),
 ]

@@ -16,25 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from rk_testing import record_mlp_nan, reseal
+from rk_testing import cli, reseal
 
 from reprokit import bundle as B
-from reprokit.cli import main
 from reprokit.errors import BundleError
 from reprokit.replayer import replay
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 8, 6, 4)
-
-
-@pytest.fixture
-def bundle(recorded, tmp_path):
-    return Path(shutil.copytree(recorded, tmp_path / recorded.name))
 
 
 def edit_run(bundle: Path, edit: Callable[[dict], object]) -> Path:
@@ -43,13 +31,6 @@ def edit_run(bundle: Path, edit: Callable[[dict], object]) -> Path:
     (bundle / B.RUN).write_text(json.dumps(run))
     reseal(bundle)
     return bundle
-
-
-def cli(*args: str):
-    result = CliRunner().invoke(main, list(args))
-    assert isinstance(result.exception, SystemExit) or result.exception is None, result.exception
-    assert "internal error" not in result.output, result.output
-    return result
 
 
 def _window(steps: list[int]) -> Callable[[dict], object]:
@@ -66,40 +47,41 @@ CANNOT_FAIL = {
 }
 
 
-def test_the_recorded_bundle_reproduces(bundle):
-    assert B.verify(bundle) == []
-    assert replay(bundle).verdict == "deterministic"
+def test_the_recorded_bundle_reproduces(nan_bundle):
+    assert B.verify(nan_bundle) == []
+    assert replay(nan_bundle).verdict == "deterministic"
 
 
 @pytest.mark.parametrize("case", CANNOT_FAIL)
-def test_a_window_that_cannot_reach_the_failure_is_an_invalid_bundle(bundle, case):
+def test_a_window_that_cannot_reach_the_failure_is_an_invalid_bundle(nan_bundle, case):
     edit, words = CANNOT_FAIL[case]
-    edit_run(bundle, edit)
-    problems = B.verify(bundle)
+    edit_run(nan_bundle, edit)
+    problems = B.verify(nan_bundle)
     assert any(p["file"] == "run.json" and words in p["problem"] for p in problems), problems
-    v = cli("verify", str(bundle))
+    v = cli("verify", str(nan_bundle))
     assert v.exit_code == 1 and words in v.output, v.output
-    r = cli("replay", "--times", "2", str(bundle))
+    r = cli("replay", "--times", "2", str(nan_bundle))
     assert r.exit_code == 3 and words in r.output and "NOT REPRODUCED" not in r.output, r.output
     with pytest.raises(BundleError, match=words):
-        replay(bundle)
+        replay(nan_bundle)
 
 
-def test_a_window_edited_in_memory_is_refused_too(bundle):
+def test_a_window_edited_in_memory_is_refused_too(nan_bundle):
     """A tool that changes an opened Bundle's run (no file involved) gets no verdict of zero steps either."""
-    b = B.open_bundle(bundle)
+    b = B.open_bundle(nan_bundle)
     b.run["window"]["steps"] = []
     with pytest.raises(BundleError, match="window.steps is empty"):
         replay(b)
 
 
-def test_switching_off_the_detector_that_fired_does_not_hide_the_failure(bundle):
+@pytest.mark.slow
+def test_switching_off_the_detector_that_fired_does_not_hide_the_failure(nan_bundle):
     """``check_loss: false`` on a nonfinite_loss bundle: the same NaN at the same step still reproduces."""
-    edit_run(bundle, lambda run: run["recorder"]["detect"].__setitem__("check_loss", False))
-    assert B.verify(bundle) == []  # a setting, not a lie about the window: replay checks the recorded kind anyway
-    report = replay(bundle, times=2)
+    edit_run(nan_bundle, lambda run: run["recorder"]["detect"].__setitem__("check_loss", False))
+    assert B.verify(nan_bundle) == []  # a setting, not a lie about the window: replay checks the recorded kind anyway
+    report = replay(nan_bundle, times=2)
     assert report.verdict == "deterministic", report.to_json()
-    r = cli("replay", str(bundle))
+    r = cli("replay", str(nan_bundle))
     assert r.exit_code == 1 and "REPRODUCED" in r.output, r.output
 
 
@@ -107,20 +89,21 @@ def test_switching_off_the_detector_that_fired_does_not_hide_the_failure(bundle)
     (lambda run: run["recorder"]["detect"].__setitem__("spike_factor", None), "spike_factor is null"),
     (lambda run: run["refs"].__setitem__("predicates", []), "refs.predicates is empty"),
 ], ids=["spike-without-factor", "predicate-without-predicates"])
-def test_a_failure_kind_replay_cannot_check_is_an_invalid_bundle(bundle, edit, words):
-    failure = json.loads((bundle / B.FAILURE).read_text())
+def test_a_failure_kind_replay_cannot_check_is_an_invalid_bundle(nan_bundle, edit, words):
+    failure = json.loads((nan_bundle / B.FAILURE).read_text())
     failure["kind"] = "loss_spike" if "spike" in words else "predicate"
-    (bundle / B.FAILURE).write_text(json.dumps(failure))
-    edit_run(bundle, edit)
-    assert any(words in p["problem"] for p in B.verify(bundle))
-    r = cli("replay", str(bundle))
+    (nan_bundle / B.FAILURE).write_text(json.dumps(failure))
+    edit_run(nan_bundle, edit)
+    assert any(words in p["problem"] for p in B.verify(nan_bundle))
+    r = cli("replay", str(nan_bundle))
     assert r.exit_code == 3 and words in r.output, r.output
 
 
-def test_the_pytest_plugin_reports_a_bundle_that_cannot_fail_as_an_error(recorded, tmp_path):
+@pytest.mark.slow
+def test_the_pytest_plugin_reports_a_bundle_that_cannot_fail_as_an_error(shared_nan_bundle, tmp_path):
     folder = tmp_path / "regressions"
     for case, (edit, _) in CANNOT_FAIL.items():
-        edit_run(Path(shutil.copytree(recorded, folder / case / recorded.name)), edit)
+        edit_run(Path(shutil.copytree(shared_nan_bundle, folder / case / shared_nan_bundle.name)), edit)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "reprokit.testing", "-p", "no:cacheprovider", "-q",
                            "-rA", "--reprokit-bundles", str(folder)], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" /
@@ -142,11 +125,11 @@ def _state_tensor(bundle: Path, key: str, fn: Callable) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["int32", "bool"])
-def test_a_parameter_stored_as_an_integer_is_an_invalid_bundle(bundle, dtype):
+def test_a_parameter_stored_as_an_integer_is_an_invalid_bundle(nan_bundle, dtype):
     import torch
 
-    _state_tensor(bundle, "model/0.weight", lambda t: t.to(getattr(torch, dtype)))
-    r = cli("replay", str(bundle))
+    _state_tensor(nan_bundle, "model/0.weight", lambda t: t.to(getattr(torch, dtype)))
+    r = cli("replay", str(nan_bundle))
     assert r.exit_code == 3 and "'0.weight'" in r.output and "floating point" in r.output, r.output
 
 
@@ -158,10 +141,10 @@ def test_a_parameter_stored_as_an_integer_is_an_invalid_bundle(bundle, dtype):
     ({"kept_rows": [[1, 2, 3]]}, "provenance.kept_rows[0] must be a row or [micro-batch, row]"),
     ({"state_check": "state"}, "provenance.state_check must be an object"),
 ], ids=["seq-window-of-one", "pass-stats-number", "list", "rows-string", "micro-row-triple", "state-check-string"])
-def test_provenance_is_held_to_its_schema(bundle, provenance, words):
-    edit_run(bundle, lambda run: run.__setitem__("provenance", provenance))
+def test_provenance_is_held_to_its_schema(nan_bundle, provenance, words):
+    edit_run(nan_bundle, lambda run: run.__setitem__("provenance", provenance))
     for cmd in ("inspect", "replay"):
-        r = cli(cmd, str(bundle))
+        r = cli(cmd, str(nan_bundle))
         assert r.exit_code == 3 and words in r.output, (cmd, r.output)
 
 
@@ -175,28 +158,29 @@ def _code(bundle: Path, text: str, name: str = "rk_mlp.py") -> None:
 
 @pytest.mark.parametrize("deep", ["x = " + "-" * 200_000 + "1\n", "x = " + "+".join(["a"] * 300_000) + "\n"],
                          ids=["memory-error", "recursion-error"])
-def test_code_too_deep_to_parse_is_refused_by_verify_and_pack(bundle, tmp_path, deep):
-    _code(bundle, (bundle / "code" / "rk_mlp.py").read_text() + deep)
-    assert any("nested too deeply" in p["problem"] for p in B.verify(bundle))
-    for args in (["verify", str(bundle)], ["pack", str(bundle), "-o", str(tmp_path / "r.tar")],
-                 ["replay", str(bundle)]):
+@pytest.mark.slow
+def test_code_too_deep_to_parse_is_refused_by_verify_and_pack(nan_bundle, tmp_path, deep):
+    _code(nan_bundle, (nan_bundle / "code" / "rk_mlp.py").read_text() + deep)
+    assert any("nested too deeply" in p["problem"] for p in B.verify(nan_bundle))
+    for args in (["verify", str(nan_bundle)], ["pack", str(nan_bundle), "-o", str(tmp_path / "r.tar")],
+                 ["replay", str(nan_bundle)]):
         r = cli(*args)
         assert r.exit_code in (1, 3) and "nested too deeply" in r.output, (args, r.output)
 
 
-def test_a_code_file_over_the_limit_is_refused_before_it_is_read(bundle, monkeypatch):
+def test_a_code_file_over_the_limit_is_refused_before_it_is_read(nan_bundle, monkeypatch):
     from reprokit import code
 
     monkeypatch.setattr(code, "MAX_CODE_BYTES", 10_000)  # stands for 20 MiB (and a file larger than memory)
-    _code(bundle, "# padding\n" * 2_000, "big.py")
-    problems = B.verify(bundle)
+    _code(nan_bundle, "# padding\n" * 2_000, "big.py")
+    problems = B.verify(nan_bundle)
     assert any(p["file"] == "code/big.py" and "at most 10000 bytes" in p["problem"] for p in problems), problems
-    r = cli("replay", str(bundle))
+    r = cli("replay", str(nan_bundle))
     assert r.exit_code == 3 and "code/big.py" in r.output, r.output
 
 
-def test_a_snapshot_file_named_for_an_optional_dependency_of_torch_is_refused(bundle):
+def test_a_snapshot_file_named_for_an_optional_dependency_of_torch_is_refused(nan_bundle):
     """``code/triton.py``: torch imports triton when it is there (at the first compile), installed here or not."""
-    _code(bundle, "raise SystemExit('the bundle ran code/triton.py')\n", "triton.py")
-    r = cli("replay", str(bundle))
+    _code(nan_bundle, "raise SystemExit('the bundle ran code/triton.py')\n", "triton.py")
+    r = cli("replay", str(nan_bundle))
     assert r.exit_code == 3 and "shadow triton" in r.output, r.output

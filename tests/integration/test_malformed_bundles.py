@@ -9,30 +9,17 @@ the file as a problem (exit 1), ``inspect`` and ``replay`` must refuse it as an 
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from rk_testing import record_mlp_nan, reseal
+from rk_testing import cli, reseal
 
 from reprokit import bundle as B
 from reprokit.bundle import schema
-from reprokit.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 8, 6, 4)
-
-
-@pytest.fixture
-def bundle(recorded, tmp_path):
-    return Path(shutil.copytree(recorded, tmp_path / recorded.name))
 
 
 def edit_json(bundle: Path, rel: str, edit: Callable[[dict], object] | None = None,
@@ -45,20 +32,13 @@ def edit_json(bundle: Path, rel: str, edit: Callable[[dict], object] | None = No
     reseal(bundle)
 
 
-def run_cli(*args: str):
-    result = CliRunner().invoke(main, list(args))
-    assert isinstance(result.exception, SystemExit) or result.exception is None, result.exception
-    assert "Traceback" not in result.output and "internal error" not in result.output, result.output
-    return result
-
-
 def assert_refused(bundle: Path, file: str, words: str) -> None:
     problems = B.verify(bundle)
     assert any(p["file"] == file and words in p["problem"] for p in problems), problems
-    v = run_cli("verify", str(bundle))
+    v = cli("verify", str(bundle))
     assert v.exit_code == 1 and file in v.output and words in v.output, v.output
     for cmd in ("inspect", "replay"):
-        r = run_cli(cmd, str(bundle))
+        r = cli(cmd, str(bundle))
         assert r.exit_code == 3, (cmd, r.exit_code, r.output)
         assert f"{file}: " in r.output and words in r.output, (cmd, r.output)
 
@@ -72,10 +52,10 @@ def _set(path: list, value):
     return edit
 
 
-def test_the_recorded_bundle_is_valid(bundle):
-    reseal(bundle)
-    assert B.verify(bundle) == []
-    assert run_cli("inspect", str(bundle)).exit_code == 0
+def test_the_recorded_bundle_is_valid(nan_bundle):
+    reseal(nan_bundle)
+    assert B.verify(nan_bundle) == []
+    assert cli("inspect", str(nan_bundle)).exit_code == 0
 
 
 @pytest.mark.parametrize("edit, words", [
@@ -89,36 +69,36 @@ def test_the_recorded_bundle_is_valid(bundle):
     (_set(["history", 0, "loss"], [1.0]), "history[0].loss must be a number"),
 ], ids=["string-step", "no-refs", "no-step-ref", "window-list", "run-list", "step-without-file", "bool-int",
         "loss-list"])
-def test_malformed_run_json_is_an_invalid_bundle(bundle, edit, words):
-    edit_json(bundle, "run.json", edit)
-    assert_refused(bundle, "run.json", words)
+def test_malformed_run_json_is_an_invalid_bundle(nan_bundle, edit, words):
+    edit_json(nan_bundle, "run.json", edit)
+    assert_refused(nan_bundle, "run.json", words)
 
 
-def test_deep_nesting_is_refused_before_parsing(bundle):
+def test_deep_nesting_is_refused_before_parsing(nan_bundle):
     deep = "[" * 100_000 + "]" * 100_000
-    edit_json(bundle, "run.json", _set(["config"], "@DEEP@"), text=lambda s: s.replace('"@DEEP@"', deep))
-    assert_refused(bundle, "run.json", "nests 100001 levels deep; at most 200")
+    edit_json(nan_bundle, "run.json", _set(["config"], "@DEEP@"), text=lambda s: s.replace('"@DEEP@"', deep))
+    assert_refused(nan_bundle, "run.json", "nests 100001 levels deep; at most 200")
 
 
 @pytest.mark.parametrize("literal, words", [
     ("NaN", "NaN is not JSON"), ("-Infinity", "-Infinity is not JSON"), ("1e999", "out of range"),
 ])
-def test_non_finite_numbers_are_not_strict_json(bundle, literal, words):
-    edit_json(bundle, "run.json", _set(["window", "steps", 0], "@X@"), text=lambda s: s.replace('"@X@"', literal))
-    assert_refused(bundle, "run.json", words)
+def test_non_finite_numbers_are_not_strict_json(nan_bundle, literal, words):
+    edit_json(nan_bundle, "run.json", _set(["window", "steps", 0], "@X@"), text=lambda s: s.replace('"@X@"', literal))
+    assert_refused(nan_bundle, "run.json", words)
 
 
-def test_over_long_string_is_refused(bundle, monkeypatch):
+def test_over_long_string_is_refused(nan_bundle, monkeypatch):
     monkeypatch.setattr(schema, "MAX_STRING_CHARS", 50_000)  # stands for the 200 MB string
-    edit_json(bundle, "env.json", _set(["git"], None))  # a working tree's long diff would be refused first
-    edit_json(bundle, "env.json", _set(["python"], "x" * 50_001))
-    assert_refused(bundle, "env.json", "python is a string of 50001 characters")
+    edit_json(nan_bundle, "env.json", _set(["git"], None))  # a working tree's long diff would be refused first
+    edit_json(nan_bundle, "env.json", _set(["python"], "x" * 50_001))
+    assert_refused(nan_bundle, "env.json", "python is a string of 50001 characters")
 
 
-def test_over_large_json_file_is_refused_before_reading(bundle, monkeypatch):
-    edit_json(bundle, "run.json", _set(["config", "note"], "x" * 20_000))
+def test_over_large_json_file_is_refused_before_reading(nan_bundle, monkeypatch):
+    edit_json(nan_bundle, "run.json", _set(["config", "note"], "x" * 20_000))
     monkeypatch.setattr(schema, "MAX_JSON_BYTES", 10_000)  # stands for 64 MiB
-    assert_refused(bundle, "run.json", "bundle JSON files are at most 10000")
+    assert_refused(nan_bundle, "run.json", "bundle JSON files are at most 10000")
 
 
 @pytest.mark.parametrize("rel, edit, words", [
@@ -129,9 +109,9 @@ def test_over_large_json_file_is_refused_before_reading(bundle, monkeypatch):
     ("state/state.json", _set(["rng", "numpy"], None), "rng.numpy must be a list, got null"),
     ("env.json", lambda env: env.__delitem__("torch"), "torch is missing"),
 ])
-def test_other_malformed_files(bundle, rel, edit, words):
-    edit_json(bundle, rel, edit)
-    assert_refused(bundle, rel, words)
+def test_other_malformed_files(nan_bundle, rel, edit, words):
+    edit_json(nan_bundle, rel, edit)
+    assert_refused(nan_bundle, rel, words)
 
 
 @pytest.mark.parametrize("edit, words", [
@@ -143,14 +123,14 @@ def test_other_malformed_files(bundle, rel, edit, words):
     (_set(["files", "run.json", "size"], -1), "size must be >= 0"),
     (_set(["files", "run.json", "sha256"], 5), "sha256 must be 64 lowercase hex digits"),
 ], ids=["version-true", "meta-string", "meta-null", "long-key", "long-name", "negative-size", "sha-int"])
-def test_malformed_manifest_is_an_invalid_bundle(bundle, edit, words):
-    reseal(bundle, edit)
-    assert_refused(bundle, "manifest.json", words)
+def test_malformed_manifest_is_an_invalid_bundle(nan_bundle, edit, words):
+    reseal(nan_bundle, edit)
+    assert_refused(nan_bundle, "manifest.json", words)
 
 
-def test_deeply_nested_manifest(bundle):
-    reseal(bundle, raw_manifest="{\"created\": " + "[" * 100_000 + "]" * 100_000 + "}")
-    assert_refused(bundle, "manifest.json", "nests 100001 levels deep")
+def test_deeply_nested_manifest(nan_bundle):
+    reseal(nan_bundle, raw_manifest="{\"created\": " + "[" * 100_000 + "]" * 100_000 + "}")
+    assert_refused(nan_bundle, "manifest.json", "nests 100001 levels deep")
 
 
 def _rewrite_header(path: Path, edit: Callable[[dict], None]) -> None:
@@ -177,22 +157,22 @@ def _shift_end(name: str, by: int):
     (lambda h: h["batch/y"].update(data_offsets=h["batch/x"]["data_offsets"], shape=h["batch/x"]["shape"],
                                    dtype=h["batch/x"]["dtype"]), "overlapping"),
 ], ids=["beyond-file", "shape-overflow", "dtype-mismatch", "unknown-dtype", "overlap"])
-def test_malformed_safetensors_header(bundle, edit, words):
-    _rewrite_header(bundle / "steps/00000005.safetensors", edit)
-    reseal(bundle)
-    assert_refused(bundle, "steps/00000005.safetensors", words)
+def test_malformed_safetensors_header(nan_bundle, edit, words):
+    _rewrite_header(nan_bundle / "steps/00000005.safetensors", edit)
+    reseal(nan_bundle)
+    assert_refused(nan_bundle, "steps/00000005.safetensors", words)
 
 
-def test_header_length_beyond_the_file(bundle):
-    p = bundle / "state/state.safetensors"
+def test_header_length_beyond_the_file(nan_bundle):
+    p = nan_bundle / "state/state.safetensors"
     raw = p.read_bytes()
     p.write_bytes(struct.pack("<Q", len(raw) * 4) + raw[8:])
-    reseal(bundle)
-    assert_refused(bundle, "state/state.safetensors", "declares a")
+    reseal(nan_bundle)
+    assert_refused(nan_bundle, "state/state.safetensors", "declares a")
 
 
 @pytest.mark.parametrize("rel", ["env.json", "failure.json", "run.json", "state/state.json", "steps/00000005.json"])
-def test_a_json_file_holding_null_is_refused_not_skipped(bundle, rel):
+def test_a_json_file_holding_null_is_refused_not_skipped(nan_bundle, rel):
     """Found by tests/integration/test_fuzz.py: ``null`` was taken for "could not be read" and never checked."""
-    edit_json(bundle, rel, text=lambda s: "null")
-    assert_refused(bundle, rel, "<root> must be an object, got null")
+    edit_json(nan_bundle, rel, text=lambda s: "null")
+    assert_refused(nan_bundle, rel, "<root> must be an object, got null")

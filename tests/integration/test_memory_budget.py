@@ -32,6 +32,7 @@ def _train(mlp, cfg, rec, batches):
     return None, peak
 
 
+@pytest.mark.slow
 def test_a_large_batch_run_with_a_huge_snapshot_every_stays_under_a_small_budget(projects, tmp_path):
     mlp = projects("rk_mlp")
     cfg = {"optimizer": "adamw", "dim": 1024, "batch_size": 256, "lr": 1e-4}  # ~1.1 MB per batch
@@ -69,6 +70,7 @@ def test_buffers_are_a_reused_pool_in_steady_state(projects, tmp_path):
     assert {k: v.data_ptr() for k, v in rec._engine._buffers.items()} == buffers, "snapshot buffers reused"
 
 
+@pytest.mark.slow
 def test_a_state_bigger_than_the_budget_is_snapshotted_to_disk_and_said_once(projects, tmp_path):
     mlp = projects("rk_mlp")
     cfg = {"optimizer": "adamw", "dim": 4096, "batch_size": 4}  # model 262 KB, with AdamW state 786 KB

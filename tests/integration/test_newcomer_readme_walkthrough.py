@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import record_mlp_nan
 
 import reprokit
 from reprokit.cli import main
@@ -31,20 +30,12 @@ from reprokit.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> Path:
-    """One bundle of a NaN loss (rk_mlp, a few steps), inside a project folder's ``repros/``."""
-    out = tmp_path_factory.mktemp("newcomer") / "proj" / "repros"
-    record_mlp_nan(out, steps=8, poison_step=6, snapshot_every=4)
-    (b,) = [p for p in out.iterdir() if p.name.startswith("bundle-")]
-    return b
-
-
 def _error(result) -> dict:
     assert "Traceback" not in result.output, result.output
     return json.loads(result.stdout)["error"]
 
 
+@pytest.mark.slow
 def test_the_readmes_python_api_block_runs_as_printed(tmp_path):
     text = (ROOT / "README.md").read_text()
     section = text[text.index("\n## Python API\n"):]
@@ -60,11 +51,11 @@ def test_the_readmes_python_api_block_runs_as_printed(tmp_path):
     assert written.name.endswith("-step00000057-nonfinite_loss"), written.name
 
 
-def test_a_folder_above_bundles_that_is_no_incident_names_the_bundles_not_incidents(bundle, tmp_path):
+def test_a_folder_above_bundles_that_is_no_incident_names_the_bundles_not_incidents(shared_nan_bundle, tmp_path):
     # /tmp/work: proj/repros/bundle-... is two levels down; repro-abc/bundle (an unpacked archive) one level.
     top = tmp_path / "work"
-    shutil.copytree(bundle.parent.parent, top / "proj")
-    shutil.copytree(bundle, top / "repro-abc" / "bundle")
+    shutil.copytree(shared_nan_bundle.parent, top / "proj" / "repros")
+    shutil.copytree(shared_nan_bundle, top / "repro-abc" / "bundle")
     for words in (["replay"], ["inspect"], ["bisect", "steps"]):
         r = CliRunner().invoke(main, [*words, str(top), "--json"])
         err = _error(r)
@@ -95,9 +86,9 @@ def test_a_folder_that_is_no_bundle_says_so_instead_of_asking_the_sender(tmp_pat
     assert "failed verification" in err["message"] and "sender" in err["message"], err
 
 
-def test_a_truncated_archive_says_to_fetch_it_again(bundle, tmp_path):
+def test_a_truncated_archive_says_to_fetch_it_again(shared_nan_bundle, tmp_path):
     tar = tmp_path / "repro.tar"
-    r = CliRunner().invoke(main, ["pack", str(bundle), "-o", str(tar)])
+    r = CliRunner().invoke(main, ["pack", str(shared_nan_bundle), "-o", str(tar)])
     assert r.exit_code == 0, r.output
     cut = tmp_path / "cut.tar"
     cut.write_bytes(tar.read_bytes()[: tar.stat().st_size // 2])
@@ -108,13 +99,13 @@ def test_a_truncated_archive_says_to_fetch_it_again(bundle, tmp_path):
         assert "Copy or download the archive again" in err["message"], err
 
 
-def test_bisect_given_a_bundle_where_the_axis_goes_names_the_axes(bundle):
-    r = CliRunner().invoke(main, ["bisect", str(bundle), "--json"])
+def test_bisect_given_a_bundle_where_the_axis_goes_names_the_axes(shared_nan_bundle):
+    r = CliRunner().invoke(main, ["bisect", str(shared_nan_bundle), "--json"])
     err = _error(r)
     assert r.exit_code == 2, r.output
-    assert f"reprokit bisect steps|layers|precision|commits {bundle}" in err["message"], err
+    assert f"reprokit bisect steps|layers|precision|commits {shared_nan_bundle}" in err["message"], err
     # a mistyped axis still gets click's suggestion
-    r = CliRunner().invoke(main, ["bisect", "step", str(bundle)])
+    r = CliRunner().invoke(main, ["bisect", "step", str(shared_nan_bundle)])
     assert r.exit_code == 2 and "Did you mean 'steps'?" in r.output, r.output
 
 
@@ -143,6 +134,7 @@ for step in range(6):
 '''
 
 
+@pytest.mark.slow
 def test_a_script_that_trains_when_imported_is_told_to_guard_its_loop(tmp_path, monkeypatch):
     (tmp_path / "train.py").write_text(UNGUARDED)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -159,9 +151,9 @@ def test_a_script_that_trains_when_imported_is_told_to_guard_its_loop(tmp_path, 
     assert list((tmp_path / "repros").iterdir()) == [recorded], "replay recorded a second bundle"
 
 
-def test_demo_out_on_a_bundle_folder_is_refused_before_training_and_leaves_it_intact(bundle, tmp_path):
+def test_demo_out_on_a_bundle_folder_is_refused_before_training_and_leaves_it_intact(shared_nan_bundle, tmp_path):
     target = tmp_path / "bundle"
-    shutil.copytree(bundle, target)
+    shutil.copytree(shared_nan_bundle, target)
     before = sorted(p.relative_to(target) for p in target.rglob("*"))
     r = CliRunner().invoke(main, ["demo", "--out", str(target), "--json"])
     err = _error(r)
@@ -170,18 +162,18 @@ def test_demo_out_on_a_bundle_folder_is_refused_before_training_and_leaves_it_in
     assert CliRunner().invoke(main, ["verify", str(target)]).exit_code == 0
 
 
-def test_replay_of_an_archive_names_its_code_inside_the_archive_not_a_removed_temp_folder(bundle, tmp_path):
+def test_replay_of_an_archive_names_its_code_inside_the_archive_not_a_removed_temp_folder(shared_nan_bundle, tmp_path):
     tar = tmp_path / "repro.tar"
-    assert CliRunner().invoke(main, ["pack", str(bundle), "-o", str(tar)]).exit_code == 0
+    assert CliRunner().invoke(main, ["pack", str(shared_nan_bundle), "-o", str(tar)]).exit_code == 0
     r = CliRunner().invoke(main, ["replay", str(tar), "--trust", "--json"])
     assert r.exit_code == 1, r.output
     code = json.loads(r.stdout)["code"]
     assert re.fullmatch(re.escape(f"{tar}: ") + r"repro-[0-9a-f]{12}/bundle/code", code), code
 
 
-def test_verify_folds_many_unexpected_files_of_one_folder_into_one_line(bundle, tmp_path):
+def test_verify_folds_many_unexpected_files_of_one_folder_into_one_line(shared_nan_bundle, tmp_path):
     target = tmp_path / "bundle"
-    shutil.copytree(bundle, target)
+    shutil.copytree(shared_nan_bundle, target)
     (target / "junk").mkdir()
     for k in range(6):
         (target / "junk" / f"f{k}.txt").write_text("x")
@@ -196,6 +188,7 @@ def test_verify_folds_many_unexpected_files_of_one_folder_into_one_line(bundle, 
     assert sorted(p["file"] for p in problems) == [*(f"junk/f{k}.txt" for k in range(6)), "stray.txt"], problems
 
 
+@pytest.mark.slow
 def test_a_failure_in_training_names_the_commands_to_run_next(tmp_path, monkeypatch):
     # the same script, letting TrainingFailure end it with a traceback, as a first script does
     script = UNGUARDED.replace("    except reprokit.TrainingFailure as e:\n        print(e.bundle)\n        break\n",
@@ -213,16 +206,15 @@ def test_a_failure_in_training_names_the_commands_to_run_next(tmp_path, monkeypa
     assert CliRunner().invoke(main, ["inspect", rel]).exit_code == 0
 
 
-def test_pack_does_not_replace_an_existing_tarball_unasked(tmp_path):
+def test_pack_does_not_replace_an_existing_tarball_unasked(shared_nan_bundle, tmp_path):
     """``pack -o repro.tar`` over a tarball packed earlier (perhaps of another bundle, perhaps sent already) replaced
     it silently; ``shrink -o`` refuses an existing folder. Now exit 2 before packing, and ``--force`` replaces it."""
-    bundle = record_mlp_nan(tmp_path / "r", steps=4, poison_step=2, snapshot_every=2)
     out = tmp_path / "repro.tar"
     out.write_bytes(b"an earlier tarball")
-    r = CliRunner().invoke(main, ["pack", str(bundle), "-o", str(out)])
+    r = CliRunner().invoke(main, ["pack", str(shared_nan_bundle), "-o", str(out)])
     assert r.exit_code == 2 and "already exists" in r.output and "--force" in r.output, r.output
     assert out.read_bytes() == b"an earlier tarball"
-    r = CliRunner().invoke(main, ["pack", str(bundle), "-o", str(out), "--force"])
+    r = CliRunner().invoke(main, ["pack", str(shared_nan_bundle), "-o", str(out), "--force"])
     assert r.exit_code == 0, r.output
     assert tarfile.is_tarfile(out) and (tmp_path / "repro.tar.sha256").exists()
 

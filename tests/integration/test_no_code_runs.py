@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import pytest
 import torch
-from rk_testing import bundle_of, entries, record
-
-ROOT = Path(__file__).resolve().parents[2]
+from rk_testing import PROJECTS, bundle_of, cli_process, entries, env_with_checkout, record
 
 
-def _reprokit(args, env, cwd):
-    return subprocess.run([sys.executable, "-m", "reprokit", *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
-
-
+@pytest.mark.slow
 def test_only_replay_imports_the_bundle_code(projects, tmp_path, monkeypatch):
     marker = tmp_path / "imports.log"
     monkeypatch.setenv("RK_IMPORT_MARKER", str(marker))
@@ -28,28 +18,27 @@ def test_only_replay_imports_the_bundle_code(projects, tmp_path, monkeypatch):
     bundle = bundle_of(exc)
     assert (bundle / "code" / "rk_marker.py").is_file()
     marker.unlink()  # recording imported the live module; from here on only the bundle's copy could
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RK_IMPORT_MARKER": str(marker)}
+    env = env_with_checkout(RK_IMPORT_MARKER=str(marker))
     for args in (["verify", str(bundle)], ["inspect", str(bundle)], ["inspect", str(bundle), "--json"],
                  ["pack", str(bundle), "-o", str(tmp_path / "r.tar.gz")], ["verify", str(tmp_path / "r.tar.gz")],
                  ["inspect", str(tmp_path / "r.tar.gz")]):
-        proc = _reprokit(args, env, tmp_path)
+        proc = cli_process(*args, cwd=tmp_path, env=env)
         assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
         assert not marker.exists(), f"reprokit {' '.join(args)} imported the bundle's code"
-    proc = _reprokit(["replay", str(bundle)], env, tmp_path)
+    proc = cli_process("replay", bundle, cwd=tmp_path, env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert marker.read_text() == "imported code\n", "replay imports the code snapshot, and only that copy"
 
 
-def test_replay_says_it_runs_code_for_a_bundle_from_elsewhere(projects, tmp_path):
+@pytest.mark.slow
+def test_replay_says_it_runs_code_for_a_bundle_from_elsewhere(shared_nan_bundle, tmp_path):
     import json as _json
 
     from click.testing import CliRunner
 
     from reprokit.cli import main
 
-    mlp = projects("rk_mlp")
-    _, exc = record(mlp, {}, mlp.batches({}, 8, poison_step=6), tmp_path / "out", snapshot_every=5)
-    bundle = bundle_of(exc)
+    bundle = shared_nan_bundle
     runner = CliRunner()
     local = runner.invoke(main, ["replay", str(bundle)])
     assert local.exit_code == 1 and "replaying runs code" not in local.stderr, "recorded here: no note"
@@ -61,7 +50,7 @@ def test_replay_says_it_runs_code_for_a_bundle_from_elsewhere(projects, tmp_path
     trusted = runner.invoke(main, ["replay", str(packed), "--trust"])
     assert trusted.exit_code == 1 and "replaying runs code" not in trusted.stderr
     # With --code, the code that runs is the user's own checkout: nothing to warn about.
-    own = runner.invoke(main, ["replay", str(packed), "--code", str(Path(mlp.__file__).parent), *entries(bundle)])
+    own = runner.invoke(main, ["replay", str(packed), "--code", str(PROJECTS), *entries(bundle)])
     assert own.exit_code == 1 and "replaying runs code" not in own.stderr, own.output
     env = _json.loads((bundle / "env.json").read_text())
     assert env["host"], "the recording host is in env.json"

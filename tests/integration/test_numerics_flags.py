@@ -38,6 +38,7 @@ def _mix_precision_apis() -> None:
 
 
 @needs_new_api
+@pytest.mark.slow
 def test_a_run_on_the_per_backend_precision_api_is_recorded_and_replays_under_it(projects, tmp_path, torch_numerics):
     prec = projects("rk_precision")
     _mix_precision_apis()
@@ -84,6 +85,7 @@ def test_a_setting_this_torch_refuses_is_a_clear_error_and_leaves_nothing_half_s
 
 
 @needs_new_api
+@pytest.mark.slow
 def test_bisect_precision_runs_and_restores_under_the_per_backend_precision_api(projects, tmp_path, torch_numerics):
     from reprokit.bisect import bisect_precision
 

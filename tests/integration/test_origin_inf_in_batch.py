@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
 from click.testing import CliRunner
 from rk_testing import bundle_of, record
 
@@ -37,6 +38,7 @@ PROJECT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_an_inf_in_the_batch_is_not_blamed_on_the_optimizer(tmp_path, monkeypatch):
     (tmp_path / "nb_adam_inf.py").write_text(PROJECT)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 from rk_testing import bundle_of, record
 
@@ -27,6 +28,7 @@ def _diverged(projects, tmp_path):
     return bundle_of(exc)
 
 
+@pytest.mark.slow
 def test_layers_says_the_values_were_already_out_of_range_and_where_they_grew(projects, tmp_path):
     bundle = _diverged(projects, tmp_path)
     d = bisect_layers(open_bundle(bundle))
@@ -45,6 +47,7 @@ def test_layers_says_the_values_were_already_out_of_range_and_where_they_grew(pr
     assert out["already_out_of_range"]["grew"]["past_step"] == 0
 
 
+@pytest.mark.slow
 def test_extract_refuses_to_ship_the_overflowing_op_as_the_cause(projects, tmp_path):
     bundle = _diverged(projects, tmp_path)
     cli = CliRunner().invoke(main, ["extract", str(bundle), "-o", str(tmp_path / "cut")])
@@ -57,6 +60,7 @@ def test_extract_refuses_to_ship_the_overflowing_op_as_the_cause(projects, tmp_p
     assert err["type"] == "NothingToExtract" and err["already_out_of_range"]["grew"]["past_step"] == 0, err
 
 
+@pytest.mark.slow
 def test_a_module_that_overflows_values_in_range_is_still_the_culprit(projects, tmp_path):
     """The naive softmax given inputs of a few hundred (exp overflows at 88): the softmax is to blame."""
     num = projects("rk_numerics")

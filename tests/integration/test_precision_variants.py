@@ -26,6 +26,7 @@ def _bundle(num, tmp_path, scale: float, **cfg):
     return open_bundle(exc.bundle)
 
 
+@pytest.mark.slow
 def test_a_float16_model_passes_in_fp32_because_fp32_really_runs_in_float32(projects, tmp_path):
     """exp overflows float16 at 11 and float32 at 88: logits near 20 fail only in float16. The fp32 variant
     upcast the model before the restore, which cast it back to float16: it failed, and bf16 was called the fix."""
@@ -42,6 +43,7 @@ def test_a_float16_model_passes_in_fp32_because_fp32_really_runs_in_float32(proj
     assert "smallest change that makes the failure go away: fp32" in out.output
 
 
+@pytest.mark.slow
 def test_a_variant_that_did_not_run_in_its_dtype_says_so(projects, tmp_path):
     """A step that casts the model to float16 itself runs in float16 whatever the variant did: fp32 cannot be
     tried, and is neither a pass nor a fail (nor a fix)."""
@@ -55,6 +57,7 @@ def test_a_variant_that_did_not_run_in_its_dtype_says_so(projects, tmp_path):
     assert json.loads(out.output)["variants"]["fp32"] == "not_applied"
 
 
+@pytest.mark.slow
 def test_bfloat16_parameters_with_adamw_run_fp32_with_their_moments_upcast(projects, tmp_path):
     """Logits near 500 overflow float32 and bfloat16 alike. Upcast parameters beside bfloat16 AdamW moments made
     the fp32 replay raise inside the optimizer (a different failure) instead of answering."""
@@ -66,6 +69,7 @@ def test_bfloat16_parameters_with_adamw_run_fp32_with_their_moments_upcast(proje
 
 
 @pytest.mark.parametrize("variant", ["bf16", "fp16"])
+@pytest.mark.slow
 def test_a_float64_model_is_not_run_under_a_half_precision_autocast(projects, tmp_path, variant):
     """Autocast leaves float64 alone: a bf16 or fp16 variant of a float64 model runs in float64, and says so."""
     bundle = _bundle(projects("rk_numerics"), tmp_path, 2000.0, dtype="float64", optimizer="adamw")

@@ -119,6 +119,7 @@ def _assert_replays(bundle: Path, cwd: Path, *extra: str) -> None:
     assert report["failure"]["step"] == 17 and report["fidelity"]["bit_exact"]
 
 
+@pytest.mark.slow
 def test_package_module_run_with_dash_m_replays_from_anywhere(tmp_path):
     project = tmp_path / "proj"
     _package(project)
@@ -154,6 +155,7 @@ def test_package_module_run_with_dash_m_replays_from_anywhere(tmp_path):
     assert "does not hold the bundle's code" in wrong.output
 
 
+@pytest.mark.slow
 def test_package_main_run_with_dash_m_replays(tmp_path):
     project = tmp_path / "proj"
     _package(project, main="__main__.py")
@@ -164,6 +166,7 @@ def test_package_main_run_with_dash_m_replays(tmp_path):
     _assert_replays(bundle, tmp_path)
 
 
+@pytest.mark.slow
 def test_top_level_module_run_with_dash_m_replays(tmp_path):
     project = tmp_path / "proj"
     project.mkdir()

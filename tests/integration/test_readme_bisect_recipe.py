@@ -13,6 +13,7 @@ from pathlib import Path
 
 import git
 import pytest
+from rk_testing import cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,10 +79,10 @@ def project(tmp_path_factory):
 
 
 def _replay(bundle: Path, cwd: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reprokit", "replay", str(bundle), "--code", ".", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return cli_process("replay", bundle, "--code", ".", *args, cwd=cwd, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_docs_entry_fits_a_script_and_a_module_form_entry_is_named_in_the_error(project):
     repo, _, bundle, env = project
     cwd = Path(repo.working_tree_dir)
@@ -106,6 +107,7 @@ def _bisect(repo: git.Repo, shas: list[str], line: str) -> subprocess.CompletedP
         subprocess.run(["git", "bisect", "reset"], cwd=cwd, check=True, capture_output=True)
 
 
+@pytest.mark.slow
 def test_docs_git_bisect_run_line_finds_the_commit_and_stops_on_a_usage_error(project):
     repo, shas, bundle, _ = project
     line = next(ln for ln in _docs_bisect_block().splitlines() if ln.startswith("git bisect run"))

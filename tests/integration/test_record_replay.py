@@ -14,6 +14,7 @@ from reprokit import bundle as B
 from reprokit.bundle import open_bundle, tensorfile
 
 
+@pytest.mark.slow
 def test_nan_after_n_steps_is_recorded_and_replays_bit_exact(projects, tmp_path):
     mlp = projects("rk_mlp")
     cfg = {"optimizer": "adamw", "scheduler": "lambda"}
@@ -30,6 +31,7 @@ def test_nan_after_n_steps_is_recorded_and_replays_bit_exact(projects, tmp_path)
     assert report.fidelity["runs_bit_identical"], "every replay restores the same snapshot"
 
 
+@pytest.mark.slow
 def test_user_exception_is_reraised_unchanged_with_a_note(projects, tmp_path):
     lm = projects("rk_lm")
     cfg = {"vocab": 50, "max_len": 16}
@@ -64,6 +66,7 @@ def test_rare_long_sample_shape_error(projects, tmp_path):
     assert reprokit.replay(b).reproduced
 
 
+@pytest.mark.slow
 def test_replay_with_a_fixed_checkout_passes(projects, tmp_path):
     mlp = projects("rk_mlp")
     cfg = {"optimizer": "sgd"}
@@ -81,6 +84,7 @@ def test_replay_with_a_fixed_checkout_passes(projects, tmp_path):
     assert "the fix" not in (exc.bundle / "code" / "rk_mlp.py").read_text()
 
 
+@pytest.mark.slow
 def test_failure_driven_by_urandom_is_flaky_not_deterministic(projects, tmp_path):
     flaky = projects("rk_flaky")
     state = flaky.build({})
@@ -99,6 +103,7 @@ def test_failure_driven_by_urandom_is_flaky_not_deterministic(projects, tmp_path
     assert 0 < report.failed_runs < 20 and report.reproduced
 
 
+@pytest.mark.slow
 def test_different_failure_is_not_reported_as_reproduced(projects, tmp_path):
     mlp = projects("rk_mlp")
     cfg = {"optimizer": "sgd"}
@@ -120,6 +125,7 @@ def test_different_failure_is_not_reported_as_reproduced(projects, tmp_path):
     ("loss_spike", {"spike_factor": 50.0, "spike_window": 10}, None, {"spike_step": 14}, 14),
     ("predicate", {}, None, {"spike_step": 14}, 14),
 ])
+@pytest.mark.slow
 def test_detectors_fire_and_replay(projects, tmp_path, kind, kw, step_name, batch_kw, expect_step):
     mlp = projects("rk_mlp")
     cfg = {"optimizer": "sgd", "lr": 1e-3}
@@ -159,6 +165,7 @@ def test_windows_restart_at_each_snapshot(projects, tmp_path):
     assert len(b.run["history"]) == 72, "loss history reaches back before the window, for inspect"
 
 
+@pytest.mark.slow
 def test_cpu_batch_edited_in_place_by_the_step_is_recorded_as_given(projects, tmp_path):
     mlp = projects("rk_mlp")
     cfg = {"optimizer": "sgd"}
@@ -193,6 +200,7 @@ def test_bundle_written_atomically(projects, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("part_bytes", [None, 1024])
+@pytest.mark.slow
 def test_spill_to_disk_snapshots_replay_bit_exact(projects, tmp_path, monkeypatch, part_bytes):
     """Spilled snapshots (in one file, or several at 1 KiB a file) are linked into the bundle, not copied."""
     if part_bytes:

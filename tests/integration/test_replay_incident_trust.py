@@ -26,6 +26,7 @@ def foreign_incident(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_replaying_a_foreign_incident_prints_the_code_note_and_trust_silences_it(foreign_incident):
     r = CliRunner().invoke(main, ["replay", str(foreign_incident), "--json"])
     assert r.exit_code == 1, r.output  # reproduced

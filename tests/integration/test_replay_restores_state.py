@@ -72,6 +72,7 @@ def train_step(state, batch):
 """
 
 
+@pytest.mark.slow
 def test_a_step_that_raises_after_unscale_is_deterministic_over_times(project, tmp_path):
     # The GradScaler notes "unscale_ was called" until update(); a replay that raised before update() left that note,
     # and load_state_dict keeps it: the next replay's unscale_ raised "already been called" (verdict: flaky).
@@ -119,6 +120,7 @@ def train_step(state, batch):
 
 
 @pytest.mark.parametrize("mode", ["eval_backbone", "unfrozen_mid_run"])
+@pytest.mark.slow
 def test_submodule_modes_and_requires_grad_are_restored(project, tmp_path, mode):
     # Neither is in a state_dict: restore called model.train(), which put the eval backbone back into train mode,
     # and left the backbone frozen as build() makes it although the run had unfrozen it before the snapshot.
@@ -167,6 +169,7 @@ def train_step(state, batch):
 """
 
 
+@pytest.mark.slow
 def test_non_persistent_buffers_start_every_replay_alike(project, tmp_path):
     # load_state_dict leaves non-persistent buffers alone: each replay started from the counter the last one left,
     # so --times N runs differed from each other, and a shrink candidate restored from a mid-window snapshot
@@ -192,6 +195,7 @@ CAST_IN_STEP = COUNTER.replace("persistent=False", "persistent=True").replace(
 
 
 @pytest.mark.parametrize("where", ["loop", "step"])
+@pytest.mark.slow
 def test_a_model_in_another_dtype_than_build_makes_replays_in_the_recorded_dtype(project, tmp_path, where):
     # load_state_dict casts into the live dtype: a model the loop cast to float64 after build() replayed in float32,
     # with the optimizer's state cast along. (A step that casts the model itself was exact, and stays so.)
@@ -273,6 +277,7 @@ def train_step(state, batch):
 """
 
 
+@pytest.mark.slow
 def test_a_tensor_in_extra_that_the_optimizer_trains_is_restored_in_place(project, tmp_path):
     # restore replaced every tensor of extra by a new one (not requiring grad): the step's temperature was no longer
     # the one the optimizer steps, and the replay diverged one step after the snapshot.
@@ -312,6 +317,7 @@ def train_step(state, batch):
 """
 
 
+@pytest.mark.slow
 def test_a_step_that_edits_a_numpy_array_of_its_batch_does_not_change_the_next_replay(project, tmp_path):
     # Each run copied the batch's tensors but handed over its numpy arrays as decoded: views of the stored batch, so
     # the second of --times 2 ran on the weights the first had doubled.
@@ -329,6 +335,7 @@ RAISES_AFTER_BACKWARD = TEMPERATURE.replace(
     "    state.optimizer.step()")
 
 
+@pytest.mark.slow
 def test_a_gradient_left_on_an_optimizer_parameter_outside_the_model_does_not_leak_into_the_next_replay(project,
                                                                                                         tmp_path):
     # The failing replay raised after its backward: the temperature (in the optimizer, not in the model) kept that
@@ -410,6 +417,7 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
     return [] if a == b or (a != a and b != b) else [f"{path}: {a!r} vs {b!r}"]
 
 
+@pytest.mark.slow
 def test_every_restore_gives_back_exactly_the_recorded_snapshot(projects, tmp_path):
     # Regression guard for the "exact" claim over repeats: after a run, a restore captures as the bundle's snapshot
     # (model, optimizer with its step counters and param_groups, scheduler, scaler, gradients, modes, RNG).

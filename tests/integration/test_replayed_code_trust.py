@@ -12,26 +12,13 @@ import stat
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from rk_testing import entries, record_mlp_nan, reseal
+from rk_testing import cli, entries, reseal
 
 import reprokit
 from reprokit import bundle as B
-from reprokit.cli import main
 from reprokit.code import parse_entries
 from reprokit.errors import ConfigError
 from reprokit.shrink import shrink
-
-
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 10, 7, 4)
-
-
-@pytest.fixture
-def nan_bundle(recorded, tmp_path):
-    return Path(shutil.copytree(recorded, tmp_path / "repros" / recorded.name))
-
 
 replay_mod = importlib.import_module("reprokit.replayer")  # the module that replays (reprokit.replay is its function)
 
@@ -41,11 +28,6 @@ def marker_code(marker: Path) -> str:
     return (f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
             "def build(config):\n    raise SystemExit('swapped code ran')\n"
             "def train_step(state, batch):\n    raise SystemExit('swapped code ran')\n")
-
-
-def cli(*args: str):
-    r = CliRunner().invoke(main, list(args))
-    return r.exit_code, r.output
 
 
 # --- 1. the code snapshot is imported from the bytes that were verified ---------------------------------
@@ -97,8 +79,8 @@ def test_cli_replay_of_a_swapped_code_file_exits_3(nan_bundle, tmp_path, monkeyp
         return b
 
     monkeypatch.setattr(B, "open_bundle", open_then_swap)
-    rc, out = cli("replay", str(nan_bundle))
-    assert rc == 3 and "code/rk_mlp.py changed since the manifest was checked" in out, out
+    r = cli("replay", str(nan_bundle))
+    assert r.exit_code == 3 and "code/rk_mlp.py changed since the manifest was checked" in r.output, r.output
     assert not marker.exists()
 
 
@@ -134,32 +116,33 @@ def test_a_bundle_cannot_pick_a_function_of_the_users_checkout(nan_bundle, tmp_p
     marker = tmp_path / "DEPLOYED"
     code = checkout_of(nan_bundle, tmp_path / "checkout")
     hostile(nan_bundle, code, marker)
-    rc, out = cli("replay", str(nan_bundle), "--code", str(code))
+    r = cli("replay", str(nan_bundle), "--code", str(code))
     assert not marker.exists(), "the bundle ran scripts.deploy:main of the user's checkout"
-    assert rc == 2, out
-    assert "build = scripts.deploy:main" in out and "--entry build=scripts.deploy:main,step=rk_mlp:train_step" in out
+    assert r.exit_code == 2, r.output
+    assert "build = scripts.deploy:main" in r.output and "--entry build=scripts.deploy:main,step=rk_mlp:train_step" in r.output
     # Confirming the usual entry points does not confirm the bundle's other choice.
-    rc, out = cli("replay", str(nan_bundle), "--code", str(code), "--entry", "build=rk_mlp:build,step=rk_mlp:train_step")
-    assert rc == 2 and "not confirmed with --entry: build = scripts.deploy:main" in out, out
+    r = cli("replay", str(nan_bundle), "--code", str(code), "--entry", "build=rk_mlp:build,step=rk_mlp:train_step")
+    assert r.exit_code == 2 and "not confirmed with --entry: build = scripts.deploy:main" in r.output, r.output
     for cmd in (["shrink", str(nan_bundle), "-o", str(tmp_path / "small")], ["bisect", "steps", str(nan_bundle)]):
-        rc, out = cli(*cmd, "--code", str(code))
-        assert rc == 2 and "not confirmed with --entry" in out, out
+        r = cli(*cmd, "--code", str(code))
+        assert r.exit_code == 2 and "not confirmed with --entry" in r.output, r.output
     # bisect commits replays each commit's checkout as --code: the same confirmation, asked before any git work.
-    rc, out = cli("bisect", "commits", str(nan_bundle), "--good", "HEAD~1", "--bad", "HEAD")
-    assert rc == 2 and "each commit's checkout" in out and "not confirmed with --entry: build = scripts.deploy:main" in out, out
+    r = cli("bisect", "commits", str(nan_bundle), "--good", "HEAD~1", "--bad", "HEAD")
+    assert r.exit_code == 2 and "each commit's checkout" in r.output, r.output
+    assert "not confirmed with --entry: build = scripts.deploy:main" in r.output, r.output
     assert not marker.exists()
 
 
 def test_confirmed_entry_points_replay_from_the_checkout(nan_bundle, tmp_path):
     code = checkout_of(nan_bundle, tmp_path / "checkout")
-    rc, out = cli("replay", str(nan_bundle), "--code", str(code), "--entry", "build=rk_mlp:build",
+    r = cli("replay", str(nan_bundle), "--code", str(code), "--entry", "build=rk_mlp:build",
                   "--entry", "rk_mlp:train_step")
-    assert rc == 1 and out.startswith("REPRODUCED"), out
-    assert f"code from {code}" in out
-    rc, out = cli("replay", str(nan_bundle), "--code", str(code), "--entry", "step=rk_mlp:train_step")
-    assert rc == 2 and "not confirmed with --entry: build = rk_mlp:build" in out, out
-    rc, out = cli("replay", str(nan_bundle), "--entry", "build=rk_mlp:build")
-    assert rc == 2 and "--entry only applies with --code" in out, out
+    assert r.exit_code == 1 and r.output.startswith("REPRODUCED"), r.output
+    assert f"code from {code}" in r.output
+    r = cli("replay", str(nan_bundle), "--code", str(code), "--entry", "step=rk_mlp:train_step")
+    assert r.exit_code == 2 and "not confirmed with --entry: build = rk_mlp:build" in r.output, r.output
+    r = cli("replay", str(nan_bundle), "--entry", "build=rk_mlp:build")
+    assert r.exit_code == 2 and "--entry only applies with --code" in r.output, r.output
 
 
 def test_entry_syntax_errors_say_the_form():
@@ -175,6 +158,7 @@ def test_entry_syntax_errors_say_the_form():
 SANITIZED = "def train_step(state, batch):\n    batch = {**batch, 'x': torch.nan_to_num(batch['x'])}\n"
 
 
+@pytest.mark.slow
 def test_shrink_with_code_writes_the_code_it_shrank_against(nan_bundle, tmp_path):
     """The bundle's snapshot is a fixed version (the NaN row sanitised: it passes); --code DIR is the buggy code,
     which fails. The shrunk result must replay with DIR's code, as shrink confirmed, not the passing snapshot."""
@@ -184,10 +168,10 @@ def test_shrink_with_code_writes_the_code_it_shrank_against(nan_bundle, tmp_path
     reseal(nan_bundle)
     assert reprokit.replay(nan_bundle).verdict == "not_reproduced", "the snapshot itself passes"
     out = tmp_path / "small"
-    rc, text = cli("shrink", str(nan_bundle), "-o", str(out), "--code", str(code), *entries(nan_bundle),
+    r = cli("shrink", str(nan_bundle), "-o", str(out), "--code", str(code), *entries(nan_bundle),
                    "--passes", "steps", "--budget", "20")
-    assert rc == 0, text
-    assert f"code: shrunk against --code {code.resolve()}" in text, text
+    assert r.exit_code == 0, r.output
+    assert f"code: shrunk against --code {code.resolve()}" in r.output, r.output
     assert (out / "code" / "rk_mlp.py").read_bytes() == (code / "rk_mlp.py").read_bytes()
     report = reprokit.replay(out)
     assert report.verdict == "deterministic" and report.exit_code == 1, report.to_json()
@@ -195,6 +179,7 @@ def test_shrink_with_code_writes_the_code_it_shrank_against(nan_bundle, tmp_path
     assert provenance["code"]["shrunk_against"] == str(code.resolve())
 
 
+@pytest.mark.slow
 def test_shrink_without_code_keeps_the_verified_snapshot(nan_bundle, tmp_path):
     out = tmp_path / "small"
     shrink(nan_bundle, out, passes=["steps"], budget=20)
@@ -206,20 +191,22 @@ def test_shrink_without_code_keeps_the_verified_snapshot(nan_bundle, tmp_path):
 
 # --- 4. one run does not claim determinism ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_one_run_is_not_called_deterministic(nan_bundle):
-    rc, out = cli("replay", str(nan_bundle))
-    assert rc == 1
-    head = out.splitlines()[0]
+    r = cli("replay", str(nan_bundle))
+    assert r.exit_code == 1
+    head = r.output.splitlines()[0]
     assert head.startswith("REPRODUCED: 1/1 runs") and "reproduced once; --times N tells deterministic" in head, head
-    assert "(deterministic)" not in out
-    d = json.loads(cli("replay", str(nan_bundle), "--json")[1])
+    assert "(deterministic)" not in r.output
+    d = json.loads(cli("replay", str(nan_bundle), "--json").stdout)
     assert d["verdict"] == "deterministic" and d["determinism_checked"] is False
-    rc, out = cli("replay", str(nan_bundle), "--times", "2")
-    assert rc == 1 and "(deterministic)" in out.splitlines()[0], out
-    d = json.loads(cli("replay", str(nan_bundle), "--times", "2", "--json")[1])
+    r = cli("replay", str(nan_bundle), "--times", "2")
+    assert r.exit_code == 1 and "(deterministic)" in r.output.splitlines()[0], r.output
+    d = json.loads(cli("replay", str(nan_bundle), "--times", "2", "--json").stdout)
     assert d["verdict"] == "deterministic" and d["determinism_checked"] is True
 
 
+@pytest.mark.slow
 def test_assert_fixed_does_not_call_one_run_deterministic(nan_bundle, tmp_path):
     from reprokit.testing import StillFails, assert_fixed
 

@@ -14,24 +14,19 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from rk_testing import PROJECTS, torchrun
 
 from reprokit.bundle import LOCAL_RNG, MANIFEST, REPLICATED, _self_digest, dumps, open_bundle, reference, verify
 from reprokit.cli import main as cli
 from reprokit.distributed import replicated
-from reprokit.distributed.incident import free_port
 from reprokit.errors import BundleError
 from reprokit.pack import pack
 
-ROOT = Path(__file__).resolve().parents[2]
-PROJECT = ROOT / "tests" / "projects" / "rk_ddp.py"
+PROJECT = PROJECTS / "rk_ddp.py"
 
 
 def _torchrun(out: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), str(PROJECT), str(out), *args],
-                          env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
+    return torchrun(PROJECT, out, *args, cwd=out.parent)
 
 
 def _by_rank(out: Path) -> tuple[Path, dict[int, Path]]:
@@ -54,6 +49,7 @@ def _copy(folder: Path, dest: Path) -> Path:
     return dest / folder.name
 
 
+@pytest.mark.slow
 def test_rank_1_references_rank_0_s_state_and_both_replay_bit_exact(incident, tmp_path):
     folder, ranks = incident
     owner, mine = open_bundle(ranks[0]), open_bundle(ranks[1])
@@ -108,6 +104,7 @@ def test_rank_1_references_rank_0_s_state_and_both_replay_bit_exact(incident, tm
     assert "larger on disk: the source's state was another rank's files" in text.output, text.output
 
 
+@pytest.mark.slow
 def test_a_packed_rank_1_bundle_stands_alone(incident, tmp_path):
     _, ranks = incident
     out = tmp_path / "rank1.tar.gz"
@@ -130,6 +127,7 @@ def test_a_packed_rank_1_bundle_stands_alone(incident, tmp_path):
     assert d["fidelity"]["first_diverging_step"] == 5, d["fidelity"]  # step 4 bit-exact from the materialised state
 
 
+@pytest.mark.slow
 def test_a_tampered_referenced_file_is_refused(incident, tmp_path):
     folder = _copy(incident[0], tmp_path)
     _, ranks = _by_rank(tmp_path)
@@ -214,6 +212,7 @@ def test_an_owner_window_that_starts_elsewhere_is_never_referenced(incident):
     assert ref["files"] == {} and "starts at step 4" in ref["problem"], ref
 
 
+@pytest.mark.slow
 def test_a_non_owner_over_its_budget_falls_back_to_a_self_contained_bundle(tmp_path):
     """Rank 1's budget holds about two steps (each holds ~41 KB of RNG state), fewer than snapshot_every=4: rather
     than restart its window on its own (it would no longer start at rank 0's snapshot), it takes its own snapshots."""
@@ -231,6 +230,7 @@ def test_a_non_owner_over_its_budget_falls_back_to_a_self_contained_bundle(tmp_p
     assert r.exit_code == 1, r.output
 
 
+@pytest.mark.slow
 def test_when_the_owner_snapshots_early_the_other_ranks_take_their_own(tmp_path):
     """Rank 0's budget forces early snapshots (at step 2): rank 1, at its next snapshot step (4), sees it and takes
     its own snapshot; its window (4..6) then stands alone instead of referencing a snapshot rank 0 never took."""
@@ -250,7 +250,7 @@ def test_replicated_state_true_without_a_process_group_is_refused_at_attach(tmp_
     import reprokit
     from reprokit.errors import ConfigError
 
-    monkeypatch.syspath_prepend(str(ROOT / "tests" / "projects"))
+    monkeypatch.syspath_prepend(str(PROJECTS))
     import rk_ddp
 
     state = rk_ddp.build({})
@@ -265,6 +265,7 @@ def test_replicated_state_true_without_a_process_group_is_refused_at_attach(tmp_
     rec.close()
 
 
+@pytest.mark.slow
 def test_an_owner_without_a_bundle_leaves_a_bundle_that_says_it_cannot_replay(tmp_path):
     """Rank 0's budget (1 KB) holds no step, so it records nothing and writes no bundle: rank 1 stops waiting when rank
     0 marks the incident done, and writes its batches with a reference that says why there is no state, loudly."""

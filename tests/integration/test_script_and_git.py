@@ -10,6 +10,8 @@ import textwrap
 from pathlib import Path
 
 import git
+import pytest
+from rk_testing import cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,6 +57,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_script_in_a_dirty_git_repo(tmp_path):
     repo_dir = tmp_path / "proj"
     repo_dir.mkdir()
@@ -79,8 +82,7 @@ def test_script_in_a_dirty_git_repo(tmp_path):
 
     # Replay from an unrelated directory, with the repo moved out of the way.
     (repo_dir / "helpers.py").unlink()
-    proc = subprocess.run([sys.executable, "-m", "reprokit", "replay", str(bundle), "--json"], cwd="/", env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = cli_process("replay", bundle, "--json", env=env)
     assert proc.returncode == 1, proc.stderr
     d = json.loads(proc.stdout)
     assert d["failure"]["step"] == 17 and d["fidelity"]["bit_exact"]

@@ -44,6 +44,7 @@ def test_shrink_human_summary(nan_bundle, tmp_path):
     assert "kept rows [3] of the failing batch" in result.output and "still fails: nonfinite_loss" in result.output
 
 
+@pytest.mark.slow
 def test_isolated_shrink_matches_in_process(nan_bundle, tmp_path):
     a = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(tmp_path / "a"), "--passes", "steps,rows",
                                   "--json"])
@@ -72,6 +73,7 @@ def test_shrink_errors(nan_bundle, tmp_path, projects):
     assert gone.exit_code == 1 and "does not reproduce" in gone.output
 
 
+@pytest.mark.slow
 def test_a_result_larger_on_disk_says_so_and_why(projects, tmp_path):
     # A wide model, snapshot at step 0 (Adam has no moments yet), NaN at step 3: the steps pass starts the result
     # from a later state, which holds Adam's moments, so the result is larger on disk though it replays 1 step.

@@ -59,6 +59,7 @@ def test_a_bad_sample_is_still_named_once_healthy_batches_pass(projects, tmp_pat
     assert d["rows_after"] == 1 and d["dataset_indices"] == [5 * 16 + 3]  # row 3 of step 5 holds the NaN
 
 
+@pytest.mark.slow
 def test_hf_accumulation_cuts_each_micro_batch_on_its_own_and_names_the_culprits_own_index(tmp_path):
     from rk_hf_data import Embeds, tiny
     from transformers import Trainer, TrainingArguments

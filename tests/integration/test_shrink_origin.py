@@ -76,6 +76,7 @@ def test_a_one_position_cut_that_empties_every_document_is_rejected(empty_doc):
         assert sh.replays == 6 and sh.origin_checks == 5
 
 
+@pytest.mark.slow
 def test_the_sequence_pass_leaves_the_feature_dim_of_a_dense_batch_alone(projects, tmp_path):
     from reprokit.shrink import shrink
 

@@ -26,7 +26,12 @@ def _assert_bit_exact_replay(mlp, cfg, tmp_path, steps=16, poison=13, every=5):
     return exc.bundle
 
 
-@pytest.mark.parametrize("opt", OPTIMIZERS)
+# Three kinds in the quick run (momentum, Adam's moments, LBFGS's closure); the other ten under the slow marker.
+QUICK_OPTIMIZERS = {"sgd", "adamw", "lbfgs"}
+
+
+@pytest.mark.parametrize("opt", [o if o in QUICK_OPTIMIZERS else pytest.param(o, marks=pytest.mark.slow)
+                                 for o in OPTIMIZERS])
 def test_optimizer_state_round_trips(projects, tmp_path, opt):
     _assert_bit_exact_replay(projects("rk_mlp"), {"optimizer": opt, "lr": 1e-2}, tmp_path)
 

@@ -18,23 +18,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import record_mlp_nan, reseal
+from rk_testing import reseal
 
 from reprokit import archive
 from reprokit import bundle as B
 from reprokit.cli import main
 from reprokit.errors import BundleError
 from reprokit.pack import pack
-
-
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    return record_mlp_nan(tmp_path_factory.mktemp("repros"), 8, 6, 4)
-
-
-@pytest.fixture
-def bundle(recorded, tmp_path):
-    return Path(shutil.copytree(recorded, tmp_path / recorded.name))
 
 
 def _step_json(bundle: Path) -> str:
@@ -50,53 +40,53 @@ def _edit(path: Path, key: str, value: object) -> None:
 # --- a file swapped after verify ----------------------------------------------------------
 
 @pytest.mark.parametrize("which", ["step", "state"])
-def test_a_json_file_swapped_after_open_is_refused_not_loaded(bundle, which):
+def test_a_json_file_swapped_after_open_is_refused_not_loaded(nan_bundle, which):
     """open_bundle verifies every JSON file, but the step and state documents were read again later (replay reads
     them step by step), unchecked: an edit made meanwhile was loaded as if the sender had vouched for it."""
-    b = B.open_bundle(bundle)
+    b = B.open_bundle(nan_bundle)
     if which == "step":
-        rel = _step_json(bundle)
-        _edit(bundle / rel, "loss", 123.0)
-        step = json.loads((bundle / rel).read_text())["step"]
+        rel = _step_json(nan_bundle)
+        _edit(nan_bundle / rel, "loss", 123.0)
+        step = json.loads((nan_bundle / rel).read_text())["step"]
         with pytest.raises(BundleError, match=f"{rel}: size mismatch: it changed since the manifest was checked"):
             b.step(step)
     else:
-        _edit(bundle / B.STATE_JSON, "step", 99)
+        _edit(nan_bundle / B.STATE_JSON, "step", 99)
         with pytest.raises(BundleError, match="state/state.json: size mismatch"):
             b.state()
 
 
-def test_inspect_batch_reads_the_step_json_it_was_vouched_for(bundle):
+def test_inspect_batch_reads_the_step_json_it_was_vouched_for(nan_bundle):
     """``inspect --batch`` (report.step_batch) read the failing step's JSON again unchecked: a batch tree edited after
     the bundle was opened was shown as the recorded batch."""
     from reprokit.report import step_batch
 
-    b = B.open_bundle(bundle)
+    b = B.open_bundle(nan_bundle)
     step = b.failure.step
     rel = f"{B.STEPS}/{B.step_name(step)}.json"
-    _edit(bundle / rel, "loss", 123.0)
+    _edit(nan_bundle / rel, "loss", 123.0)
     with pytest.raises(BundleError, match=f"{rel}: size mismatch"):
         step_batch(b, step)
 
 
-def test_a_same_size_edit_after_open_is_caught_by_its_digest(bundle):
-    b = B.open_bundle(bundle)
-    rel = _step_json(bundle)
-    text = (bundle / rel).read_text()
+def test_a_same_size_edit_after_open_is_caught_by_its_digest(nan_bundle):
+    b = B.open_bundle(nan_bundle)
+    rel = _step_json(nan_bundle)
+    text = (nan_bundle / rel).read_text()
     assert '"loss": ' in text
     i = text.index('"loss": ') + len('"loss": ')
-    (bundle / rel).write_text(text[:i] + ("7" if text[i] != "7" else "8") + text[i + 1:])  # one digit, same size
+    (nan_bundle / rel).write_text(text[:i] + ("7" if text[i] != "7" else "8") + text[i + 1:])  # one digit, same size
     with pytest.raises(BundleError, match="checksum mismatch") as e:
         b.step_doc(int(Path(rel).stem))
     assert e.value.problems[0]["file"] == rel
 
 
-def test_a_fifo_swapped_in_after_open_is_refused_at_once(bundle):
+def test_a_fifo_swapped_in_after_open_is_refused_at_once(nan_bundle):
     """Reading a FIFO blocks until someone writes to it: a reader must refuse it unopened, not hang."""
-    b = B.open_bundle(bundle)
-    rel = _step_json(bundle)
-    (bundle / rel).unlink()
-    os.mkfifo(bundle / rel)
+    b = B.open_bundle(nan_bundle)
+    rel = _step_json(nan_bundle)
+    (nan_bundle / rel).unlink()
+    os.mkfifo(nan_bundle / rel)
 
     done = threading.Event()
 
@@ -104,7 +94,7 @@ def test_a_fifo_swapped_in_after_open_is_refused_at_once(bundle):
         if done.wait(3):
             return
         try:
-            fd = os.open(bundle / rel, os.O_WRONLY | os.O_NONBLOCK)
+            fd = os.open(nan_bundle / rel, os.O_WRONLY | os.O_NONBLOCK)
             os.close(fd)
         except OSError:
             pass
@@ -138,40 +128,40 @@ def _overlapping(data: bytes) -> bytes:
     raise AssertionError("no two tensors to overlap")
 
 
-def test_a_safetensors_file_swapped_after_open_gets_the_checks_verify_made(bundle):
+def test_a_safetensors_file_swapped_after_open_gets_the_checks_verify_made(nan_bundle):
     """A tensor file's header is checked when the bundle is opened (read, not hashed: hashing waits for the
     load), and its bytes are hashed when loaded. A sender who lists the digest of a second file with an
     overlapping header, and swaps it in once the first passed the checks, had it loaded: two tensors on the
     same bytes. The header of the bytes that hashed right is now held to the same checks."""
-    rel = _step_json(bundle).replace(".json", ".safetensors")
-    honest = (bundle / rel).read_bytes()
+    rel = _step_json(nan_bundle).replace(".json", ".safetensors")
+    honest = (nan_bundle / rel).read_bytes()
     crafted = _overlapping(honest)
     assert len(crafted) == len(honest)
-    (bundle / rel).write_bytes(crafted)
-    reseal(bundle)  # the manifest vouches for the crafted file
-    (bundle / rel).write_bytes(honest)  # ... but the honest one is there while the bundle is opened
-    b = B.open_bundle(bundle)
-    (bundle / rel).write_bytes(crafted)
+    (nan_bundle / rel).write_bytes(crafted)
+    reseal(nan_bundle)  # the manifest vouches for the crafted file
+    (nan_bundle / rel).write_bytes(honest)  # ... but the honest one is there while the bundle is opened
+    b = B.open_bundle(nan_bundle)
+    (nan_bundle / rel).write_bytes(crafted)
     with pytest.raises(BundleError, match=f"{rel}: header: .*(overlapping|gap)"):
         b.step(int(Path(rel).stem))
 
 
-def test_a_state_file_swapped_after_open_must_hold_the_tensors_the_tree_names(bundle):
+def test_a_state_file_swapped_after_open_must_hold_the_tensors_the_tree_names(nan_bundle):
     """Swapped in after open, a state file (digest in the manifest, header well formed) lacking a tensor the
     state's tree names was loaded; restoring it then failed with a bare KeyError."""
     rel = B.STATE_TENSORS
-    honest = (bundle / rel).read_bytes()
+    honest = (nan_bundle / rel).read_bytes()
     (n,) = struct.unpack("<Q", honest[:8])
     header = json.loads(honest[8:8 + n])
     victim = next(k for k in sorted(header) if k.startswith("model/"))
     header[victim.replace("model/", "modeX/", 1)] = header.pop(victim)  # same length, another name
     raw = json.dumps(header, separators=(",", ":")).encode()
     crafted = struct.pack("<Q", n) + raw + b" " * (n - len(raw)) + honest[8 + n:]
-    (bundle / rel).write_bytes(crafted)
-    reseal(bundle)
-    (bundle / rel).write_bytes(honest)
-    b = B.open_bundle(bundle)
-    (bundle / rel).write_bytes(crafted)
+    (nan_bundle / rel).write_bytes(crafted)
+    reseal(nan_bundle)
+    (nan_bundle / rel).write_bytes(honest)
+    b = B.open_bundle(nan_bundle)
+    (nan_bundle / rel).write_bytes(crafted)
     with pytest.raises(BundleError, match="which is not in the file's tensors"):
         b.state()
 
@@ -179,64 +169,64 @@ def test_a_state_file_swapped_after_open_must_hold_the_tensors_the_tree_names(bu
 # --- the manifest -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("alias", ["./run.json", "steps//{step}", "state/./state.json"])
-def test_a_second_spelling_of_a_listed_file_is_a_problem(bundle, alias):
+def test_a_second_spelling_of_a_listed_file_is_a_problem(nan_bundle, alias):
     """The manifest listed one file twice, under two spellings, and verify called the bundle intact."""
-    step = Path(_step_json(bundle)).name
+    step = Path(_step_json(nan_bundle)).name
     alias = alias.format(step=step)
     canonical = "/".join(p for p in alias.split("/") if p not in ("", "."))
 
     def add(m: dict) -> None:
         m["files"][alias] = dict(m["files"][canonical])
 
-    reseal(bundle, add)
-    problems = B.verify(bundle)
+    reseal(nan_bundle, add)
+    problems = B.verify(nan_bundle)
     assert problems == [{"file": alias, "problem": "not a plain path in the manifest (an empty or '.' part): each "
                                                    "file is listed once, by one spelling"}]
-    r = CliRunner().invoke(main, ["replay", str(bundle)])
+    r = CliRunner().invoke(main, ["replay", str(nan_bundle)])
     assert r.exit_code == 3 and alias in r.output, r.output
 
 
-def test_a_listed_file_that_is_a_link_is_reported_once(bundle, tmp_path):
+def test_a_listed_file_that_is_a_link_is_reported_once(nan_bundle, tmp_path):
     outside = tmp_path / "outside.json"
-    shutil.copyfile(bundle / B.ENV, outside)
-    (bundle / B.ENV).unlink()
-    (bundle / B.ENV).symlink_to(outside)
-    assert B.verify(bundle) == [{"file": B.ENV, "problem": "a link, not a file (a bundle holds regular files only)"}]
+    shutil.copyfile(nan_bundle / B.ENV, outside)
+    (nan_bundle / B.ENV).unlink()
+    (nan_bundle / B.ENV).symlink_to(outside)
+    assert B.verify(nan_bundle) == [{"file": B.ENV, "problem": "a link, not a file (a bundle holds regular files only)"}]
 
 
-def test_a_manifest_path_that_is_not_unicode_is_a_problem_not_a_crash(bundle):
+def test_a_manifest_path_that_is_not_unicode_is_a_problem_not_a_crash(nan_bundle):
     """A JSON escape like \\udcff makes a string no file system can take: verify died in a UnicodeEncodeError
     (exit 70, 'internal error') instead of refusing the bundle."""
     def add(m: dict) -> None:
         m["files"]["code/\udcff.py"] = {"sha256": "0" * 64, "size": 0}
 
-    reseal(bundle, add)
-    problems = B.verify(bundle)
+    reseal(nan_bundle, add)
+    problems = B.verify(nan_bundle)
     assert len(problems) == 1 and problems[0]["file"] == B.MANIFEST
     assert "unpaired surrogate" in problems[0]["problem"]
     for cmd in ("inspect", "replay"):
-        r = CliRunner().invoke(main, [cmd, str(bundle)])
+        r = CliRunner().invoke(main, [cmd, str(nan_bundle)])
         assert r.exit_code == 3 and "unpaired surrogate" in r.output, (cmd, r.output)
 
 
-def test_a_failure_message_that_is_not_unicode_is_refused_not_printed(bundle):
+def test_a_failure_message_that_is_not_unicode_is_refused_not_printed(nan_bundle):
     """inspect and replay printed failure.json's message and died in a UnicodeEncodeError (exit 70)."""
-    _edit(bundle / B.FAILURE, "message", "bad \ud800 name")
-    reseal(bundle)
+    _edit(nan_bundle / B.FAILURE, "message", "bad \ud800 name")
+    reseal(nan_bundle)
     for cmd in ("inspect", "replay"):
-        r = CliRunner().invoke(main, [cmd, str(bundle)])
+        r = CliRunner().invoke(main, [cmd, str(nan_bundle)])
         assert r.exit_code == 3 and "failure.json: message holds a string with an unpaired surrogate" in r.output, \
             (cmd, r.output)
 
 
 # --- an archive swapped after its sha256 was checked ---------------------------------------
 
-def test_an_archive_swapped_after_its_digest_was_checked_is_refused(recorded, tmp_path, monkeypatch):
+def test_an_archive_swapped_after_its_digest_was_checked_is_refused(shared_nan_bundle, tmp_path, monkeypatch):
     """The archive's sha256 (--sha256 or the sidecar) was checked on one read, and the file extracted on two
     later reads: an archive rewritten in between (a download still in progress, a shared inbox) was extracted
     and opened as if it were the one whose digest the user vouched for."""
-    good = pack(recorded, tmp_path / "good.tar")
-    other = Path(shutil.copytree(recorded, tmp_path / "other" / recorded.name))
+    good = pack(shared_nan_bundle, tmp_path / "good.tar")
+    other = Path(shutil.copytree(shared_nan_bundle, tmp_path / "other" / shared_nan_bundle.name))
     _edit(other / B.RUN, "config", {"lr": 1e9})
     reseal(other)  # a valid bundle of its own, with a valid archive of its own
     pack(other, tmp_path / "other.tar")
@@ -258,8 +248,8 @@ def test_an_archive_swapped_after_its_digest_was_checked_is_refused(recorded, tm
             pass
 
 
-def test_an_unswapped_archive_still_opens_with_and_without_a_digest(recorded, tmp_path):
-    res = pack(recorded, tmp_path / "repro.tar")
+def test_an_unswapped_archive_still_opens_with_and_without_a_digest(shared_nan_bundle, tmp_path):
+    res = pack(shared_nan_bundle, tmp_path / "repro.tar")
     with archive.extracted(tmp_path / "repro.tar", sha256=res.sha256) as b:
         assert B.open_bundle(b).failure.kind == "nonfinite_loss"
     (tmp_path / "repro.tar.sha256").unlink()
@@ -285,24 +275,24 @@ def _with_shape(data: bytes, shape: list[int]) -> bytes:
     ([2 ** 62] * 3000, "has 3000 dimensions; at most 64"),
     ([2 ** 62] * 40000, "has 40000 dimensions; at most 64"),
 ], ids=["huge dimensions", "thousands of dimensions", "tens of thousands of dimensions"])
-def test_a_header_with_absurd_dimensions_is_refused_quickly(bundle, shape, words):
+def test_a_header_with_absurd_dimensions_is_refused_quickly(nan_bundle, shape, words):
     """The element count was multiplied out over every dimension before being compared with the data: 3,000
     dimensions of 2**62 made a 55,000-digit number whose error message could not even be formatted (a bare
     ValueError, exit 70), and 40,000 of them took 9 s (quadratic: a 64 MiB header, hours)."""
-    rel = _step_json(bundle).replace(".json", ".safetensors")
-    (bundle / rel).write_bytes(_with_shape((bundle / rel).read_bytes(), shape))
-    reseal(bundle)
+    rel = _step_json(nan_bundle).replace(".json", ".safetensors")
+    (nan_bundle / rel).write_bytes(_with_shape((nan_bundle / rel).read_bytes(), shape))
+    reseal(nan_bundle)
     start = time.monotonic()
-    problems = B.verify(bundle)
+    problems = B.verify(nan_bundle)
     assert time.monotonic() - start < 3
     assert [p["file"] for p in problems] == [rel] and words in problems[0]["problem"], problems
-    r = CliRunner().invoke(main, ["replay", str(bundle)])
+    r = CliRunner().invoke(main, ["replay", str(nan_bundle)])
     assert r.exit_code == 3 and rel in r.output and words in r.output, r.output
 
 
 # --- pack ships what was verified ----------------------------------------------------------
 
-def test_pack_ships_only_the_files_the_verified_manifest_lists(bundle, tmp_path):
+def test_pack_ships_only_the_files_the_verified_manifest_lists(nan_bundle, tmp_path):
     """pack verified the bundle, then packed whatever the folder held by then, links followed: a link to a
     private file, dropped into the folder meanwhile, was shipped inside the archive (and listed in its pack
     manifest as if it belonged)."""
@@ -313,16 +303,16 @@ def test_pack_ships_only_the_files_the_verified_manifest_lists(bundle, tmp_path)
     token = uuid.uuid4().hex.encode()  # in no other file (env.json may hold this very test in a git diff)
     secret = tmp_path / "id_rsa"
     secret.write_bytes(token)
-    b = B.open_bundle(bundle)
-    (bundle / "code" / "notes.txt").symlink_to(secret)
-    (bundle / "extra.json").write_text("{}")
+    b = B.open_bundle(nan_bundle)
+    (nan_bundle / "code" / "notes.txt").symlink_to(secret)
+    (nan_bundle / "extra.json").write_text("{}")
     res = _pack(b, tmp_path / "repro.tar")
     with tarfile.open(res.output) as tf:
         names = {m.name.split("/", 2)[-1] for m in tf.getmembers() if m.isfile() and m.name.split("/")[1] == "bundle"}
         leaked = [m.name for m in tf.getmembers() if m.isfile() and token in tf.extractfile(m).read()]
     assert leaked == []
     assert names == {*b.manifest["files"], B.MANIFEST}
-    shutil.rmtree(bundle / "code")  # what is packed opens, intact, elsewhere
+    shutil.rmtree(nan_bundle / "code")  # what is packed opens, intact, elsewhere
     r = CliRunner().invoke(main, ["verify", str(res.output)])
     assert r.exit_code == 0, r.output
 
@@ -347,9 +337,9 @@ def _remove_tree(root: Path) -> None:
         os.rmdir(d)
 
 
-def test_a_bundle_folder_nesting_a_thousand_folders_is_a_problem_not_a_crash(bundle):
+def test_a_bundle_folder_nesting_a_thousand_folders_is_a_problem_not_a_crash(nan_bundle):
     """verify walked the folder with Path.rglob, one recursion per level: RecursionError, exit 70."""
-    d = bundle / "d"
+    d = nan_bundle / "d"
     d.mkdir()
     here = os.getcwd()
     try:
@@ -361,16 +351,16 @@ def test_a_bundle_folder_nesting_a_thousand_folders_is_a_problem_not_a_crash(bun
     finally:
         os.chdir(here)
     try:
-        problems = B.verify(bundle)
+        problems = B.verify(nan_bundle)
         assert [p["problem"] for p in problems] == ["unexpected file"]
         assert problems[0]["file"] == "d/" * DEEP + "x"
-        r = CliRunner().invoke(main, ["replay", str(bundle)])
+        r = CliRunner().invoke(main, ["replay", str(nan_bundle)])
         assert r.exit_code == 3 and "unexpected file" in r.output, r.output
     finally:
         _remove_tree(d)
 
 
-def test_an_archive_member_nested_a_thousand_deep_is_refused_before_anything_is_written(recorded, tmp_path,
+def test_an_archive_member_nested_a_thousand_deep_is_refused_before_anything_is_written(shared_nan_bundle, tmp_path,
                                                                                          monkeypatch):
     """Extracted, such a tree made shutil.rmtree of the temp dir die in a RecursionError (exit 70), leaving
     the extracted files behind."""
@@ -383,7 +373,7 @@ def test_an_archive_member_nested_a_thousand_deep_is_refused_before_anything_is_
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     out = tmp_path / "deep.tar"
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tf:
-        tf.add(recorded, arcname="b")
+        tf.add(shared_nan_bundle, arcname="b")
         info = tarfile.TarInfo("b/" + "d/" * DEEP + "x")
         info.size = 1
         tf.addfile(info, io.BytesIO(b"x"))
@@ -398,32 +388,32 @@ def test_an_archive_member_nested_a_thousand_deep_is_refused_before_anything_is_
 
 
 @pytest.mark.parametrize("subdir", ["../../elsewhere", "/home/someone/project", "a/../../b"])
-def test_a_code_subdir_outside_the_repository_is_refused(bundle, subdir):
+def test_a_code_subdir_outside_the_repository_is_refused(nan_bundle, subdir):
     """env.json's git.code_subdir is where commit bisection imports the project from in each checked-out commit
     (``<worktree>/<code_subdir>``, replayed with --code): one with '..' or an absolute path pointed it at any
     folder of the machine, chosen by the bundle."""
-    doc = json.loads((bundle / B.ENV).read_text())
+    doc = json.loads((nan_bundle / B.ENV).read_text())
     doc["git"] = {**(doc.get("git") or {}), "code_subdir": subdir}
-    (bundle / B.ENV).write_text(json.dumps(doc))
-    reseal(bundle)
-    problems = B.verify(bundle)
+    (nan_bundle / B.ENV).write_text(json.dumps(doc))
+    reseal(nan_bundle)
+    problems = B.verify(nan_bundle)
     assert problems == [{"file": B.ENV, "problem": "git.code_subdir must be a folder inside the repository "
                                                    f"(relative, no '..'), got {subdir!r}"}]
 
 
-def test_a_recorded_rng_state_the_generator_refuses_is_an_invalid_bundle(bundle):
+def test_a_recorded_rng_state_the_generator_refuses_is_an_invalid_bundle(nan_bundle):
     """A schema-valid RNG tensor of the wrong size (re-signed) made replay die in torch's RuntimeError (exit 70)."""
     import torch
 
     from reprokit.bundle import tensorfile
 
-    meta = json.loads((bundle / B.MANIFEST).read_text())["files"][B.STATE_TENSORS]
-    tensors = dict(tensorfile.read_verified(bundle / B.STATE_TENSORS, meta["sha256"], meta["size"]))
+    meta = json.loads((nan_bundle / B.MANIFEST).read_text())["files"][B.STATE_TENSORS]
+    tensors = dict(tensorfile.read_verified(nan_bundle / B.STATE_TENSORS, meta["sha256"], meta["size"]))
     tensors["rng/torch"] = torch.zeros(10, dtype=torch.uint8)
-    tensorfile.write_safetensors(bundle / B.STATE_TENSORS, tensors)
-    reseal(bundle)
-    assert B.verify(bundle) == []
-    r = CliRunner().invoke(main, ["replay", str(bundle)])
+    tensorfile.write_safetensors(nan_bundle / B.STATE_TENSORS, tensors)
+    reseal(nan_bundle)
+    assert B.verify(nan_bundle) == []
+    r = CliRunner().invoke(main, ["replay", str(nan_bundle)])
     assert r.exit_code == 3 and "recorded state of the global generators cannot be set" in r.output, r.output
 
 
@@ -448,25 +438,25 @@ def _hidden_bytecode(bundle: Path) -> str:
     return rel
 
 
-def test_bytecode_hidden_in_the_code_snapshot_never_runs(bundle):
+def test_bytecode_hidden_in_the_code_snapshot_never_runs(nan_bundle):
     """Replay ran the hidden bytecode, not the code/rk_mlp.py a reader would check, and verify called the bundle
     intact."""
-    rel = _hidden_bytecode(bundle)
-    problems = B.verify(bundle)
+    rel = _hidden_bytecode(nan_bundle)
+    problems = B.verify(nan_bundle)
     assert [p["file"] for p in problems] == [rel] and "not Python source" in problems[0]["problem"]
-    r = CliRunner().invoke(main, ["replay", str(bundle)])
+    r = CliRunner().invoke(main, ["replay", str(nan_bundle)])
     assert r.exit_code == 3 and "HIDDEN BYTECODE RAN" not in r.output, r.output
 
 
 @pytest.mark.parametrize("name", ["helper.cpython-311-x86_64-linux-gnu.so", "notes.txt"])
-def test_a_code_snapshot_holds_python_source_only(bundle, name):
-    (bundle / "code" / name).write_bytes(b"\x7fELF")
-    reseal(bundle, lambda m: m["files"].update({f"code/{name}": {"sha256": B.sha256_file(bundle / "code" / name),
+def test_a_code_snapshot_holds_python_source_only(nan_bundle, name):
+    (nan_bundle / "code" / name).write_bytes(b"\x7fELF")
+    reseal(nan_bundle, lambda m: m["files"].update({f"code/{name}": {"sha256": B.sha256_file(nan_bundle / "code" / name),
                                                                  "size": 4}}))
-    assert [p["file"] for p in B.verify(bundle)] == [f"code/{name}"]
+    assert [p["file"] for p in B.verify(nan_bundle)] == [f"code/{name}"]
 
 
-def test_an_archive_carrying_bytecode_is_refused_before_anything_is_written(recorded, tmp_path):
+def test_an_archive_carrying_bytecode_is_refused_before_anything_is_written(shared_nan_bundle, tmp_path):
     """The vendored runtime that `python repro.py` imports, or the snapshot, could carry a .pyc run in place of
     the source beside it."""
     import io
@@ -474,7 +464,7 @@ def test_an_archive_carrying_bytecode_is_refused_before_anything_is_written(reco
 
     out = tmp_path / "repro.tar"
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tf:
-        tf.add(recorded, arcname="b")
+        tf.add(shared_nan_bundle, arcname="b")
         info = tarfile.TarInfo("reprokit/__pycache__/bundle.cpython-311.pyc")
         info.size = 4
         tf.addfile(info, io.BytesIO(b"\x00" * 4))
@@ -482,7 +472,7 @@ def test_an_archive_carrying_bytecode_is_refused_before_anything_is_written(reco
     assert r.exit_code == 1 and "compiled or native code not allowed" in r.output, r.output
 
 
-def test_pack_never_writes_through_a_link_planted_at_its_temp_name(recorded, tmp_path):
+def test_pack_never_writes_through_a_link_planted_at_its_temp_name(shared_nan_bundle, tmp_path):
     """pack wrote the archive to '.OUT.tmp-PID' with a plain open(): in a shared folder (/tmp), a link planted
     there by someone else had the archive written through it, over the file it points to."""
     victim = tmp_path / "victim.txt"
@@ -491,7 +481,7 @@ def test_pack_never_writes_through_a_link_planted_at_its_temp_name(recorded, tmp
     shared.mkdir()
     for name in ("repro.tar", "repro.tar.sha256"):
         (shared / f".{name}.tmp-{os.getpid()}").symlink_to(victim)
-    res = pack(recorded, shared / "repro.tar")
+    res = pack(shared_nan_bundle, shared / "repro.tar")
     assert victim.read_text() == "precious"
     assert B.sha256_file(res.output) == res.sha256 and not res.output.is_symlink()
     assert (shared / "repro.tar.sha256").read_text().startswith(res.sha256)

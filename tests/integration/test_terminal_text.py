@@ -32,6 +32,7 @@ def test_cli_text_escapes_control_characters(hostile, tmp_path, command):
     assert "\\x1b[2J" in r.output, r.output
 
 
+@pytest.mark.slow
 def test_a_packed_repro_prints_its_report_escaped(hostile, tmp_path):
     out = tmp_path / "r.tar"
     assert CliRunner().invoke(main, ["pack", str(hostile), "-o", str(out)]).exit_code == 0

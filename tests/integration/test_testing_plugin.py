@@ -46,6 +46,7 @@ def regression(tmp_path_factory):
     return out, bundle, checkouts
 
 
+@pytest.mark.slow
 def test_assert_fixed_passes_fails_and_errors(regression):
     out, bundle, code = regression
     assert assert_fixed(bundle, code=code["fixed"]).verdict == "not_reproduced"
@@ -63,6 +64,7 @@ def _pytest(tmp: Path, *args: str) -> subprocess.CompletedProcess:
                            "-q", "-rA", *args], cwd=tmp, env=ENV, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_plugin_each_bundle_is_a_test_item(regression, tmp_path):
     out, _, code = regression
     fixed = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["fixed"]))
@@ -82,6 +84,7 @@ def test_plugin_each_bundle_is_a_test_item(regression, tmp_path):
     assert "pluggy" not in broken.stdout and "_pytest" not in broken.stdout, broken.stdout
 
 
+@pytest.mark.slow
 def test_plugin_is_inert_without_bundles_and_refuses_a_missing_folder(tmp_path):
     (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
     assert "1 passed" in _pytest(tmp_path).stdout

@@ -19,6 +19,8 @@ from reprokit.cli import main
 from reprokit.errors import CaptureError
 from reprokit.integrations.transformers import ReprokitCallback
 
+pytestmark = pytest.mark.slow  # importing the Trainer alone takes seconds
+
 
 def added(tmp_path, dataset, trainer_cls=Trainer, model=None, snapshot_every=4, **kw) -> Trainer:
     """The user's script: a Trainer made first, the callback added to it afterwards."""

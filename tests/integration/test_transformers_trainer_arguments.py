@@ -17,6 +17,8 @@ from reprokit.cli import main
 from reprokit.errors import CaptureError
 from reprokit.integrations.transformers import ReprokitCallback
 
+pytestmark = pytest.mark.slow  # importing the Trainer alone takes seconds
+
 
 def trainer(tmp_path, train_ds, callbacks, **kw) -> Trainer:
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, seed=3,

@@ -18,7 +18,7 @@ from reprokit import bundle as B
 from reprokit.bisect import bisect_commits
 from reprokit.cli import main
 
-# Appended to a copy of rk_mlp.py: the loss goes NaN one step early (the batch of step 10 starts at index 160).
+# Appended to a copy of rk_mlp.py: the loss goes NaN one step early (the batch of step 5 starts at index 80).
 EARLY = '''
 
 _train_step = train_step
@@ -26,17 +26,9 @@ _train_step = train_step
 
 def train_step(state, batch):
     loss = _train_step(state, batch)
-    early = int(batch["index"][0]) == 160 and {condition}
+    early = int(batch["index"][0]) == 80 and {condition}
     return loss * float("nan") if early else loss
 '''
-
-
-@pytest.fixture
-def nan_bundle(projects, tmp_path):
-    """rk_mlp, NaN loss at step 11, window 10..11."""
-    mlp = projects("rk_mlp")
-    _, exc = record(mlp, {}, mlp.batches({}, 14, poison_step=11), tmp_path / "repros", snapshot_every=5)
-    return bundle_of(exc)
 
 
 def checkout_failing_early(bundle, tmp_path, condition="True"):
@@ -50,37 +42,37 @@ def checkout_failing_early(bundle, tmp_path, condition="True"):
 def test_same_signature_at_an_earlier_step_is_a_different_failure(nan_bundle, tmp_path):
     code = checkout_failing_early(nan_bundle, tmp_path)
     report = reprokit.replay(nan_bundle, code=code)
-    assert report.runs[0].failure.kind == "nonfinite_loss" and report.runs[0].failure.step == 10
+    assert report.runs[0].failure.kind == "nonfinite_loss" and report.runs[0].failure.step == 5
     assert report.verdict == "different_failure" and not report.reproduced and report.exit_code == 125
-    assert report.fidelity["first_diverging_step"] == 10 and not report.fidelity["bit_exact"]
+    assert report.fidelity["first_diverging_step"] == 5 and not report.fidelity["bit_exact"]
 
     result = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code), *entries(nan_bundle)])
     assert result.exit_code == 125, result.output
     out = result.stdout
     assert out.startswith("DIFFERENT FAILURE: 0/1 runs failed the same way at the same step, 1 failed differently")
-    assert "recorded: nonfinite_loss (loss = nan) at step 11" in out
-    assert "replay hit a DIFFERENT failure: nonfinite_loss (loss = nan) at step 10" in out
-    assert "first diverged at step 10" in out
+    assert "recorded: nonfinite_loss (loss = nan) at step 6" in out
+    assert "replay hit a DIFFERENT failure: nonfinite_loss (loss = nan) at step 5" in out
+    assert "first diverged at step 5" in out
 
     d = json.loads(CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code),
                                               *entries(nan_bundle), "--json"]).stdout)
     assert d["verdict"] == "different_failure" and d["exit_code"] == 125 and d["different_runs"] == 1
-    assert d["recorded_failure"]["step"] == 11 and d["failure"]["step"] == 10
-    assert d["per_run"][0]["verdict"] == "different_failure" and d["per_run"][0]["failure_step"] == 10
+    assert d["recorded_failure"]["step"] == 6 and d["failure"]["step"] == 5
+    assert d["per_run"][0]["verdict"] == "different_failure" and d["per_run"][0]["failure_step"] == 5
 
 
 def test_times_n_with_a_mix_is_flaky_and_lists_each_runs_failure_step(nan_bundle, tmp_path):
-    # Half the runs go NaN at step 10 (a different failure), the others reach the recorded failure at step 11.
+    # Half the runs go NaN at step 5 (a different failure), the others reach the recorded failure at step 6.
     code = checkout_failing_early(nan_bundle, tmp_path, condition="__import__('os').urandom(1)[0] < 128")
     result = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code),
                                          *entries(nan_bundle), "--times", "20", "--json"])
     d = json.loads(result.stdout)
     steps = [r["failure_step"] for r in d["per_run"]]
     # All-or-nothing has probability 2 * 2**-20.
-    assert set(steps) == {10, 11}, steps
+    assert set(steps) == {5, 6}, steps
     assert d["verdict"] == "flaky" and result.exit_code == 1
-    assert d["failed_runs"] == steps.count(11) and d["different_runs"] == steps.count(10)
-    assert all(r["verdict"] == ("reproduced" if r["failure_step"] == 11 else "different_failure")
+    assert d["failed_runs"] == steps.count(6) and d["different_runs"] == steps.count(5)
+    assert all(r["verdict"] == ("reproduced" if r["failure_step"] == 6 else "different_failure")
                for r in d["per_run"])
 
     text = CliRunner().invoke(main, ["replay", str(nan_bundle), "--code", str(code),
@@ -88,13 +80,13 @@ def test_times_n_with_a_mix_is_flaky_and_lists_each_runs_failure_step(nan_bundle
     assert text.startswith("REPRODUCED (flaky): ")
     lines = [ln.strip() for ln in text.splitlines()]
     assert any(ln.startswith("1: ") for ln in lines) and any(ln.startswith("20: ") for ln in lines)
-    assert any("reproduced at step 11" in ln for ln in lines)
-    assert any("different failure at step 10: nonfinite_loss" in ln for ln in lines)
+    assert any("reproduced at step 6" in ln for ln in lines)
+    assert any("different failure at step 5: nonfinite_loss" in ln for ln in lines)
 
 
 def test_every_verdict_shows_its_fidelity(nan_bundle, tmp_path):
     out = CliRunner().invoke(main, ["replay", str(nan_bundle)]).stdout
-    assert "fidelity: bit-exact (2 step losses compared)" in out and "hint:" not in out
+    assert "fidelity: bit-exact (3 step losses compared)" in out and "hint:" not in out
     # A fixed checkout (the NaN sanitised away): not reproduced, and the last step's loss differs from the NaN.
     fixed = tmp_path / "fixed"
     shutil.copytree(nan_bundle / "code", fixed)
@@ -104,11 +96,12 @@ def test_every_verdict_shows_its_fidelity(nan_bundle, tmp_path):
                                      *entries(nan_bundle)])
     assert result.exit_code == 0 and result.stdout.startswith("NOT REPRODUCED: 0/1")
     # Every loss before the failing step matched: said so, rather than "NOT bit-exact" beside a transient note.
-    assert "fidelity: bit-exact before the failing step 11, which differs (recorded nan, replayed " in result.stdout
+    assert "fidelity: bit-exact before the failing step 6, which differs (recorded nan, replayed " in result.stdout
     # Code from another checkout may differ on purpose: no nondeterminism hint then.
     assert "state.extra" not in result.stdout
 
 
+@pytest.mark.slow
 def test_same_device_loss_mismatch_names_the_common_causes(projects, tmp_path):
     mod = projects("rk_outside_rng")
     _, exc = record(mod, {}, mod.batches(12, poison_step=9), tmp_path / "repros", snapshot_every=4)
@@ -176,6 +169,7 @@ def train_step(state, batch):
 '''
 
 
+@pytest.mark.slow
 def test_bisect_commits_skips_a_commit_that_fails_earlier(tmp_path, monkeypatch):
     proj = tmp_path / "proj"
     proj.mkdir()

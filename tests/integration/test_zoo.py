@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rk_testing import cli_process
 from zoo_cases import STEPS, check_output
 
 import reprokit
@@ -27,6 +28,8 @@ from reprokit.bundle import open_bundle
 from reprokit.extract import extract
 from reprokit.pack import pack
 from reprokit.shrink import shrink
+
+pytestmark = pytest.mark.slow  # every case runs an example script to its failure in a fresh process, then shrinks and bisects it
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -48,8 +51,7 @@ def packed_replay(small: Path, tmp_path: Path) -> dict:
     """Pack the shrunk bundle and replay the tarball in a fresh process: it must still fail the same way."""
     tar = tmp_path / "repro.tar"
     pack(small, tar)
-    proc = subprocess.run([sys.executable, "-m", "reprokit", "replay", str(tar), "--json", "--trust"], cwd=tmp_path,
-                          env=ENV, capture_output=True, text=True, timeout=300)
+    proc = cli_process("replay", tar, "--json", "--trust", cwd=tmp_path, env=ENV)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     d = json.loads(proc.stdout)
     assert d["verdict"] == "deterministic", d

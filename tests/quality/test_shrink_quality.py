@@ -31,6 +31,7 @@ def test_two_rows_that_fail_only_together_are_both_kept(projects, tmp_path):
     assert r.dataset_indices == [3 * 64 + 11, 3 * 64 + 50]
 
 
+@pytest.mark.slow
 def test_one_bad_token_in_256_positions(projects, tmp_path):
     lm = projects("rk_lm")
     cfg = {"vocab": 40, "max_len": 256, "nan_token": 13}
@@ -49,6 +50,7 @@ def test_one_bad_token_in_256_positions(projects, tmp_path):
 
 
 @pytest.mark.parametrize("min_len", [0, 14])
+@pytest.mark.slow
 def test_sequence_past_the_position_table_shrinks_to_table_size_plus_one(projects, tmp_path, min_len):
     lm = projects("rk_lm")
     P = 16
@@ -64,6 +66,7 @@ def test_sequence_past_the_position_table_shrinks_to_table_size_plus_one(project
     assert reprokit.replay(r.output).reproduced
 
 
+@pytest.mark.slow
 def test_candidates_failing_differently_are_never_accepted(projects, tmp_path):
     lm = projects("rk_lm")
     cfg = {"vocab": 40, "max_len": 64, "nan_token": 13, "min_len": 6}
@@ -119,6 +122,7 @@ def test_bundle_that_does_not_reproduce_is_refused(projects, tmp_path):
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(2, 40), bad_row=st.integers(0, 39), steps=st.integers(1, 6), every=st.integers(1, 4))
+@pytest.mark.slow
 def test_shrinking_never_grows_and_always_replays(projects, tmp_path_factory, rows, bad_row, steps, every):
     mlp = projects("rk_mlp")
     tmp = tmp_path_factory.mktemp("prop")
