@@ -79,11 +79,11 @@ def test_a_folder_that_is_no_bundle_says_so_instead_of_asking_the_sender(tmp_pat
         r = CliRunner().invoke(main, [*words, str(other), "--json"])
         err = _error(r)
         assert r.exit_code == 3, r.output
-        assert "is not a bundle folder" in err["message"] and "sender" not in err["message"], err
+        assert "is not a bundle folder" in err["message"] and "whoever sent it" not in err["message"], err
     # a bundle folder missing only its manifest (an interrupted copy) still reads as a damaged bundle
     (other / "run.json").write_text("{}")
     err = _error(CliRunner().invoke(main, ["inspect", str(other), "--json"]))
-    assert "failed verification" in err["message"] and "sender" in err["message"], err
+    assert "failed verification" in err["message"] and "whoever sent it" in err["message"], err
 
 
 def test_a_truncated_archive_says_to_fetch_it_again(shared_nan_bundle, tmp_path):
