@@ -37,6 +37,8 @@ from click.testing import CliRunner
 import reprokit
 from reprokit.cli import main
 
+pytestmark = pytest.mark.slow  # every scenario trains to its failure and each command replays it: minutes in all
+
 ROOT = Path(__file__).resolve().parents[2]
 PROJECTS = ROOT / "tests" / "projects"
 EXAMPLES = ROOT / "examples"
