@@ -357,3 +357,24 @@ def test_version_works_from_a_checkout_that_is_not_installed(tmp_path):
     proc = subprocess.run([sys.executable, "-S", "-m", "reprokit", "--version"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and __version__ in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_window_is_verified_while_the_interpreter_exits(shared_nan_bundle):
+    """The incident watcher checks its rank's window when the main thread has already ended (the rank's collective
+    failed, its script returned): concurrent.futures then refuses new work. Verification must still answer (it said
+    "could not verify: RuntimeError('cannot schedule new futures after interpreter shutdown')" on a 16-core host)."""
+    script = textwrap.dedent("""
+        import json, sys, threading, time
+        from reprokit.bundle import verify
+
+        def late():
+            time.sleep(0.5)  # the main thread has returned: the interpreter's exit has begun
+            print(json.dumps(verify(sys.argv[1])), flush=True)
+
+        threading.Thread(target=late).start()  # not a daemon: the exit waits for it
+    """)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", script, str(shared_nan_bundle)], capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == [], proc.stdout
