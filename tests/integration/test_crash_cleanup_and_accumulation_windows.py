@@ -12,7 +12,7 @@ from rk_testing import record
 
 import reprokit
 from reprokit.bundle import open_bundle
-from reprokit.replayer import Session, replay
+from reprokit.replayer import RunOutcome, Session, replay
 from reprokit.shrink.shrinker import Case, Shrinker
 
 
@@ -32,8 +32,14 @@ def test_an_isolated_candidate_that_crashes_leaves_no_private_code_copy(projects
     with Session(open_bundle(exc.bundle)) as session:
         inputs = tuple(session.inputs())
         case = Case(inputs, session.snapshot, 0, tuple(range(6)), None)
-        reproduced, d = Shrinker(session, budget=1, pad_id=0, isolate=True, timeout=120, progress=None)._isolated(case)
-    assert (reproduced, d) == (False, {}), d  # the child died: no report
+        shrinker = Shrinker(session, budget=1, pad_id=0, isolate=True, timeout=120, progress=None)
+        try:
+            reproduced, d = shrinker._isolated(case)
+        finally:
+            if shrinker.runner is not None:
+                shrinker.runner.close()
+    # the child died: a crash at its step, a different failure from the recorded exception
+    assert not reproduced and isinstance(d, RunOutcome) and d.failure is not None and d.failure.kind == "crash", d
     assert not list(system_tmp.glob("reprokit-code-*")), list(system_tmp.iterdir())
 
 
