@@ -1,4 +1,6 @@
-"""Helpers shared by the test tiers."""
+"""Helpers shared by the test tiers: recording (``record``, ``record_mlp_nan``), running the CLI in process
+(``cli``) or as a user's shell does (``cli_process``), two CPU ranks under torchrun (``torchrun``), and editing bundles
+as a sender could (``reseal``)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from reprokit import bundle as B
 ROOT = Path(__file__).resolve().parents[1]
 PROJECTS = ROOT / "tests" / "projects"
 
-# The one recorded NaN bundle that most tests share (see ``nan_bundle`` in conftest.py): rk_mlp, 8 steps, a NaN in
-# one input at step 6, a snapshot every 4 steps, so the bundle holds the snapshot of step 4 and steps 4, 5 and 6.
+# The run of the NaN bundle most tests share (``shared_nan_bundle`` in conftest.py; ``nan_bundle`` is a copy): rk_mlp,
+# 8 steps, a NaN in one input (row 3) at step 6, a snapshot every 4 steps. The bundle holds the snapshot of step 4 and
+# steps 4, 5 and 6; the NaN's dataset index is 6 * 16 + 3.
 NAN_STEPS, NAN_STEP, NAN_SNAPSHOT_EVERY = 8, 6, 4
 
 
@@ -82,17 +85,15 @@ def tree_digest(folder: Path) -> dict[str, str]:
     return out
 
 
-def cli(*args: Any, clean: bool = True) -> Result:
+def cli(*args: Any) -> Result:
     """Run ``reprokit ARGS`` in this process with click's CliRunner (each argument ``str()``-ed) and return the
-    result (``.exit_code``, ``.output``, ``.stdout``). ``clean`` (the default) fails the test when the command ended
-    in anything but a clean exit: a Python exception escaping it, or a traceback or "internal error" in what it
-    printed; pass ``clean=False`` where the test looks at such an ending itself."""
+    result (``.exit_code``, ``.output``, ``.stdout``). Fails the test when the command ended in anything but one of
+    its documented exits: a Python exception escaping it, or a traceback or "internal error" in what it printed."""
     from reprokit.cli import main
 
     r = CliRunner().invoke(main, [str(a) for a in args])
-    if clean:
-        assert r.exception is None or isinstance(r.exception, SystemExit), (args, repr(r.exception), r.output[-3000:])
-        assert "Traceback" not in r.output and "internal error" not in r.output, (args, r.output[-3000:])
+    assert r.exception is None or isinstance(r.exception, SystemExit), (args, repr(r.exception), r.output[-3000:])
+    assert "Traceback" not in r.output and "internal error" not in r.output, (args, r.output[-3000:])
     return r
 
 

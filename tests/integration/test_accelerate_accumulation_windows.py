@@ -54,6 +54,7 @@ def test_a_snapshot_due_mid_accumulation_waits_for_the_synced_step(projects, tmp
     assert (b.failure.kind, b.failure.step, b.run["window"]["steps"]) == ("nonfinite_loss", 5, [4, 5])
 
 
+@pytest.mark.slow
 def test_a_window_restarts_after_the_early_sync_of_an_epochs_last_batch(projects, tmp_path):
     """10 batches an epoch, accumulation over 4: accelerate syncs at steps 3, 7 and early at 9 (the last batch),
     then at 13. A window from step 8 over step 9 replayed 9 without that sync (no dataloader in replay)."""

@@ -33,6 +33,7 @@ def test_fp16_overflow_fails_in_fp16_passes_in_fp32_and_bf16(projects, tmp_path)
     assert json.loads(cli.output)["variants"] == {"recorded": "fail", "fp32": "pass"}
 
 
+@pytest.mark.slow
 def test_unstable_softmax_is_named_with_its_op(projects, tmp_path):
     num = projects("rk_numerics")
     cfg = {"softmax": True}
@@ -74,6 +75,7 @@ def test_exception_inside_a_submodule_is_named(projects, tmp_path):
     assert r["received"] == ["0: int64[20]"] and r["exception"].startswith("IndexError")
 
 
+@pytest.mark.slow
 def test_an_id_outside_the_embedding_table_is_named_with_the_table_size(projects, tmp_path):
     """The raising embedding's out-of-range id, where it is and the table size (it said only `int64[8, 12]`),
     and no empty module table after it (no module finished before the first one raised)."""

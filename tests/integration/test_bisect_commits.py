@@ -82,6 +82,9 @@ def record_at(proj, out, monkeypatch):
     (Shared by the bisect-commits test modules.)"""
     monkeypatch.syspath_prepend(str(proj))
     monkeypatch.delitem(sys.modules, "trainer", raising=False)
+    # No __pycache__ in the repository (where Python writes bytecode): it would read as an untracked file the tests'
+    # "nothing left behind" checks blame on the bisect.
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
     trainer = importlib.import_module("trainer")
     rec = reprokit.Recorder(trainer.build({}), trainer.train_step, build=trainer.build, config={}, out_dir=out,
                             snapshot_every=4)

@@ -43,6 +43,7 @@ def test_an_isolated_candidate_that_crashes_leaves_no_private_code_copy(projects
     assert not list(system_tmp.glob("reprokit-code-*")), list(system_tmp.iterdir())
 
 
+@pytest.mark.slow
 def test_a_full_window_never_restarts_mid_accumulation(projects, tmp_path):
     """accelerate accumulation over 2 (syncs at steps 1, 3, 5) with a host-memory budget that holds 3 steps: the
     window fills at step 3, mid-accumulation. An early snapshot there replayed step 3 with a fresh Accelerator that

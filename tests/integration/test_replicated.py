@@ -145,6 +145,7 @@ def test_a_tampered_referenced_file_is_refused(incident, tmp_path):
     assert CliRunner().invoke(cli, ["replay", str(folder)]).exit_code != 1
 
 
+@pytest.mark.slow
 def test_a_reference_out_of_the_incident_folder_is_refused(incident, tmp_path):
     _copy(incident[0], tmp_path)
     _, ranks = _by_rank(tmp_path)
@@ -161,6 +162,7 @@ def test_a_reference_out_of_the_incident_folder_is_refused(incident, tmp_path):
     assert CliRunner().invoke(cli, ["replay", str(ranks[1])]).exit_code == 3
 
 
+@pytest.mark.slow
 def test_a_reference_that_lists_no_state_file_is_refused_before_any_tensor_is_used(incident, tmp_path):
     """A crafted reference (re-signed manifest) naming the owner but no state file: never a half-restored state."""
     _copy(incident[0], tmp_path)
@@ -185,6 +187,7 @@ def replicated_sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_without_the_owner_bundle_replay_says_so_and_exits_3(incident, tmp_path):
     _, ranks = incident
     alone = tmp_path / ranks[1].name
@@ -206,6 +209,7 @@ def test_an_owner_that_never_writes_its_bundle_is_reported_not_waited_for_foreve
         reference._owner_dir(tmp_path / "bundle-x", ref)
 
 
+@pytest.mark.slow
 def test_an_owner_window_that_starts_elsewhere_is_never_referenced(incident):
     folder, _ = incident
     ref, _ = replicated.find_owner(folder, world_size=2, incident=folder.name, step=3, timeout_s=5)

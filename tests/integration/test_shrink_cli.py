@@ -12,14 +12,6 @@ from reprokit import bundle as B
 from reprokit.cli import main
 
 
-@pytest.fixture
-def nan_bundle(projects, tmp_path):
-    mlp = projects("rk_mlp")
-    cfg = {"batch_size": 12}
-    _, exc = record(mlp, cfg, mlp.batches(cfg, 9, poison_step=7), tmp_path / "repros", snapshot_every=4)
-    return exc.bundle
-
-
 def test_shrink_json(nan_bundle, tmp_path):
     out = tmp_path / "small"
     result = CliRunner().invoke(main, ["shrink", str(nan_bundle), "-o", str(out), "--json"])
@@ -27,8 +19,8 @@ def test_shrink_json(nan_bundle, tmp_path):
     d = json.loads(result.output)
     assert {"replays", "steps_before", "steps_after", "rows_before", "rows_after", "seq_before", "seq_after",
             "kept_rows", "output"} <= d.keys()
-    assert (d["steps_before"], d["steps_after"], d["rows_before"], d["rows_after"]) == (4, 1, 12, 1)
-    assert d["kept_rows"] == [3] and d["dataset_indices"] == [7 * 12 + 3] and d["output"] == str(out)
+    assert (d["steps_before"], d["steps_after"], d["rows_before"], d["rows_after"]) == (3, 1, 16, 1)
+    assert d["kept_rows"] == [3] and d["dataset_indices"] == [6 * 16 + 3] and d["output"] == str(out)
     assert B.verify(out) == []
     prov = json.loads((out / "run.json").read_text())["provenance"]
     assert prov["source_manifest_sha256"] == B.sha256_file(nan_bundle / "manifest.json")

@@ -94,6 +94,7 @@ def test_hf_accumulation_cuts_each_micro_batch_on_its_own_and_names_the_culprits
         in format_shrink(d)
 
 
+@pytest.mark.slow
 def test_stacked_micro_batches_take_their_row_dimensions_from_the_index_leaf(projects, tmp_path):
     lm = projects("rk_lm")
     config = {"vocab": 32, "max_len": 16, "nan_token": 7}
@@ -111,6 +112,7 @@ def test_stacked_micro_batches_take_their_row_dimensions_from_the_index_leaf(pro
     assert small["batch"]["index"]["shape"] == [1, 1] and small["batch"]["x"]["shape"][:2] == [1, 1]
 
 
+@pytest.mark.slow
 def test_stacked_micro_batches_without_an_index_leaf_are_said_to_be_ambiguous(projects, tmp_path):
     lm = projects("rk_lm")
     config = {"vocab": 32, "max_len": 16, "nan_token": 7}

@@ -26,8 +26,10 @@ def _assert_bit_exact_replay(mlp, cfg, tmp_path, steps=16, poison=13, every=5):
     return exc.bundle
 
 
-# Three kinds in the quick run (momentum, Adam's moments, LBFGS's closure); the other ten under the slow marker.
+# A few kinds in the quick run (momentum, Adam's moments, LBFGS's closure; a per-step and a nested schedule), the
+# rest under the slow marker: each case records and replays, about a second apiece.
 QUICK_OPTIMIZERS = {"sgd", "adamw", "lbfgs"}
+QUICK_SCHEDULERS = {"onecycle", "sequential"}
 
 
 @pytest.mark.parametrize("opt", [o if o in QUICK_OPTIMIZERS else pytest.param(o, marks=pytest.mark.slow)
@@ -36,7 +38,8 @@ def test_optimizer_state_round_trips(projects, tmp_path, opt):
     _assert_bit_exact_replay(projects("rk_mlp"), {"optimizer": opt, "lr": 1e-2}, tmp_path)
 
 
-@pytest.mark.parametrize("sched", SCHEDULERS)
+@pytest.mark.parametrize("sched", [s if s in QUICK_SCHEDULERS else pytest.param(s, marks=pytest.mark.slow)
+                                   for s in SCHEDULERS])
 def test_scheduler_state_round_trips(projects, tmp_path, sched):
     path = _assert_bit_exact_replay(projects("rk_mlp"), {"optimizer": "adamw", "scheduler": sched, "steps": 16},
                                     tmp_path)

@@ -19,7 +19,8 @@ def _replays_exactly(bundle, times=2):
     return report
 
 
-@pytest.mark.parametrize("refill", ["numpy_view", "data", "copy_"])
+@pytest.mark.parametrize("refill", [pytest.param("numpy_view", marks=pytest.mark.slow),
+                                    pytest.param("data", marks=pytest.mark.slow), "copy_"])
 def test_a_loader_refilling_one_large_buffer_in_place_is_recorded_step_by_step(projects, tmp_path, refill):
     """One >= 1 MB CPU batch tensor, refilled every step; a numpy view or ``.data`` write does not move torch's
     version counter, so only a copy at step start records what each step consumed."""
@@ -94,7 +95,8 @@ def test_without_its_generators_recorded_the_same_run_does_not_replay_exactly(pr
         assert s.fidelity(outcome)["bit_exact"] is False
 
 
-@pytest.mark.parametrize("snapshot_every", [9, 4, 1])
+@pytest.mark.parametrize("snapshot_every", [pytest.param(9, marks=pytest.mark.slow), 4,
+                                            pytest.param(1, marks=pytest.mark.slow)])
 def test_gradient_accumulation_replays_exactly_whatever_snapshot_every_is(projects, tmp_path, snapshot_every):
     """Optimizer steps every 4 calls; a snapshot between them must carry the accumulated ``.grad``."""
     trust = projects("rk_trust")

@@ -79,6 +79,7 @@ def test_candidates_failing_differently_are_never_accepted(projects, tmp_path):
 
 
 @pytest.mark.parametrize("passes", [None, "sequence,rows,tokens"])
+@pytest.mark.slow
 def test_an_empty_document_shrinks_to_that_document_not_to_a_cut_that_empties_every_one(projects, tmp_path, passes):
     """Loss = mean over documents of (ce * mask).sum / mask.sum; row 5 of step 3 has no target (0/0).
 
@@ -142,6 +143,7 @@ def test_shrinking_never_grows_and_always_replays(projects, tmp_path_factory, ro
     assert open_bundle(r.output).run["provenance"]["source_manifest_sha256"]
 
 
+@pytest.mark.slow
 def test_a_candidate_raising_the_same_type_in_the_same_frame_with_another_message_is_another_failure(projects,
                                                                                                      tmp_path):
     """``check`` raises ValueError for a value beyond 1e3 (the recorded bug, row 5) and, in the same line's function,
@@ -158,6 +160,7 @@ def test_a_candidate_raising_the_same_type_in_the_same_frame_with_another_messag
     assert report.reproduced and report.runs[0].failure.message == "a value beyond 1e3 in the batch"
 
 
+@pytest.mark.slow
 def test_a_4d_attention_mask_is_cut_with_the_sequence(projects, tmp_path):
     """The sequence pass cut ``[n, S]`` tensors only: a ``[n, 1, S, S]`` attention mask kept its S, every shorter
     window failed with a shape error (another failure), and the sequence stayed 48 long. The mask's two position
