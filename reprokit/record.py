@@ -254,6 +254,12 @@ class Recorder:
             and fsynced; at most two windows are on disk. :meth:`close` (or the end of ``with Recorder(...)``, or
             the interpreter's normal exit outside a step) removes the run's flight folder. Under a process group
             every rank snapshots its own state (``replicated_state`` resolves to False).
+        carry: classes (or module-level functions) of your project that replay must import besides ``build`` and
+            ``train_step``: a model class, a ``Trainer`` or ``LightningModule`` subclass that ``build`` names through
+            ``config``. Each is listed in the bundle under ``refs.objects`` (replay vets the code snapshot for them
+            before importing anything), and its file travels in the code snapshot. Installed code (a stock
+            transformers model) needs nothing: the environment records its version. Framework integrations pass
+            their model and trainer classes here (the docs' "Writing an integration" page).
 
     Raises:
         CaptureError: at attach time, naming what cannot be recorded (a lambda as
@@ -291,6 +297,7 @@ class Recorder:
         replicated_state: str | bool = "auto",
         on_incident: str = "abort",
         durable: bool = False,
+        carry: Sequence[Any] = (),
     ):
         if snapshot_every < 1:
             raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
@@ -325,6 +332,7 @@ class Recorder:
         self._refs: dict[str, Any] = {"build": build_ref, "step": step_ref,
                                       "predicates": [self._predicate_ref(fn) for fn in detect]}
         self._scripts = [self._root / r["script"] for r in (build_ref, step_ref) if "script" in r and self._root]
+        self._carry(carry)
         config_tree, config_tensors = pytree.encode(config, "config")
         if config_tensors:
             raise CaptureError(f"config holds tensors ({', '.join(config_tensors)}); pass plain data that build() "
@@ -392,6 +400,8 @@ class Recorder:
         self._snapshot: _Snapshot | None = None
         self._ring: list[_Step] = []
         self._window_ok = False
+        self._open: tuple[Any, _Step | None] | None = None
+        """The batch and record of the step :meth:`begin_step` opened, until :meth:`end_step`."""
         self._resnap = False  # take a snapshot at the next synced step (see reprokit.state.accumulation_phase)
         self._warned: set[str] = set()
         self._in_step = False
@@ -452,6 +462,27 @@ class Recorder:
                                        lambda message: self._warn("flight", message))
         if self._flight is not None:
             self._flight.in_step = lambda: self._in_step
+
+    def _carry(self, objects: Sequence[Any]) -> None:
+        """List ``objects`` (the ``carry`` option) under ``refs.objects`` and put their files in the code snapshot.
+
+        Raises:
+            CaptureError: an object replay could not import by name, or a project file that cannot be read (said
+                now, at attach time, not when a bundle is written).
+        """
+        refs = self._refs.setdefault("objects", [])
+        for obj in objects:
+            ref, root = ref_of(obj, "carry")
+            if root is None:
+                continue  # installed code: replay imports the installed version, which the environment records
+            if ref not in refs:
+                refs.append(ref)
+            if self._root is None:
+                self._root = root
+            if "script" in ref and root / ref["script"] not in self._scripts:
+                self._scripts.append(root / ref["script"])
+        if objects and self._root is not None:
+            snapshot_files(self._root, self._scripts)
 
     def _refused(self) -> None:
         """Undo what a constructor that raised had attached: the monitor's and the snapshot engine's optimizer hooks,
@@ -516,9 +547,72 @@ class Recorder:
         result = self.monitor.run(self.train_step, batch, self.step_index, after=self._locked_after_step)
         return self._finish_step(batch, record, result)
 
+    # --- a step driven by a framework ---------------------------------------------------
+
+    def begin_step(self, batch: Any) -> None:
+        """Start a step whose work the caller runs itself: what :meth:`step` does before it calls ``train_step``.
+
+        For a framework that owns its loop (the Hugging Face Trainer, Lightning, your own trainer): call this with
+        the step's batch (everything ``train_step`` will be given on replay) before the step's first forward, run
+        the step, then call :meth:`end_step`. The batch is copied, the random generators are read and, when one is
+        due, the snapshot is taken here. Replay runs the bundle's ``train_step`` on the recorded batch, so that
+        function must do what the framework did (see the docs' "Writing an integration" page).
+
+        Raises:
+            PeerFailure: a peer rank failed and this rank's part of the run was ended (``on_incident="abort"``).
+            ConfigError: a step is already open (:meth:`end_step` was not called for it).
+        """
+        if self._open is not None:
+            raise ConfigError(f"begin_step() called while step {self.step_index} is open: call end_step() first")
+        record = self._begin_step(batch)
+        self._open = (batch, record)
+        self.monitor.begin()
+
+    def end_step(self, loss: Any = None, exc: BaseException | None = None) -> Any:
+        """End the step :meth:`begin_step` opened: run the detectors on ``loss`` (and the gradients the optimizer's
+        hooks checked), and on a failure write the bundle and raise.
+
+        Args:
+            loss: the step's loss (a tensor or a number; ``None`` when the framework gives none).
+            exc: the exception that stopped the step, if one did: it is recorded and re-raised unchanged.
+
+        Returns:
+            ``loss`` (a tensor comes back detached), as :meth:`step` returns it.
+
+        Raises:
+            Exception: ``exc`` itself, with a note that names the bundle.
+            TrainingFailure: when a detector fired; ``.bundle`` is the bundle path.
+            ConfigError: no step is open.
+        """
+        if self._open is None:
+            raise ConfigError("end_step() called with no step open: call begin_step(batch) first")
+        batch, record = self._open
+        self._open = None
+        self._locked_after_step()
+        result = self.monitor.conclude(self.step_index, loss, exc)
+        return self._finish_step(batch, record, result)
+
+    def skip_step(self, message: str) -> None:
+        """Count a step that cannot be recorded (a framework's step that ``train_step`` could not replay): the
+        step index moves on as the framework's does, and the window is dropped, so no bundle is written until the
+        next snapshot. ``message`` is warned once."""
+        self._drop_window("skip", message)
+        self.step_index += 1
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a step is running: between :meth:`begin_step` and :meth:`end_step`, or inside :meth:`step`."""
+        return self._in_step
+
+    def request_snapshot(self) -> None:
+        """Take a snapshot at the next step that can start a window (under gradient accumulation, the next
+        update's first micro-batch). For state changes ``train_step`` cannot replay: a learning rate changed outside
+        the step (a scheduler stepped on an epoch boundary, a manual ``param_group["lr"] = ...``), a resumed
+        checkpoint, a model edited between steps. The window restarts from the state as it is then."""
+        self._resnap = True
+
     def _begin_step(self, batch: Any) -> _Step | None:
-        """Step start: copy the batch, read the RNG, snapshot when due (a framework integration that drives the step
-        itself calls this, then ``_finish_step``; see :mod:`reprokit.integrations.transformers`)."""
+        """Step start: copy the batch, read the RNG, snapshot when due."""
         k = self.step_index
         if self._aborted is not None:  # a peer failed and this rank's part of the run was ended (on_incident)
             raise self._peer_failure(self._aborted)
