@@ -1,0 +1,251 @@
+"""The replays behind ``on_failure="skip"``: a replay session over the running job itself, and the evidence rule
+(:func:`prove`). Loaded only when a failure is to be skipped (see :mod:`reprokit.skip`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from reprokit import pytree
+from reprokit.bundle import Bundle, open_bundle
+from reprokit.detect import Monitor
+from reprokit.replayer import RunOutcome, Session, StepInput, _fresh_batch
+from reprokit.rng import encode as encode_rng
+from reprokit.shrink import micro
+from reprokit.shrink.batch import batch_size, mask_rows, mix_rows, select_rows
+from reprokit.shrink.case import Case, what_happened
+from reprokit.shrink.culprit import STATE, StateCheck, check_state
+from reprokit.shrink.shrinker import Shrinker
+from reprokit.signature import Failure
+from reprokit.skip import Clock, OutOfTime, Refused
+from reprokit.state import volatile_buffers
+
+if TYPE_CHECKING:
+    from reprokit.record import Recorder
+
+
+@dataclass
+class Proof:
+    """What :func:`prove` established: the culprit rows and the evidence, and the run that continues the job."""
+
+    rows: list[int]
+    """Positions of the culprit rows in the failing batch."""
+    evidence: dict[str, Any]
+    without: RunOutcome
+    """The failing step run without the culprit rows: the live state is the one it left."""
+
+
+@dataclass
+class _Window:
+    """What a :class:`Session` reads of its bundle, for a window held in this process's memory."""
+
+    failure: Failure
+    path: Path | None
+    run: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, Any] = field(default_factory=dict)
+
+
+class LiveSession(Session):
+    """A replay :class:`Session` over the running job itself: its live state, step function and detector settings,
+    the Recorder's in-memory snapshot and window. Nothing is built or imported; every restore writes into the live
+    model, optimizer, scheduler, scaler and generators (which is how the job goes on from the last run).
+
+    Batches keep the device each tensor was recorded from (a CUDA batch is on the model's device again), where a
+    bundle's replay moves every tensor to one device.
+    """
+
+    def __init__(self, rec: Recorder, failure: Failure, snapshot: tuple[dict, dict], bundle: Path | None):
+        # Not Session.__init__: that one loads a bundle, imports its code and calls build().
+        state = rec.state
+        self.bundle = cast(Bundle, _Window(failure, bundle))
+        self.state = state
+        self.recorded = failure
+        self.device = next((p.device for p in state.model.parameters()), torch.device("cpu"))
+        self.user_code = self.code_dir = None
+        self.code_label = "the running job's own code"
+        self._preload_on, self._preload, self._steps_ahead, self._code_copy = False, None, None, None
+        self._stack = ExitStack()
+        self.on_step = None
+        self.after_restore = []
+        # Non-persistent buffers are in no snapshot the Recorder takes: each restore puts back what they hold now.
+        self._built_buffers = {k: v.detach().to("cpu", copy=True) for k, v in volatile_buffers(state.model).items()}
+        self.snapshot = snapshot
+        self.value: Any = None
+        """What the step function returned in the last step run."""
+        train_step = rec.train_step
+
+        def step(st: Any, batch: Any) -> Any:
+            self.value = train_step(st, batch)
+            return self.value
+
+        self.step_fn = step
+        self.monitor = Monitor(state, rec.settings, rec.monitor.predicates)
+        self.monitor.replaying = True
+        self.runs = self.steps_run = 0
+        self.last: RunOutcome | None = None
+
+    def fresh_batch(self, batch: Any) -> Any:
+        return _fresh_batch(batch, None)
+
+    def run(self, steps: Sequence[StepInput], snapshot: tuple[dict, dict] | None = None,
+            restore: bool = True) -> RunOutcome:
+        out = super().run(steps, snapshot, restore)
+        self.runs += 1
+        self.steps_run += len(out.losses)
+        self.last = out
+        return out
+
+    def close(self) -> None:
+        self.monitor.close()
+
+
+def window_inputs(ring: Sequence[Any], device: torch.device) -> list[StepInput]:
+    """The Recorder's window as replay inputs. A batch tensor copied from a CUDA tensor (into a pinned buffer) goes
+    back to ``device``; the others stay on the host, as they were recorded."""
+    out = []
+    for rec in ring:
+        tensors = {k: t.to(device) if device.type == "cuda" and t.is_pinned() else t for k, t in rec.tensors.items()}
+        rng_tree, rng_tensors = encode_rng(rec.rng)
+        out.append(StepInput(rec.step, pytree.decode(rec.batch, tensors), rng_tree, rng_tensors))
+    return out
+
+
+def prove(session: LiveSession, inputs: Sequence[StepInput], clock: Clock, *, recorded: dict[int, Any] | None = None,
+          pad_id: int = 0) -> Proof:
+    """Decide, by replays in ``session``, whether rows of the last input's batch caused its failure (the evidence
+    rule of the module docstring). On success the live state is the failing step's without the culprit rows.
+
+    Raises:
+        Refused: the evidence does not hold, saying which part and why.
+        OutOfTime: ``clock`` ran out.
+    """
+    last, k = inputs[-1], inputs[-1].step
+    batch0 = last.batch
+    n = _rows_of(batch0)
+    units = tuple(range(n))
+    original = Case(tuple(inputs), session.snapshot, 0, units, None)
+    sh = Shrinker(session, budget=1 << 30, pad_id=pad_id, progress=clock.check)
+    before = sh.snapshot_at(original, len(inputs) - 1)  # the one window replayed
+    if before is None:
+        got = session.last.failure.describe() if session.last and session.last.failure else "a failure"
+        raise Refused("not_reproduced", f"replaying the window from its snapshot, an earlier step failed ({got})")
+    exact = _bit_exact(session.last, recorded or {})
+    clock.check()
+    suffix = Case((last,), before[0], before[1], units, None)
+    if not sh.test(suffix):
+        raise Refused("not_reproduced", f"replayed from the snapshot, step {k} did not fail the same way: "
+                                        f"{what_happened(sh.outcome(suffix))}")
+    sh.arm(suffix, n)
+    missed = sh.confirm(suffix, 1)
+    if missed:
+        raise Refused("flaky", f"step {k} failed the same way on one replay but not on the next ({missed})")
+    clock.check()
+    checked = check_state(sh, original)
+    if checked.verdict == STATE:
+        raise Refused("state", f"no rows to blame: {checked.message}")
+    clock.check()
+    rows = _culprit_rows(sh, suffix, batch0, n)
+    only, background = _only(sh, suffix, inputs, checked, rows, n, pad_id)
+    if not only[0]:
+        raise Refused("evidence", f"step {k} on a batch holding only rows {rows} (the others {background}) did not "
+                                  f"fail the same way: {what_happened(only[1])}")
+    clock.check()
+    keep = [r for r in units if r not in rows]
+    without = session.run([StepInput(k, select_rows(batch0, n, keep), last.rng, last.rng_tensors)], before[0])
+    if without.failure is not None:
+        raise Refused("evidence", f"step {k} without rows {rows} still failed: {without.failure.describe()}")
+    evidence = {
+        "window": {"from_step": inputs[0].step, "to_step": k, "replayed_bit_exact": exact},
+        "reproduced": "the failing step failed the same way on 2 of 2 runs",
+        "state_check": checked.to_json(),
+        "culprit_search": {"pass": "rows", "candidates": sh.replays, "different_failures": sh.different_failures,
+                           "origin": sh.origin.to_json() if sh.origin else None},
+        "without_culprits": {"verdict": "passed", "rows": len(keep), "loss": without.losses.get(k)},
+        "only_culprits": {"verdict": "same failure", "background": background},
+        "replays": session.runs,
+        "steps_run": session.steps_run,
+    }
+    return Proof(rows, evidence, without)
+
+
+def _rows_of(batch: Any) -> int:
+    """The failing batch's row count, or :class:`Refused` when its rows cannot be cut."""
+    if micro.layout(batch) is not None:
+        raise Refused("batch", "the batch is made of micro-batches (gradient accumulation), whose rows this version "
+                               "does not skip")
+    why = micro.ambiguous(batch)
+    if why:
+        raise Refused("batch", why)
+    n = batch_size(batch)
+    if not n or n < 2:
+        raise Refused("batch", "the failing batch has fewer than two rows, so no row can be left out of it")
+    return n
+
+
+def _bit_exact(out: RunOutcome | None, recorded: dict[int, Any]) -> bool | None:
+    """Whether the replayed losses before the failing step are the recorded ones, bit for bit (None: none to
+    compare)."""
+    if out is None:
+        return None
+    pairs = [(recorded[s], v) for s, v in out.losses.items() if recorded.get(s) is not None and v is not None]
+    if not pairs:
+        return None
+    return all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in pairs)
+
+
+def _culprit_rows(sh: Shrinker, suffix: Case, batch0: Any, n: int) -> list[int]:
+    """The rows pass, on the failing step alone, repeated on the rows it leaves while they still fail the same way
+    (two bad samples in one batch: each fails alone, the first search finds one)."""
+    found: list[int] = []
+    case = suffix
+    while True:
+        sh.best = case  # the scheduler works on its best case: this one
+        best, _, exhausted = sh.run(case, ("rows",))
+        if exhausted:
+            raise OutOfTime
+        kept = list(best.rows or ())
+        if not kept or len(kept) >= len(case.rows or ()):
+            what = "the failure needs every row of the batch" if not found else \
+                f"the rows left after {sorted(found)} still fail together, and no smaller set of them does"
+            raise Refused("no_culprit", f"no smaller set of rows fails alone: {what}")
+        found += kept
+        rest = [r for r in range(n) if r not in found]
+        if not rest:
+            raise Refused("no_culprit", "every row of the batch fails alone")
+        case = suffix.with_last(select_rows(batch0, n, rest), rows=tuple(rest))
+        if not sh.test(case):
+            return sorted(found)
+
+
+def _only(sh: Shrinker, suffix: Case, inputs: Sequence[StepInput], checked: StateCheck, rows: list[int], n: int,
+          pad_id: int) -> tuple[tuple[bool, Any], str]:
+    """Judge the failing step on a batch of its shapes holding only the culprit rows: the others from the healthy
+    batch the state check ran, else masked."""
+    last = suffix.last
+    passed = [t["batch_of"] for t in checked.tried if t.get("result") == "it passed"]
+    donor = next((inp for inp in inputs if passed and inp.step == passed[0]), None)
+    batch = mix_rows(last.batch, donor.batch, n, rows) if donor is not None else None
+    background = f"rows of step {donor.step}'s batch, which passed" if batch is not None and donor else ""
+    if batch is None:
+        batch, background = mask_rows(last.batch, n, rows, pad_id), "masked to 0 / the pad id"
+    case = Case((StepInput(last.step, batch, last.rng, last.rng_tensors),), suffix.snapshot, suffix.snap_id,
+                tuple(range(n)), None)
+    return sh._judge(case), background
+
+
+def snapshot_of(rec: Recorder, bundle: Path | None) -> tuple[dict, dict]:
+    """The window's snapshot: the Recorder's in memory; one spilled to disk or referencing rank 0's state is read
+    back from the bundle just written."""
+    snap = rec._snapshot
+    assert snap is not None
+    if isinstance(snap.tensors, dict) and not snap.referenced:
+        return snap.tree, snap.tensors
+    if bundle is None:
+        raise Refused("window", "the snapshot is not in host memory (spilled or referenced) and no bundle holds it")
+    return open_bundle(bundle).state()
