@@ -37,7 +37,6 @@ import json
 import math
 import os
 import sys
-import time
 import warnings
 from collections import deque
 from collections.abc import Iterable
@@ -55,7 +54,7 @@ from reprokit.signature import DEATHS, Failure, FailureKind
 
 if TYPE_CHECKING:
     from reprokit.record import Recorder
-    from reprokit.skip_proof import LiveSession, Proof
+    from reprokit.skip_proof import Clock, LiveSession, Proof
 
 ON_FAILURE = ("raise", "skip")
 """What a Recorder does when a step fails: raise (write the bundle and stop), or try to skip the proven culprits."""
@@ -96,35 +95,6 @@ class SkipSettings:
         if bad:
             raise ConfigError.option("skip_indices", f"{{opt}} holds dataset indices: ints (or strings, for string "
                                                      f"ids); got {bad[0]!r}")
-
-
-class Refused(Exception):
-    """Internal: the evidence for a skip does not hold; ``reason`` is a short code, the message says why."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-class OutOfTime(Exception):
-    """Internal: the attempt's ``skip_budget_s`` is spent."""
-
-
-class Clock:
-    """The attempt's wall-clock budget: :meth:`check` raises :class:`OutOfTime` once it is spent (the shrinker calls
-    it after each candidate, as its progress callback)."""
-
-    def __init__(self, budget_s: float):
-        self.start = time.monotonic()
-        self.deadline = self.start + budget_s
-
-    def check(self, *_: Any) -> None:
-        if time.monotonic() > self.deadline:
-            raise OutOfTime
-
-    @property
-    def seconds(self) -> float:
-        return time.monotonic() - self.start
 
 
 @dataclass
@@ -186,6 +156,8 @@ class Skipper:
     def after_failure(self, rec: Recorder, failure: Failure, record: Any, bundle: Path | None) -> Attempt:
         """The step ``failure.step`` failed and its bundle is written (``bundle``; None if it could not be): skip its
         proven culprit rows and continue, or say why not. Never raises (but ``BaseException``)."""
+        from reprokit.skip_proof import Clock, OutOfTime, Refused  # torch-heavy: loaded at a failure only
+
         k = failure.step
         clock = Clock(self.settings.skip_budget_s)
         try:
@@ -201,9 +173,9 @@ class Skipper:
 
     def _attempt(self, rec: Recorder, failure: Failure, record: Any, bundle: Path | None,
                  clock: Clock) -> tuple[Proof, LiveSession]:
-        self._admit(rec, failure, record)
-        from reprokit.skip_proof import LiveSession, prove, snapshot_of, window_inputs  # torch-heavy: only now
+        from reprokit.skip_proof import LiveSession, prove, snapshot_of, window_inputs
 
+        self._admit(rec, failure, record)
         snapshot = snapshot_of(rec, bundle)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # every batch copy of the window has landed
@@ -219,6 +191,8 @@ class Skipper:
 
     def _admit(self, rec: Recorder, failure: Failure, record: Any) -> None:
         """What is checked before any replay: the kind of failure, the limit, a complete window in memory."""
+        from reprokit.skip_proof import Refused
+
         k = failure.step
         if rec._board is not None:
             raise Refused("distributed", "skipping under torch.distributed is not supported by this version: every "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -23,11 +24,39 @@ from reprokit.shrink.case import Case, what_happened
 from reprokit.shrink.culprit import STATE, StateCheck, check_state
 from reprokit.shrink.shrinker import Shrinker
 from reprokit.signature import Failure
-from reprokit.skip import Clock, OutOfTime, Refused
 from reprokit.state import volatile_buffers
 
 if TYPE_CHECKING:
     from reprokit.record import Recorder
+
+
+class Refused(Exception):
+    """Internal: the evidence for a skip does not hold; ``reason`` is a short code, the message says why."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class OutOfTime(Exception):
+    """Internal: the attempt's ``skip_budget_s`` is spent."""
+
+
+class Clock:
+    """The attempt's wall-clock budget: :meth:`check` raises :class:`OutOfTime` once it is spent (the shrinker calls
+    it after each candidate, as its progress callback)."""
+
+    def __init__(self, budget_s: float):
+        self.start = time.monotonic()
+        self.deadline = self.start + budget_s
+
+    def check(self, *_: Any) -> None:
+        if time.monotonic() > self.deadline:
+            raise OutOfTime
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self.start
 
 
 @dataclass
