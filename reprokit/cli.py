@@ -449,9 +449,9 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
 
     BUNDLE may be a bundle folder or a packed archive (.tar or .tar.gz), the incident folder of a
     multi-rank run (its ranks, the rank that failed first, each rank's failure and bundle), or the out_dir of a run
-    recorded with on_failure="skip" (or its skips.jsonl): every skipped sample, its evidence and its bundle. The diagnosis checks the failing
-    step's batch for non-finite values, ids past the model's embedding tables, empty
-    masks, all-ignored labels and sequences past the position table.
+    recorded with on_failure="skip" (or its skips.jsonl): every skipped sample, its evidence and its bundle.
+    The diagnosis checks the failing step's batch for non-finite values, ids past the model's embedding tables,
+    empty masks, all-ignored labels and sequences past the position table.
     """
     from reprokit.bundle import open_bundle
     from reprokit.report import batch_dump, describe, format_batch, format_describe, parse_rows, plot_history
