@@ -555,7 +555,8 @@ def format_skips(d: dict[str, Any]) -> str:
                               f"{summary_line(failure, step=False)}; {float(e.get('seconds_lost') or 0):.1f} s"))
         ev = e.get("evidence") or {}
         window = ev.get("window") or {}
-        exact = {True: ", bit-exact", False: ", not bit-exact"}.get(window.get("replayed_bit_exact"), "")
+        bit_exact = window.get("replayed_bit_exact")
+        exact = "" if bit_exact is None else ", bit-exact" if bit_exact else ", not bit-exact"
         only = ev.get("only_culprits") or {}
         lines.append(one_line(f"    evidence: steps {window.get('from_step')}-{window.get('to_step')} replayed{exact}; "
                               f"{ev.get('reproduced', '')}; without the rows: "
