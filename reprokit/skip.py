@@ -113,6 +113,18 @@ class Attempt:
 # --- the recorder's side --------------------------------------------------------------------
 
 
+def refuse_skip(options: dict[str, Any], framework: str) -> None:
+    """A framework callback's check of its Recorder options: ``on_failure="skip"`` needs a step function that replays
+    an edited batch on the live trainer without moving the framework's own counters, which the callbacks do not have
+    yet. Refused at construction, never at the failure."""
+    value = options.get("on_failure", "raise")
+    if value != "raise":
+        SkipSettings(on_failure=value)  # an unknown value is refused as the Recorder refuses it
+        raise ConfigError.option("on_failure", f"{{opt}}={value!r} is not supported through the {framework} callback "
+                                               "yet: the callback records, and a failure stops training as with "
+                                               f"{{opt}}=\"raise\" (the default). See {GUIDE}")
+
+
 class Skipper:
     """A Recorder's ``on_failure`` machinery: its settings, the steps skipped so far and the journal."""
 

@@ -47,6 +47,7 @@ from transformers.trainer_utils import IntervalStrategy
 from reprokit.code import ref_label, ref_of, resolve_project, snapshot_files
 from reprokit.errors import BundleError, CaptureError, CodeLoadError, StateMismatchError
 from reprokit.record import Recorder
+from reprokit.skip import refuse_skip
 from reprokit.state import TrainState
 
 __all__ = ["ReprokitCallback", "build", "train_step"]
@@ -323,6 +324,7 @@ class ReprokitCallback(TrainerCallback):
         for key in ("build", "config", "train_step"):
             if key in recorder_options:
                 raise CaptureError(f"ReprokitCallback makes {key} itself (the Trainer's own); drop {key}=")
+        refuse_skip(recorder_options, "Hugging Face Trainer")
         self.out_dir = Path(out_dir)
         self.options = recorder_options
         self.recorder: _UpdateRecorder | None = None
