@@ -53,6 +53,7 @@ from reprokit.errors import ConfigError, RecorderWarning, ReprokitError
 from reprokit.signature import DEATHS, Failure, FailureKind
 
 if TYPE_CHECKING:
+    from reprokit.distributed.team import Team
     from reprokit.record import Recorder
     from reprokit.skip_proof import Clock, LiveSession, Proof
 
@@ -63,6 +64,8 @@ JOURNAL = "skips.jsonl"
 JOURNAL_FORMAT = "reprokit-skip"
 JOURNAL_VERSION = 1
 GUIDE = "docs/guide/skip-bad-samples.md"
+TEAM_GRACE_S = 30.0
+"""Under torch.distributed, how much longer than ``skip_budget_s`` a rank waits for the rank leading a phase."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,6 +114,25 @@ class Attempt:
 
 
 # --- the recorder's side --------------------------------------------------------------------
+
+
+def _go(got: dict[int, Any] | None, wait: float) -> str:
+    """``"go"`` when every rank can roll back to the same step, else why not (the words every rank's note gives)."""
+    if got is None:
+        return (f"a rank did not say within {wait:.0f} s whether it can roll back (one that did not fail itself, or "
+                "one stuck in a collective): every rank stops")
+    whys = [v["why"] for v in got.values() if v.get("why")]
+    if whys:
+        return "; ".join(whys) + ": every rank stops"
+    for key, what in (("step", "failed at different steps"), ("start", "have windows that start at different steps")):
+        values = {r: v.get(key) for r, v in got.items()}
+        if len(set(values.values())) > 1:
+            return f"the ranks {what} ({values}): they cannot roll back together"
+    raised = [r for r, v in got.items() if v.get("kind") == FailureKind.EXCEPTION.value]
+    if raised:
+        return (f"rank(s) {raised} failed with an exception: replaying it may leave the other ranks waiting in a "
+                "collective, so every rank stops")
+    return "go"
 
 
 def refuse_skip(options: dict[str, Any], framework: str) -> None:
@@ -168,6 +190,7 @@ class Skipper:
     def after_failure(self, rec: Recorder, failure: Failure, record: Any, bundle: Path | None) -> Attempt:
         """The step ``failure.step`` failed and its bundle is written (``bundle``; None if it could not be): skip its
         proven culprit rows and continue, or say why not. Never raises (but ``BaseException``)."""
+        from reprokit.distributed.team import TeamLost
         from reprokit.skip_proof import Clock, OutOfTime, Refused  # torch-heavy: loaded at a failure only
 
         k = failure.step
@@ -179,36 +202,82 @@ class Skipper:
         except OutOfTime:
             return Attempt(False, note=self._no_skip(k, "budget", f"the replays took longer than skip_budget_s="
                                                      f"{self.settings.skip_budget_s:g} s", clock))
+        except TeamLost as e:
+            return Attempt(False, note=self._no_skip(k, "distributed", f"the ranks lost each other: {e}", clock))
         except Exception as e:  # a fault of the attempt itself: the run stops as it would have
             return Attempt(False, note=self._no_skip(k, "error", f"the attempt failed: {e!r}", clock))
         return self._skipped(rec, failure, record, bundle, proof, session, clock)
 
     def _attempt(self, rec: Recorder, failure: Failure, record: Any, bundle: Path | None,
                  clock: Clock) -> tuple[Proof, LiveSession]:
-        from reprokit.skip_proof import LiveSession, prove, snapshot_of, window_inputs
+        from reprokit.skip_proof import prove, prove_together
 
-        self._admit(rec, failure, record)
+        if rec._board is None:
+            self._admit(rec, failure, record)
+            session, inputs = self._prepare(rec, failure, bundle)
+            team = None
+        else:  # every rank, or none: see _together
+            team, session, inputs = self._together(rec, failure, record, bundle)
+        recorded = {r.step: r.loss for r in rec._ring}
+        rec.detach()  # the recorder's hooks stay off the optimizer while the replays step it
+        try:
+            if team is None:
+                return prove(session, inputs, clock, recorded=recorded), session
+            return prove_together(session, inputs, clock, team, recorded=recorded), session
+        finally:
+            session.close()
+            rec.attach()
+
+    def _prepare(self, rec: Recorder, failure: Failure, bundle: Path | None) -> tuple[LiveSession, list[Any]]:
+        """The replay session over the live job and the window's inputs (nothing replayed yet)."""
+        from reprokit.skip_proof import LiveSession, snapshot_of, window_inputs
+
         snapshot = snapshot_of(rec, bundle)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # every batch copy of the window has landed
         session = LiveSession(rec, failure, snapshot, bundle)
-        inputs = window_inputs(rec._ring, session.device)
-        recorded = {r.step: r.loss for r in rec._ring}
-        rec.detach()  # the recorder's hooks stay off the optimizer while the replays step it
+        return session, window_inputs(rec._ring, session.device)
+
+    def _together(self, rec: Recorder, failure: Failure, record: Any,
+                  bundle: Path | None) -> tuple[Team, LiveSession, list[Any]]:
+        """Under torch.distributed: every rank says whether it can roll back to the same step (its window complete in
+        memory, its own failure at the same step), and one decision, the first written, holds for all (see
+        :meth:`Team.decide`): a rank stuck in a collective never says, so after ``incident_wait_s`` the others stop."""
+        from reprokit.distributed.team import Team
+        from reprokit.skip_proof import Refused
+
+        board, info = rec._board, rec.rank
+        assert board is not None and info is not None and board.current is not None
+        why, prepared = None, None
         try:
-            return prove(session, inputs, clock, recorded=recorded), session
-        finally:
-            session.close()
-            rec.attach()
+            self._admit(rec, failure, record)
+            missing = sorted(set(range(info.world_size)) - set(board.recording_ranks()))
+            if missing:
+                raise Refused("distributed", f"ranks {missing} record nothing, so they cannot replay with the others")
+            prepared = self._prepare(rec, failure, bundle)
+        except Refused as r:
+            why = f"rank {info.rank} cannot roll back ({r.reason}): {r}"
+        except Exception as e:
+            why = f"rank {info.rank} cannot roll back: {e!r}"
+        folder = board.path.with_name(f"{info.run_key}.{board.current['number']}.skip")
+        wait = min(rec.incident_wait_s, self.settings.skip_budget_s)
+        team = Team(folder, info.rank, list(range(info.world_size)), wait)
+        mine = {"why": why, "step": failure.step, "start": rec._snapshot.step if rec._snapshot else None,
+                "kind": FailureKind(failure.kind).value}
+        got = team.gather("ready", mine)
+        decision = team.decide("go", _go(got, wait), got)
+        if decision != "go" or prepared is None:
+            if prepared is not None:
+                prepared[0].close()
+            raise Refused("distributed", str(decision))
+        team.timeout_s = self.settings.skip_budget_s + TEAM_GRACE_S  # the leading rank stops at its budget
+        return team, *prepared
 
     def _admit(self, rec: Recorder, failure: Failure, record: Any) -> None:
         """What is checked before any replay: the kind of failure, the limit, a complete window in memory."""
         from reprokit.skip_proof import Refused
 
         k = failure.step
-        if rec._board is not None:
-            raise Refused("distributed", "skipping under torch.distributed is not supported by this version: every "
-                                         "rank stops")
         if failure.kind in DEATHS or failure.kind == FailureKind.PEER:
             raise Refused("kind", f"a {failure.kind} failure is not replayed in the training process")
         window = self.settings.skip_window
@@ -240,10 +309,20 @@ class Skipper:
             record.loss = loss
         rec._resnap = True  # the window restarts at the next step, from the state the run goes on with
         self.skipped.append(k)
+        value = session.value
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            value = value.detach()
+        if not proof.rows:  # a rank that rolled back with another rank's skip: nothing of its own to journal
+            culprits = (proof.evidence.get("ranks") or {}).get("culprits") or {}
+            rec._warn("", f"reprokit: rank {rec.rank.rank if rec.rank else '?'}: step {k} failed "
+                          f"({failure.describe()}); rank(s) {', '.join(culprits)} skipped their proven culprit rows, "
+                          f"and this rank replayed the window with them ({clock.seconds:.1f} s); training goes on")
+            return Attempt(True, value=value)
+        incident = rec._board.current.get("incident") if rec._board is not None and rec._board.current else None
         entry = {
             "format": JOURNAL_FORMAT, "version": JOURNAL_VERSION, "reprokit": __version__,
             "time": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "step": k, "rank": rec.rank.rank if rec.rank is not None else None,
+            "step": k, "rank": rec.rank.rank if rec.rank is not None else None, "incident": incident,
             "rows": proof.rows, "dataset_indices": indices,
             "failure": failure.summary(), "evidence": proof.evidence,
             "seconds_lost": round(clock.seconds, 3), "bundle": str(bundle) if bundle else None,
@@ -254,12 +333,10 @@ class Skipper:
             rec._warn("", f"reprokit: could not write to {self.journal} ({e!r}); the skip of step {k} is not in the "
                           "journal")
         named = f"dataset indices {indices}" if indices is not None else f"rows {proof.rows} (no dataset index leaf)"
-        rec._warn("", f"reprokit: step {k} failed ({failure.describe()}); skipped {named} after proving them the "
+        who = f"rank {rec.rank.rank}: " if rec.rank is not None else ""
+        rec._warn("", f"reprokit: {who}step {k} failed ({failure.describe()}); skipped {named} after proving them the "
                       f"cause in {clock.seconds:.1f} s of replays, and training goes on. Bundle: {bundle}; journal: "
                       f"{self.journal}")
-        value = session.value
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            value = value.detach()
         return Attempt(True, value=value, entry=entry)
 
     def _no_skip(self, step: int, reason: str, why: str, clock: Clock) -> str:

@@ -27,6 +27,7 @@ from reprokit.signature import Failure
 from reprokit.state import volatile_buffers
 
 if TYPE_CHECKING:
+    from reprokit.distributed.team import Team
     from reprokit.record import Recorder
 
 
@@ -118,12 +119,19 @@ class LiveSession(Session):
         self.monitor.replaying = True
         self.runs = self.steps_run = 0
         self.last: RunOutcome | None = None
+        self.mirror: Team | None = None
+        """Under torch.distributed, while this rank leads a phase: each run is announced to the other ranks first, which
+        run their own batch of the same step alongside (the model's collectives need every rank)."""
 
     def fresh_batch(self, batch: Any) -> Any:
         return _fresh_batch(batch, None)
 
     def run(self, steps: Sequence[StepInput], snapshot: tuple[dict, dict] | None = None,
             restore: bool = True) -> RunOutcome:
+        if self.mirror is not None:
+            if len(steps) != 1 or not restore:
+                raise RuntimeError("a run the other ranks cannot mirror: they run the failing step alone")
+            self.mirror.post("lead", {"run": steps[0].step})
         out = super().run(steps, snapshot, restore)
         self.runs += 1
         self.steps_run += len(out.losses)
@@ -180,7 +188,7 @@ def prove(session: LiveSession, inputs: Sequence[StepInput], clock: Clock, *, re
         raise Refused("state", f"no rows to blame: {checked.message}")
     clock.check()
     rows = _culprit_rows(sh, suffix, batch0, n)
-    only, background = _only(sh, suffix, inputs, checked, rows, n, pad_id)
+    only, background = _only(sh, suffix, _donor(checked, inputs), rows, n, pad_id)
     if not only[0]:
         raise Refused("evidence", f"step {k} on a batch holding only rows {rows} (the others {background}) did not "
                                   f"fail the same way: {what_happened(only[1])}")
@@ -252,13 +260,11 @@ def _culprit_rows(sh: Shrinker, suffix: Case, batch0: Any, n: int) -> list[int]:
             return sorted(found)
 
 
-def _only(sh: Shrinker, suffix: Case, inputs: Sequence[StepInput], checked: StateCheck, rows: list[int], n: int,
+def _only(sh: Shrinker, suffix: Case, donor: StepInput | None, rows: list[int], n: int,
           pad_id: int) -> tuple[tuple[bool, Any], str]:
-    """Judge the failing step on a batch of its shapes holding only the culprit rows: the others from the healthy
-    batch the state check ran, else masked."""
+    """Judge the failing step on a batch of its shapes holding only the culprit rows: the others from ``donor`` (a
+    batch that passed the failing step from the same state), else masked."""
     last = suffix.last
-    passed = [t["batch_of"] for t in checked.tried if t.get("result") == "it passed"]
-    donor = next((inp for inp in inputs if passed and inp.step == passed[0]), None)
     batch = mix_rows(last.batch, donor.batch, n, rows) if donor is not None else None
     background = f"rows of step {donor.step}'s batch, which passed" if batch is not None and donor else ""
     if batch is None:
@@ -266,6 +272,12 @@ def _only(sh: Shrinker, suffix: Case, inputs: Sequence[StepInput], checked: Stat
     case = Case((StepInput(last.step, batch, last.rng, last.rng_tensors),), suffix.snapshot, suffix.snap_id,
                 tuple(range(n)), None)
     return sh._judge(case), background
+
+
+def _donor(checked: StateCheck, inputs: Sequence[StepInput]) -> StepInput | None:
+    """The other step's batch the state check ran that passed (None: none did)."""
+    passed = [t["batch_of"] for t in checked.tried if t.get("result") == "it passed"]
+    return next((inp for inp in inputs if passed and inp.step == passed[0]), None)
 
 
 def snapshot_of(rec: Recorder, bundle: Path | None) -> tuple[dict, dict]:
@@ -278,3 +290,166 @@ def snapshot_of(rec: Recorder, bundle: Path | None) -> tuple[dict, dict]:
     if bundle is None:
         raise Refused("window", "the snapshot is not in host memory (spilled or referenced) and no bundle holds it")
     return open_bundle(bundle).state()
+
+
+# --- several ranks ------------------------------------------------------------------------------------------------
+
+
+def _verdict(out: RunOutcome) -> str:
+    """A run in one word, for the other ranks: ``same`` (this rank's recorded failure), ``passed`` or ``other``."""
+    return "same" if out.same else "passed" if out.failure is None else "other"
+
+
+def _ranks_where(verdicts: dict[int, str], word: str) -> list[int]:
+    return [r for r, v in verdicts.items() if v == word]
+
+
+def prove_together(session: LiveSession, inputs: Sequence[StepInput], clock: Clock, team: Team, *,
+                   recorded: dict[int, Any] | None = None, pad_id: int = 0) -> Proof:
+    """:func:`prove` for every rank of a process group at once: the same evidence, each rank replaying its own window
+    in step with the others (the model's collectives run in every replay), each decision taken from what every rank
+    saw (:class:`reprokit.distributed.team.Team`):
+
+    1. every rank replays its window up to the failing step; every rank's failing step fails the way it recorded,
+       twice;
+    2. every rank running a healthy batch of its own window (the same on every rank: the nearest earlier step whose
+       batch has the failing one's shapes) passes: the state is sound;
+    3. a rank holds culprit rows when it alone keeps its failing batch (the others run their healthy one) and its
+       failure comes back;
+    4. on each such rank, the rows pass finds its culprits, that rank leading and the others running their healthy
+       batch alongside each candidate; with only them (in the rank's healthy batch) it fails the same way;
+    5. every rank runs the failing step again, the culprit ranks without their culprit rows, the others with their own
+       batch: every rank passes. The job goes on from there on every rank.
+
+    Returns this rank's proof (``rows`` empty on a rank without culprits).
+    """
+    last, k = inputs[-1], inputs[-1].step
+    me = team.rank
+    original = Case(tuple(inputs), session.snapshot, 0, None, None)
+    sh = Shrinker(session, budget=1 << 30, pad_id=pad_id, progress=clock.check)
+    before = sh.snapshot_at(original, len(inputs) - 1)
+    _all_or_stop(team.exchange("window", before is not None), True, "not_reproduced",
+                 "replaying the window, a step before the failing one failed on rank(s) {ranks}")
+    assert before is not None
+    exact = _bit_exact(session.last, recorded or {})
+    for word, reason in (("reproduced", "not_reproduced"), ("confirmed", "flaky")):
+        got = team.exchange(word, _verdict(session.run([last], before[0])))
+        _all_or_stop(got, "same", reason, f"step {k} did not fail the way it was recorded on rank(s) {{ranks}} "
+                                          f"({'first' if word == 'reproduced' else 'second'} replay: {got})")
+    healthy_of, healthy = _healthy_together(session, team, inputs, before[0])
+    culprits = []
+    for r in team.ranks:  # which ranks' data: each alone keeps its failing batch
+        got = team.exchange(f"rank{r}-alone", _verdict(session.run([last if me == r else healthy], before[0])))
+        if got[r] == "same":
+            culprits.append(r)
+        clock.check()
+    if not culprits:
+        raise Refused("no_culprit", f"no rank's batch fails alone (the others on healthy data): the failure at step {k} "
+                                    "needs the data of several ranks together")
+    rows_of: dict[int, list[int]] = {}
+    backgrounds: dict[int, str] = {}
+    for r in culprits:
+        if me == r:
+            rows_of[r], backgrounds[r] = _lead(session, team, last, (healthy_of, healthy), before, clock, pad_id)
+        else:
+            end = _follow(session, team, r, healthy, before[0])
+            rows_of[r], backgrounds[r] = end["rows"], end["background"]
+    mine = rows_of.get(me, [])
+    n = batch_size(last.batch) or 0
+    batch = select_rows(last.batch, n, [i for i in range(n) if i not in mine]) if mine else last.batch
+    without = session.run([StepInput(k, batch, last.rng, last.rng_tensors)], before[0])
+    got = team.exchange("without", _verdict(without))
+    _all_or_stop(got, "passed", "evidence", f"step {k} without the culprit rows {rows_of} still failed on rank(s) "
+                                            "{ranks}")
+    evidence = {
+        "window": {"from_step": inputs[0].step, "to_step": k, "replayed_bit_exact": exact},
+        "reproduced": "the failing step failed the way it was recorded on every rank, on 2 of 2 runs",
+        "state_check": {"verdict": "data", "healthy_batch_of": healthy_of,
+                        "message": f"every rank passed step {k} on its own batch of step {healthy_of}"},
+        "ranks": {"rolled_back": team.ranks, "culprits": {str(r): rows_of[r] for r in culprits}},
+        "without_culprits": {"verdict": "passed", "rows": batch_size(batch), "loss": without.losses.get(k),
+                             "on_every_rank": True},
+        "only_culprits": {"verdict": "same failure", "background": backgrounds.get(me) or "(no culprit on this rank)"},
+        "replays": session.runs,
+        "steps_run": session.steps_run,
+    }
+    return Proof(mine, evidence, without)
+
+
+def _all_or_stop(got: dict[int, Any], want: Any, reason: str, message: str) -> None:
+    off = [r for r, v in got.items() if v != want]
+    if off:
+        raise Refused(reason, message.format(ranks=off))
+
+
+def _healthy_together(session: LiveSession, team: Team, inputs: Sequence[StepInput],
+                      before: tuple[dict, dict]) -> tuple[int, StepInput]:
+    """The batch of an earlier step every rank passes the failing step on, from the state before it (the state check
+    of shrink, on every rank at once: the k-th try swaps in every rank's k-th nearest batch of the same shapes): that
+    step, and the failing step's input with that batch."""
+    from reprokit.shrink.culprit import SUBSTITUTES, _shape
+
+    last, k = inputs[-1], inputs[-1].step
+    shape = _shape(last.batch)
+    others = [inp for inp in reversed(inputs[:-1]) if _shape(inp.batch) == shape][:SUBSTITUTES]
+    tries = min(team.exchange("substitutes", len(others)).values())
+    if not tries:
+        raise Refused("no_culprit", "a rank's window holds no other batch of its failing batch's shapes, so whether the "
+                                    "state fails on any data could not be tested")
+    for i in range(tries):
+        swapped = StepInput(k, others[i].batch, last.rng, last.rng_tensors)
+        got = team.exchange(f"healthy{i}", _verdict(session.run([swapped], before)))
+        if all(v == "passed" for v in got.values()):
+            return others[i].step, swapped
+    raise Refused("state", f"no rows to blame: every rank ran step {k} on {tries} of its earlier batches in place "
+                           "of its own, and the failure came back each time: the cause is upstream of the data (weights, "
+                           "LR, optimizer state)")
+
+
+def _lead(session: LiveSession, team: Team, last: StepInput, healthy: tuple[int, StepInput], before: tuple[Any, ...],
+          clock: Clock, pad_id: int) -> tuple[list[int], str]:
+    """This rank holds culprits: search its rows (every run announced; the others run their healthy batch alongside),
+    then tell them what it found, or that it stops."""
+    n = _rows_of(last.batch)
+    session.mirror = team
+    try:
+        sh = Shrinker(session, budget=1 << 30, pad_id=pad_id, progress=clock.check)
+        suffix = Case((last,), before[0], before[1], tuple(range(n)), None)
+        if not sh.test(suffix):
+            raise Refused("flaky", f"step {last.step} with only this rank's data failed, then did not: "
+                                   f"{what_happened(sh.outcome(suffix))}")
+        sh.arm(suffix, n)
+        rows = _culprit_rows(sh, suffix, last.batch, n)
+        donor = StepInput(healthy[0], healthy[1].batch, last.rng, last.rng_tensors)
+        only, background = _only(sh, suffix, donor, rows, n, pad_id)
+        if not only[0]:
+            raise Refused("evidence", f"step {last.step} on a batch holding only rows {rows} (the others {background}) "
+                                      f"did not fail the same way: {what_happened(only[1])}")
+    except Refused as r:
+        session.mirror = None
+        team.post("lead", {"end": {"stop": str(r), "reason": r.reason}})
+        raise
+    except OutOfTime:
+        session.mirror = None
+        team.post("lead", {"end": {"stop": "the leading rank's replays took longer than skip_budget_s",
+                                   "reason": "budget"}})
+        raise
+    except BaseException as e:
+        session.mirror = None
+        team.post("lead", {"end": {"stop": f"the leading rank's attempt failed: {e!r}", "reason": "error"}})
+        raise
+    session.mirror = None
+    team.post("lead", {"end": {"rows": rows, "background": background}})
+    return rows, background
+
+
+def _follow(session: LiveSession, team: Team, leader: int, healthy: StepInput, before: tuple[dict, dict]) -> Any:
+    """Another rank leads: run this rank's healthy batch alongside each of its runs, until it says what it found."""
+    while True:
+        msg = team.read("lead", leader)
+        end = msg.get("end")
+        if end is not None:
+            if "stop" in end:
+                raise Refused(end.get("reason", "evidence"), f"rank {leader}: {end['stop']}")
+            return end
+        session.run([healthy], before)
