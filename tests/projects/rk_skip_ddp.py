@@ -1,6 +1,7 @@
 """DDP on two CPU ranks (gloo) for ``on_failure="skip"``: rank 1's data holds one poisoned sample. ``skip`` trains
 under a Recorder that skips it; ``clean`` trains the same batches without a Recorder, that sample left out of its
-batch. Each rank writes its final model and optimizer state to ``OUT/final-rank<k>.safetensors``."""
+batch; ``rank0-raises`` skips on rank 1 only (rank 0 records with ``on_failure="raise"``). Each rank that finishes
+writes its final model, optimizer and RNG state to ``OUT/final-rank<k>.safetensors``."""
 
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ def main(out_dir: str, mode: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(1000 + rank)  # dropout draws from each rank's own global generator
     state = build({})
-    if mode == "skip":
+    if mode in ("skip", "rank0-raises"):
+        on_failure = "raise" if mode == "rank0-raises" and rank == 0 else "skip"
         rec = reprokit.Recorder(state, train_step, build=build, config={}, out_dir=out_dir, snapshot_every=10,
-                                incident_wait_s=60, on_failure="skip")
+                                incident_wait_s=60 if mode == "skip" else 5, on_failure=on_failure)
         for batch in batches(rank):
             rec.step(batch)
         rec.close()
