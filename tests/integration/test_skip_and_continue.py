@@ -190,3 +190,21 @@ def test_the_journal_skips_a_line_cut_short_and_refuses_an_edited_one(projects, 
     with pytest.raises(ReprokitError, match=r"skips.jsonl:2 is not a reprokit skip entry"):
         reprokit.skip_list(tmp_path / "repros")
     assert reprokit.skip_list(tmp_path / "nowhere") == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+def test_on_the_gpu_a_poisoned_sample_is_skipped_and_the_run_ends_as_one_that_never_held_it(projects, tmp_path):
+    # The window's CUDA batches come back from their pinned host copies to the GPU; dropout draws from the CUDA
+    # generator, restored per step.
+    rk = projects("rk_skip")
+    cfg = {"device": "cuda"}
+    bad = [30 * rk.BATCH + 2]
+    data = rk.dataset(60 * rk.BATCH, bad)
+    torch.manual_seed(5)
+    skipping, _ = train(rk, cfg, rk.batches(data, 60, device="cuda"), tmp_path / "repros", on_failure="skip")
+    torch.manual_seed(5)
+    clean = train_plain(rk, cfg, rk.batches(data, 60, drop=set(bad), device="cuda"))
+    assert_same_state(skipping, clean)
+    (entry,) = read_journal(tmp_path / "repros")
+    assert entry["dataset_indices"] == bad and entry["evidence"]["window"]["replayed_bit_exact"] is True

@@ -22,7 +22,7 @@ def lr_factor(step: int, jump_at: int | None) -> float:
 
 def build(config):
     torch.manual_seed(config.get("seed", 0))
-    model = nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1)).to(config.get("device", "cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=config.get("lr", 1e-2), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, jump_at=config.get("jump_at")))
     return reprokit.TrainState(model=model, optimizer=opt, scheduler=sched)
@@ -48,12 +48,12 @@ def dataset(size, poisoned=(), seed=0):
     return x, y
 
 
-def batches(data, steps, drop=()):
-    """Step s feeds samples s*BATCH .. (s+1)*BATCH-1 in order, without the indices in ``drop``."""
+def batches(data, steps, drop=(), device="cpu"):
+    """Step s feeds samples s*BATCH .. (s+1)*BATCH-1 in order, without the indices in ``drop``, on ``device``."""
     x, y = data
     for s in range(steps):
         idx = torch.tensor([i for i in range(s * BATCH, (s + 1) * BATCH) if i not in drop])
-        yield {"x": x[idx], "y": y[idx], "index": idx}
+        yield {"x": x[idx].to(device), "y": y[idx].to(device), "index": idx.to(device)}
 
 
 FLAKY_STEP = 12
