@@ -114,6 +114,25 @@ def test_two_bad_rows_in_one_batch_are_both_skipped(projects, tmp_path):
     assert entry["rows"] == [1, 6] and entry["dataset_indices"] == bad
 
 
+def test_a_token_id_past_the_vocabulary_is_skipped_though_the_step_raised(projects, tmp_path):
+    rk = projects("rk_skip")
+    bad = 17 * rk.BATCH + 5
+    state = rk.build_lm({})
+    rec = reprokit.Recorder(state, rk.lm_step, build=rk.build_lm, config={}, out_dir=tmp_path, snapshot_every=10,
+                            on_failure="skip")
+    said = rf"step 17 failed \(IndexError in rk_skip.py:lm_step .*skipped dataset indices \[{bad}\]"
+    with pytest.warns(reprokit.RecorderWarning, match=said):
+        for b in rk.lm_batches(30, bad_step=17):
+            rec.step(b)
+    rec.close()
+    clean = rk.build_lm({})
+    for b in rk.lm_batches(30, drop={bad}):
+        rk.lm_step(clean, b)
+    assert all(torch.equal(a, b) for a, b in zip(state.model.state_dict().values(), clean.model.state_dict().values()))
+    (entry,) = read_journal(tmp_path)
+    assert entry["failure"]["exception_type"] == "IndexError" and entry["dataset_indices"] == [bad]
+
+
 def fails_with(rk, config, step, tmp_path, steps=40, bad=(), **options):
     """Train until the Recorder raises; the error and its notes."""
     data = rk.dataset(steps * rk.BATCH, bad)

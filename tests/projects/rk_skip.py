@@ -70,3 +70,34 @@ def flaky_step(state, batch):
         if _calls["n"] <= 2:
             return loss * float("nan")
     return loss
+
+
+VOCAB, SEQ = 50, 6
+
+
+def build_lm(config):
+    """A tiny token model: an id past the vocabulary raises IndexError in the embedding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Flatten(), nn.Linear(16 * SEQ, VOCAB))
+    return reprokit.TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def lm_step(state, batch):
+    logits = state.model(batch["ids"])
+    loss = nn.functional.cross_entropy(logits, batch["ids"][:, 0].clamp(max=VOCAB - 1))
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    return loss
+
+
+def lm_batches(steps, bad_step=None, drop=()):
+    """Token batches; at ``bad_step`` row 5 holds an id past the vocabulary (a tokenizer that added tokens)."""
+    g = torch.Generator().manual_seed(3)
+    for s in range(steps):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        idx = torch.arange(s * BATCH, (s + 1) * BATCH)
+        if s == bad_step:
+            ids[5, 2] = VOCAB + 7
+        keep = [i for i in range(BATCH) if int(idx[i]) not in drop]
+        yield {"ids": ids[keep], "index": idx[keep]}
