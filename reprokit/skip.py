@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reprokit import pytree
 from reprokit._version import __version__
 from reprokit.bundle import jsonable
 from reprokit.errors import ConfigError, RecorderWarning, ReprokitError
@@ -293,12 +292,7 @@ class Skipper:
     def _skipped(self, rec: Recorder, failure: Failure, record: Any, bundle: Path | None, proof: Proof,
                  session: LiveSession, clock: Clock) -> Attempt:
         k = failure.step
-        from reprokit.shrink.batch import dataset_indices
-
-        batch = rec._ring[-1].batch if rec._ring else None
-        indices = None
-        if batch is not None:
-            indices = dataset_indices(pytree.decode(batch, rec._ring[-1].tensors), tuple(proof.rows))
+        indices = proof.indices
         loss = proof.without.losses.get(k)
         # The job goes on from the state the last run left; the recorder's own bookkeeping follows it.
         rec.monitor.load_state_dict(session.monitor.state_dict())

@@ -19,7 +19,7 @@ from reprokit.detect import Monitor
 from reprokit.replayer import RunOutcome, Session, StepInput, _fresh_batch
 from reprokit.rng import encode as encode_rng
 from reprokit.shrink import micro
-from reprokit.shrink.batch import batch_size, mask_rows, mix_rows, select_rows
+from reprokit.shrink.batch import batch_size, dataset_indices, mask_rows, mix_rows, select_rows
 from reprokit.shrink.case import Case, what_happened
 from reprokit.shrink.culprit import STATE, StateCheck, check_state
 from reprokit.shrink.shrinker import Shrinker
@@ -64,8 +64,10 @@ class Clock:
 class Proof:
     """What :func:`prove` established: the culprit rows and the evidence, and the run that continues the job."""
 
-    rows: list[int]
-    """Positions of the culprit rows in the failing batch."""
+    rows: list[Any]
+    """The culprit rows of the failing batch: positions, or ``(micro-batch, row)`` pairs."""
+    indices: list[Any] | None
+    """Their dataset indices (None: the batch carries no index leaf)."""
     evidence: dict[str, Any]
     without: RunOutcome
     """The failing step run without the culprit rows: the live state is the one it left."""
@@ -163,10 +165,8 @@ def prove(session: LiveSession, inputs: Sequence[StepInput], clock: Clock, *, re
         OutOfTime: ``clock`` ran out.
     """
     last, k = inputs[-1], inputs[-1].step
-    batch0 = last.batch
-    n = _rows_of(batch0)
-    units = tuple(range(n))
-    original = Case(tuple(inputs), session.snapshot, 0, units, None)
+    cut = Rows(last.batch)
+    original = Case(tuple(inputs), session.snapshot, 0, cut.units, None)
     sh = Shrinker(session, budget=1 << 30, pad_id=pad_id, progress=clock.check)
     before = sh.snapshot_at(original, len(inputs) - 1)  # the one window replayed
     if before is None:
@@ -174,11 +174,11 @@ def prove(session: LiveSession, inputs: Sequence[StepInput], clock: Clock, *, re
         raise Refused("not_reproduced", f"replaying the window from its snapshot, an earlier step failed ({got})")
     exact = _bit_exact(session.last, recorded or {})
     clock.check()
-    suffix = Case((last,), before[0], before[1], units, None)
+    suffix = Case((last,), before[0], before[1], cut.units, None)
     if not sh.test(suffix):
         raise Refused("not_reproduced", f"replayed from the snapshot, step {k} did not fail the same way: "
                                         f"{what_happened(sh.outcome(suffix))}")
-    sh.arm(suffix, n)
+    sh.arm(suffix, len(cut.units))
     missed = sh.confirm(suffix, 1)
     if missed:
         raise Refused("flaky", f"step {k} failed the same way on one replay but not on the next ({missed})")
@@ -187,14 +187,13 @@ def prove(session: LiveSession, inputs: Sequence[StepInput], clock: Clock, *, re
     if checked.verdict == STATE:
         raise Refused("state", f"no rows to blame: {checked.message}")
     clock.check()
-    rows = _culprit_rows(sh, suffix, batch0, n)
-    only, background = _only(sh, suffix, _donor(checked, inputs), rows, n, pad_id)
+    rows = _culprit_rows(sh, suffix, cut)
+    only, background = _only(sh, suffix, cut, _donor(checked, inputs), rows, pad_id)
     if not only[0]:
         raise Refused("evidence", f"step {k} on a batch holding only rows {rows} (the others {background}) did not "
                                   f"fail the same way: {what_happened(only[1])}")
     clock.check()
-    keep = [r for r in units if r not in rows]
-    without = session.run([StepInput(k, select_rows(batch0, n, keep), last.rng, last.rng_tensors)], before[0])
+    without = session.run([StepInput(k, cut.without(rows), last.rng, last.rng_tensors)], before[0])
     if without.failure is not None:
         raise Refused("evidence", f"step {k} without rows {rows} still failed: {without.failure.describe()}")
     evidence = {
@@ -203,26 +202,78 @@ def prove(session: LiveSession, inputs: Sequence[StepInput], clock: Clock, *, re
         "state_check": checked.to_json(),
         "culprit_search": {"pass": "rows", "candidates": sh.replays, "different_failures": sh.different_failures,
                            "origin": sh.origin.to_json() if sh.origin else None},
-        "without_culprits": {"verdict": "passed", "rows": len(keep), "loss": without.losses.get(k)},
+        "without_culprits": {"verdict": "passed", "rows": len(cut.units) - len(rows), "loss": without.losses.get(k)},
         "only_culprits": {"verdict": "same failure", "background": background},
         "replays": session.runs,
         "steps_run": session.steps_run,
     }
-    return Proof(rows, evidence, without)
+    return Proof(rows, cut.indices(rows), evidence, without)
 
 
-def _rows_of(batch: Any) -> int:
-    """The failing batch's row count, or :class:`Refused` when its rows cannot be cut."""
-    if micro.layout(batch) is not None:
-        raise Refused("batch", "the batch is made of micro-batches (gradient accumulation), whose rows this version "
-                               "does not skip")
-    why = micro.ambiguous(batch)
-    if why:
-        raise Refused("batch", why)
-    n = batch_size(batch)
-    if not n or n < 2:
-        raise Refused("batch", "the failing batch has fewer than two rows, so no row can be left out of it")
-    return n
+class Rows:
+    """The rows of a failing batch and how to cut it: positions along dim 0, or ``(micro-batch, row)`` pairs for a
+    batch of micro-batches (:mod:`reprokit.shrink.micro`), as shrink's rows pass names them.
+
+    Raises:
+        Refused: the batch's rows cannot be told, or it has fewer than two.
+    """
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+        self.lay = micro.layout(batch)
+        if self.lay is None:
+            why = micro.ambiguous(batch)
+            if why:
+                raise Refused("batch", why)
+            self.units: tuple[Any, ...] = tuple(range(batch_size(batch) or 0))
+        else:
+            self.units = micro.units(batch, self.lay)
+        if len(self.units) < 2:
+            raise Refused("batch", "the failing batch has fewer than two rows, so no row can be left out of it")
+
+    def keep(self, rows: Sequence[Any]) -> Any:
+        """The batch with only ``rows``, in their order."""
+        if self.lay is None:
+            return select_rows(self.batch, len(self.units), list(rows))
+        out = micro.select(self.batch, self.lay, self.units, list(rows))
+        if out is None:
+            raise Refused("batch", f"the batch cut to rows {list(rows)} cannot be built (its micro-batches would differ "
+                                   "in size)")
+        return out
+
+    def without(self, rows: Sequence[Any]) -> Any:
+        gone = set(rows)
+        return self.keep([u for u in self.units if u not in gone])
+
+    def only(self, rows: Sequence[Any], donor: Any | None, pad_id: int) -> tuple[Any, str]:
+        """A batch of the failing one's shapes holding ``rows`` in their places and ``donor``'s rows elsewhere (a
+        batch of the same shapes that passed), else the other rows masked; and which it was."""
+        if self.lay is None:
+            n = len(self.units)
+            mixed = mix_rows(self.batch, donor, n, list(rows)) if donor is not None else None
+            return (mixed, "donor") if mixed is not None else (mask_rows(self.batch, n, list(rows), pad_id), "masked")
+        micros = micro.split(self.batch, self.lay)
+        donors = micro.split(donor, self.lay) if donor is not None and micro.layout(donor) == self.lay else None
+        if donors is not None and len(donors) != len(micros):
+            donors = None
+        parts, how = [], "donor" if donors is not None else "masked"
+        for i, m in enumerate(micros):
+            mine = [r for k, r in rows if k == i]
+            n = batch_size(m) or 0
+            part = mix_rows(m, donors[i], n, mine) if donors is not None else None
+            if part is None:
+                part, how = mask_rows(m, n, mine, pad_id), "masked"
+            parts.append(part)
+        joined = micro.join(self.batch, self.lay, parts)
+        if joined is None:
+            raise Refused("batch", "the micro-batches with only the culprit rows cannot be built")
+        return joined, how
+
+    def indices(self, rows: Sequence[Any]) -> list[Any] | None:
+        """The dataset indices of ``rows`` (None: the batch carries no index leaf)."""
+        if self.lay is None:
+            return dataset_indices(self.batch, tuple(rows))
+        return micro.indices(self.batch, self.lay, tuple(rows))
 
 
 def _bit_exact(out: RunOutcome | None, recorded: dict[int, Any]) -> bool | None:
@@ -236,10 +287,10 @@ def _bit_exact(out: RunOutcome | None, recorded: dict[int, Any]) -> bool | None:
     return all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in pairs)
 
 
-def _culprit_rows(sh: Shrinker, suffix: Case, batch0: Any, n: int) -> list[int]:
+def _culprit_rows(sh: Shrinker, suffix: Case, cut: Rows) -> list[Any]:
     """The rows pass, on the failing step alone, repeated on the rows it leaves while they still fail the same way
     (two bad samples in one batch: each fails alone, the first search finds one)."""
-    found: list[int] = []
+    found: list[Any] = []
     case = suffix
     while True:
         sh.best = case  # the scheduler works on its best case: this one
@@ -252,25 +303,24 @@ def _culprit_rows(sh: Shrinker, suffix: Case, batch0: Any, n: int) -> list[int]:
                 f"the rows left after {sorted(found)} still fail together, and no smaller set of them does"
             raise Refused("no_culprit", f"no smaller set of rows fails alone: {what}")
         found += kept
-        rest = [r for r in range(n) if r not in found]
+        rest = [u for u in cut.units if u not in found]
         if not rest:
             raise Refused("no_culprit", "every row of the batch fails alone")
-        case = suffix.with_last(select_rows(batch0, n, rest), rows=tuple(rest))
+        case = suffix.with_last(cut.keep(rest), rows=tuple(rest))
         if not sh.test(case):
             return sorted(found)
 
 
-def _only(sh: Shrinker, suffix: Case, donor: StepInput | None, rows: list[int], n: int,
+def _only(sh: Shrinker, suffix: Case, cut: Rows, donor: StepInput | None, rows: list[Any],
           pad_id: int) -> tuple[tuple[bool, Any], str]:
     """Judge the failing step on a batch of its shapes holding only the culprit rows: the others from ``donor`` (a
     batch that passed the failing step from the same state), else masked."""
     last = suffix.last
-    batch = mix_rows(last.batch, donor.batch, n, rows) if donor is not None else None
-    background = f"rows of step {donor.step}'s batch, which passed" if batch is not None and donor else ""
-    if batch is None:
-        batch, background = mask_rows(last.batch, n, rows, pad_id), "masked to 0 / the pad id"
+    batch, how = cut.only(rows, donor.batch if donor is not None else None, pad_id)
+    background = f"rows of step {donor.step}'s batch, which passed" if how == "donor" and donor is not None else \
+        "masked to 0 / the pad id"
     case = Case((StepInput(last.step, batch, last.rng, last.rng_tensors),), suffix.snapshot, suffix.snap_id,
-                tuple(range(n)), None)
+                cut.units, None)
     return sh._judge(case), background
 
 
@@ -346,7 +396,7 @@ def prove_together(session: LiveSession, inputs: Sequence[StepInput], clock: Clo
     if not culprits:
         raise Refused("no_culprit", f"no rank's batch fails alone (the others on healthy data): the failure at step {k} "
                                     "needs the data of several ranks together")
-    rows_of: dict[int, list[int]] = {}
+    rows_of: dict[int, list[Any]] = {}
     backgrounds: dict[int, str] = {}
     for r in culprits:
         if me == r:
@@ -354,9 +404,8 @@ def prove_together(session: LiveSession, inputs: Sequence[StepInput], clock: Clo
         else:
             end = _follow(session, team, r, healthy, before[0])
             rows_of[r], backgrounds[r] = end["rows"], end["background"]
-    mine = rows_of.get(me, [])
-    n = batch_size(last.batch) or 0
-    batch = select_rows(last.batch, n, [i for i in range(n) if i not in mine]) if mine else last.batch
+    mine = [tuple(u) if isinstance(u, list) else u for u in rows_of.get(me, [])]  # pairs come back as lists
+    batch = Rows(last.batch).without(mine) if mine else last.batch
     without = session.run([StepInput(k, batch, last.rng, last.rng_tensors)], before[0])
     got = team.exchange("without", _verdict(without))
     _all_or_stop(got, "passed", "evidence", f"step {k} without the culprit rows {rows_of} still failed on rank(s) "
@@ -367,13 +416,18 @@ def prove_together(session: LiveSession, inputs: Sequence[StepInput], clock: Clo
         "state_check": {"verdict": "data", "healthy_batch_of": healthy_of,
                         "message": f"every rank passed step {k} on its own batch of step {healthy_of}"},
         "ranks": {"rolled_back": team.ranks, "culprits": {str(r): rows_of[r] for r in culprits}},
-        "without_culprits": {"verdict": "passed", "rows": batch_size(batch), "loss": without.losses.get(k),
+        "without_culprits": {"verdict": "passed", "rows": _count_rows(batch), "loss": without.losses.get(k),
                              "on_every_rank": True},
         "only_culprits": {"verdict": "same failure", "background": backgrounds.get(me) or "(no culprit on this rank)"},
         "replays": session.runs,
         "steps_run": session.steps_run,
     }
-    return Proof(mine, evidence, without)
+    return Proof(mine, Rows(last.batch).indices(mine) if mine else None, evidence, without)
+
+
+def _count_rows(batch: Any) -> int:
+    lay = micro.layout(batch)
+    return len(micro.units(batch, lay)) if lay is not None else batch_size(batch) or 0
 
 
 def _all_or_stop(got: dict[int, Any], want: Any, reason: str, message: str) -> None:
@@ -407,21 +461,21 @@ def _healthy_together(session: LiveSession, team: Team, inputs: Sequence[StepInp
 
 
 def _lead(session: LiveSession, team: Team, last: StepInput, healthy: tuple[int, StepInput], before: tuple[Any, ...],
-          clock: Clock, pad_id: int) -> tuple[list[int], str]:
+          clock: Clock, pad_id: int) -> tuple[list[Any], str]:
     """This rank holds culprits: search its rows (every run announced; the others run their healthy batch alongside),
     then tell them what it found, or that it stops."""
-    n = _rows_of(last.batch)
     session.mirror = team
     try:
+        cut = Rows(last.batch)
         sh = Shrinker(session, budget=1 << 30, pad_id=pad_id, progress=clock.check)
-        suffix = Case((last,), before[0], before[1], tuple(range(n)), None)
+        suffix = Case((last,), before[0], before[1], cut.units, None)
         if not sh.test(suffix):
             raise Refused("flaky", f"step {last.step} with only this rank's data failed, then did not: "
                                    f"{what_happened(sh.outcome(suffix))}")
-        sh.arm(suffix, n)
-        rows = _culprit_rows(sh, suffix, last.batch, n)
+        sh.arm(suffix, len(cut.units))
+        rows = _culprit_rows(sh, suffix, cut)
         donor = StepInput(healthy[0], healthy[1].batch, last.rng, last.rng_tensors)
-        only, background = _only(sh, suffix, donor, rows, n, pad_id)
+        only, background = _only(sh, suffix, cut, donor, rows, pad_id)
         if not only[0]:
             raise Refused("evidence", f"step {last.step} on a batch holding only rows {rows} (the others {background}) "
                                       f"did not fail the same way: {what_happened(only[1])}")
