@@ -136,8 +136,8 @@ def _go(got: dict[int, Any] | None, wait: float) -> str:
 
 def refuse_skip(options: dict[str, Any], framework: str) -> None:
     """A framework callback's check of its Recorder options: ``on_failure="skip"`` needs a step function that replays
-    an edited batch on the live trainer without moving the framework's own counters, which the callbacks do not have
-    yet. Refused at construction, never at the failure."""
+    an edited batch on the live trainer without moving the framework's own counters, which the Lightning callback
+    does not have yet. Refused at construction, never at the failure."""
     value = options.get("on_failure", "raise")
     if value != "raise":
         SkipSettings(on_failure=value)  # an unknown value is refused as the Recorder refuses it
@@ -154,6 +154,9 @@ class Skipper:
         self.journal = Path(out_dir) / JOURNAL
         self.skipped: deque[int] = deque()
         """Steps skipped by this Recorder, oldest first (the limit counts those within ``skip_window``)."""
+        self.exceptions_end_the_loop: str | None = None
+        """Set by a framework integration whose loop an exception has already left when the recorder sees it (the
+        Trainer's): why a failure that raised is not skipped there."""
         self._filter_warned = False
 
     @property
@@ -279,6 +282,8 @@ class Skipper:
         k = failure.step
         if failure.kind in DEATHS or failure.kind == FailureKind.PEER:
             raise Refused("kind", f"a {failure.kind} failure is not replayed in the training process")
+        if failure.kind == FailureKind.EXCEPTION and self.exceptions_end_the_loop:
+            raise Refused("kind", self.exceptions_end_the_loop)
         window = self.settings.skip_window
         recent = [s for s in self.skipped if s > k - window]
         if len(recent) >= self.settings.max_skips:

@@ -47,7 +47,6 @@ from transformers.trainer_utils import IntervalStrategy
 from reprokit.code import ref_label, ref_of, resolve_project, snapshot_files
 from reprokit.errors import BundleError, CaptureError, CodeLoadError, StateMismatchError
 from reprokit.record import Recorder
-from reprokit.skip import refuse_skip
 from reprokit.state import TrainState
 
 __all__ = ["ReprokitCallback", "build", "train_step"]
@@ -315,6 +314,11 @@ class ReprokitCallback(TrainerCallback):
     path as a note, or :class:`reprokit.TrainingFailure` is raised (``.bundle``). Steps are
     optimizer updates (``state.global_step`` counts the same way).
 
+    With ``on_failure="skip"``, a detector's failure (a non-finite loss or gradient norm) whose cause is proven to be
+    rows of the update's micro-batches is skipped: the update is replayed on the live Trainer without those rows
+    and training goes on (see :mod:`reprokit.skip`). An exception inside an update is never skipped here: it has
+    left the Trainer's loop by the time the callback sees it.
+
     Example:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds,            # doctest: +SKIP
         ...                   callbacks=[ReprokitCallback(out_dir="repros")])
@@ -324,7 +328,6 @@ class ReprokitCallback(TrainerCallback):
         for key in ("build", "config", "train_step"):
             if key in recorder_options:
                 raise CaptureError(f"ReprokitCallback makes {key} itself (the Trainer's own); drop {key}=")
-        refuse_skip(recorder_options, "Hugging Face Trainer")
         self.out_dir = Path(out_dir)
         self.options = recorder_options
         self.recorder: _UpdateRecorder | None = None
@@ -364,6 +367,8 @@ class ReprokitCallback(TrainerCallback):
         rec = _UpdateRecorder(_state_of(trainer), train_step, build=build, config=self._config(trainer, state),
                               out_dir=self.out_dir, **self.options)
         self._snapshot_project(rec, trainer)
+        rec._skips.exceptions_end_the_loop = (  # on_failure="skip": see the class docstring
+            "an exception inside an update has left the Trainer's loop by the time the recorder sees it")
         rec.step_index = int(state.global_step)  # bundle steps are the Trainer's (a resumed run starts past 0)
         self.recorder = rec
         self._wrap(trainer, kwargs.get("train_dataloader"))
