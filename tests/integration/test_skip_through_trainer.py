@@ -10,7 +10,7 @@ import warnings
 import pytest
 import rk_hf_guard  # noqa: F401 - skips this module where transformers has no torch
 import torch
-from rk_hf_data import D, SEQ, VOCAB, tiny
+from rk_hf_data import SEQ, VOCAB, D, tiny
 from transformers import Trainer, TrainingArguments
 
 import reprokit
