@@ -2,7 +2,8 @@
 
 With ``Recorder(on_failure="skip")`` a failing step first writes its bundle as always; then, in the running process
 and within ``skip_budget_s``, the recorder replays its window from the snapshot it holds in memory and decides whether
-some rows of the failing batch are the cause. It skips them only when the evidence holds (see :func:`prove`):
+some rows of the failing batch are the cause. It skips them only when the evidence holds (the replays are in
+:mod:`reprokit.skip_proof`):
 
 1. **Reproduced.** The window, replayed from the in-memory snapshot with its recorded batches and RNG, fails at
    the failing step with the recorded signature (for a non-finite failure: at the same origin); the failing step
@@ -25,6 +26,11 @@ on any data, no rows to blame, the evidence did not hold, the budget ran out, ``
 
 Cost: one replay of the window up to the failing step (never more than one window per failure: no earlier snapshot
 is used), then single runs of the failing step (about 2·log2(rows) per culprit, and a few checks).
+
+Under torch.distributed every rank takes part or none does: the ranks agree through files beside the incident's
+(:mod:`reprokit.distributed.team`, never a collective) and replay in step (the model's collectives run in every
+replay); the culprit rank skips its rows and the others roll back with it (:func:`reprokit.skip_proof.prove_together`).
+Through the Hugging Face Trainer callback, the rows are those of the update's micro-batches.
 
 Each skip is a line of ``out_dir/skips.jsonl`` (:func:`read_journal`); :func:`skip_list` gives the dataset indices
 to keep out of a resumed run, and ``Recorder(skip_indices=...)`` drops those rows from the batches it is given.
