@@ -447,10 +447,11 @@ def _replay_incident(folder: Path, times: int, device: str | None, code: Path | 
 def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None, as_json: bool, **kw: Any) -> None:
     """Show BUNDLE's failure, window, batch structure, a diagnosis of the failing batch, state sizes, env and losses.
 
-    BUNDLE may be a bundle folder or a packed archive (.tar or .tar.gz), or the incident folder of a
-    multi-rank run (its ranks, the rank that failed first, each rank's failure and bundle). The diagnosis checks the failing
-    step's batch for non-finite values, ids past the model's embedding tables, empty
-    masks, all-ignored labels and sequences past the position table.
+    BUNDLE may be a bundle folder or a packed archive (.tar or .tar.gz), the incident folder of a
+    multi-rank run (its ranks, the rank that failed first, each rank's failure and bundle), or the out_dir of a run
+    recorded with on_failure="skip" (or its skips.jsonl): every skipped sample, its evidence and its bundle.
+    The diagnosis checks the failing step's batch for non-finite values, ids past the model's embedding tables,
+    empty masks, all-ignored labels and sequences past the position table.
     """
     from reprokit.bundle import open_bundle
     from reprokit.report import batch_dump, describe, format_batch, format_describe, parse_rows, plot_history
@@ -460,6 +461,9 @@ def inspect(bundle: Path, plot: Path | None, show_batch: bool, rows: str | None,
     bundle = _recovered(bundle, as_json)
     if _is_incident(bundle):
         _inspect_incident(bundle, plot, show_batch, as_json)
+        return
+    if _is_skips(bundle):
+        _inspect_skips(bundle, plot, show_batch, as_json)
         return
     picked = parse_rows(rows) if rows is not None else None
     with _open(bundle, kw) as path:
@@ -487,6 +491,30 @@ def _is_incident(path: Path) -> bool:
     from reprokit.bundle.layout import RANK_BUNDLE, is_incident
 
     return is_incident(path) and any(RANK_BUNDLE.fullmatch(p.name) for p in path.iterdir() if p.is_dir())
+
+
+def _is_skips(path: Path) -> bool:
+    """A run's journal of skipped samples, or an out_dir (not a bundle) that holds one."""
+    from reprokit.skip import JOURNAL
+
+    if path.is_file():
+        return path.name == JOURNAL
+    return not (path / "manifest.json").exists() and (path / JOURNAL).is_file()
+
+
+def _inspect_skips(where: Path, plot: Path | None, show_batch: bool, as_json: bool) -> None:
+    """``inspect`` of an out_dir that holds a journal of skips (or of the journal): each skip and its evidence."""
+    from reprokit.report import format_skips
+    from reprokit.skip import describe_skips
+
+    if plot is not None or show_batch:
+        raise click.UsageError(f"--plot and --batch show one bundle; {where} holds a run's skips: pass one of the "
+                               "bundles it lists")
+    d = describe_skips(where)
+    if as_json:
+        _emit(d)
+    else:
+        _echo(format_skips(d))
 
 
 def _inspect_incident(folder: Path, plot: Path | None, show_batch: bool, as_json: bool) -> None:

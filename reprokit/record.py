@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprokit import pytree
+from reprokit import pytree, skip
 from reprokit.bundle import (
     BundleWriter,
     StepRecord,
@@ -260,6 +260,20 @@ class Recorder:
             before importing anything), and its file travels in the code snapshot. Installed code (a stock
             transformers model) needs nothing: the environment records its version. Framework integrations pass
             their model and trainer classes here (the docs' "Writing an integration" page).
+        on_failure: ``"raise"`` (the default): a failure writes its bundle and raises. ``"skip"``: after the bundle,
+            the recorder replays the window in this process and, only when it proves that some rows of the failing
+            batch cause the failure (it reproduces, the state passes on healthy data, the step passes without those
+            rows and fails with only them), drops them, puts the state where the step leaves it without them, warns
+            naming their dataset indices, appends the skip to ``out_dir/skips.jsonl`` and returns the step's loss;
+            otherwise it raises as ``"raise"`` does, with a note saying why it did not skip (see
+            :mod:`reprokit.skip`).
+        skip_budget_s: wall-clock seconds one skip attempt may replay for (default 120); past it, the run stops.
+        max_skips / skip_window: at most ``max_skips`` skips within any ``skip_window`` steps (default 3 per 1000);
+            the next failure stops the run.
+        skip_indices: dataset indices to keep out of this run (``reprokit.skip_list(out_dir)`` of an earlier run):
+            each batch that carries a dataset index leaf (``index``, ``indices``, ``idx`` or ``sample_id``, one value
+            per row) has those rows dropped before it is recorded and trained on, as the skipping run had them
+            dropped. A batch without one is used as it is (said once): filter such data in your sampler.
 
     Raises:
         CaptureError: at attach time, naming what cannot be recorded (a lambda as
@@ -298,9 +312,17 @@ class Recorder:
         on_incident: str = "abort",
         durable: bool = False,
         carry: Sequence[Any] = (),
+        on_failure: str = "raise",
+        skip_budget_s: float = 120.0,
+        max_skips: int = 3,
+        skip_window: int = 1000,
+        skip_indices: Iterable[Any] | None = None,
     ):
         if snapshot_every < 1:
             raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        self._skips = skip.Skipper(skip.SkipSettings(
+            on_failure=on_failure, skip_budget_s=skip_budget_s, max_skips=max_skips, skip_window=skip_window,
+            skip_indices=skip.as_indices(skip_indices)), Path(out_dir))
         self.on_incident = fail_fast.check_on_incident(on_incident)
         self._peer_doc: dict[str, Any] | None = None
         """The incident whose window this rank's watcher wrote as a peer's (this rank had not failed itself)."""
@@ -543,6 +565,7 @@ class Recorder:
             Exception: the step's own exception, unchanged (a note names the bundle).
             TrainingFailure: when a detector fires; ``.bundle`` is the bundle path.
         """
+        batch = self._skips.filter(batch, self.step_index)
         record = self._begin_step(batch)
         result = self.monitor.run(self.train_step, batch, self.step_index, after=self._locked_after_step)
         return self._finish_step(batch, record, result)
@@ -580,8 +603,10 @@ class Recorder:
             ``loss`` (a tensor comes back detached), as :meth:`step` returns it.
 
         Raises:
-            Exception: ``exc`` itself, with a note that names the bundle.
-            TrainingFailure: when a detector fired; ``.bundle`` is the bundle path.
+            Exception: ``exc`` itself, with a note that names the bundle (never skipped under
+                ``on_failure="skip"``: it has left the framework's loop; only :meth:`step` can skip an exception).
+            TrainingFailure: when a detector fired (unless ``on_failure="skip"`` proved and skipped its rows);
+                ``.bundle`` is the bundle path.
             ConfigError: no step is open.
         """
         if self._open is None:
@@ -590,7 +615,12 @@ class Recorder:
         self._open = None
         self._locked_after_step()
         result = self.monitor.conclude(self.step_index, loss, exc)
-        return self._finish_step(batch, record, result)
+        # on_failure="skip" never skips an exception handed in here: it has already left the framework's loop.
+        self._skips.exceptions_end_the_loop = skip.CAUGHT_BY_THE_CALLER if exc is not None else None
+        try:
+            return self._finish_step(batch, record, result)
+        finally:
+            self._skips.exceptions_end_the_loop = None
 
     def skip_step(self, message: str) -> None:
         """Count a step that cannot be recorded (a framework's step that ``train_step`` could not replay): the
@@ -651,7 +681,11 @@ class Recorder:
         if peer_error and self._peer_doc is not None:
             raise self._peer_failure(self._peer_doc) from result.exc
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
+        attempt = self._skips.after_failure(self, result.failure, record, path) if self._skips.on else None
+        if attempt is not None and attempt.skipped:
+            return attempt.value  # the proven culprit rows are skipped: the run goes on (see reprokit.skip)
         hint = failure_note(batch, self._tables)
+        why_not = attempt.note if attempt is not None else None
         # What to run next: one process's bundle, or under a process group the incident folder it is in (every rank
         # replayed together) and this rank's bundle alone.
         q = shlex.quote(str(path)) if path else ""
@@ -665,12 +699,12 @@ class Recorder:
                    f"exit 1 while it fails), `reprokit replay {q}` (this rank alone), `reprokit inspect {q}`")
         if result.exc is not None:
             note = f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written"
-            for line in (hint, note, nxt):
+            for line in (hint, why_not, note, nxt):
                 if line:
                     _add_note(result.exc, line)
             raise result.exc
         failure = TrainingFailure(result.failure, path)
-        for line in (hint, nxt):
+        for line in (hint, why_not, nxt):
             if line:
                 _add_note(failure, line)
         raise failure

@@ -379,7 +379,7 @@ class Session:
         for inp in steps:
             restore_rng(inp.rng, inp.rng_tensors, self.state.extra if self.state else None)
             # A fresh copy every run: a step that edits its batch in place must not change the next replay.
-            batch = _fresh_batch(inp.batch, self.device)
+            batch = self.fresh_batch(inp.batch)
             if self.on_step is not None:
                 self.on_step("started", inp.step, None)
             result = self.monitor.run(self.step_fn, batch, inp.step)
@@ -393,6 +393,10 @@ class Session:
         # three steps early is another failure (another bug, or the same one under other numerics).
         return RunOutcome(failure, failure is not None and failure.same_as(self.recorded, step=True), losses,
                           time.perf_counter() - t0)
+
+    def fresh_batch(self, batch: Any) -> Any:
+        """A copy of a recorded batch for one run, its tensors on the replay's device."""
+        return _fresh_batch(batch, self.device)
 
     def capture(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """The live state as a snapshot in the bundle's ``state/`` format."""
@@ -475,11 +479,11 @@ def _recorded_check(recorded: Failure) -> dict[str, bool]:
     return {key: True} if key else {}
 
 
-def _fresh_batch(obj: Any, device: torch.device) -> Any:
-    """A copy of a recorded batch for one run: tensors copied to ``device``, numpy arrays copied (decoded, they are
-    views of the stored tensors), containers rebuilt."""
+def _fresh_batch(obj: Any, device: torch.device | None) -> Any:
+    """A copy of a recorded batch for one run: tensors copied to ``device`` (None: each on its own device), numpy
+    arrays copied (decoded, they are views of the stored tensors), containers rebuilt."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, copy=True)
+        return obj.to(device or obj.device, copy=True)
     if isinstance(obj, np.ndarray):
         return obj.copy()
     if isinstance(obj, dict):

@@ -539,6 +539,35 @@ def format_describe_incident(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_skips(d: dict[str, Any]) -> str:
+    """``reprokit inspect OUT_DIR``'s text for a run that skipped samples (``reprokit.skip.describe_skips()``): each
+    skip with its step, rows, dataset indices, evidence and bundle, then the indices to filter on a resume."""
+    n = d["count"]
+    if not n:
+        return f"no skips in {one_line(d['journal'])}"
+    lines = [f"{_n(n, 'skip')} in {one_line(d['journal'])} ({d['seconds_lost']:.1f} s of replays lost)"]
+    for e in d["skips"]:
+        indices = e.get("dataset_indices")
+        named = f"dataset indices {indices}" if indices is not None else "no dataset index (the batch carries none)"
+        rank = f" on rank {e['rank']}" if e.get("rank") is not None else ""
+        failure = e.get("failure") or {}
+        lines.append(one_line(f"  step {e['step']}{rank}: skipped rows {e.get('rows')}, {named}; "
+                              f"{summary_line(failure, step=False)}; {float(e.get('seconds_lost') or 0):.1f} s"))
+        ev = e.get("evidence") or {}
+        window = ev.get("window") or {}
+        bit_exact = window.get("replayed_bit_exact")
+        exact = "" if bit_exact is None else ", bit-exact" if bit_exact else ", not bit-exact"
+        only = ev.get("only_culprits") or {}
+        lines.append(one_line(f"    evidence: steps {window.get('from_step')}-{window.get('to_step')} replayed{exact}; "
+                              f"{ev.get('reproduced', '')}; without the rows: "
+                              f"{(ev.get('without_culprits') or {}).get('verdict')}; with only them "
+                              f"({only.get('background')}): {only.get('verdict')}"))
+        if e.get("bundle"):
+            lines.append(one_line(f"    bundle {e['bundle']}"))
+    lines.append(f"dataset indices to keep out of a resumed run (reprokit.skip_list): {d['dataset_indices']}")
+    return "\n".join(lines)
+
+
 def format_verify(d: dict[str, Any]) -> str:
     """``reprokit verify``'s text: every problem, or ok (and the archive digest it matched); the origin note."""
     # Every name and problem is a bundle's (or an archive's) text: printed as one line each, so that a file named

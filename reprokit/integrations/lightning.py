@@ -58,6 +58,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from reprokit.code import ref_of, resolve_project
 from reprokit.errors import CaptureError, CodeLoadError
 from reprokit.record import Recorder
+from reprokit.skip import refuse_skip
 from reprokit.state import TrainState
 
 BATCH = "batch"
@@ -86,6 +87,7 @@ class ReprokitCallback(Callback):
             if key in recorder_options:
                 raise CaptureError(f"ReprokitCallback({key}=...): the callback makes {key} itself from the "
                                    "LightningModule and the Trainer; drop it")
+        refuse_skip(recorder_options, "Lightning")
         self.out_dir = out_dir
         self.options = recorder_options
         self.recorder: Recorder | None = None

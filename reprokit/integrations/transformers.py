@@ -281,6 +281,11 @@ class ReprokitCallback(TrainerCallback):
     path as a note, or :class:`reprokit.TrainingFailure` is raised (``.bundle``). Steps are
     optimizer updates (``state.global_step`` counts the same way).
 
+    With ``on_failure="skip"``, a detector's failure (a non-finite loss or gradient norm) whose cause is proven to be
+    rows of the update's micro-batches is skipped: the update is replayed on the live Trainer without those rows
+    and training goes on (see :mod:`reprokit.skip`). An exception inside an update is never skipped here: it has
+    left the Trainer's loop by the time the callback sees it.
+
     Example:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds,            # doctest: +SKIP
         ...                   callbacks=[ReprokitCallback(out_dir="repros")])

@@ -206,6 +206,23 @@ class Shrinker:
             self.different_failures += 1
         return interesting, out
 
+    def arm(self, original: Case, n: int | None) -> None:
+        """Set what judges a candidate beside its signature, from ``original`` (the failing case, already found to
+        fail the same way; ``n``: its failing batch's row count): the origin of a non-finite failure (checked once
+        here, then for every candidate that fails with the same signature), the rise of a loss spike, the message
+        template of an exception."""
+        kind = self.session.recorded.kind
+        first = original.last.batch
+        if kind in NONFINITE:
+            self.origin, self.reference = self.find_origin(original), (first, n or 0)
+        elif kind == FailureKind.LOSS_SPIKE:
+            self.spike, self.reference = True, (first, n or 0)
+            detail = failure_of(self.outcome(original)).detail
+            if isinstance(detail.get("loss"), float) and isinstance(detail.get("median"), float):
+                self.spike_rise = detail["loss"], detail["median"]
+        elif kind == FailureKind.EXCEPTION:
+            self.message = message_template(failure_of(self.outcome(original)).message)
+
     def confirm(self, case: Case, times: int) -> str | None:
         """Replay ``case``, already found interesting, ``times`` more times; None when it failed the same way each
         time, else what the replay that did not did.
@@ -460,16 +477,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                 f"{src.path} does not reproduce ({got} on replay; recorded: {src.failure.describe()}), so there is "
                 f"nothing to shrink. {alone_hint(src)}"
             )
-        if src.failure.kind in NONFINITE:
-            # Checked once here, then for every candidate that fails with the same signature.
-            sh.origin, sh.reference = sh.find_origin(original), (first, n or 0)
-        elif src.failure.kind == FailureKind.LOSS_SPIKE:
-            sh.spike, sh.reference = True, (first, n or 0)
-            detail = failure_of(sh.outcome(original)).detail
-            if isinstance(detail.get("loss"), float) and isinstance(detail.get("median"), float):
-                sh.spike_rise = detail["loss"], detail["median"]
-        elif src.failure.kind == FailureKind.EXCEPTION:
-            sh.message = message_template(failure_of(sh.outcome(original)).message)
+        sh.arm(original, n)
         missed = sh.confirm(original, 1)
         if missed:
             raise FlakyFailure(f"{src.path} failed the same way on one replay but not on the next ({missed}), so "

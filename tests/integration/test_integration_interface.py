@@ -60,7 +60,7 @@ def test_an_lr_change_between_steps_with_request_snapshot_starts_a_window_that_r
 
 
 def test_a_run_with_the_interface_trains_bit_identically_to_the_bare_loop(projects, tmp_path):
-    own, model = projects("rk_own_trainer"), projects("rk_own_model")
+    own = projects("rk_own_trainer")
     trainer, exc = fit(projects, tmp_path, 10, poison_step=None)
     assert exc is None and trainer.recorder.step_index == 10
     state = own.build({"model": {"module": "rk_own_model", "qualname": "Net"}})
