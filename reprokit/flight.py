@@ -3,9 +3,13 @@
 ``Recorder(durable=True)`` keeps what it records in memory as always and also writes it under
 ``out_dir/.reprokit-flight/<run id>/rank<k>/``, from the host copies it already makes:
 
-- ``owner.json``: pid, host, start time, run id, rank; ``lock``: an ``fcntl.flock`` held for the process's
-  lifetime (the kernel drops it on any death, so ``reprokit recover`` tells a dead run from a live one without
-  guessing from pids); ``faults.log`` (``faulthandler``: SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) and
+- ``owner.json``: pid (and its start time in clock ticks, from /proc), host, start time, run id, rank; ``lock``: an
+  ``fcntl.flock`` held for the process's lifetime (the kernel drops it on any death, so ``reprokit recover`` and the
+  peers' watchers tell a dead rank from a live one without guessing from pids; a process forked from the rank, a
+  DataLoader worker, closes its copy at once); ``heartbeat``: pid, the step the recorder is at and the wall time,
+  rewritten in place every second by the rank's incident watcher thread (never by the training thread, never
+  fsynced), so that peers on other hosts can tell a rank that stopped (:mod:`reprokit.distributed.peers`);
+  ``faults.log`` (``faulthandler``: SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) and
   ``sigterm.log`` (a SIGTERM, when the process had no handler of its own for it).
 - ``run.json``, ``env.json`` and ``code/``: what a bundle needs that does not change during the run, written once.
 - ``win-<step>/``: one folder per window: the snapshot's tensor files, and ``log``, an append-only file of
@@ -52,6 +56,7 @@ import sys
 import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +77,10 @@ CODE = "code"
 FAULTS = "faults.log"
 SIGTERM_LOG = "sigterm.log"
 LOG = "log"
+HEARTBEAT = "heartbeat"
+_BEAT = struct.Struct("<8sQqdqI")
+"""magic, sequence number, step, wall time, pid, crc32 of what comes before it."""
+BEAT_MAGIC = b"RKBEAT01"
 SETTLE_WAIT_S = 600.0
 """How long the training thread waits, at most, for the writer to finish with a buffer it is about to reuse."""
 
@@ -88,6 +97,51 @@ def run_id(rank_key: str | None) -> str:
         return f"run-{rank_key}"
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return f"run-{stamp}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+# --- the heartbeat ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat as read back (:func:`read_beat`)."""
+
+    seq: int
+    step: int
+    """The step the recorder was at (the last one started, or the next one when between steps)."""
+    time: float
+    """Wall time (``time.time()`` of the writing host) when it was written."""
+    pid: int
+
+
+def encode_beat(seq: int, step: int, when: float, pid: int) -> bytes:
+    head = _BEAT.pack(BEAT_MAGIC, seq, step, when, pid, 0)[:-4]
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def read_beat(path: Path) -> Beat | None:
+    """The heartbeat at ``path``, or None when there is none or it does not check (torn by a concurrent write: read
+    again later)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_BEAT.size)
+    except OSError:
+        return None
+    if len(data) != _BEAT.size:
+        return None
+    magic, seq, step, when, pid, crc = _BEAT.unpack(data)
+    if magic != BEAT_MAGIC or crc != zlib.crc32(data[:-4]):
+        return None
+    return Beat(seq, step, when, pid)
+
+
+def start_ticks(pid: int) -> int:
+    """When ``pid`` started (clock ticks after boot, /proc), 0 where /proc does not say: with the pid, it names one
+    process (a recycled pid has another start)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 # --- records ---------------------------------------------------------------------------------------------------
@@ -229,6 +283,22 @@ def _faults_off(faults: Any) -> None:
 
 _live: weakref.WeakSet[FlightLog] = weakref.WeakSet()
 _exit_hook = False
+_fork_hook = False
+
+
+def _after_fork_in_child() -> None:
+    """A process forked from a recording one (a DataLoader worker, ``multiprocessing``) closes its copies of the
+    flight logs' lock and heartbeat descriptors: a ``flock`` lives as long as any copy of its descriptor, so a worker
+    that outlived a killed rank would otherwise keep that rank looking alive. The parent's lock is untouched."""
+    for log in list(_live):
+        for fd in (log._lock_fd, log._beat_fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        log._lock_fd = log._beat_fd = None
+        log.on = False
+        log._thread = None
+        _live.discard(log)
 
 
 def _at_exit() -> None:
@@ -251,6 +321,8 @@ class FlightLog:
         self.on = True
         self.in_step: Callable[[], bool] = lambda: False
         self._lock_fd: int | None = None
+        self._beat_fd: int | None = None
+        self._beat_seq = 0
         self._faults: Any = None
         self._term: Any = None
         self._write_lock = threading.Lock()
@@ -292,8 +364,10 @@ class FlightLog:
                 raise OSError(f"{folder / LOCK} is locked by another live process (two Recorders with one run "
                               "id)") from None
             log._lock_fd = fd
-            _atomic_json(folder / OWNER, {**owner, "pid": os.getpid(), "host": socket.gethostname(),
-                                          "started": time.time(), "run_id": rid})
+            log._beat_fd = os.open(folder / HEARTBEAT, os.O_CREAT | os.O_WRONLY, 0o644)
+            log.beat(0)
+            _atomic_json(folder / OWNER, {**owner, "pid": os.getpid(), "start_ticks": start_ticks(os.getpid()),
+                                          "host": socket.gethostname(), "started": time.time(), "run_id": rid})
             _atomic_json(folder / RUN, run)
             _atomic_json(folder / ENV, env)
             for rel, src in code:
@@ -312,10 +386,13 @@ class FlightLog:
         log._thread = threading.Thread(target=log._run, name="reprokit-flight", daemon=True)
         log._thread.start()
         _live.add(log)
-        global _exit_hook
+        global _exit_hook, _fork_hook
         if not _exit_hook:
             atexit.register(_at_exit)
             _exit_hook = True
+        if not _fork_hook and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_hook = True
         return log
 
     def close(self, remove: bool = True) -> None:
@@ -338,6 +415,10 @@ class FlightLog:
                     with contextlib.suppress(Exception):
                         f.close()
             self._faults = self._term = None
+        if self._beat_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._beat_fd)
+            self._beat_fd = None
         if remove:
             shutil.rmtree(self.folder, ignore_errors=True)
             with contextlib.suppress(OSError):
@@ -363,6 +444,16 @@ class FlightLog:
             self.on = False
             self.warn(f"reprokit: durable recording is off from here on: {why}. Training goes on; a hard crash now "
                       "leaves only what was written before.")
+
+    def beat(self, step: int) -> None:
+        """Rewrite the heartbeat in place (one ``pwrite`` of a few dozen bytes, no fsync): the incident watcher's
+        thread calls this every second, also while the log itself is off after a fault (the rank is alive)."""
+        fd = self._beat_fd
+        if fd is None:
+            return
+        self._beat_seq += 1
+        with contextlib.suppress(OSError):
+            os.pwrite(fd, encode_beat(self._beat_seq, step, time.time(), os.getpid()), 0)
 
     # --- the training thread's side ---
 

@@ -385,13 +385,30 @@ def _write(log: RankLog, where: Path, chain: tuple[int, list[int]], failure: Fai
     return path
 
 
-def _already(log: RankLog) -> dict[str, Any] | None:
-    """The bundle the recorder wrote itself for the step the process ended in (its failure, before the death)."""
+def _already(log: RankLog, incident: str | None = None) -> dict[str, Any] | None:
+    """The bundle the recorder wrote itself for the step the process ended in (its failure, before the death), or
+    for ``incident`` (the run's last declared one: a peer's bundle names the step the incident is about, not the
+    step this rank had reached)."""
     started = log.last_started
     for b in reversed(log.bundles):
-        if b.get("step") == started and Path(str(b.get("path"))).is_dir():
+        if (b.get("step") == started or (incident and b.get("incident") == incident)) and \
+                Path(str(b.get("path"))).is_dir():
             return b
     return None
+
+
+def _bundles_in(folder: Path) -> dict[int, int]:
+    """``{rank: the step its window starts at}`` of the rank bundles in an incident folder (verified when replayed)."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for p in folder.iterdir():
+            run = _json(p / RUN) if (p / "manifest.json").is_file() else None
+            window = run.get("window") if isinstance(run, dict) else None
+            dist = run.get("distributed") if isinstance(run, dict) else None
+            if isinstance(window, dict) and isinstance(window.get("start"), int) and isinstance(dist, dict) and \
+                    isinstance(dist.get("rank"), int):
+                found[int(dist["rank"])] = int(window["start"])
+    return found
 
 
 def _recover_single(out: Path, run_dir: Path, log: RankLog) -> RunResult:
@@ -423,11 +440,15 @@ _PRIORITY = {None: 1, "SIGTERM": 2}
 
 def _recover_incident(out: Path, run_dir: Path, logs: list[RankLog], world: int) -> RunResult:
     """The ranks of one job: one incident folder (the one the recorder already started, if a rank wrote its bundle of
-    it before the job died), with a crash bundle for every rank that has none there."""
-    done = {log.rank: b for log in logs if (b := _already(log)) is not None and b.get("incident")}
+    it before the job died, or the one a live rank declared when it found a peer dead), with a crash bundle for every
+    rank that has none there, its window starting where the bundles already there start."""
+    key = str(next((x.owner.get("run_key") for x in logs if x.owner.get("run_key")), run_dir.name))
+    declared = _declared(out, key.removeprefix("run-"))
+    done = {log.rank: b for log in logs if (b := _already(log, declared.get("incident"))) is not None
+            and b.get("incident")}
     need = [log for log in logs if log.rank not in done and log.last_started is not None]
     infos = []
-    key = str(next((x.owner.get("run_key") for x in logs if x.owner.get("run_key")), run_dir.name))
+    present = _bundles_in(out / str(declared["incident"])) if declared.get("incident") else {}
     if done:
         first = next(iter(done.values()))
         name = str(first["incident"])
@@ -441,18 +462,26 @@ def _recover_incident(out: Path, run_dir: Path, logs: list[RankLog], world: int)
         origin = min(need, key=lambda x: (_PRIORITY.get(x.signal, 0), x.last_started, x.rank))
         doc = {"incident": None, "step": origin.last_started, "rank": origin.rank,
                "what": _failure(origin, origin.last_started or 0).message, "world_size": world, "number": 0}
+        if isinstance(declared.get("died"), dict):  # a live rank found it dead and declared the incident for it
+            doc.update({k: declared[k] for k in ("step", "rank", "what", "died") if k in declared})
         # The ranks' windows must start at the same step (their collectives line up in a replay).
         chains = [_chain(x) for x in need]
         if any(isinstance(c, str) for c in chains):
             why = "; ".join(f"rank {x.rank}: {c}" for x, c in zip(need, chains) if isinstance(c, str))
             return RunResult(run_dir.name, "nothing_to_recover", f"nothing to recover: {why}; removed the flight log")
         starts = sorted({s for x in need for s in x.snaps}, reverse=True)
+        if present:  # live ranks wrote their windows of this incident already: the recovered ones start there too
+            starts = sorted(set(present.values()))
         common = next((s for s in starts if all(not isinstance(_chain(x, s), str) for x in need)), None)
         if common is None:
-            return RunResult(run_dir.name, "nothing_to_recover", "nothing to recover: the ranks' flight logs hold no "
-                             "snapshot step they all have a whole window from; removed the flight log")
+            if not present:
+                return RunResult(run_dir.name, "nothing_to_recover", "nothing to recover: the ranks' flight logs hold "
+                                 "no snapshot step they all have a whole window from; removed the flight log")
+            why = "; ".join(f"rank {x.rank}: {c}" for x in need if isinstance(c := _chain(x, starts[0]), str))
+            return RunResult(run_dir.name, "nothing_to_recover", f"nothing to recover: the windows already in "
+                             f"{declared['incident']} start at step {starts[0]}, and the dead ranks' flight logs hold "
+                             f"none from there ({why}); removed the flight log")
         start = common
-        declared = _declared(out, key.removeprefix("run-"))
         name = str(declared.get("incident") or f"incident-{_stamp(origin)}-step{int(origin.last_started or 0):08d}-"
                                                f"{key.removeprefix('run-')[:8]}")
         doc["incident"] = name
@@ -461,6 +490,8 @@ def _recover_incident(out: Path, run_dir: Path, logs: list[RankLog], world: int)
         where = out / name
     for r, b in sorted(done.items()):
         infos.append({"rank": r, "status": "already_written", "bundle": b["path"]})
+    for r in sorted(set(present) - set(done) - {x.rank for x in need}):
+        infos.append({"rank": r, "status": "already_written", "why": f"its window is in {where} (a live rank)"})
     written = []
     for log in need:
         chain = _chain(log, start)
