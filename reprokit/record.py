@@ -1002,7 +1002,7 @@ class Recorder:
             failure = Failure(kind=FailureKind.PEER, step=int(doc.get("step", step)),
                               message=f"rank {doc.get('rank')} failed: {doc.get('what')}",
                               detail={"incident": doc, "this_rank_step": step})
-            self._incident_bundle = self._dump(failure, incident=doc["incident"], from_watcher=True)
+            self._incident_bundle = self._peer_window(failure, doc)
             board.done(self.rank.rank)
             self._peer_doc, self._peer_step = doc, self.step_index
         if self.on_incident == "abort":
@@ -1088,6 +1088,40 @@ class Recorder:
             time.sleep(0.02)
         with self._lock:  # the watcher writes this rank's window holding it
             pass
+
+    def _peer_window(self, failure: Failure, doc: dict[str, Any]) -> Path | None:
+        """Watcher thread: this rank's window of a peer's incident. Of a peer that died outright, the window must
+        start where the dead rank's flight log has one (``reprokit recover`` writes the dead rank's from there, and
+        an incident replays only when every rank's window starts at one step): a rank killed just after a snapshot
+        had not yet committed it, so its newest window starts one snapshot earlier. Then this rank's window is
+        written from its own flight log, which keeps that earlier window too (see :mod:`reprokit.flight`)."""
+        died, flight, snap = doc.get("died"), self._flight, self._snapshot
+        incident = str(doc["incident"])
+        if not isinstance(died, dict) or flight is None or snap is None:
+            return self._dump(failure, incident=incident, from_watcher=True)
+        from reprokit.recover import read_rank, window_chain, write_window
+
+        try:
+            theirs = window_chain(read_rank(flight.run_folder / f"rank{died.get('rank')}"))
+            if isinstance(theirs, str) or theirs[0] >= snap.step:
+                return self._dump(failure, incident=incident, from_watcher=True)
+            mine = read_rank(flight.folder)
+            chain = window_chain(mine, theirs[0])
+            if isinstance(chain, str):
+                self._warn("", f"reprokit: rank {died.get('rank')}'s flight log holds a window from step {theirs[0]} "
+                               f"only, and this rank's own log has none from there ({chain}); this rank's window "
+                               f"starts at step {snap.step}, so `reprokit recover` cannot line rank "
+                               f"{died.get('rank')}'s window up with it")
+                return self._dump(failure, incident=incident, from_watcher=True)
+            path = write_window(mine, self.out_dir / incident, chain, failure, incident=incident)
+        except Exception as e:  # never let our bookkeeping stop the run: the window from memory still serves
+            self._warn("", f"reprokit: could not write this rank's window from its flight log ({e!r}); writing the "
+                           "one in memory")
+            return self._dump(failure, incident=incident, from_watcher=True)
+        self.bundles.append(path)
+        flight.record(b"bndl", {"step": failure.step, "path": str(path.absolute()), "incident": incident,
+                                "kind": failure.kind})
+        return path
 
     def _end_after_incident(self, doc: dict[str, Any], at: int) -> None:
         """Watcher thread, ``on_incident="abort"``: this rank's window of a peer's incident is written (it was at

@@ -221,7 +221,7 @@ def test_a_rank_killed_outright_is_found_dead_by_its_peer_which_writes_its_windo
     r = CliRunner().invoke(cli, ["recover", str(out), "--json"])
     assert r.exit_code == 0, r.output
     [run] = json.loads(r.stdout)["runs"]
-    assert (run["status"], run["incident"]) == ("recovered", str(folder)), run
+    assert (run["status"], run["incident"]) == ("recovered", str(folder)), (run, text[-3000:])
     from reprokit.distributed.incident import rank_bundles
 
     bundles = rank_bundles(folder)  # every rank once, windows starting at one step
