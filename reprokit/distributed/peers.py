@@ -85,9 +85,11 @@ class PeerWatch:
         [1]
     """
 
-    def __init__(self, run_folder: Path, rank: int, world_size: int, timeout_s: float = PEER_TIMEOUT_S):
+    def __init__(self, run_folder: Path, rank: int, world_size: int, timeout_s: float = PEER_TIMEOUT_S,
+                 remote_every_s: float = REMOTE_CHECK_EVERY_S):
         self.rank = rank
         self.timeout_s = float(timeout_s)
+        self.remote_every_s = float(remote_every_s)
         self.host = socket.gethostname()
         self._peers = [_Peer(r, Path(run_folder) / f"rank{r}") for r in range(world_size) if r != rank]
         self._last_remote = 0.0
@@ -104,7 +106,7 @@ class PeerWatch:
 
     def _dead(self, waiting_s: float, remote: bool) -> list[Death]:
         now = time.monotonic()
-        read_remote = remote and waiting_s >= self.timeout_s and now - self._last_remote >= REMOTE_CHECK_EVERY_S
+        read_remote = remote and waiting_s >= self.timeout_s and now - self._last_remote >= self.remote_every_s
         if read_remote:
             self._last_remote = now
         found = []
