@@ -81,6 +81,8 @@ HEARTBEAT = "heartbeat"
 _BEAT = struct.Struct("<8sQqdqI")
 """magic, sequence number, step, wall time, pid, crc32 of what comes before it."""
 BEAT_MAGIC = b"RKBEAT01"
+_IOV_MAX = 512
+"""Buffers per ``os.writev`` call (the kernel takes at most ``IOV_MAX``, 1024 on Linux)."""
 SETTLE_WAIT_S = 600.0
 """How long the training thread waits, at most, for the writer to finish with a buffer it is about to reuse."""
 
@@ -146,22 +148,49 @@ def start_ticks(pid: int) -> int:
 
 # --- records ---------------------------------------------------------------------------------------------------
 
-def encode_record(kind: bytes, header: dict[str, Any], tensors: dict[str, Any] | None = None) -> bytes:
-    """One self-checking record (see the module's docstring)."""
-    from reprokit.bundle import dumps
+def record_parts(kind: bytes, header: dict[str, Any], tensors: dict[str, Any] | None = None) -> list[Any]:
+    """One self-checking record (see the module's docstring) as the buffers it is written from: the framing, the
+    JSON header, the tensors as safetensors straight from their own memory (no copy: ``os.writev`` writes them),
+    and the sha256 over all of it. Tensors must not change until the buffers are written."""
+    return _seal(_frame(kind, header, tensors))
 
-    head = dumps(header)
-    body = b""
+
+def _frame(kind: bytes, header: dict[str, Any], tensors: dict[str, Any] | None) -> list[Any]:
+    """A record without its digest: everything but reading the tensors' bytes, so it can be done before they are
+    filled (a CUDA batch's copy still in flight)."""
+    head = _header_json(header)
+    body: list[Any] = []
     if tensors:
-        from safetensors.torch import save
+        from reprokit.bundle.tensorfile import safetensors_parts
 
-        body = save({k: v.contiguous() for k, v in tensors.items()})
-    payload_len = len(head) + len(body)
-    top = _HEAD.pack(MAGIC, kind, len(head), payload_len)
-    h = hashlib.sha256(top)
-    h.update(head)
-    h.update(body)
-    return b"".join((top, head, body, h.digest()))
+        body = safetensors_parts(tensors)
+    top = _HEAD.pack(MAGIC, kind, len(head), len(head) + sum(len(b) for b in body))
+    return [top, head, *body]
+
+
+def _seal(parts: list[Any]) -> list[Any]:
+    """``parts`` and the sha256 over them (hashlib releases the GIL for all but small pieces)."""
+    h = hashlib.sha256()
+    for b in parts:
+        h.update(b)
+    return [*parts, h.digest()]
+
+
+def encode_record(kind: bytes, header: dict[str, Any], tensors: dict[str, Any] | None = None) -> bytes:
+    """One self-checking record as bytes (see :func:`record_parts`)."""
+    return b"".join(record_parts(kind, header, tensors))
+
+
+def _header_json(header: dict[str, Any]) -> bytes:
+    """A record's header as compact JSON by the C encoder (a step's header is written on the step path); a value
+    that strict JSON cannot hold as it is (a non-finite float, a key that is not a string) goes through the
+    bundle's own encoder, which spells it out."""
+    try:
+        return json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError):
+        from reprokit.bundle import dumps
+
+        return dumps(header)
 
 
 @dataclass
@@ -510,33 +539,35 @@ class FlightLog:
         """A small record (no tensors), written now: ``end``, ``drop``, ``bndl``, ``exit``."""
         if self.on:
             try:
-                self._write(encode_record(kind, header))
+                self._write(record_parts(kind, header))
             except Exception as e:
                 self._fail(f"cannot write a {kind.decode().strip()} record ({e!r})")
 
     # --- internals ---
 
-    def _step_record(self, step: int, batch: Any, tensors: dict[str, Any], rng: Any) -> bytes:
+    def _step_record(self, step: int, batch: Any, tensors: dict[str, Any], rng: Any) -> list[Any]:
+        return _seal(self._step_frame(step, batch, tensors, rng))
+
+    def _step_frame(self, step: int, batch: Any, tensors: dict[str, Any], rng: Any) -> list[Any]:
         from reprokit.rng import encode as encode_rng
 
         rng_tree, rng_tensors = encode_rng(rng)
-        return encode_record(b"step", {"step": step, "batch": batch, "rng": rng_tree}, {**tensors, **rng_tensors})
+        return _frame(b"step", {"step": step, "batch": batch, "rng": rng_tree}, {**tensors, **rng_tensors})
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, parts: list[Any]) -> None:
+        """Append one record (its buffers, :func:`record_parts`) whole: the lock keeps another thread's record from
+        landing inside it."""
         t0 = time.perf_counter()
         try:
             with self._write_lock:
                 fd = self._log_fd
                 if fd is None:
                     return
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
+                size = _writev_all(fd, parts)
         except OSError as e:
             self._fail(f"cannot write the flight log ({e.strerror or e})")
             return
-        self.stats["bytes"] += len(data)
+        self.stats["bytes"] += size
         self.stats["records"] += 1
         self.stats["seconds"] += time.perf_counter() - t0
 
@@ -574,9 +605,13 @@ class FlightLog:
                     self._cond.notify_all()
 
     def _write_async_step(self, step: int, batch: Any, tensors: dict[str, Any], rng: Any, events: list[Any]) -> None:
+        # The record's Python work first, while the device still runs the step (the training thread is then
+        # launching it or waiting for it, GIL released), not once its copy has landed, which is when the training
+        # thread wants the GIL back to start the next step.
+        parts = self._step_frame(step, batch, tensors, rng)
         for e in events:
             e.synchronize()  # this thread only: the training thread never waits here
-        self._write(self._step_record(step, batch, tensors, rng))
+        self._write(_seal(parts))
 
     def _write_snapshot(self, step: int, tree: dict[str, Any], tensors: Any, landed: Callable[[], bool] | None) -> None:
         from reprokit.bundle.tensorfile import WrittenFile, shard, write_safetensors
@@ -602,19 +637,23 @@ class FlightLog:
                 files.append({"name": dst.name, "sha256": sha, "size": size})
         with self._write_lock:
             fd = self._log_fd if self._window == step else None
-        data = encode_record(b"snap", {"step": step, "tree": tree, "files": files})
+        data = record_parts(b"snap", {"step": step, "tree": tree, "files": files})
         if fd is None:  # a newer window started meanwhile: append to this window's own log
             fd = os.open(folder / LOG, os.O_WRONLY | os.O_APPEND)
             try:
-                os.write(fd, data)
+                _writev_all(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
         else:
             self._write(data)
-            with self._write_lock:
-                if self._log_fd is not None:
-                    os.fsync(self._log_fd)
+            with self._write_lock:  # a copy of the descriptor: the fsync runs without the lock, so the training
+                own = os.dup(self._log_fd) if self._log_fd is not None else None  # thread's next record never waits
+            if own is not None:
+                try:
+                    os.fsync(own)
+                finally:
+                    os.close(own)
         _fsync_dir(folder)
         self.stats["fsyncs"] += 1
         self.stats["bytes"] += sum(f["size"] for f in files)
@@ -629,6 +668,20 @@ class FlightLog:
 
     def windows_on_disk(self) -> list[str]:
         return sorted(p.name for p in self.folder.glob("win-*"))
+
+
+def _writev_all(fd: int, parts: list[Any]) -> int:
+    """Write every buffer of ``parts`` in order (``os.writev``, a short write resumed where it stopped); the bytes."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    total = sum(len(v) for v in views)
+    while views:
+        n = os.writev(fd, views[:_IOV_MAX])
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return total
 
 
 def _atomic_json(path: Path, doc: Any) -> None:
