@@ -22,10 +22,14 @@ JSON header followed by the tensors as safetensors bytes (never pickle), the dig
 record torn by a death (a short write, a page never written) fails its length or digest check and ends the log:
 the reader keeps the longest prefix of whole records and says what it dropped.
 
-When the batch is on the CPU its record is written before the step function runs, with one plain ``write`` (the
-page cache survives a process death; no fsync on the step path). A CUDA batch reaches host memory only after the
-step's kernels (the recorder's copy is asynchronous): a small ``begn`` record says the step started, and a writer
-thread writes the batch once the copy's event has completed. A death before that loses at most that step's batch
+When the batch is on the CPU its record is written before the step function runs, with one ``os.writev`` of the
+record's buffers straight from the batch's host copy (the page cache survives a process death; no fsync on the
+step path). A record's header is compact JSON from the C encoder; its tensors are never copied into a record-sized
+buffer first. A CUDA batch reaches host memory only after the step's kernels (the recorder's copy is asynchronous):
+a small ``begn`` record says the step started, and a writer thread writes the batch once the copy's event has
+completed. That thread frames the record (its Python work) while the device still runs the step, and only hashes
+and writes it (both release the GIL) once the copy has landed, when the training thread wants the GIL back to start
+the next step. A death before that loses at most that step's batch
 (and a step still queued behind a snapshot being written). Snapshots are written by the same thread once their
 copies have landed; at a snapshot's commit the log and folder are fsynced (a host crash keeps what came before),
 and windows older than the committed one are deleted: at most two windows are on disk, the last complete one and
