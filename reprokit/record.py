@@ -540,7 +540,7 @@ class Recorder:
         record = self._begin_step(batch)
         result = self.monitor.run(self.train_step, batch, self.step_index, after=self._locked_after_step)
         if result.exc is not None and self._peers is not None:
-            self._await_dead_peer()
+            self._await_dead_peer(result.exc)
         return self._finish_step(batch, record, result)
 
     def _begin_step(self, batch: Any) -> _Step | None:
@@ -1059,16 +1059,17 @@ class Recorder:
               file=sys.stderr, flush=True)
         return doc
 
-    def _await_dead_peer(self) -> None:
-        """Main thread, the step raised (durable, under a process group). A collective broken by a peer's death (gloo
-        raises as soon as the peer's sockets close) reaches this rank within moments of it: when a peer on this host
-        is dead (checked for up to ``PEER_EXIT_S``, while its process is still torn down) or a death incident is
-        pending, wait (bounded) until the watcher has written this rank's window for it, so that the step raises
-        :class:`PeerFailure` (``on_incident="abort"``), or this rank's error joins that incident (``"wait"``)."""
+    def _await_dead_peer(self, exc: BaseException) -> None:
+        """Main thread, the step raised ``exc`` (durable, under a process group). A collective broken by a peer's
+        death (gloo raises as soon as the peer's sockets close) reaches this rank within moments of it: when a peer on
+        this host is dead (for a ``RuntimeError``, the type collectives raise, looked for up to ``PEER_EXIT_S`` while
+        the peer's process is still torn down) or a death incident is pending, wait (bounded) until the watcher has
+        written this rank's window for it, so that the step raises :class:`PeerFailure` (``on_incident="abort"``),
+        or this rank's error joins that incident (``"wait"``)."""
         board, watch = self._board, self._peers
         if board is None or watch is None or self._peer_doc is not None:
             return
-        deadline = time.monotonic() + PEER_EXIT_S
+        deadline = time.monotonic() + (PEER_EXIT_S if isinstance(exc, RuntimeError) else 0.0)
         doc = None
         while doc is None:
             pending = board.pending()

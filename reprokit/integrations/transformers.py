@@ -279,7 +279,7 @@ class _UpdateRecorder(Recorder):
         self._locked_after_step()
         result = self.monitor.conclude(self.step_index, loss, exc)
         if result.exc is not None and self._peers is not None:
-            self._await_dead_peer()
+            self._await_dead_peer(result.exc)
         batch, self._batch = self._batch, None
         self._finish_step(batch, self._current, result)
 

@@ -181,16 +181,9 @@ def _ended(pid: int) -> bool:
         return True
 
 
-def test_a_rank_killed_outright_is_found_dead_by_its_peer_which_writes_its_window_and_ends(tmp_path):
-    """Rank 1 SIGKILLs itself in its forward at step 17 (durable=True), when the marker is in its batch: no Python
-    frame is left to declare an incident. On one host torchrun's agent would SIGTERM rank 0 within 0.1 s of seeing the
-    death; here it looks only every 10 minutes (``--monitor-interval``), as the agents of a multi-node job do not see
-    a death on another node at all, so what ends rank 0 is reprokit: its watcher finds rank 1's process gone and its
-    flight log's lock released, declares the incident for it, writes rank 0's window, and rank 0's step (whose gloo
-    all-reduce broke) raises PeerFailure. Then ``reprokit recover`` writes rank 1's window into the same incident
-    folder from its flight log, and the incident replays on two ranks: rank 1 dies again at step 17."""
-    out = tmp_path / "repros"
-    proc, log = _start(out, "default", "destroy", failure="kill", launcher=("--monitor-interval", "600"))
+def _run_killed(out: Path, failure: str) -> str:
+    """torchrun with rank 1 killed at step 17 (see the tests below); its output once rank 0 has ended."""
+    proc, log = _start(out, "default", "destroy", failure=failure, launcher=("--monitor-interval", "600"))
     try:
         deadline = time.monotonic() + 240
         while "raises PeerFailure" not in log.read_text(errors="replace") and proc.poll() is None and \
@@ -202,12 +195,29 @@ def test_a_rank_killed_outright_is_found_dead_by_its_peer_which_writes_its_windo
         while not _ended(pid0) and time.monotonic() < end:
             time.sleep(0.2)
         assert _ended(pid0), f"rank 0 (pid {pid0}) still runs\n{text[-3000:]}"
-        text = log.read_text(errors="replace")
+        return log.read_text(errors="replace")
     finally:
         _stop(proc)
+
+
+def _seconds(text: str) -> float:
+    """From rank 1's death to rank 0's PeerFailure (the project prints both times)."""
     killed = float(re.search(r"rank 1 is killed at step 17 at t=([0-9.]+)", text).group(1))  # type: ignore[union-attr]
     failed = float(re.search(r"rank 0 raises PeerFailure at t=([0-9.]+)", text).group(1))  # type: ignore[union-attr]
-    assert failed - killed < BOUND_S, (failed - killed, text[-3000:])
+    return failed - killed
+
+
+def test_a_rank_killed_outright_is_found_dead_by_its_peer_which_writes_its_window_and_ends(tmp_path):
+    """Rank 1 SIGKILLs itself in its forward at step 17 (durable=True), when the marker is in its batch: no Python
+    frame is left to declare an incident. On one host torchrun's agent would SIGTERM rank 0 within 0.1 s of seeing the
+    death; here it looks only every 10 minutes (``--monitor-interval``), as the agents of a multi-node job do not see
+    a death on another node at all, so what ends rank 0 is reprokit: its watcher finds rank 1's process gone and its
+    flight log's lock released, declares the incident for it, writes rank 0's window, and rank 0's step (whose gloo
+    all-reduce broke) raises PeerFailure. Then ``reprokit recover`` writes rank 1's window into the same incident
+    folder from its flight log, and the incident replays on two ranks: rank 1 dies again at step 17."""
+    out = tmp_path / "repros"
+    text = _run_killed(out, "kill")
+    assert _seconds(text) < BOUND_S, (_seconds(text), text[-3000:])
     folder = _incident(out)
     peer = next(x for x in text.splitlines() if x.startswith("[rank0]: reprokit.errors.PeerFailure"))
     assert "rank 1 failed at step 17 (rank 1's process died during step 17 without a Python error" in peer, peer
@@ -234,3 +244,21 @@ def test_a_rank_killed_outright_is_found_dead_by_its_peer_which_writes_its_windo
     rank1 = d["ranks"][1]
     assert (rank1["failure"]["kind"], rank1["failure"]["step"], rank1["failure"]["exception_type"]) == (
         "crash", 17, "SIGKILL"), rank1
+
+
+def test_a_rank_outside_any_collective_when_its_peer_is_killed_writes_its_window_then_stops_at_its_next_step(tmp_path):
+    """Rank 0 is loading its next batch (4 s) when rank 1 is killed: no collective of its breaks. Its watcher thread
+    alone finds rank 1 dead and writes rank 0's window meanwhile, and rank 0's next step raises PeerFailure before it
+    enters a collective that would never complete."""
+    out = tmp_path / "repros"
+    text = _run_killed(out, "kill-between")
+    assert _seconds(text) < BOUND_S, (_seconds(text), text[-3000:])
+    folder = _incident(out)
+    [mine] = [b for b in folder.iterdir() if b.is_dir()]
+    assert f"reprokit: rank 0's window: {mine} (verified)" in text, text[-3000:]
+    assert text.index("reprokit: rank 0's window:") < text.index("rank 0 raises PeerFailure"), text[-3000:]
+    b = reprokit.open_bundle(mine)
+    assert (b.failure.kind, b.failure.step, b.run["window"]["end"]) == ("peer", 17, 16)  # it never started step 17
+    peer = next(x for x in text.splitlines() if x.startswith("[rank0]: reprokit.errors.PeerFailure"))
+    assert "rank 1 failed at step 17 (rank 1's process died during step 17" in peer, peer
+    assert "Connection" not in text.split("rank 0 raises PeerFailure")[1], text[-3000:]  # no collective broke

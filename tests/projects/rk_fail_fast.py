@@ -6,7 +6,8 @@ forward at a chosen step, and the script's ``finally`` destroys the process grou
 the script's ``finally`` destroys the process group, or ``barrier``, it waits for every rank first, as scripts that
 save a final checkpoint do. Under gloo a destroy never waits for a peer, a barrier does; under NCCL both can.
 FAILURE: ``raise`` (the default), or ``kill``: rank 1's forward SIGKILLs its own process instead, as the OOM killer
-would, and the Recorder is durable, so that its peer can tell it died and ``reprokit recover`` finds its window.)
+would, and the Recorder is durable, so that its peer can tell it died and ``reprokit recover`` finds its window;
+``kill-between``: the same while rank 0 spends 4 s loading its batch for that step, outside any collective.)
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor, boom: torch.Tensor) -> torch.Tensor:
         if bool(boom):
-            if self.failure == "kill":
+            if self.failure.startswith("kill"):
                 os.kill(os.getpid(), signal.SIGKILL)
             raise IndexError("index 99 is out of bounds for dimension 0 with size 16")
         return self.body(x)
@@ -70,7 +71,7 @@ def main(out_dir: str, on_incident: str, device: str = "cpu", exit_path: str = "
         state = build(config)
         options = {} if on_incident == "default" else {"on_incident": on_incident}
         rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir, snapshot_every=8,
-                                incident_wait_s=20, durable=failure == "kill", **options)
+                                incident_wait_s=20, durable=failure.startswith("kill"), **options)
         print(f"rank {rank} runs as pid {os.getpid()}", flush=True)
         g = torch.Generator().manual_seed(rank)
         for step in range(40):
@@ -81,6 +82,8 @@ def main(out_dir: str, on_incident: str, device: str = "cpu", exit_path: str = "
             if rank == 1 and step == FAIL_STEP:
                 how = "raises" if failure == "raise" else "is killed"
                 print(f"rank 1 {how} at step {step} at t={time.time():.3f}", flush=True)
+            if rank == 0 and step == FAIL_STEP and failure == "kill-between":
+                time.sleep(4.0)  # a slow data loader: rank 1 dies meanwhile, and no collective of rank 0's breaks
             try:
                 rec.step(batch)
             except reprokit.PeerFailure:
