@@ -1072,7 +1072,10 @@ class Recorder:
         deadline = time.monotonic() + (PEER_EXIT_S if isinstance(exc, RuntimeError) else 0.0)
         doc = None
         while doc is None:
-            pending = board.pending()
+            current, pending = board.current, board.pending()
+            if current is not None and "died" in current and not self._stepped_since_incident:
+                doc = current  # the watcher is handling it (or has) since this step began
+                break
             if pending is not None:
                 if "died" not in pending:
                     return  # a peer's raised failure: the usual path decides
