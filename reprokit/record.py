@@ -1026,8 +1026,16 @@ class Recorder:
         if self._aborted is not None or board.pending() is not None:
             return
         waited = now - self._waiting[1] if in_step else 0.0
-        for death in watch.dead(waiting_s=waited):
+        for death in self._new_deaths(watch.dead(waiting_s=waited)):
             self._declare_death(death)
+
+    def _new_deaths(self, deaths: list[Death]) -> list[Death]:
+        """``deaths`` without the ranks whose window of the current incident is written: a rank that failed itself and
+        then ended (its launcher's SIGTERM, the gloo abort's ``os._exit``) is no new incident."""
+        board = self._board
+        if board is None or board.current is None:
+            return deaths
+        return [d for d in deaths if not board.done_path(d.rank).exists()]
 
     def _declare_death(self, death: Death) -> dict[str, Any] | None:
         """Rank ``death.rank`` died without writing an incident: declare one for it (or join the one a peer declared
@@ -1081,7 +1089,7 @@ class Recorder:
                     return  # a peer's raised failure: the usual path decides
                 doc = pending
                 break
-            for death in watch.dead(remote=False):
+            for death in self._new_deaths(watch.dead(remote=False)):
                 doc = self._declare_death(death) or doc
             if doc is None:
                 if time.monotonic() >= deadline:
