@@ -1030,10 +1030,10 @@ class Recorder:
             self._declare_death(death)
 
     def _new_deaths(self, deaths: list[Death]) -> list[Death]:
-        """``deaths`` without the ranks whose window of the current incident is written: a rank that failed itself and
-        then ended (its launcher's SIGTERM, the gloo abort's ``os._exit``) is no new incident."""
+        """``deaths`` without the ranks whose window of the incident this rank is still in is written: a rank that
+        failed itself and then ended (its launcher's SIGTERM, the gloo abort's ``os._exit``) is no new incident."""
         board = self._board
-        if board is None or board.current is None:
+        if board is None or board.current is None or self._stepped_since_incident:
             return deaths
         return [d for d in deaths if not board.done_path(d.rank).exists()]
 
