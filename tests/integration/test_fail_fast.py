@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 
 
 def _start(out: Path, on_incident: str, exit_path: str, device: str = "cpu", failure: str = "raise",
-           launcher: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+           launcher: tuple[str, ...] = (), step: int = 17) -> tuple[subprocess.Popen, Path]:
     """torchrun in a session of its own (a test that stops it kills every worker, never an orphan left blocked)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{on_incident}-{exit_path}.log"
@@ -40,7 +40,7 @@ def _start(out: Path, on_incident: str, exit_path: str, device: str = "cpu", fai
     with log.open("w") as sink:  # the child keeps its own descriptor
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                  "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *launcher,
-                                 str(PROJECT), str(out), on_incident, device, exit_path, failure], env=env,
+                                 str(PROJECT), str(out), on_incident, device, exit_path, failure, str(step)], env=env,
                                 cwd=out.parent, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log
 
@@ -181,9 +181,9 @@ def _ended(pid: int) -> bool:
         return True
 
 
-def _run_killed(out: Path, failure: str) -> str:
-    """torchrun with rank 1 killed at step 17 (see the tests below); its output once rank 0 has ended."""
-    proc, log = _start(out, "default", "destroy", failure=failure, launcher=("--monitor-interval", "600"))
+def _run_killed(out: Path, failure: str, step: int = 17) -> str:
+    """torchrun with rank 1 killed at ``step`` (see the tests below); its output once rank 0 has ended."""
+    proc, log = _start(out, "default", "destroy", failure=failure, launcher=("--monitor-interval", "600"), step=step)
     try:
         deadline = time.monotonic() + 240
         while "raises PeerFailure" not in log.read_text(errors="replace") and proc.poll() is None and \
@@ -202,7 +202,7 @@ def _run_killed(out: Path, failure: str) -> str:
 
 def _seconds(text: str) -> float:
     """From rank 1's death to rank 0's PeerFailure (the project prints both times)."""
-    killed = float(re.search(r"rank 1 is killed at step 17 at t=([0-9.]+)", text).group(1))  # type: ignore[union-attr]
+    killed = float(re.search(r"rank 1 is killed at step \d+ at t=([0-9.]+)", text).group(1))  # type: ignore[union-attr]
     failed = float(re.search(r"rank 0 raises PeerFailure at t=([0-9.]+)", text).group(1))  # type: ignore[union-attr]
     return failed - killed
 
@@ -262,3 +262,26 @@ def test_a_rank_outside_any_collective_when_its_peer_is_killed_writes_its_window
     peer = next(x for x in text.splitlines() if x.startswith("[rank0]: reprokit.errors.PeerFailure"))
     assert "rank 1 failed at step 17 (rank 1's process died during step 17" in peer, peer
     assert "Connection" not in text.split("rank 0 raises PeerFailure")[1], text[-3000:]  # no collective broke
+
+
+def test_a_rank_killed_in_the_step_that_took_a_snapshot_is_lined_up_with_its_peer_s_window(tmp_path):
+    """Rank 1 dies at step 16, microseconds after it took the snapshot of that step: its writer thread has not yet
+    written and committed that snapshot, so its flight log's newest window starts at step 8. Rank 0's window in memory
+    starts at 16; it writes its window from its own flight log instead, from step 8, so that ``recover`` can add rank
+    1's window to the incident and both start at one step (an incident replays only then)."""
+    out = tmp_path / "repros"
+    text = _run_killed(out, "kill", step=16)
+    assert _seconds(text) < BOUND_S, (_seconds(text), text[-3000:])
+    folder = _incident(out)
+    r = CliRunner().invoke(cli, ["recover", str(out), "--json"])
+    [run] = json.loads(r.stdout)["runs"]
+    assert (run["status"], run["incident"]) == ("recovered", str(folder)), (run, text[-3000:])
+    from reprokit.distributed.incident import rank_bundles
+
+    bundles = rank_bundles(folder)  # refuses windows that start at different steps
+    starts = {r: b.run["window"]["start"] for r, b in bundles.items()}
+    assert starts[0] == starts[1] in (8, 16), starts
+    assert (bundles[1].failure.kind, bundles[1].failure.step, bundles[0].run["window"]["end"]) == ("crash", 16, 16)
+    # Which window rank 0 wrote depends on whether rank 1's snapshot was committed before it died (almost never):
+    # from its flight log (starting at 8) or from memory (starting at 16); either way the two line up.
+    assert (starts[0] == 8) == ("recovered" in bundles[0].run), bundles[0].run.get("recovered")

@@ -2,12 +2,13 @@
 forward at a chosen step, and the script's ``finally`` destroys the process group.
 
 ``python -m torch.distributed.run --nproc-per-node 2 rk_fail_fast.py OUT_DIR ON_INCIDENT [DEVICE] [EXIT_PATH]
-[FAILURE]`` (ON_INCIDENT: ``abort``, ``wait`` or ``default`` for the Recorder's own default; EXIT_PATH: ``destroy``,
+[FAILURE] [STEP]`` (ON_INCIDENT: ``abort``, ``wait`` or ``default`` for the Recorder's own default; EXIT_PATH: ``destroy``,
 the script's ``finally`` destroys the process group, or ``barrier``, it waits for every rank first, as scripts that
 save a final checkpoint do. Under gloo a destroy never waits for a peer, a barrier does; under NCCL both can.
 FAILURE: ``raise`` (the default), or ``kill``: rank 1's forward SIGKILLs its own process instead, as the OOM killer
 would, and the Recorder is durable, so that its peer can tell it died and ``reprokit recover`` finds its window;
-``kill-between``: the same while rank 0 spends 4 s loading its batch for that step, outside any collective.)
+``kill-between``: the same while rank 0 spends 4 s loading its batch for that step, outside any collective. STEP:
+the step rank 1 fails at, 17 by default; snapshots are taken every 8 steps.)
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def train_step(state, batch):
 FAIL_STEP = 17
 
 
-def main(out_dir: str, on_incident: str, device: str = "cpu", exit_path: str = "destroy", failure: str = "raise") -> None:
+def main(out_dir: str, on_incident: str, device: str = "cpu", exit_path: str = "destroy", failure: str = "raise",
+         fail_step: str = str(FAIL_STEP)) -> None:
+    at = int(fail_step)
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # A long timeout, as labs set one so that slow checkpoints do not trip it: only reprokit can end this job early.
@@ -76,13 +79,13 @@ def main(out_dir: str, on_incident: str, device: str = "cpu", exit_path: str = "
         g = torch.Generator().manual_seed(rank)
         for step in range(40):
             x = torch.randn(8, 8, generator=g)
-            batch = {"x": x, "y": x.sum(1), "boom": torch.tensor(rank == 1 and step == FAIL_STEP)}
+            batch = {"x": x, "y": x.sum(1), "boom": torch.tensor(rank == 1 and step == at)}
             if device == "cuda":
                 batch = {k: v.to(device) for k, v in batch.items()}
-            if rank == 1 and step == FAIL_STEP:
+            if rank == 1 and step == at:
                 how = "raises" if failure == "raise" else "is killed"
                 print(f"rank 1 {how} at step {step} at t={time.time():.3f}", flush=True)
-            if rank == 0 and step == FAIL_STEP and failure == "kill-between":
+            if rank == 0 and step == at and failure == "kill-between":
                 time.sleep(4.0)  # a slow data loader: rank 1 dies meanwhile, and no collective of rank 0's breaks
             try:
                 rec.step(batch)
@@ -96,4 +99,4 @@ def main(out_dir: str, on_incident: str, device: str = "cpu", exit_path: str = "
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:7])
