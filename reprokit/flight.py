@@ -30,7 +30,8 @@ a small ``begn`` record says the step started, and a writer thread writes the ba
 completed. That thread frames the record (its Python work) while the device still runs the step, and only hashes
 and writes it (both release the GIL) once the copy has landed, when the training thread wants the GIL back to start
 the next step. A death before that loses at most that step's batch
-(and a step still queued behind a snapshot being written). Snapshots are written by the same thread once their
+(and a step still queued behind a snapshot being written, or the step before, when the death comes before the
+writer thread got to its landed copy). Snapshots are written by the same thread once their
 copies have landed; at a snapshot's commit the log and folder are fsynced (a host crash keeps what came before),
 and windows older than the committed one are deleted: at most two windows are on disk, the last complete one and
 the one being written (under a process group one more complete window is kept: the ranks' windows must start at a
