@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import os
 import shlex
 import sys
@@ -56,6 +57,7 @@ from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
 from reprokit.distributed import abort as fail_fast
+from reprokit.distributed.peers import BEAT_EVERY_S, PEER_TIMEOUT_S, Death, PeerWatch
 from reprokit.env import capture_env, determinism_flags, split_flags
 from reprokit.errors import CaptureError, CodeLoadError, ConfigError, PeerFailure, RecorderWarning, TrainingFailure
 from reprokit.flight import FlightLog
@@ -72,6 +74,9 @@ StepFn = Callable[[TrainState, Any], Any]
 SPILL_DIR = ".reprokit-spill"
 INCIDENT_GRACE_S = 1.0
 """How long a rank's incident watcher waits for its own main thread to report a failure of its own."""
+PEER_EXIT_S = 1.0
+"""How long a rank whose step raised looks for a dead peer on its host (a collective broken by a peer's death can
+arrive while the kernel is still tearing that peer down, before its lock is released)."""
 RNG_STEP_BYTES = 40 << 10
 """Host memory of one step's RNG reads (python's 625-int tuple is most of it), counted against the budget."""
 
@@ -253,7 +258,11 @@ class Recorder:
             batch: once its asynchronous copy has landed, on a writer thread); snapshots are written by that thread
             and fsynced; at most two windows are on disk. :meth:`close` (or the end of ``with Recorder(...)``, or
             the interpreter's normal exit outside a step) removes the run's flight folder. Under a process group
-            every rank snapshots its own state (``replicated_state`` resolves to False).
+            every rank snapshots its own state (``replicated_state`` resolves to False). Under a process group each
+            rank's incident watcher also checks its peers' flight folders: a peer killed outright (SIGKILL, the OOM
+            killer, a segfault) writes no incident, so the first rank to see it dead declares one for it, every live
+            rank writes its window, and ``on_incident`` applies as for a raised failure (see
+            :mod:`reprokit.distributed.peers`).
         carry: classes (or module-level functions) of your project that replay must import besides ``build`` and
             ``train_step``: a model class, a ``Trainer`` or ``LightningModule`` subclass that ``build`` names through
             ``config``. Each is listed in the bundle under ``refs.objects`` (replay vets the code snapshot for them
@@ -274,6 +283,9 @@ class Recorder:
             each batch that carries a dataset index leaf (``index``, ``indices``, ``idx`` or ``sample_id``, one value
             per row) has those rows dropped before it is recorded and trained on, as the skipping run had them
             dropped. A batch without one is used as it is (said once): filter such data in your sampler.
+        peer_timeout_s: with ``durable=True`` under a process group, how old the heartbeat of a peer on *another
+            host* must be, while this rank waits inside one step at least as long, before that peer counts as dead
+            (a peer on this host is checked at once, by its pid and its flight log's lock, with no timeout).
 
     Raises:
         CaptureError: at attach time, naming what cannot be recorded (a lambda as
@@ -317,9 +329,19 @@ class Recorder:
         max_skips: int = 3,
         skip_window: int = 1000,
         skip_indices: Iterable[Any] | None = None,
+        peer_timeout_s: float = PEER_TIMEOUT_S,
     ):
         if snapshot_every < 1:
             raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        if not isinstance(peer_timeout_s, (int, float)) or isinstance(peer_timeout_s, bool) or not peer_timeout_s > 0:
+            raise ConfigError.option("peer_timeout_s", f"{{opt}} must be a positive number of seconds, got "
+                                                       f"{peer_timeout_s!r}")
+        self.peer_timeout_s = float(peer_timeout_s)
+        self._peers: PeerWatch | None = None
+        """Under a process group with ``durable=True``: this rank's check of its peers' flight folders."""
+        self._waiting: tuple[int, float] = (-1, 0.0)
+        """(step, monotonic time) at which the watcher first saw this rank inside that step."""
+        self._beat_at = 0.0
         self._skips = skip.Skipper(skip.SkipSettings(
             on_failure=on_failure, skip_budget_s=skip_budget_s, max_skips=max_skips, skip_window=skip_window,
             skip_indices=skip.as_indices(skip_indices)), Path(out_dir))
@@ -460,10 +482,10 @@ class Recorder:
             self.monitor.warm_up()
         except Exception as e:  # the first step then loads the kernels itself
             self._warn("warm", f"reprokit: could not warm up the step checks ({e!r}); the first step will")
-        if self._board is not None:
-            self._board.watch(self._on_incident)
         if self.durable:
             self._start_flight()
+        if self._board is not None:
+            self._board.watch(self._on_incident, tick=self._watch_peers if self._peers is not None else None)
 
     def _start_flight(self) -> None:
         """Open the flight log (``durable=True``): what a bundle needs that does not change is written now."""
@@ -484,6 +506,9 @@ class Recorder:
                                        lambda message: self._warn("flight", message))
         if self._flight is not None:
             self._flight.in_step = lambda: self._in_step
+            if self.rank is not None and self.rank.world_size > 1:
+                self._peers = PeerWatch(self._flight.run_folder, self.rank.rank, self.rank.world_size,
+                                        self.peer_timeout_s)
 
     def _carry(self, objects: Sequence[Any]) -> None:
         """List ``objects`` (the ``carry`` option) under ``refs.objects`` and put their files in the code snapshot.
@@ -568,6 +593,8 @@ class Recorder:
         batch = self._skips.filter(batch, self.step_index)
         record = self._begin_step(batch)
         result = self.monitor.run(self.train_step, batch, self.step_index, after=self._locked_after_step)
+        if result.exc is not None and self._peers is not None:
+            self._await_dead_peer(result.exc)
         return self._finish_step(batch, record, result)
 
     # --- a step driven by a framework ---------------------------------------------------
@@ -615,6 +642,8 @@ class Recorder:
         self._open = None
         self._locked_after_step()
         result = self.monitor.conclude(self.step_index, loss, exc)
+        if result.exc is not None and self._peers is not None:
+            self._await_dead_peer(result.exc)
         # on_failure="skip" never skips an exception handed in here: it has already left the framework's loop.
         self._skips.exceptions_end_the_loop = skip.CAUGHT_BY_THE_CALLER if exc is not None else None
         try:
@@ -1090,8 +1119,10 @@ class Recorder:
         board = self._board
         assert board is not None and self.rank is not None
         # A rank whose own detector fires at the same step (a NaN all-reduced into its gradients) is about to write
-        # its own failure: give its main thread a moment before writing this rank's window as a peer's.
-        time.sleep(INCIDENT_GRACE_S)
+        # its own failure: give its main thread a moment before writing this rank's window as a peer's. (A peer that
+        # died outright is the whole incident: no wait.)
+        if "died" not in doc:
+            time.sleep(INCIDENT_GRACE_S)
         with self._lock:
             if board.seen == doc["incident"] or int(doc["number"]) < board.handled:
                 return
@@ -1101,11 +1132,138 @@ class Recorder:
             failure = Failure(kind=FailureKind.PEER, step=int(doc.get("step", step)),
                               message=f"rank {doc.get('rank')} failed: {doc.get('what')}",
                               detail={"incident": doc, "this_rank_step": step})
-            self._incident_bundle = self._dump(failure, incident=doc["incident"], from_watcher=True)
+            self._incident_bundle = self._peer_window(failure, doc)
             board.done(self.rank.rank)
             self._peer_doc, self._peer_step = doc, self.step_index
         if self.on_incident == "abort":
             self._end_after_incident(doc, self._peer_step)
+
+    def _watch_peers(self) -> None:
+        """Watcher thread, before each look for incidents (durable, under a process group): rewrite this rank's
+        heartbeat (every ``BEAT_EVERY_S``), and declare the incident of a peer found dead (its pid gone and its lock
+        released on this host; elsewhere its heartbeat older than ``peer_timeout_s`` while this rank waits); the
+        look that follows handles it as any incident."""
+        flight, board, watch = self._flight, self._board, self._peers
+        if flight is None or board is None or watch is None:
+            return
+        now = time.monotonic()
+        k, in_step = self.step_index, self._in_step
+        if now - self._beat_at >= BEAT_EVERY_S:
+            self._beat_at = now
+            flight.beat(k if in_step else k - 1)
+        if self._waiting[0] != k or not in_step:
+            self._waiting = (k if in_step else -1, now)
+        if self._aborted is not None or board.pending() is not None:
+            return
+        waited = now - self._waiting[1] if in_step else 0.0
+        for death in self._new_deaths(watch.dead(waiting_s=waited)):
+            self._declare_death(death)
+
+    def _new_deaths(self, deaths: list[Death]) -> list[Death]:
+        """``deaths`` without the ranks whose window of the incident this rank is still in is written: a rank that
+        failed itself and then ended (its launcher's SIGTERM, the gloo abort's ``os._exit``) is no new incident."""
+        board = self._board
+        if board is None or board.current is None or self._stepped_since_incident:
+            return deaths
+        return [d for d in deaths if not board.done_path(d.rank).exists()]
+
+    def _declare_death(self, death: Death) -> dict[str, Any] | None:
+        """Rank ``death.rank`` died without writing an incident: declare one for it (or join the one a peer declared
+        first), mark it dead (no rank waits for its window) and say so in the incident folder; ``reprokit recover``
+        writes its window there from its flight log."""
+        board = self._board
+        assert board is not None
+        step = death.last_started if death.last_started is not None else self.step_index
+        try:
+            doc = board.declare(step, death.rank, death.what(), died=death.to_json())
+        except OSError as e:
+            self._warn("", f"reprokit: {death.what()}, but the incident could not be declared under "
+                           f"{board.path.parent} ({e!r})")
+            return None
+        board.mark_dead(death.rank, death.to_json())
+        died: dict[str, Any] = doc["died"] if isinstance(doc.get("died"), dict) else death.to_json()
+        try:
+            folder = self.out_dir / str(doc["incident"])
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"died-rank{death.rank}.json"
+            tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({**died, "incident": doc["incident"], "what": death.what(),
+                                       "recover": f"reprokit recover {self.out_dir}"}, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # the incident file and every rank's bundle say it too
+        print(f"reprokit: rank {death.detected_by}: {death.what()}; incident {self.out_dir / str(doc['incident'])}; "
+              f"its window: `reprokit recover {shlex.quote(str(self.out_dir))}` once the job has ended",
+              file=sys.stderr, flush=True)
+        return doc
+
+    def _await_dead_peer(self, exc: BaseException) -> None:
+        """Main thread, the step raised ``exc`` (durable, under a process group). A collective broken by a peer's
+        death (gloo raises as soon as the peer's sockets close) reaches this rank within moments of it: when a peer on
+        this host is dead (for a ``RuntimeError``, the type collectives raise, looked for up to ``PEER_EXIT_S`` while
+        the peer's process is still torn down) or a death incident is pending, wait (bounded) until the watcher has
+        written this rank's window for it, so that the step raises :class:`PeerFailure` (``on_incident="abort"``),
+        or this rank's error joins that incident (``"wait"``)."""
+        board, watch = self._board, self._peers
+        if board is None or watch is None or self._peer_doc is not None:
+            return
+        deadline = time.monotonic() + (PEER_EXIT_S if isinstance(exc, RuntimeError) else 0.0)
+        doc = None
+        while doc is None:
+            current, pending = board.current, board.pending()
+            if current is not None and "died" in current and not self._stepped_since_incident:
+                doc = current  # the watcher is handling it (or has) since this step began
+                break
+            if pending is not None:
+                if "died" not in pending:
+                    return  # a peer's raised failure: the usual path decides
+                doc = pending
+                break
+            for death in self._new_deaths(watch.dead(remote=False)):
+                doc = self._declare_death(death) or doc
+            if doc is None:
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(0.05)
+        deadline = time.monotonic() + 2 * board.poll_s + 5.0
+        while board.seen != doc["incident"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._lock:  # the watcher writes this rank's window holding it
+            pass
+
+    def _peer_window(self, failure: Failure, doc: dict[str, Any]) -> Path | None:
+        """Watcher thread: this rank's window of a peer's incident. Of a peer that died outright, the window must
+        start where the dead rank's flight log has one (``reprokit recover`` writes the dead rank's from there, and
+        an incident replays only when every rank's window starts at one step): a rank killed just after a snapshot
+        had not yet committed it, so its newest window starts one snapshot earlier. Then this rank's window is
+        written from its own flight log, which keeps that earlier window too (see :mod:`reprokit.flight`)."""
+        died, flight, snap = doc.get("died"), self._flight, self._snapshot
+        incident = str(doc["incident"])
+        if not isinstance(died, dict) or flight is None or snap is None:
+            return self._dump(failure, incident=incident, from_watcher=True)
+        from reprokit.recover import read_rank, window_chain, write_window
+
+        try:
+            theirs = window_chain(read_rank(flight.run_folder / f"rank{died.get('rank')}"))
+            if isinstance(theirs, str) or theirs[0] >= snap.step:
+                return self._dump(failure, incident=incident, from_watcher=True)
+            mine = read_rank(flight.folder)
+            chain = window_chain(mine, theirs[0])
+            if isinstance(chain, str):
+                self._warn("", f"reprokit: rank {died.get('rank')}'s flight log holds a window from step {theirs[0]} "
+                               f"only, and this rank's own log has none from there ({chain}); this rank's window "
+                               f"starts at step {snap.step}, so `reprokit recover` cannot line rank "
+                               f"{died.get('rank')}'s window up with it")
+                return self._dump(failure, incident=incident, from_watcher=True)
+            path = write_window(mine, self.out_dir / incident, chain, failure, incident=incident)
+        except Exception as e:  # never let our bookkeeping stop the run: the window from memory still serves
+            self._warn("", f"reprokit: could not write this rank's window from its flight log ({e!r}); writing the "
+                           "one in memory")
+            return self._dump(failure, incident=incident, from_watcher=True)
+        self.bundles.append(path)
+        flight.record(b"bndl", {"step": failure.step, "path": str(path.absolute()), "incident": incident,
+                                "kind": failure.kind})
+        return path
 
     def _end_after_incident(self, doc: dict[str, Any], at: int) -> None:
         """Watcher thread, ``on_incident="abort"``: this rank's window of a peer's incident is written (it was at
@@ -1194,6 +1352,9 @@ class Recorder:
             fail_fast.abort_interrupts(self.rank.backend)
         missing = doc.get("missing") or []
         lost = f" Ranks {missing} wrote no window in time." if missing else ""
+        if isinstance(doc.get("died"), dict):
+            lost += (f" Rank {doc['died'].get('rank')} could write none (its process died): once the job has ended, "
+                     f"`reprokit recover {shlex.quote(str(self.out_dir))}` writes it from its flight log.")
         how = "reprokit aborted the process group" if aborted else "reprokit ended this rank's part of the run"
         return PeerFailure(f"{how}: rank {doc.get('rank')} failed at step {doc.get('step')} ({doc.get('what')}); "
                            f"incident: {incident}.{lost} Replay every rank: `reprokit replay "

@@ -529,8 +529,11 @@ def format_describe_incident(d: dict[str, Any]) -> str:
     inc = d.get("incident") or {}
     origin = d["failing_rank"]
     first = f"rank {origin} failed first" if origin is not None else "no rank failed at the incident's step"
+    died = d.get("died") if isinstance(d.get("died"), dict) else None
+    declared = f"declared by rank {d.get('declared_by')}" + (
+        f", which found rank {died.get('rank')}'s process dead: {died.get('how')}" if died else "")
     lines = [f"incident {inc.get('incident', d['folder'])}: {_n(d['world_size'], 'rank')}, {first} "
-             f"(step {d.get('step')}; declared by rank {d.get('declared_by')})"]
+             f"(step {d.get('step')}; {declared})"]
     for r in d["ranks"]:
         mark = "  <- failed first" if r["rank"] == origin else ""
         lines.append(f"  rank {r['rank']}: {r['what']}{mark}")
