@@ -22,8 +22,9 @@ def _archive_name(ctx: click.Context, param: click.Parameter, value: Path | None
 @click.command()
 @bundle_arg
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), callback=_archive_name,
-              help="The archive to write: OUTPUT.tar (uncompressed, fast) or OUTPUT.tar.gz (gzip, much slower: float "
-                   "tensors barely compress); OUTPUT.sha256 is written beside it.")
+              help="The archive to write: OUTPUT.tar (uncompressed) or OUTPUT.tar.gz (gzip on every core, only where "
+                   "it saves 10% or more: float32 tensors, which it shrinks by ~7%, are stored as they are); "
+                   "OUTPUT.sha256 is written beside it.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT (and its .sha256) if it exists.")
 @accept_generated_opt
 @json_opt
