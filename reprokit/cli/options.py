@@ -80,7 +80,7 @@ accept_generated_opt = click.option(
 def archive_opts(fn: Any) -> Any:
     """Options for opening a packed archive (.tar or .tar.gz): its digest and the extraction caps; and
     --accept-generated."""
-    from reprokit.archive import Limits
+    from reprokit.archive_limits import Limits
 
     d = Limits()
     opts = [
