@@ -19,8 +19,8 @@ a plain tar is written and read at disk speed, is still one file that ``tar tf``
 ``.sha256`` beside it, and is opened by the same reader with the same checks. A ``.tar.gz`` is written
 by :class:`reprokit.gzip_members.GzipMembers`: a gzip member per MiB of the tar stream, compressed on
 every core, and only where deflate saves at least 10% (float32 tensors are stored as they are; JSON,
-code and token ids are compressed); any gzip reader reads it as one stream. ``.tar.gz`` archives that
-earlier versions wrote (one member, level 6) open the same way.
+code and token ids are deflated at level 6, as before, bfloat16 tensors at level 1); any gzip reader
+reads it as one stream. ``.tar.gz`` archives that earlier versions wrote (one member) open the same way.
 
 Packing reads each bundle file once: its bytes are hashed while they stream into the archive and
 checked against the bundle's manifest (tensor files included), and the archive's own sha256 is

@@ -14,13 +14,19 @@ import zlib
 import pytest
 
 from reprokit import gzip_members
-from reprokit.gzip_members import GzipMembers, member, pays
+from reprokit.gzip_members import GzipMembers, level_for, member
 
 
 def _floats(n: int, seed: int = 0) -> bytes:
     """``n`` bytes of float32 weights (normal, std 0.02): what most of a bundle is."""
     rng = random.Random(seed)
     return array.array("f", (rng.gauss(0, 0.02) for _ in range(n // 4))).tobytes()
+
+
+def _bfloat16(n: int) -> bytes:
+    """``n`` bytes of bfloat16 weights: the upper half of each float32 (little-endian)."""
+    f = _floats(2 * n)
+    return b"".join(f[i + 2:i + 4] for i in range(0, len(f), 4))
 
 
 def _token_ids(n: int, seed: int = 1) -> bytes:
@@ -87,16 +93,27 @@ def test_the_bytes_depend_on_the_input_alone_not_on_write_sizes_or_threads():
     assert _write(MIXED, [8192] * 10, block=8192, workers=3) == one
 
 
-def test_deflate_runs_only_where_it_saves_at_least_a_tenth():
-    floats, ids, text = _floats(256 << 10), _token_ids(256 << 10), _text(256 << 10)
-    assert not pays(floats) and pays(ids) and pays(text)
+def test_deflate_runs_only_where_it_saves_at_least_a_tenth_and_harder_where_it_saves_much():
+    floats, bf16, ids, text = _floats(256 << 10), _bfloat16(256 << 10), _token_ids(256 << 10), _text(256 << 10)
     assert 0.85 < len(zlib.compress(floats, 6)) / len(floats) < 1, "float32 weights: deflate saves a few percent"
-    kinds = [kind for kind, _ in _members(_write(floats + ids + text, [], block=256 << 10))]
-    assert kinds == [0, 2, 2] or kinds == [0, 1, 2], kinds  # stored, then deflated (dynamic or fixed Huffman)
+    assert [level_for(b) for b in (floats, bf16, ids, text)] == [0, 1, 6, 6]
+    out = _write(floats + bf16 + ids + text, [], block=256 << 10)
+    kinds = [kind for kind, _ in _members(out)]
+    assert kinds[0] == 0 and all(k in (1, 2) for k in kinds[1:]), kinds  # stored, then deflated (Huffman coded)
+    xfl = [m[8] for m in (member(floats), member(bf16), member(ids))]
+    assert xfl == [0, 4, 0], "gzip's flag byte: 4 for level 1 (fastest), 0 for stored and level 6"
     stored = member(floats)
     assert len(stored) - len(floats) == 18 + 5 * -(-len(floats) // 0xFFFF), "stored: the bytes plus their framing"
-    assert len(member(text)) < len(text) // 3
-    assert member(text, level=0)[8] == 0 and _members(member(text, level=0))[0][0] == 0, "level 0: always stored"
+    assert len(member(text)) < len(text) // 3 and len(member(text)) <= len(member(text, level=1))
+    assert _members(member(text, level=0))[0][0] == 0, "level 0: always stored"
+    assert member(text) == member(text, level=6) == _gzipfile(text), "level 6: what pack's GzipFile wrote before"
+
+
+def _gzipfile(data: bytes) -> bytes:
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as f:
+        f.write(data)
+    return buf.getvalue()
 
 
 def test_an_output_that_fails_stops_the_writer_and_its_threads(tmp_path):
