@@ -22,7 +22,8 @@ Figures (each printed as a ratio to its limit, with the raw rates beside it):
 5. pack and open: ``reprokit pack`` and opening the archive (``archive.extracted``), vs the copy
    rate 1 / (1/read + 1/write) (both read the source and write the result on the same disk); both
    containers, a plain ``.tar`` (pack, open_archive) and a ``.tar.gz`` (pack_gz, open_archive_gz),
-   side by side: ``pack_gz_over_pack`` is the compressed pack's rate over the plain one's (target >= 0.5);
+   side by side, alternating, best of two: ``pack_gz_over_pack`` is the compressed pack's rate over the plain
+   one's (target >= 0.5);
 6. start-up: ``reprokit --help`` / ``--version`` wall time next to ``python -c pass``.
 """
 
@@ -251,20 +252,24 @@ def _run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     res["inspect_cli_seconds"] = time.perf_counter() - t0
     res["inspect_exit"] = out.returncode
 
-    for suffix, key in ((".tar", ""), (".tar.gz", "_gz")):  # plain, then compressed, each from a cold cache
-        drop_cache(files_under(path))
-        t0 = time.perf_counter()
-        packed = pack(path, root / f"repro{suffix}")
-        figure("pack" + key, bundle_bytes, time.perf_counter() - t0, copy, "copy (1/(1/read+1/write))")
-        res["archive" + key] = {"name": packed.output.name, "bytes": packed.size}
+    best: dict[str, float] = {}
+    for _ in range(1 if args.quick else 2):  # plain, compressed, plain, compressed: the best of each, from a cold cache
+        for suffix, key in ((".tar", ""), (".tar.gz", "_gz")):
+            drop_cache(files_under(path))
+            t0 = time.perf_counter()
+            packed = pack(path, root / f"repro{suffix}")
+            best["pack" + key] = min(best.get("pack" + key, float("inf")), time.perf_counter() - t0)
+            res["archive" + key] = {"name": packed.output.name, "bytes": packed.size}
 
-        drop_cache([packed.output])
-        t0 = time.perf_counter()
-        with extracted(packed.output) as d:
-            opened_s = time.perf_counter() - t0
-            assert (d / B.MANIFEST).is_file()
-        figure("open_archive" + key, bundle_bytes, opened_s, copy, "copy (1/(1/read+1/write))")
-        packed.output.unlink()
+            drop_cache([packed.output])
+            t0 = time.perf_counter()
+            with extracted(packed.output) as d:
+                opened_s = time.perf_counter() - t0
+                assert (d / B.MANIFEST).is_file()
+            best["open_archive" + key] = min(best.get("open_archive" + key, float("inf")), opened_s)
+            packed.output.unlink()
+    for name, seconds in best.items():
+        figure(name, bundle_bytes, seconds, copy, "copy (1/(1/read+1/write))")
     res["pack_gz_over_pack"] = res["figures"]["pack_gz"]["Bps"] / res["figures"]["pack"]["Bps"]
 
     n = 1 if args.quick else 5  # best of n
