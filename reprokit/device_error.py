@@ -56,9 +56,6 @@ _CPU_FACE = re.compile(r"out of (bounds|range)|must be smaller than num_classes"
 index_select), ``Target 5 is out of bounds.`` (cross_entropy, nll_loss), ``index 5 is out of bounds for dimension 1
 with size 5`` (gather, scatter, indexing), ``Class values must be smaller than num_classes.`` (one_hot)."""
 
-_poisoned: str | None = None
-
-
 def sticky_text(text: str | None) -> bool:
     """Does ``text`` (an exception's message) hold one of :data:`STICKY_TEXTS`?"""
     return bool(text) and _STICKY.search(text) is not None  # type: ignore[arg-type]
@@ -79,18 +76,6 @@ def is_sticky(exc: BaseException | None) -> bool:
         exc = exc.__cause__ or exc.__context__
         seen += 1
     return False
-
-
-def note_poisoned(exc: BaseException | str) -> None:
-    """This process's CUDA context is unusable from now on (said once a sticky error was seen)."""
-    global _poisoned
-    if _poisoned is None:
-        _poisoned = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-
-
-def poisoned() -> str | None:
-    """The sticky error's first line once this process has seen one (its CUDA context is gone), else None."""
-    return _poisoned
 
 
 def cpu_face(failure: Failure | None) -> bool:
@@ -172,5 +157,4 @@ class HostMarker:
         return last is not None and last >= value
 
 
-__all__ = ["STICKY_TEXTS", "HostMarker", "cpu_face", "is_sticky", "note_poisoned", "poisoned", "reproduces",
-           "sticky_text"]
+__all__ = ["STICKY_TEXTS", "HostMarker", "cpu_face", "is_sticky", "reproduces", "sticky_text"]

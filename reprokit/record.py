@@ -1234,7 +1234,6 @@ class Recorder:
         """A CUDA call failed with a sticky error: from now on the recorder makes none (its own calls, that is)."""
         if self._dead is None:
             self._dead = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            device_error.note_poisoned(e)
 
     def _last_marked(self) -> int | None:
         """The last step whose start marker has landed on every device that marks (-1: none has); None where no
