@@ -108,6 +108,20 @@ def reproduces(recorded: Failure, failure: Failure | None, device_type: str) -> 
         cpu_face(failure)
 
 
+def keep_to_exit(obj: Any) -> None:
+    """Never free ``obj`` (nor what it holds): its reference count is raised for good, and the OS takes the memory
+    back at exit.
+
+    For host buffers that copies used once the CUDA context is dead: freeing a pinned buffer a non-blocking copy
+    used makes torch record a CUDA event for it, which fails on a dead context, inside a deleter, and ends the
+    process with ``terminate called after throwing an instance of 'c10::AcceleratorError'`` in place of the user's
+    own error exit.
+    """
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 class HostMarker:
     """A number the GPU writes into pinned host memory in stream order, read by the host as plain memory.
 
@@ -157,4 +171,4 @@ class HostMarker:
         return last is not None and last >= value
 
 
-__all__ = ["STICKY_TEXTS", "HostMarker", "cpu_face", "is_sticky", "reproduces", "sticky_text"]
+__all__ = ["STICKY_TEXTS", "HostMarker", "cpu_face", "is_sticky", "keep_to_exit", "reproduces", "sticky_text"]

@@ -78,8 +78,6 @@ StepFn = Callable[[TrainState, Any], Any]
 SPILL_DIR = ".reprokit-spill"
 INCIDENT_GRACE_S = 1.0
 """How long a rank's incident watcher waits for its own main thread to report a failure of its own."""
-_PARKED: list[Any] = []
-"""Host buffers of recorders whose CUDA context died, held to the end of the process (see Recorder._close_dead)."""
 RNG_STEP_BYTES = 40 << 10
 """Host memory of one step's RNG reads (python's 625-int tuple is most of it), counted against the budget."""
 
@@ -1231,9 +1229,13 @@ class Recorder:
             return None, False
 
     def _device_died(self, e: BaseException | str) -> None:
-        """A CUDA call failed with a sticky error: from now on the recorder makes none (its own calls, that is)."""
+        """A CUDA call failed with a sticky error: from now on the recorder makes none (its own calls, that is), and
+        its host buffers live to the end of the process (see :func:`reprokit.device_error.keep_to_exit`)."""
         if self._dead is None:
             self._dead = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            if self._marks or self._model_device is not None:
+                device_error.keep_to_exit([self._engine.buffers(), list(self._slots.values()),
+                                           list(self._spares.values()), list(self._marks.values())])
 
     def _last_marked(self) -> int | None:
         """The last step whose start marker has landed on every device that marks (-1: none has); None where no
@@ -1422,14 +1424,11 @@ class Recorder:
         self._snapshot = None
 
     def _close_dead(self) -> None:
-        """:meth:`close` after a sticky device error: no CUDA call, and every host buffer is held to the end of the
-        process (freeing a pinned buffer that a copy used records a CUDA event, which fails on a dead context and
-        ends the process from inside torch)."""
+        """:meth:`close` after a sticky device error: no CUDA call (the host buffers were kept to the end of the
+        process when the device died: see :meth:`_device_died`)."""
         with contextlib.suppress(Exception):
             self.monitor.close()  # its hooks are removed first; its last stream wait fails on the dead context
-        held = [self._engine.abandon(), list(self._slots.values()), list(self._spares.values()), self._ring,
-                self._kept, self._snapshot, self._marks]
-        _PARKED.append(held)
+        self._engine.abandon()
 
     @property
     def snapshot_stats(self) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from reprokit.bundle.tensorfile import WrittenFile, parallelism, shard, write_safetensors
+from reprokit.device_error import is_sticky
 from reprokit.errors import RecorderWarning
 from reprokit.state import TrainState, capture_rng, capture_state
 
@@ -167,8 +168,9 @@ class SnapshotEngine:
         except Exception as e:  # never break the user's optimizer step
             self.broken = True
             self._plan = []
-            warnings.warn(f"reprokit: snapshot failed ({e}); no bundle until the next snapshot", RecorderWarning,
-                          stacklevel=2)
+            if not is_sticky(e):  # a dead device: the step fails with that error itself, and the bundle says it
+                warnings.warn(f"reprokit: snapshot failed ({e}); no bundle until the next snapshot", RecorderWarning,
+                              stacklevel=2)
 
     def _finish(self, rest: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
         """Copy what the helper thread had not issued yet, from device clones when memory allows."""
@@ -287,18 +289,20 @@ class SnapshotEngine:
         """The set of host buffers the last take copied into (``_buffers`` is the next one's)."""
         return self._banks[1 - self._cur] if self._swapped else self._buffers
 
-    def abandon(self) -> list[Any]:
-        """The CUDA context is dead (a sticky device error): stop without a CUDA call. Removes the optimizer hook and
-        hands back every host buffer, for the caller to keep alive: freeing a pinned buffer that a copy used records
-        a CUDA event, which fails on a dead context and ends the process from inside torch."""
+    def buffers(self) -> list[Any]:
+        """Everything the engine holds that a CUDA copy used: both sets of host buffers, the spill staging buffer, the
+        marker, the device clones of a copy in flight (see :func:`reprokit.device_error.keep_to_exit`)."""
+        return [dict(self._banks[0]), dict(self._banks[1]), self._staging, self._marker, list(self._plan),
+                dict(self._pinned)]
+
+    def abandon(self) -> None:
+        """The CUDA context is dead (a sticky device error): stop without a CUDA call (the optimizer hook removed, no
+        wait for a copy); the caller keeps :meth:`buffers` alive."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
         self._stop.set()
-        held: list[Any] = [*self._banks[0].values(), *self._banks[1].values(), self._staging, self._marker,
-                           self._plan, self._pinned]
         self._plan, self._prepared = [], None
-        return held
 
     def detach(self) -> None:
         """Remove the optimizer hook; a snapshot in flight is finished first (the hook guards it)."""

@@ -174,8 +174,8 @@ def test_a_trainer_update_names_the_micro_batch_and_the_dataset_index(tmp_path):
     pytest.importorskip("transformers")
     env = {**os.environ, "RK_GPU_FACE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(PROJECTS), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", "import rk_hf_vocab as m; m.main(%r, device='cpu', "
-                          "trainer_cls=m.GpuFaceTrainer)" % str(tmp_path / "repros")],
+    call = f"import rk_hf_vocab as m; m.main({str(tmp_path / 'repros')!r}, device='cpu', trainer_cls=m.GpuFaceTrainer)"
+    run = subprocess.run([sys.executable, "-c", call],
                          capture_output=True, text=True, timeout=600, env=env)
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["bundle"] and out["error"] == "RuntimeError: CUDA error: device-side assert triggered", run.stderr
