@@ -613,17 +613,20 @@ class Recorder:
         if self._dead is not None:
             return None
         self._copied.clear()
+        if self._kept is not None and self._snapshot is not None and self._engine.complete(self._snapshot.serial):
+            self._kept = None  # the snapshot that replaced it has landed (read from host memory)
         try:
-            if self._kept is not None and self._snapshot is not None and self._engine.complete(self._snapshot.serial):
-                self._kept = None  # the snapshot that replaced it has landed (read from host memory)
-            rec = self._capture_step_start(k, batch)
+            rec = self._capture_step_start(k, batch)  # raises only a sticky error (it says its own faults)
             self._mark_start(k)
-            return rec
-        except Exception as e:  # raised by a CUDA call of the batch copy or the snapshot: the device died
-            if not device_error.is_sticky(e):
-                raise
-            self._device_died(e)
+        except Exception as e:
+            if device_error.is_sticky(e):  # a CUDA call of the batch copy, the snapshot or the marker: the device died
+                self._device_died(e)
+                return None
+            # The marker (the capture says its own faults): a device error would then give no bundle.
+            self._drop_window("mark", f"reprokit: cannot mark step {k} ({e!r}); no bundle until the next snapshot "
+                                      f"(step {self._next_snapshot(k)}). Training continues.")
             return None
+        return rec
 
     def _capture_step_start(self, k: int, batch: Any) -> _Step | None:
         try:
