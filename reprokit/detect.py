@@ -254,7 +254,10 @@ class Monitor:
     def conclude(self, step: int, loss: Any = None, exc: BaseException | None = None) -> StepResult:
         """Read the step's loss and gradient norms and run the detectors; with ``exc``, the step raised it."""
         if exc is not None:
-            self._join()  # an optimizer step that raised never reached the post-hook
+            try:
+                self._join()  # an optimizer step that raised never reached the post-hook
+            except Exception:  # a dead device (a sticky error): the step's own exception is what it says
+                self._unjoined.clear()
             return StepResult(None, None, from_exception(exc, step), exc)
         if isinstance(loss, torch.Tensor):
             if loss.requires_grad:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import PROJECTS, bundle_of, record
+from rk_testing import PROJECTS, bundle_of, record, reseal
 
 import reprokit
 from reprokit import bundle as B
@@ -184,3 +185,13 @@ def test_a_trainer_update_names_the_micro_batch_and_the_dataset_index(tmp_path):
     c = d["triage"]["culprit"]
     assert c["message"] == (f"step {d['recorded_failure']['step']}, micro 0, input_ids row {c['row']} (dataset index "
                             "21), position 7: id 1000 >= num_embeddings 1000 of transformer.wte")
+    # As a GPU would have recorded it (bf16 on one GPU): the CPU part of the triage tells the Trainer it has none.
+    gpu = tmp_path / "as-on-a-gpu"
+    shutil.copytree(out["bundle"], gpu)
+    run = json.loads((gpu / "run.json").read_text())
+    run["config"]["args"].update(bf16=True, use_cpu=False)
+    run["config"]["n_gpu"] = 1
+    (gpu / "run.json").write_text(json.dumps(run))
+    reseal(gpu)
+    code, d = replay(gpu)
+    assert code == 1 and d["triage"]["culprit"]["message"] == c["message"], d
