@@ -7,15 +7,21 @@ warn: it never changes training results and never raises its own errors into
 the loop.
 
 Batches: every tensor of a batch is copied at step start, before the step can run, into a
-host buffer reused window after window (for a CUDA tensor: first into a reused device
-buffer on the training stream, so that the step's own kernels and anything that writes
-the batch later are ordered after the copy, then to pinned host memory on a side stream
-once the step function has returned). A recording therefore holds exactly the bytes each step
-consumed, whatever the loader does with its buffers afterwards (refilling them through a
-numpy view or ``.data``, reusing pinned memory): nothing relies on version counters.
-Copying costs a host ``memcpy`` per step (~0.05 ms per MB into a reused buffer on a CPU
-host, ``bench/memory_budget.py``); for CUDA batches one device-to-device copy at step
-start (~30 us of host time for two leaves on an H100 host, timed inside a training loop).
+host buffer reused window after window (for a CUDA tensor: device to pinned host memory on the
+training stream, so that the step's own kernels, and anything that writes the batch later, are
+ordered after the copy). A recording therefore holds exactly the bytes each step consumed,
+whatever the loader does with its buffers afterwards (refilling them through a numpy view or
+``.data``, reusing pinned memory): nothing relies on version counters. Copying costs a host
+``memcpy`` per step (~0.05 ms per MB into a reused buffer on a CPU host,
+``bench/memory_budget.py``); for CUDA batches one asynchronous copy per leaf at step start.
+
+The failures that kill the GPU (a device-side assert: every later CUDA call fails, see
+:mod:`reprokit.device_error`): every byte a bundle needs is in host memory before the step's
+kernels run, and the recorder knows what landed without asking the device. After each step's
+batch copies a marker (:class:`~reprokit.device_error.HostMarker`) is copied into pinned host memory on
+the same stream; the snapshot engine marks each snapshot's copies the same way, and keeps the
+previous snapshot (and the recorder the previous window's batches) until the new one is known
+complete. On a sticky error the bundle is written from host memory alone (:meth:`Recorder._dump`).
 
 Memory: the snapshot, the batch buffers and the window's RNG reads stay within
 ``host_memory_budget`` (early snapshots, else a spill to disk; see :meth:`Recorder.stats`).
@@ -41,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprokit import pytree, skip
+from reprokit import device_error, pytree, skip
 from reprokit.bundle import (
     BundleWriter,
     StepRecord,
@@ -62,7 +68,7 @@ from reprokit.env import capture_env, determinism_flags, split_flags
 from reprokit.errors import CaptureError, CodeLoadError, ConfigError, PeerFailure, RecorderWarning, TrainingFailure
 from reprokit.flight import FlightLog
 from reprokit.flight import run_id as flight_run_id
-from reprokit.rng import RNGState, check_generators
+from reprokit.rng import RNGState, check_generators, host_format_matches
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
 from reprokit.signature import Failure, FailureKind
@@ -156,8 +162,8 @@ class _Step:
     loss: float | None = None
     grad_norm: float | None = None
 
-    def record(self) -> StepRecord:
-        rng_tree, rng_tensors = encode_rng(self.rng)
+    def record(self, host_only: bool = False) -> StepRecord:
+        rng_tree, rng_tensors = encode_rng(self.rng, host_only=host_only)
         return StepRecord(self.step, self.batch, {**self.tensors, **rng_tensors}, rng_tree, self.loss,
                             self.grad_norm)
 
@@ -170,6 +176,18 @@ class _Snapshot:
     """In host memory, or safetensors files (with their digests) when spilling to disk."""
     referenced: bool = False
     """Only this rank's RNG and detector state: model and optimizer state are rank 0's (replicated_state)."""
+    serial: int = 0
+    """The snapshot engine's number for it (:meth:`SnapshotEngine.complete` says whether its copies landed)."""
+
+
+@dataclass
+class _Kept:
+    """The previous window, kept while the snapshot that replaced it may still be copying (a device error then
+    leaves it the one complete window): its snapshot, its steps, their host bytes outside the batch pool."""
+
+    snapshot: _Snapshot
+    ring: list[_Step]
+    other: int
 
 
 def cuda_devices(devices: Iterable[torch.device], current: int) -> list[int]:
@@ -415,6 +433,8 @@ class Recorder:
         self._tables = model_tables(state.model)  # table sizes for the batch diagnosis (inspect, failure note)
         self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync, limit=self.budget * 3 // 4,
                                       fallback_spill_dir=self.out_dir / SPILL_DIR)
+        self._model_device = next((p.device for p in state.model.parameters() if p.is_cuda), None)
+        self._device_names, self._host_rng = self._read_devices()
         self._engine.others = self._room_for_snapshot
         self._flat_batch: tuple[list[str], dict[str, Any], list[str]] | None = None
         """(keys, encoded tree, tensor keys) of the last batch when it was a flat dict of tensors."""
@@ -422,15 +442,21 @@ class Recorder:
         """Host buffers the batches are copied into, per (position in the window, leaf): reused window after window,
         so that steady state allocates nothing (a fresh large buffer costs its page faults every step)."""
         self._slot = self._leaf = 0
-        self._staged: dict[int, torch.Tensor] = {}
-        """Device buffers (per leaf) that GPU batch tensors are copied into at step start."""
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """(staged device buffer, pinned host buffer) pairs to copy once the step function returns."""
-        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._copied: set[torch.device] = set()
+        """CUDA devices this step's batch tensors were copied from (device to host, on their training streams)."""
+        self._marks: dict[torch.device, device_error.HostMarker] = {}
+        """Per CUDA device: the last step whose start (its batch copies, and everything queued before them on the
+        training stream) has run, in pinned host memory (see :mod:`reprokit.device_error`)."""
         self._landed: dict[torch.device, torch.cuda.Event] = {}
-        """Recorded on the copy stream after the last step's device-to-host batch copies."""
-        self._to_stage: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """(device buffer, batch tensor) pairs to copy at this step's start."""
+        """Durable recording only: recorded on the training stream after the last step's batch copies."""
+        self._kept: _Kept | None = None
+        self._spares: dict[tuple[int, int], torch.Tensor] = {}
+        """Batch buffers swapped out of ``_slots`` while the kept window's steps still use them (see _batch_copy)."""
+        self._dead: str | None = None
+        """The sticky device error after which the recorder touches the GPU no more."""
+        self._dead_bundle: Path | None = None
+        self.dead_write_seconds: float | None = None
+        """Seconds the bundle took to write after a sticky device error (from the failure to the bundle on disk)."""
         self._pool = {"pinned": 0, "pageable": 0}
         """Bytes of the batch buffers in ``_slots``."""
         self._bytes_at: dict[int, int] = {}
@@ -676,7 +702,6 @@ class Recorder:
         if self._aborted is not None:  # a peer failed and this rank's part of the run was ended (on_incident)
             raise self._peer_failure(self._aborted)
         if self._in_step:  # the last step was interrupted (Ctrl-C): its partial updates are not replayable
-            self._pending.clear()
             self._flight_later = None
             self._drop_window("interrupted", f"reprokit: step {k - 1} was interrupted; no bundle until the next "
                                              f"snapshot (step {self._next_snapshot(k)}).")
@@ -713,7 +738,7 @@ class Recorder:
         attempt = self._skips.after_failure(self, result.failure, record, path) if self._skips.on else None
         if attempt is not None and attempt.skipped:
             return attempt.value  # the proven culprit rows are skipped: the run goes on (see reprokit.skip)
-        hint = failure_note(batch, self._tables)
+        hint = failure_note(self._note_batch(batch, record), self._tables)
         why_not = attempt.note if attempt is not None else None
         # What to run next: one process's bundle, or under a process group the incident folder it is in (every rank
         # replayed together) and this rank's bundle alone.
@@ -740,7 +765,27 @@ class Recorder:
 
     def _record_step_start(self, k: int, batch: Any) -> _Step | None:
         """Copy the batch and read the RNG; take the snapshot when one is due (after the batch copy is queued, so on
-        a GPU the batch's small copy does not wait behind the state's)."""
+        a GPU the batch's small copy does not wait behind the state's). On a GPU, a marker follows the batch copies
+        on the training stream (see :meth:`_mark_start`). Once the device died, nothing (no CUDA call)."""
+        if self._dead is not None:
+            return None
+        self._copied.clear()
+        if self._kept is not None and self._snapshot is not None and self._engine.complete(self._snapshot.serial):
+            self._kept = None  # the snapshot that replaced it has landed (read from host memory)
+        try:
+            rec = self._capture_step_start(k, batch)  # raises only a sticky error (it says its own faults)
+            self._mark_start(k)
+        except Exception as e:
+            if device_error.is_sticky(e):  # a CUDA call of the batch copy, the snapshot or the marker: the device died
+                self._device_died(e)
+                return None
+            # The marker (the capture says its own faults): a device error would then give no bundle.
+            self._drop_window("mark", f"reprokit: cannot mark step {k} ({e!r}); no bundle until the next snapshot "
+                                      f"(step {self._next_snapshot(k)}). Training continues.")
+            return None
+        return rec
+
+    def _capture_step_start(self, k: int, batch: Any) -> _Step | None:
         try:
             torn = self._engine.torn
             boundary, last_batch, n = accumulation_phase(self.state.optimizer)
@@ -795,10 +840,10 @@ class Recorder:
             self._slot, self._leaf = position, 0
             if self._flight is not None:
                 self._flight.reserve(position)  # the record one window ago that reads these buffers is written
+            if due:
+                self._keep_window()
             tree, tensors = self._encode_batch(batch)
-            later = bool(self._to_stage)
-            if self._to_stage:
-                self._stage()
+            later = bool(self._copied)
             rec = _Step(k, tree, tensors, rng, other)
             if due:
                 self._current_other = rec.other_bytes  # this step's own bytes count against the snapshot's room
@@ -814,7 +859,8 @@ class Recorder:
             self._note_peak()
             return rec
         except Exception as e:
-            self._to_stage.clear()
+            if device_error.is_sticky(e):
+                raise  # the device died: the window stays as it is (see _record_step_start)
             self._drop_window("capture", f"reprokit: cannot record step {k} ({e}); no bundle can be written until "
                                          f"the next snapshot (step {self._next_snapshot(k)}). Training continues.")
             return None
@@ -839,15 +885,19 @@ class Recorder:
     def _batch_copy(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of ``t`` as it is now, in a host buffer reused window after window.
 
-        A CPU tensor is copied here. A CUDA tensor is copied here too, device to device on the
-        training stream into a reused device buffer (a plain memcpy launch; the step's kernels and
-        any later refill of the batch are ordered after it), and from there to its pinned host
-        buffer on a side stream queued right after the step function returns (see
-        :meth:`_after_step`), off the host's critical path.
+        A CPU tensor is copied here. A CUDA tensor is copied into its pinned host buffer on the
+        training stream (``non_blocking``: the host goes on), so the step's kernels, and any later
+        refill of the batch, are ordered after the copy: it has landed before any of the step's
+        kernels can fail (:meth:`_mark_start` tells the host when, without asking the device).
+
+        While the previous window is kept (its snapshot's successor may still be copying), a
+        buffer one of its steps holds is not written: a spare one takes its place.
         """
         key = (self._slot, self._leaf)
         self._leaf += 1
         slot = self._slots.get(key)
+        if self._kept is not None and key[0] < len(self._kept.ring) and slot is not None:
+            slot = self._swap_slot(key, slot)
         if slot is None or slot.shape != t.shape or slot.dtype != t.dtype:
             if slot is not None:
                 self._free_slot(key)
@@ -856,61 +906,70 @@ class Recorder:
             t = t.detach()
         if not t.is_cuda:
             return slot.copy_(t)
-        stage = self._staged.get(key[1])
-        if stage is None or stage.shape != t.shape or stage.dtype != t.dtype or stage.device != t.device:
-            stage = self._staged[key[1]] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        self._to_stage.append((stage, t))
-        self._pending.append((stage, slot))
-        return slot
+        self._copied.add(t.device)
+        return slot.copy_(t, non_blocking=True)
 
-    def _stage(self) -> None:
-        """Queue this step's device-to-device batch copies, in one call, on the training stream."""
-        todo, self._to_stage = self._to_stage, []
-        devices = {t.device for _, t in todo}
+    def _swap_slot(self, key: tuple[int, int], held: torch.Tensor) -> torch.Tensor | None:
+        """The buffer at ``key`` is held by a kept step: put the spare of ``key`` in its place (None: there is none,
+        the caller makes one), and keep the held one as the spare (free for the next swap once the kept window is
+        dropped). Spares count as held host memory, not as any position's."""
+        spare = self._spares.pop(key, None)
+        self._spares[key] = held
+        self._count_slot(key, held, -1, pool=False)
+        if spare is None:
+            del self._slots[key]
+            return None
+        self._slots[key] = spare
+        self._count_slot(key, spare, 1, pool=False)
+        return spare
+
+    def _free_spares(self) -> None:
+        """Free the spare batch buffers (none is held once the kept window is dropped)."""
+        self._kept = None
+        for key in list(self._spares):
+            self._count_slot(key, self._spares.pop(key), -1, at=False)
+
+    def _keep_window(self) -> None:
+        """A snapshot is about to be taken: keep the window it replaces while the new one copies (see :class:`_Kept`),
+        where the engine leaves the last snapshot's buffers intact through a take (two sets, ``keep_previous``)."""
+        self._kept = None
+        snap = self._snapshot
+        engine = self._engine
+        if self._window_ok and snap is not None and self._ring and not snap.referenced and \
+                isinstance(snap.tensors, dict) and engine.keeps_last and not engine.sync and engine.spill_dir is None:
+            self._kept = _Kept(snap, list(self._ring), self._ring_other)
+
+    def _mark_start(self, k: int) -> None:
+        """After step ``k``'s batch copies, on each device's training stream: the marker of step ``k`` (on the model's
+        device too, whatever the batch: it tells which step a device error struck in)."""
+        devices = set(self._copied)
+        if self._model_device is not None:
+            devices.add(self._model_device)
         for device in devices:
-            done = self._landed.get(device)
-            if done is not None:
-                torch.cuda.current_stream(device).wait_event(done)  # last step's copies out of the stages have run
-        if len(devices) == 1 and hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_([s for s, _ in todo], [t for _, t in todo])  # one dispatch for every leaf
-        else:
-            for stage, t in todo:
-                stage.copy_(t)
+            mark = self._marks.get(device)
+            if mark is None:
+                mark = self._marks[device] = device_error.HostMarker(device)
+            mark.mark(k)
+        if self._flight is not None and self._copied:
+            for device in self._copied:
+                event = self._landed.get(device)
+                if event is None:
+                    event = self._landed[device] = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
 
     def _after_step(self) -> None:
         """The step function has just returned (or raised); the device is still working through it.
 
-        Queue the device-to-host copies of this step's staged GPU batch on a side stream that
-        starts where the staging copies ended, and when the next step takes a snapshot, walk
-        the state for it now (see :meth:`SnapshotEngine.prepare`).
+        A durable log gets this step's GPU batch once its copies land (on its writer thread); when the next step
+        takes a snapshot, the state is walked for it now (see :meth:`SnapshotEngine.prepare`).
         """
-        if self._pending:
-            try:
-                by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-                for stage, slot in self._pending:
-                    by_device.setdefault(stage.device, []).append((stage, slot))
-                for device, copies in by_device.items():
-                    stream = self._copy_streams.get(device)
-                    if stream is None:
-                        stream = self._copy_streams[device] = torch.cuda.Stream(device=device)
-                        self._landed[device] = torch.cuda.Event()
-                    # Staged at step start on the training stream: the side stream waits for all of it (the wait
-                    # covers the step too, which is harmless: the copy is needed only at dump time).
-                    stream.wait_stream(torch.cuda.current_stream(device))
-                    with torch.cuda.stream(stream):
-                        for stage, slot in copies:
-                            slot.copy_(stage, non_blocking=True)
-                    self._landed[device].record(stream)
-                later, self._flight_later = self._flight_later, None
-                if later is not None and self._flight is not None:
-                    k, position, rec = later
-                    self._flight.step_later(k, position, rec.batch, rec.tensors, rec.rng,
-                                            [self._landed[d] for d in by_device])
-            except Exception as e:
-                self._drop_window("capture", f"reprokit: cannot copy step {self.step_index}'s batch ({e}); no bundle "
-                                             "can be written until the next snapshot. Training continues.")
-            finally:
-                self._pending.clear()
+        if self._dead is not None:
+            return
+        later, self._flight_later = self._flight_later, None
+        if later is not None and self._flight is not None:
+            k, position, rec = later
+            self._flight.step_later(k, position, rec.batch, rec.tensors, rec.rng,
+                                    [self._landed[d] for d in self._copied if d in self._landed])
         if len(self.state.optimizer.state) != self._opt_entries and not self._refer:
             # Optimizer state appeared (AdamW's moments, after the first step): pin its snapshot buffers on a helper
             # thread now, snapshot_every steps before the next snapshot needs them.
@@ -928,8 +987,10 @@ class Recorder:
     # --- the host-memory budget ------------------------------------------------------
 
     def held_bytes(self) -> int:
-        """Host memory the recorder holds now: snapshot, batch-buffer pool, the window's RNG states."""
-        return self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"] + self._ring_other
+        """Host memory the recorder holds now: snapshot, batch-buffer pool, the window's RNG states (and the kept
+        window's, while its successor's snapshot copies)."""
+        kept = self._kept.other if self._kept is not None else 0
+        return self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"] + self._ring_other + kept
 
     def _fits(self, k: int, position: int, need: int, early: bool = False) -> bool:
         """Whether step ``k``'s ``need`` bytes fit the budget at ``position`` of the window, after freeing buffers the
@@ -939,6 +1000,7 @@ class Recorder:
         else:
             for key in [key for key in self._slots if key[0] > position]:
                 self._free_slot(key)
+            self._free_spares()
             fits = self._projected(position, need) <= self.budget
         if fits and early:
             self._mem["early_snapshots"] += 1
@@ -975,6 +1037,7 @@ class Recorder:
         if make_room:
             for key in [key for key in self._slots if key[0] > 0]:
                 self._free_slot(key)
+            self._free_spares()  # the budget first: a window kept for a device error is a nicety
         return self.budget - self._pool["pinned"] - self._pool["pageable"] - self._current_other
 
     def _new_slot(self, key: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
@@ -986,10 +1049,14 @@ class Recorder:
     def _free_slot(self, key: tuple[int, int]) -> None:
         self._count_slot(key, self._slots.pop(key), -1)
 
-    def _count_slot(self, key: tuple[int, int], slot: torch.Tensor, sign: int) -> None:
+    def _count_slot(self, key: tuple[int, int], slot: torch.Tensor, sign: int, pool: bool = True,
+                    at: bool = True) -> None:
+        """Count a batch buffer in (``sign`` 1) or out of the pool's bytes (``pool``) and its position's (``at``)."""
         n = sign * slot.numel() * slot.element_size()
-        self._pool["pinned" if slot.is_pinned() else "pageable"] += n
-        self._bytes_at[key[0]] = self._bytes_at.get(key[0], 0) + n
+        if pool:
+            self._pool["pinned" if slot.is_pinned() else "pageable"] += n
+        if at:
+            self._bytes_at[key[0]] = self._bytes_at.get(key[0], 0) + n
 
     def _note_peak(self) -> None:
         e = self._engine.stats
@@ -1026,6 +1093,7 @@ class Recorder:
         self._window_ok = False
         self._ring.clear()
         self._ring_other = 0
+        self._kept = None
         self._warn(key, message)
 
     def _take_snapshot(self, k: int) -> None:
@@ -1040,6 +1108,7 @@ class Recorder:
             self._leave_replication(k, f"rank {replicated.OWNER_RANK} takes early snapshots (its host-memory budget), "
                                        "so its snapshots no longer fall on this rank's")
         if self._refer:  # rank 0 snapshots the state; this rank keeps its own RNG and detector state only
+            self._kept = None
             rng_tree, rng_tensors = encode_rng(capture_rng(self.state.extra))
             self._snapshot = _Snapshot(k, {"rng": rng_tree, **extra}, rng_tensors, referenced=True)
             self._saved = sum(t.numel() * t.element_size()
@@ -1050,7 +1119,9 @@ class Recorder:
         if self._flight is not None:
             self._flight.settle()  # the engine is about to reuse the host buffers the last snapshot's record reads
         tree, tensors = self._engine.take(extra)
-        self._snapshot = _Snapshot(k, tree, tensors)
+        self._snapshot = _Snapshot(k, tree, tensors, serial=self._engine.serial)
+        if not self._engine.previous_kept:
+            self._kept = None  # its snapshot's buffers are being written, or the new snapshot is complete already
         self._window_ok = True
         if self._flight is not None:
             cuda = any(t.is_cuda for t in self.state.model.parameters())
@@ -1362,7 +1433,12 @@ class Recorder:
                            incident=incident, failed_rank=doc.get("rank"), step=doc.get("step"))
 
     def _dump(self, failure: Failure, incident: str | None = None, from_watcher: bool = False) -> Path | None:
-        """Write the window as a bundle; on any fault of ours warn and return None."""
+        """Write the window as a bundle; on any fault of ours warn and return None.
+
+        After a sticky device error (the failure's kind, or a CUDA call here failing so), the bundle is written from
+        host memory alone: see :meth:`_dump_dead`."""
+        if failure.kind == FailureKind.DEVICE_ERROR or self._dead is not None:
+            return self._dump_dead(failure, incident)
         ring = self._ring
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             try:
@@ -1373,18 +1449,26 @@ class Recorder:
                         torch.cuda.synchronize(device)  # copies in flight must land before we read
                     self._engine.check(ordered=True)
             except Exception as e:
+                if device_error.is_sticky(e):  # a later CUDA call failing the same way: the device died in the step
+                    self._device_died(e)
+                    return self._dump_dead(failure, incident)
                 self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
                 return None
         if not self._window_ok or self._snapshot is None or self._engine.broken or self._engine.torn or not ring:
             self._warn("", f"reprokit: {failure.describe()}, but the recorded window is incomplete; no bundle")
             return None
+        return self._write_bundle(failure, self._snapshot, ring, incident)
+
+    def _write_bundle(self, failure: Failure, snap: _Snapshot, ring: list[_Step], incident: str | None,
+                      host_only: bool = False) -> Path | None:
+        """Write ``snap`` and ``ring`` as a bundle of ``failure`` (``host_only``: without a CUDA call)."""
         writer = None
         try:
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
             where = self.out_dir / incident if incident else self.out_dir
             writer = BundleWriter(where, bundle_name(stamp, failure.step, failure.kind,
                                                      self.rank.tag if self.rank is not None else ""))
-            path = self._write(writer, failure, ring, incident)
+            path = self._write(writer, failure, ring, incident, snap=snap, host_only=host_only)
         except BaseException as e:  # Ctrl-C while writing must not leave a half-written folder behind either
             if writer is not None:
                 writer.abort()
@@ -1400,32 +1484,129 @@ class Recorder:
         return path
 
     def _devices(self) -> Iterator[torch.device]:
-        """Every device the recorder's copies may be queued on: the state's (model and optimizer), the staged
-        batch tensors', the batch copy streams' and the snapshot engine's stream's."""
+        """Every device the recorder's copies may be queued on: the state's (model and optimizer), the batch
+        tensors' (their copies and markers) and the snapshot engine's stream's."""
         yield from (t.device for t in self.state.model.parameters())
         yield from (t.device for t in self.state.model.buffers())
         for st in self.state.optimizer.state.values():
             yield from (v.device for v in st.values() if isinstance(v, torch.Tensor))
-        yield from (t.device for t in self._staged.values())
-        yield from self._copy_streams
+        yield from self._marks
         stream = self._engine.stream
         if stream is not None:
             yield stream.device
 
     def _landed_window(self) -> list[_Step]:
-        """The window without its last step when that step's GPU batch copies have not landed (they wait behind the
-        step's kernels, which a rank blocked in a collective never finishes); empty when the snapshot copy has
-        not landed either."""
-        if not self._engine.copies_landed():
+        """The window as far as its steps' GPU batch copies have landed (a rank blocked in a collective never runs
+        what it queued after it); empty when the snapshot copy has not landed either. Host memory only: the
+        markers (see :meth:`_mark_start`), no CUDA call from the watcher's thread."""
+        if self._snapshot is None or not self._engine.complete(self._snapshot.serial):
             return []
-        ring = list(self._ring)
-        if ring and any(not e.query() for e in self._landed.values()):
-            ring = ring[:-1]
-        return ring
+        last = self._last_marked()
+        return [r for r in self._ring if last is None or r.step <= last]
+
+    # --- after a sticky device error: host memory only ----------------------------------------
+
+    def _read_devices(self) -> tuple[list[str] | None, bool]:
+        """While the device works (at attach): the GPUs' names for env.json, and whether the CUDA generators' state
+        can be written without a CUDA call (see :func:`reprokit.rng.cuda_state_on_host`). Also makes the model
+        device's step marker. None / False where this process has no CUDA context."""
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return None, False
+        try:
+            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if self._model_device is not None:
+                self._marks[self._model_device] = device_error.HostMarker(self._model_device)
+            return names, host_format_matches(torch.cuda.current_device())
+        except Exception:  # never a reason to refuse the run: a device error then writes what it can
+            return None, False
+
+    def _device_died(self, e: BaseException | str) -> None:
+        """A CUDA call failed with a sticky error: from now on the recorder makes none (its own calls, that is), and
+        its host buffers live to the end of the process (see :func:`reprokit.device_error.keep_to_exit`)."""
+        if self._dead is None:
+            self._dead = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            if self._marks or self._model_device is not None:
+                device_error.keep_to_exit([self._engine.buffers(), list(self._slots.values()),
+                                           list(self._spares.values()), list(self._marks.values())])
+
+    def _last_marked(self) -> int | None:
+        """The last step whose start marker has landed on every device that marks (-1: none has); None where no
+        device marks (no CUDA): every copy was made on the host."""
+        if not self._marks:
+            return None
+        lasts = [m.last() for m in self._marks.values()]
+        return -1 if any(x is None for x in lasts) else min(x for x in lasts if x is not None)
+
+    def _host_window(self, step: int) -> tuple[_Snapshot, list[_Step]] | str:
+        """The window to write after the device died at (or, the host running ahead, before) ``step``: a snapshot
+        whose copies landed and the steps since, up to the last step whose batch landed, read from host memory
+        alone; or why there is none."""
+        last = self._last_marked()
+        end = step if last is None else min(step, last)
+        if last == -1:
+            return "no step's batch reached host memory before the device failed"
+        snap = self._snapshot
+        engine = self._engine
+        current = self._window_ok and snap is not None and not engine.broken and not engine.torn and \
+            engine.complete(snap.serial)
+        kept = self._kept
+        if current and snap is not None and self._ring and self._ring[0].step <= end:
+            chosen, ring = snap, list(self._ring)
+        elif kept is not None and engine.complete(kept.snapshot.serial):
+            chosen, ring = kept.snapshot, [*kept.ring, *(self._ring if self._window_ok else [])]
+        elif snap is not None and not engine.complete(snap.serial):
+            why = "the previous one was not kept" + (
+                " (twice the state does not fit host_memory_budget)" if not engine.keeps_last else "")
+            return f"the snapshot copy of step {snap.step} had not landed when the device failed, and {why}"
+        else:
+            return "the recorded window is incomplete"
+        ring = [r for r in ring if r.step <= end]
+        if not ring or ring[-1].step != end:
+            return f"step {end}'s batch is not in the recorded window"
+        return chosen, ring
+
+    def _dump_dead(self, failure: Failure, incident: str | None) -> Path | None:
+        """The device died (a sticky error): write the bundle from host memory, never calling CUDA again (no
+        synchronize, no event query, no copy off the device; the RNG states read at each step's start), as a
+        ``device_error`` at the step whose kernels failed (the markers say which, where the error surfaced later)."""
+        t0 = time.perf_counter()
+        self._device_died(failure.message or failure.kind)
+        if self._dead_bundle is not None:
+            self._warn("dead", f"reprokit: {failure.describe()}; the device died earlier and its bundle is "
+                               f"{self._dead_bundle}: no other bundle (nothing can be copied off the device)")
+            return None
+        surfaced = failure.step
+        found = self._host_window(failure.step)
+        if isinstance(found, str):
+            self._warn("", f"reprokit: {failure.describe()}, but {found}; no bundle")
+            return None
+        snap, ring = found
+        failure.step = ring[-1].step
+        failure.detail = {**failure.detail, "device_error": {
+            "error": self._dead, "surfaced_at_step": surfaced, "rank": self.rank.rank if self.rank else None,
+            "snapshot": "previous (the snapshot of the failing step had not landed)" if snap is not self._snapshot
+            else "current"}}
+        path = self._write_bundle(failure, snap, ring, incident, host_only=True)
+        if path is not None:
+            self._dead_bundle = path
+            self.dead_write_seconds = time.perf_counter() - t0
+        return path
+
+    def _note_batch(self, batch: Any, record: _Step | None) -> Any:
+        """The batch the failure note diagnoses: ``batch`` itself, or once the device died its host copy (the
+        recorded step, decoded: the live batch's GPU tensors cannot be read any more)."""
+        if self._dead is None:
+            return batch
+        if record is None:
+            return None
+        try:
+            return pytree.decode(record.batch, record.tensors)
+        except Exception:
+            return None
 
     def _write(self, w: BundleWriter, failure: Failure, ring: list[_Step] | None = None,
-               incident: str | None = None) -> Path:
-        snap = self._snapshot
+               incident: str | None = None, snap: _Snapshot | None = None, host_only: bool = False) -> Path:
+        snap = self._snapshot if snap is None else snap
         assert snap is not None
         ring = self._ring if ring is None else ring
         code = [] if self._root is None else [(relative(p, self._root), p)
@@ -1433,13 +1614,16 @@ class Recorder:
         run = self._run_doc(snap, failure, ring)
         if self.rank is not None:
             run["distributed"] = {**self.rank.to_json(), "incident": incident}
+        env = capture_env(self._root, devices=self._device_names or []) if host_only else capture_env(self._root)
+        steps = (r.record(host_only=host_only and self._host_rng) for r in ring)
         if snap.referenced:
-            return self._write_referencing(w, failure, run, snap, ring, code, incident)
-        return write_bundle(w, failure=failure.to_json(), run=run, env=capture_env(self._root),
-                              state=(snap.tree, snap.tensors), steps=(r.record() for r in ring), code=code)
+            return self._write_referencing(w, failure, run, snap, ring, code, incident, env, steps)
+        return write_bundle(w, failure=failure.to_json(), run=run, env=env,
+                              state=(snap.tree, snap.tensors), steps=steps, code=code)
 
     def _write_referencing(self, w: BundleWriter, failure: Failure, run: dict[str, Any], snap: _Snapshot,
-                           ring: list[_Step], code: list[tuple[str, Path]], incident: str | None) -> Path:
+                           ring: list[_Step], code: list[tuple[str, Path]], incident: str | None,
+                           env: dict[str, Any], steps: Iterator[StepRecord]) -> Path:
         """A bundle whose state is rank 0's: wait (bounded) for rank 0's bundle of this incident and reference its
         state files by digest; if there is none, the bundle says why (it cannot replay alone) and so does a warning."""
         assert self.rank is not None and isinstance(snap.tensors, dict)
@@ -1452,9 +1636,9 @@ class Recorder:
             self._warn("", f"reprokit: rank {self.rank.rank}'s bundle references rank {replicated.OWNER_RANK}'s state,"
                            f" but {ref['problem']}. It is written without a state and cannot replay alone; replay "
                            "the incident's other bundles, or record with replicated_state=False.")
-        return write_bundle(w, failure=failure.to_json(), run=run, env=capture_env(self._root),
+        return write_bundle(w, failure=failure.to_json(), run=run, env=env,
                             state=({**snap.tree, "state": owner_tree}, snap.tensors),
-                            steps=(r.record() for r in ring), code=code, reference=ref)
+                            steps=steps, code=code, reference=ref)
 
     def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None) -> dict[str, Any]:
         ring = self._ring if ring is None else ring
@@ -1517,15 +1701,26 @@ class Recorder:
         if self._flight is not None:
             self._flight.close(remove=True)  # a run that ends normally leaves nothing on disk
             self._flight = None
-        self.monitor.close()
-        self._engine.close()
+        if self._dead is not None:
+            self._close_dead()
+        else:
+            self.monitor.close()
+            self._engine.close()
         self._ring.clear()
         self._slots.clear()
-        self._staged.clear()
+        self._spares.clear()
+        self._kept = None
         self._bytes_at.clear()
         self._pool = {"pinned": 0, "pageable": 0}
         self._ring_other = 0
         self._snapshot = None
+
+    def _close_dead(self) -> None:
+        """:meth:`close` after a sticky device error: no CUDA call (the host buffers were kept to the end of the
+        process when the device died: see :meth:`_device_died`)."""
+        with contextlib.suppress(Exception):
+            self.monitor.close()  # its hooks are removed first; its last stream wait fails on the dead context
+        self._engine.abandon()
 
     @property
     def snapshot_stats(self) -> dict[str, Any]:

@@ -102,7 +102,12 @@ def build(config: dict[str, Any]) -> HFTrainState:
     model = model_cls(model_config).to(dtype)
     scratch = tempfile.mkdtemp(prefix="reprokit-trainer-")  # the Trainer makes its output_dir; replay writes nothing
     try:
-        args = TrainingArguments(**{**_args_for_replay(config["args"]), "output_dir": scratch})
+        replay_args = {**_args_for_replay(config["args"]), "output_dir": scratch}
+        if config.get(N_GPU) and not torch.cuda.is_available():
+            # Recorded on a GPU, replayed where torch sees none (a CPU machine, or the CPU part of a device error's
+            # triage, which hides the GPUs): the Trainer must be told, or bf16 / fp16 arguments refuse the CPU.
+            replay_args["use_cpu"] = True
+        args = TrainingArguments(**replay_args)
         # Replay never evaluates; set after the arguments' own checks, which want an eval strategy for a scheduler
         # that steps on eval metrics (reduce_lr_on_plateau), and before the Trainer's, which want an eval_dataset.
         args.eval_strategy = IntervalStrategy.NO
