@@ -2,4 +2,5 @@
 
 from reprokit.cli import main
 
-main()
+if __name__ == "__main__":  # imported (the docs' module walk, doctest collection), it runs nothing
+    main()
