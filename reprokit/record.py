@@ -1478,8 +1478,8 @@ class Recorder:
             # Where it came from (the innermost frame, and the innermost of reprokit's own): a report can say it.
             frames = traceback.extract_tb(e.__traceback__)
             ours = [f for f in frames if f"{os.sep}reprokit{os.sep}" in f.filename]
-            where_from = "".join(f" (at {Path(f.filename).name}:{f.lineno} in {f.name})"
-                                 for f in dict.fromkeys([*ours[-1:], *frames[-1:]]))
+            where_from = "".join(dict.fromkeys(f" (at {Path(f.filename).name}:{f.lineno} in {f.name})"
+                                               for f in [*ours[-1:], *frames[-1:]]))
             self._warn("", f"reprokit: could not write a bundle to {self.out_dir}: {e!r}{where_from}. "
                                "Training's own error is raised as usual.")
             return None
