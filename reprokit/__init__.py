@@ -36,14 +36,14 @@ if TYPE_CHECKING:
     from reprokit.record import Recorder
     from reprokit.replayer import ReplayReport, Session, replay
     from reprokit.signature import Failure
-    from reprokit.skip import skip_list
+    from reprokit.skip_journal import skip_list
     from reprokit.state import TrainState
 
 _LAZY = {
     "Bundle": "reprokit.bundle", "open_bundle": "reprokit.bundle", "verify": "reprokit.bundle",
     "DetectSettings": "reprokit.detect", "Recorder": "reprokit.record", "ReplayReport": "reprokit.replayer",
     "Session": "reprokit.replayer", "replay": "reprokit.replayer", "Failure": "reprokit.signature",
-    "TrainState": "reprokit.state", "skip_list": "reprokit.skip",
+    "TrainState": "reprokit.state", "skip_list": "reprokit.skip_journal",
 }
 
 

@@ -86,8 +86,12 @@ def _runtime_files(extra_roots: tuple[str, ...]) -> tuple[str, ...]:
         tree = ast.parse((_PACKAGE / rel).read_text())
         body = list(tree.body)
         for node in body:  # module level only: lazy imports inside functions are optional extras
-            if isinstance(node, ast.If):  # `if TYPE_CHECKING:` lists what reprokit/__init__.py loads lazily
-                body += node.body
+            if isinstance(node, ast.If):
+                # `if TYPE_CHECKING:` lists what reprokit/__init__.py loads lazily; elsewhere it names types only
+                # (reprokit.skip's names the torch-heavy proof code, which replay never runs)
+                checking = isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                if rel == "__init__.py" or not checking:
+                    body += node.body + ([] if checking else node.orelse)
             names = []
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "reprokit":
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]

@@ -737,6 +737,8 @@ class Recorder:
             raise self._peer_failure(self._peer_doc) from result.exc
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
         attempt = self._skips.after_failure(self, result.failure, record, path) if self._skips.on else None
+        if attempt is None:
+            self._skips.decline(self, result.failure)
         if attempt is not None and attempt.skipped:
             return attempt.value  # the proven culprit rows are skipped: the run goes on (see reprokit.skip)
         hint = failure_note(self._note_batch(batch, record), self._tables)

@@ -543,7 +543,7 @@ def format_describe_incident(d: dict[str, Any]) -> str:
 
 
 def format_skips(d: dict[str, Any]) -> str:
-    """``reprokit inspect OUT_DIR``'s text for a run that skipped samples (``reprokit.skip.describe_skips()``): each
+    """``reprokit inspect OUT_DIR``'s text for a run that skipped samples (``reprokit.skip_journal.describe_skips()``): each
     skip with its step, rows, dataset indices, evidence and bundle, then the indices to filter on a resume."""
     n = d["count"]
     if not n:

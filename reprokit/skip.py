@@ -32,16 +32,15 @@ Under torch.distributed every rank takes part or none does: the ranks agree thro
 replay); the culprit rank skips its rows and the others roll back with it (:func:`reprokit.skip_proof.prove_together`).
 Through the Hugging Face Trainer callback, the rows are those of the update's micro-batches.
 
-Each skip is a line of ``out_dir/skips.jsonl`` (:func:`read_journal`); :func:`skip_list` gives the dataset indices
-to keep out of a resumed run, and ``Recorder(skip_indices=...)`` drops those rows from the batches it is given.
+Each skip is a line of ``out_dir/skips.jsonl`` (:mod:`reprokit.skip_journal`); ``reprokit.skip_list(out_dir)``
+gives the dataset indices to keep out of a resumed run, and ``Recorder(skip_indices=...)`` drops those rows from the
+batches it is given.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
-import os
 import sys
 import warnings
 from collections import deque
@@ -53,9 +52,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reprokit._version import __version__
-from reprokit.bundle import jsonable
-from reprokit.errors import ConfigError, RecorderWarning, ReprokitError
+from reprokit.errors import ConfigError, RecorderWarning
 from reprokit.signature import DEATHS, Failure, FailureKind
+from reprokit.skip_journal import JOURNAL, JOURNAL_FORMAT, JOURNAL_VERSION, append_entry
 
 if TYPE_CHECKING:
     from reprokit.distributed.team import Team
@@ -64,10 +63,6 @@ if TYPE_CHECKING:
 
 ON_FAILURE = ("raise", "skip")
 """What a Recorder does when a step fails: raise (write the bundle and stop), or try to skip the proven culprits."""
-JOURNAL = "skips.jsonl"
-"""The journal of skips, in ``out_dir``: one JSON object per line."""
-JOURNAL_FORMAT = "reprokit-skip"
-JOURNAL_VERSION = 1
 GUIDE = "docs/guide/skip-bad-samples.md"
 CAUGHT_BY_THE_CALLER = ("the exception was handed to end_step(exc=...): the framework's loop it came from has already "
                         "ended, so the step cannot go on (only Recorder.step can skip a step that raised)")
@@ -217,6 +212,24 @@ class Skipper:
         except Exception as e:  # a fault of the attempt itself: the run stops as it would have
             return Attempt(False, note=self._no_skip(k, "error", f"the attempt failed: {e!r}", clock))
         return self._skipped(rec, failure, record, bundle, proof, session, clock)
+
+    def decline(self, rec: Recorder, failure: Failure) -> None:
+        """Under torch.distributed, a rank that does not skip (``on_failure="raise"``) says so where ranks that do
+        wait for every rank's word (:meth:`_together`): they stop at once with the reason, rather than after
+        ``incident_wait_s`` of silence (by when the launcher may have ended them). Never raises."""
+        board, info = rec._board, rec.rank
+        if board is None or info is None or board.current is None:
+            return
+        try:
+            from reprokit.distributed.team import Team
+
+            folder = board.path.with_name(f"{info.run_key}.{board.current['number']}.skip")
+            Team(folder, info.rank, list(range(info.world_size)), 0.0).say("ready", {
+                "why": f"rank {info.rank} does not skip failures (its Recorder has on_failure=\"raise\")",
+                "step": failure.step, "start": rec._snapshot.step if rec._snapshot else None,
+                "kind": FailureKind(failure.kind).value})
+        except Exception as e:
+            _warn(f"reprokit: cannot tell the other ranks that rank {info.rank} does not skip ({e!r})")
 
     def _attempt(self, rec: Recorder, failure: Failure, record: Any, bundle: Path | None,
                  clock: Clock) -> tuple[Proof, LiveSession]:
@@ -370,95 +383,6 @@ def _warn(message: str) -> None:
         warnings.warn(message, RecorderWarning, stacklevel=4)
     except Exception:  # warnings turned into errors: never raise into the training loop
         print(message, file=sys.stderr)
-
-
-# --- the journal ------------------------------------------------------------------------------
-
-
-def append_entry(path: Path, entry: dict[str, Any]) -> None:
-    """Append one JSON line to the journal, in one ``write`` on a file opened for appending, then fsync: a line is
-    whole or absent (a crash mid-write leaves at most a last line without its newline, which readers skip)."""
-    line = (json.dumps(jsonable(entry), sort_keys=True) + "\n").encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        view = memoryview(line)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def journal_path(where: str | os.PathLike[str]) -> Path:
-    """The journal of ``where``: an ``out_dir`` (its ``skips.jsonl``) or the journal file itself."""
-    p = Path(where)
-    return p / JOURNAL if p.is_dir() else p
-
-
-def read_journal(where: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every skip in the journal of ``where`` (an ``out_dir`` or its ``skips.jsonl``), oldest first; an empty list
-    when there is none. A last line without its newline (a write cut short) is left out.
-
-    Raises:
-        ReprokitError: a complete line is not a journal entry (the file was edited or is not a journal).
-    """
-    path = journal_path(where)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    lines = text.split("\n")
-    entries = []
-    for number, line in enumerate(lines[:-1], 1):  # the part after the last newline is empty, or cut short
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            entry = None
-        if not isinstance(entry, dict) or entry.get("format") != JOURNAL_FORMAT or not isinstance(entry.get("step"), int):
-            raise ReprokitError(f"{path}:{number} is not a reprokit skip entry; the journal was edited or is another "
-                                "file. Fix or remove that line.")
-        entries.append(entry)
-    return entries
-
-
-def skip_list(out_dir: str | os.PathLike[str]) -> list[Any]:
-    """The dataset indices a run with ``on_failure="skip"`` skipped, from its journal (``out_dir/skips.jsonl``):
-    sorted, each once. Give them to a run resumed from a checkpoint, so that it never meets those samples again,
-    either as ``Recorder(skip_indices=...)`` (it drops their rows from the batches it is given) or to your sampler.
-
-    A skip whose batch carried no dataset index leaf has no index to return: a warning says how many.
-
-    Example:
-        >>> bad = set(reprokit.skip_list("repros"))                                  # doctest: +SKIP
-        >>> sampler = [i for i in range(len(dataset)) if i not in bad]              # doctest: +SKIP
-    """
-    entries = read_journal(out_dir)
-    found: set[Any] = set()
-    unnamed = []
-    for e in entries:
-        indices = e.get("dataset_indices")
-        if indices is None:
-            unnamed.append(e["step"])
-        else:
-            found.update(indices)
-    if unnamed:
-        warnings.warn(f"reprokit: the skips at steps {unnamed} name no dataset index (their batches carried none), "
-                      "so skip_list cannot return them; `reprokit inspect OUT_DIR` shows their rows", RecorderWarning,
-                      stacklevel=2)
-    return sorted(found, key=lambda v: (isinstance(v, str), v))
-
-
-def describe_skips(where: str | os.PathLike[str]) -> dict[str, Any]:
-    """What ``reprokit inspect OUT_DIR`` reports of a run's skips: the journal and each entry."""
-    path = journal_path(where)
-    entries = read_journal(path)
-    return {"journal": str(path), "skips": entries, "count": len(entries),
-            "dataset_indices": sorted({i for e in entries for i in (e.get("dataset_indices") or [])},
-                                      key=lambda v: (isinstance(v, str), v)),
-            "seconds_lost": round(sum(float(e.get("seconds_lost") or 0) for e in entries), 3)}
 
 
 def as_indices(values: Iterable[Any] | torch.Tensor | None) -> frozenset[Any]:

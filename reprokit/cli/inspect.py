@@ -71,7 +71,7 @@ def _is_incident(path: Path) -> bool:
 
 def _is_skips(path: Path) -> bool:
     """A run's journal of skipped samples, or an out_dir (not a bundle) that holds one."""
-    from reprokit.skip import JOURNAL
+    from reprokit.skip_journal import JOURNAL
 
     if path.is_file():
         return path.name == JOURNAL
@@ -81,7 +81,7 @@ def _is_skips(path: Path) -> bool:
 def _inspect_skips(where: Path, plot: Path | None, show_batch: bool, as_json: bool) -> None:
     """``inspect`` of an out_dir that holds a journal of skips (or of the journal): each skip and its evidence."""
     from reprokit.report import format_skips
-    from reprokit.skip import describe_skips
+    from reprokit.skip_journal import describe_skips
 
     if plot is not None or show_batch:
         raise click.UsageError(f"--plot and --batch show one bundle; {where} holds a run's skips: pass one of the "

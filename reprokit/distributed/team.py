@@ -79,6 +79,12 @@ class Team:
         self._write(self._name(tag, self.rank), value)
         return {r: self._wait(self._name(tag, r), f"rank {r}") for r in self.ranks}
 
+    def say(self, tag: str, value: Any) -> None:
+        """This rank's part of the next :meth:`exchange` under ``tag``, without waiting for the others' (a rank that
+        takes no further part: the others read what it said instead of waiting for it)."""
+        self._seq += 1
+        self._write(self._name(tag, self.rank), value)
+
     def post(self, tag: str, value: Any) -> None:
         """The leader of a phase posts ``value``; :meth:`read` on the other ranks returns it."""
         self._seq += 1

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import reprokit
 from reprokit.cli import main
 from reprokit.errors import ReprokitError
-from reprokit.skip import JOURNAL, read_journal
+from reprokit.skip_journal import JOURNAL, read_journal
 
 STEPS = 160
 POISON_STEPS = (40, 130)

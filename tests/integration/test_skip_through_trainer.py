@@ -15,7 +15,7 @@ from transformers import Trainer, TrainingArguments
 
 import reprokit
 from reprokit.integrations.transformers import ReprokitCallback
-from reprokit.skip import read_journal
+from reprokit.skip_journal import read_journal
 
 pytestmark = pytest.mark.slow
 

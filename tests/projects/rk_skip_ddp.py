@@ -1,12 +1,14 @@
 """DDP on two CPU ranks (gloo) for ``on_failure="skip"``: rank 1's data holds one poisoned sample. ``skip`` trains
 under a Recorder that skips it; ``clean`` trains the same batches without a Recorder, that sample left out of its
-batch; ``rank0-raises`` skips on rank 1 only (rank 0 records with ``on_failure="raise"``). Each rank that finishes
-writes its final model, optimizer and RNG state to ``OUT/final-rank<k>.safetensors``."""
+batch; ``rank0-raises`` skips on rank 1 only (rank 0 records with ``on_failure="raise"``, and stays up after its
+failure until the launcher ends it). Each rank that finishes writes its final model, optimizer and RNG state to
+``OUT/final-rank<k>.safetensors``."""
 
 from __future__ import annotations
 
 import datetime
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,8 +69,15 @@ def main(out_dir: str, mode: str) -> None:
         on_failure = "raise" if mode == "rank0-raises" and rank == 0 else "skip"
         rec = reprokit.Recorder(state, train_step, build=build, config={}, out_dir=out_dir, snapshot_every=10,
                                 incident_wait_s=60 if mode == "skip" else 5, on_failure=on_failure)
-        for batch in batches(rank):
-            rec.step(batch)
+        try:
+            for batch in batches(rank):
+                rec.step(batch)
+        except reprokit.TrainingFailure:
+            if mode == "rank0-raises" and rank == 0:
+                # Stay up (the launcher ends every rank when one exits with an error): what rank 1 says is seen,
+                # however long it takes to come to its decision.
+                time.sleep(120)
+            raise
         rec.close()
     else:
         for batch in batches(rank, drop={poisoned_index()}):

@@ -52,3 +52,9 @@ def test_a_rank_that_never_answers_ends_the_wait(tmp_path):
     assert team.gather("ready", {"why": None}) is None
     with pytest.raises(TeamLost, match="rank 1 did not answer within 0 s"):
         team.exchange("next", 1)
+
+
+def test_a_rank_that_says_and_leaves_is_read_without_waiting(tmp_path):
+    Team(tmp_path, 0, [0, 1], timeout_s=0).say("ready", {"why": "rank 0 does not skip"})
+    waiting = Team(tmp_path, 1, [0, 1], timeout_s=30)
+    assert waiting.gather("ready", {"why": None}) == {0: {"why": "rank 0 does not skip"}, 1: {"why": None}}
