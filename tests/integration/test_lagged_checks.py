@@ -55,7 +55,6 @@ def test_a_nan_at_step_k_is_attributed_to_step_k_whatever_the_lag(projects, tmp_
     assert rec.stats()["lag_max"] <= MAX_LAG
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("lag", [2, MAX_LAG])
 def test_a_lagged_bundle_replays_at_the_failing_step_bit_exact(projects, tmp_path, lag):
     mlp = projects("rk_mlp")
