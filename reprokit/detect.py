@@ -266,8 +266,14 @@ class Monitor:
             return
         with torch.no_grad():
             norm = global_norm(params)
-            # The same promotion as _read's: a float32 value beside the float64 norm, one transfer.
-            torch.cat([norm.new_zeros(1, dtype=torch.float32), norm.reshape(1)]).tolist()
+            # The same promotion and copy as _measure's: a float32 value beside the float64 norm, into a pinned
+            # buffer of the check queue (kept for the first step), then waited for, once.
+            values = torch.cat([norm.new_zeros(1, dtype=torch.float32), norm.reshape(1)])
+            host, event = self.checks.reserve(values.device)
+            host[:2].copy_(values, non_blocking=True)
+            event.record(torch.cuda.current_stream(values.device))
+            event.synchronize()
+            self.checks.values(Reading(-1, host, (True, True, False, False), event=event, device=values.device))
 
     def _join(self) -> None:
         """Make the training stream wait for the norms queued aside (a device-side wait, not a sync)."""

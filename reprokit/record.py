@@ -209,7 +209,8 @@ class Recorder:
         out_dir: where bundles are written.
         snapshot_every: steps between full-state snapshots; a bundle holds at most
             this many steps.
-        detect: extra predicates ``fn(step, loss, state) -> bool | str``; truthy fails.
+        detect: extra predicates ``fn(step, loss, state) -> bool | str``; truthy fails. Judged at their step's
+            end (one wait for the device per step), unless marked :func:`reprokit.detect.lagged` (see ``max_lag``).
         check_grads / check_params / scaler_patience / spike_factor / spike_window:
             see :class:`reprokit.detect.DetectSettings`.
         loss_history: how many recent (step, loss) pairs to keep for ``inspect``.
@@ -537,7 +538,10 @@ class Recorder:
 
         Raises:
             Exception: the step's own exception, unchanged (a note names the bundle).
-            TrainingFailure: when a detector fires; ``.bundle`` is the bundle path.
+            TrainingFailure: when a detector fires; ``.bundle`` is the bundle path. Checks are judged once their
+                values reach the host (see ``max_lag``), so it may be an earlier step's failure:
+                ``.failure.step`` is the step that failed, ``.detected_lag`` how many steps later it was seen (and
+                when it is seen before this step starts, this step's batch is not run).
         """
         record = self._begin_step(batch)
         result = self.monitor.run(self.train_step, batch, self.step_index, after=self._locked_after_step)
