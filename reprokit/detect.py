@@ -78,6 +78,7 @@ def is_lagged(fn: Predicate) -> bool:
     """Whether ``fn`` was marked with :func:`lagged`."""
     return bool(getattr(fn, LAGGED, False))
 
+
 _RUNNING: ContextVar[tuple[int, bool] | None] = ContextVar("reprokit_running_step", default=None)
 
 

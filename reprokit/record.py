@@ -1298,8 +1298,8 @@ class Recorder:
     def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None,
                  lag: int = 0) -> dict[str, Any]:
         ring = self._ring if ring is None else ring
-        # Steps that ran after the failing one (while its check was on its way) are in no window: nor in the history.
-        last = failure.step if lag else None
+        # Steps after this rank's failing one (run while its check was on its way) are in no window, nor in the history.
+        last = None if failure.kind == FailureKind.PEER else failure.step
         return {
             **self._run_base(),
             "window": {"start": snap.step, "end": ring[-1].step if ring else failure.step,
