@@ -155,11 +155,21 @@ class _Step:
     """Host bytes held outside the batch-buffer pool (RNG states, numpy leaves)."""
     loss: float | None = None
     grad_norm: float | None = None
+    landed: tuple[Any, ...] = ()
+    """CUDA events recorded after this step's batch copies to the host (none for a CPU batch)."""
 
     def record(self) -> StepRecord:
         rng_tree, rng_tensors = encode_rng(self.rng)
         return StepRecord(self.step, self.batch, {**self.tensors, **rng_tensors}, rng_tree, self.loss,
                             self.grad_norm)
+
+
+def _copies_landed(r: _Step) -> bool:
+    """Whether step ``r``'s batch is on the host: its copies' events have completed, or it had no GPU tensor (a GPU
+    tensor's buffer is pinned, and is filled by copies queued once the step function returns)."""
+    if r.landed:
+        return all(e.query() for e in r.landed)
+    return not any(t.is_pinned() for t in r.tensors.values())
 
 
 @dataclass
@@ -829,14 +839,19 @@ class Recorder:
                     stream = self._copy_streams.get(device)
                     if stream is None:
                         stream = self._copy_streams[device] = torch.cuda.Stream(device=device)
-                        self._landed[device] = torch.cuda.Event()
                     # Staged at step start on the training stream: the side stream waits for all of it (the wait
                     # covers the step too, which is harmless: the copy is needed only at dump time).
                     stream.wait_stream(torch.cuda.current_stream(device))
                     with torch.cuda.stream(stream):
                         for stage, slot in copies:
                             slot.copy_(stage, non_blocking=True)
-                    self._landed[device].record(stream)
+                    # A fresh event per step, kept with the step's record: a bundle whose failure was seen steps
+                    # later waits for its own window's copies only (see _dump).
+                    landed = self._landed[device] = torch.cuda.Event()
+                    landed.record(stream)
+                now = self._ring[-1] if self._ring and self._ring[-1].step == self.step_index else None
+                if now is not None:
+                    now.landed = tuple(self._landed[d] for d in by_device)
                 later, self._flight_later = self._flight_later, None
                 if later is not None and self._flight is not None:
                     k, position, rec = later
@@ -1076,7 +1091,7 @@ class Recorder:
             self._warn("", f"reprokit: incident {doc['incident']}: ranks {missing} did not write their window within "
                            f"{self.incident_wait_s:.0f} s")
         if self.on_incident == "abort":
-            self._abort_with_peers(doc)
+            self._abort_with_peers(doc, lag)
         return path
 
     def _on_incident(self, doc: dict[str, Any]) -> None:
@@ -1145,12 +1160,13 @@ class Recorder:
                 f"on_incident=\"wait\" keeps it waiting). Every rank's window: "
                 f"`reprokit replay {shlex.quote(str(incident))}`")
 
-    def _abort_with_peers(self, doc: dict[str, Any]) -> None:
+    def _abort_with_peers(self, doc: dict[str, Any], lag: int = 0) -> None:
         """Main thread, this rank failed itself (``on_incident="abort"``): when a peer aborts, abort this rank's
         process group too, before its own error is raised, so that its exit path (``dist.destroy_process_group()``
         under NCCL, a ``dist.barrier()``) does not wait for peers that are gone. Not under gloo, whose abort does not
         interrupt a blocked call (the peers' processes ending does); not when every rank failed itself (a loop that
-        catches the failure may go on)."""
+        catches the failure may go on), unless this rank saw its failure ``lag`` steps late: it has queued the
+        collectives of the steps after it, which peers that stopped sooner never join."""
         board, info = self._board, self.rank
         assert board is not None and info is not None
         if not fail_fast.abort_interrupts(info.backend):
@@ -1162,7 +1178,9 @@ class Recorder:
             if "abort" in outcomes or time.monotonic() >= deadline:
                 break
             if all(o == "failed" for o in outcomes):
-                return
+                if not lag:
+                    return
+                break
             time.sleep(0.02)
         self._aborted = {**doc, "missing": []}
         why = fail_fast.abort_process_group()
@@ -1204,6 +1222,13 @@ class Recorder:
             try:
                 if from_watcher:
                     ring = self._landed_window()  # the main thread may be stuck in a collective: never synchronize
+                elif lag:
+                    # Steps after the failing one are queued behind it, and under a process group may never finish
+                    # (a peer that saw its failure sooner stopped joining collectives): wait for the window only.
+                    ring = [r for r in ring if r.step <= failure.step]
+                    for event in ring[-1].landed if ring else ():
+                        event.synchronize()
+                    self._engine.wait()
                 else:
                     for device in cuda_devices(self._devices(), torch.cuda.current_device()):
                         torch.cuda.synchronize(device)  # copies in flight must land before we read
@@ -1252,14 +1277,14 @@ class Recorder:
             yield stream.device
 
     def _landed_window(self) -> list[_Step]:
-        """The window without its last step when that step's GPU batch copies have not landed (they wait behind the
-        step's kernels, which a rank blocked in a collective never finishes); empty when the snapshot copy has
-        not landed either."""
+        """The window without its last steps whose GPU batch copies have not landed (they wait behind the steps'
+        kernels, which a rank blocked in a collective never finishes; with lagged checks the host may have queued
+        several); empty when the snapshot copy has not landed either."""
         if not self._engine.copies_landed():
             return []
         ring = list(self._ring)
-        if ring and any(not e.query() for e in self._landed.values()):
-            ring = ring[:-1]
+        while ring and not _copies_landed(ring[-1]):
+            ring.pop()
         return ring
 
     def _write(self, w: BundleWriter, failure: Failure, ring: list[_Step] | None = None,
