@@ -134,6 +134,8 @@ class Monitor:
         self._sharded = False
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         self._unjoined: list[torch.cuda.Stream] = []
+        self._held: list[Any] = []
+        """What the norms queued aside read, kept alive until the training stream waits for them (see _norm_aside)."""
         """Side streams with a norm queued that the training stream has not waited for yet."""
         self._hooks: tuple[Any, Any] | None = None
         self._hook_warned = False
@@ -232,8 +234,11 @@ class Monitor:
         The side stream starts after everything queued so far (backward, clipping,
         unscaling); the training stream goes on to queue the optimizer step, which reads the
         gradients too, and waits for the side stream in the optimizer's post-hook, before
-        anything after the step could write or free them. ``record_stream`` covers an
-        optimizer that frees gradients inside its own step. CPU gradients, gradients on
+        anything after the step could write or free them. The gradients (and the overflow flag) are held here until
+        that wait, which covers an optimizer that frees gradients inside its own step: their memory cannot go back to
+        the training stream's pool before the training stream waits for the norm. (``record_stream`` did this before,
+        at a host cost per gradient and per later allocation: it makes the caching allocator record an event for
+        every gradient freed and poll them on each allocation until the side stream passes.) CPU gradients, gradients on
         several devices and steps under CUDA-graph capture take the norm in line. A
         GradScaler's overflow flag is applied on the side stream too (the training stream
         must not read the norm before the post-hook's wait).
@@ -248,11 +253,7 @@ class Monitor:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             norm = _amp_adjusted(_norm_of_groups(grads), None, found_inf)
-        for gs in grads:
-            for g in gs:
-                g.record_stream(side)
-        if found_inf is not None and found_inf.is_cuda:
-            found_inf.record_stream(side)
+        self._held.append((grads, found_inf))
         self._unjoined.append(side)
         return norm
 
@@ -277,10 +278,12 @@ class Monitor:
             self.checks.values(Reading(-1, host, (True, True, False, False), event=event, device=values.device))
 
     def _join(self) -> None:
-        """Make the training stream wait for the norms queued aside (a device-side wait, not a sync)."""
+        """Make the training stream wait for the norms queued aside (a device-side wait, not a sync); the tensors they
+        read may be freed from then on (their memory is reused in stream order, after the wait)."""
         for side in self._unjoined:
             torch.cuda.current_stream(side.device).wait_stream(side)
         self._unjoined.clear()
+        self._held.clear()
 
     def run(self, step_fn: Callable[[TrainState, Any], Any], batch: Any, step: int,
             after: Callable[[], None] | None = None) -> StepResult:

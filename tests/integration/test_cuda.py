@@ -457,7 +457,7 @@ def test_gradients_an_optimizer_frees_in_its_step_are_not_reused_under_the_norm_
     """An optimizer that frees the gradients inside its own step, after which the training stream allocates the same
     sizes and fills them with NaN (correct code on one stream). The norm aside is held back by a GPU sleep, so it
     runs after that fill, and the training stream waits for it only in the post-hook: the memory it reads must not
-    have been handed out again (``record_stream`` on each gradient tells the allocator the side stream uses it)."""
+    have been handed out again (the monitor holds the gradients until the training stream waits for the norm)."""
     from reprokit.detect import DetectSettings, Monitor, global_norm
 
     junk: list[torch.Tensor] = []
