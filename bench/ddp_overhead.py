@@ -8,7 +8,9 @@ It starts itself under ``torch.distributed.run`` (one process per GPU, or two on
 DDP step and the step through ``Recorder.step`` in short interleaved blocks (10 steps; the order rotates every
 round), so drift hits both alike; "bare (A/A)" is the bare step timed as if it were a variant: the noise floor. A
 step's time includes ``loss.item()``, as real loops do, and the all-reduce, so a slow rank slows every rank. Then
-rank 1 feeds a NaN: each rank's time to write its window into the incident folder is reported.
+the loop shapes (``--loops``, default 50,10,1): blocks of ``--loop-block`` steps with one synchronize at the end and
+the loss read every N steps, so the host queues steps ahead of the device as real loops let it; bare and recorder
+alternate. Then rank 1 feeds a NaN: each rank's time to write its window into the incident folder is reported.
 """
 
 from __future__ import annotations
@@ -94,6 +96,26 @@ def rank_main(args: argparse.Namespace) -> None:
                 r.detach()
         return times
 
+    def loop_block(recorded: bool, n: int, every: int) -> float:
+        """ms/step of ``n`` steps with one synchronize at the end and the loss read every ``every`` steps."""
+        if recorded:
+            rec.attach()
+        try:
+            bs = [batch() for _ in range(n)]
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i, b in enumerate(bs):
+                loss = rec.step(b) if recorded else train_step(state, b)
+                if (i + 1) % every == 0:
+                    loss.item()
+            if cuda:
+                torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / n * 1e3
+        finally:
+            if recorded:
+                rec.detach()
+
     steps, rounds = (2, 2) if args.quick else (args.block, args.rounds)
     for name in ("bare", *recs):
         block(name, 3 if args.quick else 110)  # warm-up, the recorder's ring and first snapshot included
@@ -115,6 +137,24 @@ def rank_main(args: argparse.Namespace) -> None:
             half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
             row["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
         table[v] = row
+    loops: dict[str, dict] = {}
+    n_loop, loop_rounds = (4, 1) if args.quick else (args.loop_block, args.loop_rounds)
+    for every in [int(x) for x in args.loops.split(",") if x]:
+        loop_block(False, n_loop, every)  # warm-up, both ways
+        loop_block(True, n_loop, every)
+        pairs = []
+        for i in range(loop_rounds):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            t = {recorded: loop_block(recorded, n_loop, every) for recorded in order}
+            pairs.append((t[False], t[True]))
+        r = [b / a for a, b in pairs]
+        row = {"bare_ms": statistics.mean(a for a, _ in pairs), "recorder_ms": statistics.mean(b for _, b in pairs),
+               "steps": n_loop * loop_rounds}
+        row["ratio"] = row["recorder_ms"] / row["bare_ms"]
+        if len(r) > 1:
+            half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
+            row["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
+        loops[f"loop/{every}"] = row
     # The incident: rank 1 feeds a NaN; every rank writes its window. Time each rank's own write.
     rec.attach()
     spent: dict[str, float] = {}
@@ -137,6 +177,7 @@ def rank_main(args: argparse.Namespace) -> None:
                 saved = emb[nan_batch["idx"][0, 0]].clone()
                 emb[nan_batch["idx"][0, 0]] = float("nan")
         rec.step(nan_batch)
+        rec.wait_for_checks()  # its check may still be on its way (checks lag): judge it now
     except reprokit.TrainingFailure as e:
         failed = e.failure.kind
     finally:
@@ -146,7 +187,7 @@ def rank_main(args: argparse.Namespace) -> None:
     incident_s = time.perf_counter() - t0
     bundle = rec.bundles[-1] if rec.bundles else None
     size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file()) if bundle else 0
-    doc = {"rank": rank, "world_size": world, "variants": table, "failure": failed,
+    doc = {"rank": rank, "world_size": world, "variants": table, "loop_shapes": loops, "failure": failed,
            "dump_s": spent.get("dump_s"), "incident_step_s": incident_s, "bundle_bytes": size,
            "recorder_memory": rec.stats(),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "config": cfg}
@@ -162,6 +203,11 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=10, help="steps per block")
     ap.add_argument("--rounds", type=int, default=40, help="rounds of one block per variant")
     ap.add_argument("--variants", default="", help=f"also time recorders with one part off: {', '.join(EXTRA)}")
+    ap.add_argument("--loops", default="50,10,1",
+                    help="loop shapes: read the loss every N steps, one synchronize per block (comma-separated; '' for "
+                         "none)")
+    ap.add_argument("--loop-block", type=int, default=100, help="steps per block of the loop shapes")
+    ap.add_argument("--loop-rounds", type=int, default=6, help="rounds of the loop shapes, bare and recorder each")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--save", default=None, help="folder to write ddp_overhead_<device>_<commit>.json into")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -176,7 +222,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                "127.0.0.1", "--master_port", str(_free_port()), __file__, "--out", str(Path(tmp) / "repros"),
                "--report", tmp, "--block", str(args.block), "--rounds", str(args.rounds),
-               "--variants", args.variants] + (["--quick"] if args.quick else [])
+               "--variants", args.variants, "--loops", args.loops, "--loop-block", str(args.loop_block),
+               "--loop-rounds", str(args.loop_rounds)] + (["--quick"] if args.quick else [])
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         ranks = []
@@ -188,7 +235,9 @@ def main() -> None:
     report = {"benchmark": "ddp_overhead", "commit": _commit(), "device": ranks[0]["device"], "torch": torch.__version__,
               "world_size": nproc, "config": ranks[0]["config"], "ranks": ranks,
               "ratio_recorder": max(r["variants"]["recorder"]["ratio"] for r in ranks),
-              "ratio_aa": max(r["variants"]["bare (A/A)"]["ratio"] for r in ranks)}
+              "ratio_aa": max(r["variants"]["bare (A/A)"]["ratio"] for r in ranks),
+              "ratio_loops": {name: max(r["loop_shapes"][name]["ratio"] for r in ranks)
+                              for name in ranks[0]["loop_shapes"]}}
     if args.save:
         name = "cpu" if report["device"] == "cpu" else report["device"].split()[1].lower()
         path = Path(args.save) / f"ddp_overhead-{name}x{nproc}-{report['commit']}.json"
@@ -204,6 +253,13 @@ def main() -> None:
         for name, v in r["variants"].items():
             ci = "[{:.3f}, {:.3f}]".format(*v["ratio_ci95"]) if "ratio_ci95" in v else ""
             print(f"{r['rank']:>4} {name:<24}{v['mean_ms']:>10.2f}{v['median_ms']:>11.2f}{v['ratio']:>8.3f}{ci:>24}")
+    if report["ratio_loops"]:
+        print("loop shapes (one synchronize per block, the loss read every N steps):")
+        print(f"{'rank':>4} {'loop':<24}{'bare ms':>10}{'rec. ms':>11}{'x bare':>8}{'95% CI (paired rounds)':>24}")
+        for r in ranks:
+            for name, v in r["loop_shapes"].items():
+                ci = "[{:.3f}, {:.3f}]".format(*v["ratio_ci95"]) if "ratio_ci95" in v else ""
+                print(f"{r['rank']:>4} {name:<24}{v['bare_ms']:>10.2f}{v['recorder_ms']:>11.2f}{v['ratio']:>8.3f}{ci:>24}")
     for r in ranks:
         dump = f"{r['dump_s']:.2f} s" if r["dump_s"] is not None else "no bundle"
         print(f"rank {r['rank']}: failure {r['failure']}, own window written in {dump} "

@@ -16,6 +16,13 @@ detect_anomaly;
 transformers' DebugUnderflowOverflow (when importable). Every step reads the
 loss with .item(), as real loops do. Snapshot cost is compared with the copy
 limit measured in the same run: state bytes / pinned device-to-host bandwidth.
+
+That table synchronizes around every step, which hides what a recorder costs a loop
+that lets the host queue the next steps while the device runs (torchtitan reads the
+loss every 10 steps, Megatron every 100). The loop-shape table ("loop/50", "loop/10",
+"loop/1") times exactly that: blocks of --loop-block steps (default 100) with one
+synchronize at the block's end and the loss read (``.item()``) every 50, 10 or 1
+steps, bare loop and recorder (defaults) alternating, the order rotating each round.
 """
 
 from __future__ import annotations
@@ -92,13 +99,73 @@ def d2h_bandwidth(nbytes: int) -> float:
     return nbytes / best
 
 
+LOOPS = {"loop/50": 50, "loop/10": 10, "loop/1": 1}
+"""Loop shapes: the loss is read (``.item()``, the loop's only sync) every this many steps."""
+
+
+def loop_shapes(names: list[str], rec, state, cfg: dict, g, device: str, args) -> dict:
+    """Bare loop vs ``rec`` in loops that let the host run ahead: per shape, ms/step over blocks with one synchronize
+    at each block's end and the loss read every N steps; the ratio with a 95% interval over paired rounds."""
+    if not names:
+        return {}
+    n = args.loop_block or (4 if args.quick else 100)
+    rounds = args.loop_rounds or (1 if args.quick else 6)
+
+    def block(recorded: bool, every: int) -> float:
+        if recorded:
+            rec.attach()
+        try:
+            batches = [make_batch(cfg, g) for _ in range(n)]  # made before the clock starts, as a loader's are
+            sync(device)
+            t0 = time.perf_counter()
+            for i, batch in enumerate(batches):
+                loss = rec.step(batch) if recorded else train_step(state, batch)
+                if (i + 1) % every == 0:
+                    loss.item()
+            sync(device)
+            return (time.perf_counter() - t0) / n
+        finally:
+            if recorded:
+                rec.detach()
+
+    before = rec.monitor.checks.stats()
+    table: dict = {}
+    for name in names:
+        every = LOOPS[name]
+        block(False, every)  # warm-up: this shape's pace, both ways
+        block(True, every)
+        pairs = []
+        for i in range(rounds):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            t = {recorded: block(recorded, every) for recorded in order}
+            pairs.append((t[False], t[True]))
+        bare = statistics.mean(b for b, _ in pairs)
+        recorded = statistics.mean(r for _, r in pairs)
+        row = {"every": every, "bare_ms": bare * 1e3, "recorder_ms": recorded * 1e3, "ratio": recorded / bare,
+               "steps": n * rounds}
+        r = [b / a for a, b in pairs]
+        if len(r) > 1:
+            half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
+            row["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
+        table[name] = row
+    after = rec.monitor.checks.stats()
+    lag = {"lag_max": after["lag_max"], "lag_mean": after["lag_mean"],
+           "lag_waits": after["lag_waits"] - before["lag_waits"]}
+    return {"block": n, "rounds": rounds, "shapes": table, "detection_lag": lag}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, few steps (smoke run)")
     ap.add_argument("--block", type=int, default=None, help="steps per block (default 10, quick 2)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds of one block per variant, order rotated each round (default 80, quick 2)")
-    ap.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
+    ap.add_argument("--only", default=None, help="comma-separated variants to time (default: all); the loop shapes "
+                    "are loop/50, loop/10, loop/1")
+    ap.add_argument("--loop-block", type=int, default=None,
+                    help="steps per block of the loop-shape table (default 100, quick 4)")
+    ap.add_argument("--loop-rounds", type=int, default=None,
+                    help="rounds of the loop-shape table, one block each of bare and recorder (default 6, quick 1)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
@@ -168,7 +235,7 @@ def main() -> None:
     spent: dict[str, float] = {}
     inst = recs["instrumented"]
     for obj, name in ((inst, "_record_step_start"), (inst, "_take_snapshot"), (inst, "_after_step"),
-                      (inst.monitor, "_read"), (inst.monitor, "_check"), (inst.monitor, "_on_optimizer_step")):
+                      (inst.monitor, "_measure"), (inst.monitor, "_check"), (inst.monitor, "_on_optimizer_step")):
         timed(spent, obj, name)
 
     # Warm up: kernels, the caching allocators, and each recorder's pinned snapshot buffers.
@@ -178,8 +245,10 @@ def main() -> None:
     variants = ["bare", "recorder", "recorder+durable", "recorder+checks", "recorder-no-grad-check",
                 "recorder-no-snapshot", "detection-only",
                 "experiment:fused-finite-check", "bare (A/A)"]
+    loops = list(LOOPS)
     if args.only:
         variants = ["bare"] + [v for v in args.only.split(",") if v in variants and v != "bare"]
+        loops = [v for v in args.only.split(",") if v in LOOPS]
     warm = [name for name in recs if name in variants or name in ("recorder", "instrumented")]
     warm_start = time.perf_counter()
     for name in warm:
@@ -207,6 +276,8 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
         results["detect_anomaly"] = run_block("detect_anomaly", slow_steps)
+
+    loop_table = loop_shapes(loops, recs["recorder"], state, cfg, g, device, args)
 
     # Snapshot cost against the copy limit measured now.
     rec = recs["recorder"]
@@ -296,7 +367,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
               "commit": _commit(), "config": cfg, "variants": table, "snapshot": snap, "recorder_host_ms_per_step": breakdown,
               "one_time_warmup_s_all_recorders": warmup_s, "snapshot_step_extra_ms": snapshot_step_extra_ms,
-              "recorder_memory": recs["recorder"].stats()}
+              "recorder_memory": recs["recorder"].stats(), "loop_shapes": loop_table}
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -306,6 +377,15 @@ def main() -> None:
     for name, r in table.items():
         ci = "[{:.3f}, {:.3f}]".format(*r["ratio_ci95"]) if "ratio_ci95" in r else ""
         print(f"{name:<26}{r['mean_ms']:>10.2f}{r['median_ms']:>11.2f}{r['ratio']:>8.3f}{ci:>24}{r['steps']:>7}")
+    if loop_table:
+        print(f"loop shapes (one synchronize per {loop_table['block']}-step block, the loss read every N steps):")
+        print(f"{'loop':<26}{'bare ms':>10}{'rec. ms':>10}{'x bare':>8}{'95% CI (paired rounds)':>24}{'steps':>7}")
+        for name, r in loop_table["shapes"].items():
+            ci = "[{:.3f}, {:.3f}]".format(*r["ratio_ci95"]) if "ratio_ci95" in r else ""
+            print(f"{name:<26}{r['bare_ms']:>10.2f}{r['recorder_ms']:>10.2f}{r['ratio']:>8.3f}{ci:>24}{r['steps']:>7}")
+        lag = loop_table["detection_lag"]
+        print(f"detection lag in the loop shapes: max {lag['lag_max']} steps, mean {lag['lag_mean']:.2f}; the recorder "
+              f"waited {lag['lag_waits']} times (postponed snapshots, checks max_lag old)")
     if "state_bytes" in snap:
         print(f"snapshot: {snap['state_bytes'] / 1e9:.2f} GB, wall {snap['wall_ms']:.1f} ms = "
               f"{snap['wall_over_limit']:.2f}x the copy limit ({snap['copy_limit_ms']:.1f} ms at "

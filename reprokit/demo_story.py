@@ -40,7 +40,7 @@ def run_demo(out: Path, say: Callable[[str], None] = print, config: dict[str, An
     f = failure.failure
     say(f"2. Training died: {f.describe()}.")
     say(f"   The recorder wrote {failure.bundle}")
-    say(f"   (the snapshot at step {f.step - f.step % rec.snapshot_every} plus every batch since).")
+    say(f"   (the snapshot at step {open_bundle(failure.bundle).run['window']['start']} plus every batch since).")
     say("3. Replaying the bundle 3 times from scratch...")
     report = replay(failure.bundle, times=3)
     fid = report.fidelity

@@ -2,8 +2,11 @@
 
 The :class:`Monitor` is shared by the recorder and the replayer so that a
 bundle is judged on replay by exactly the rules that recorded it. Per step it
-adds one host-device sync (reading the loss, grad norm and param norm
-together); everything else stays on the device.
+reduces the loss, grad norm, param norm and the GradScaler's scale into one small
+tensor on the device and copies it to pinned host memory without waiting; the
+detectors judge it once it has landed (:mod:`reprokit.lag`), up to ``max_lag``
+steps later in the recorder, at the step's own end in replay. An exception in
+the step is judged at once (it is the host's own).
 
 On a CUDA device the gradient norm is queued on a side stream when the optimizer
 is about to step, and the training stream waits for it only when the optimizer
@@ -22,7 +25,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
@@ -32,6 +35,7 @@ from reprokit import pytree
 from reprokit.detect_settings import DetectSettings
 from reprokit.device_error import is_sticky
 from reprokit.errors import ConfigError, RecorderWarning
+from reprokit.lag import Checked, CheckQueue, Reading
 from reprokit.signature import Failure, FailureKind, from_exception
 from reprokit.state import TrainState
 
@@ -40,6 +44,41 @@ _SKIPPED = -1.0
 """The grad norm of a step the GradScaler skipped on the device (norms are never negative)."""
 
 Predicate = Callable[[int, "float | None", TrainState], Any]
+
+LAGGED = "__reprokit_lagged__"
+"""The attribute :func:`lagged` sets on a predicate."""
+
+
+def lagged(fn: Predicate) -> Predicate:
+    """Mark a predicate that may be judged up to ``max_lag`` steps after its step, like the built-in checks.
+
+    A predicate ``fn(step, loss, state)`` is called with its step's loss as a float, which is on the host only once
+    the device has finished that step. By default a Recorder given predicates therefore judges every step at its own
+    end (one host wait per step, as before checks lagged), so that ``state`` (``state.extra`` above all) is the state
+    that step left. A predicate marked ``lagged`` reads only ``step`` and ``loss`` (or does not mind that ``state``
+    is the live one, up to ``max_lag`` steps further on): it is judged when its step's check resolves and costs no
+    wait. Replay judges every predicate at its step's end either way.
+
+    Returns ``fn`` itself (so it stays importable by its name, as replay needs).
+
+    Example:
+        >>> @lagged
+        ... def loss_above(step, loss, state):
+        ...     return loss is not None and loss > 1e3
+        >>> is_lagged(loss_above)
+        True
+    """
+    try:
+        setattr(fn, LAGGED, True)
+    except (AttributeError, TypeError) as e:
+        raise ConfigError(f"cannot mark {fn!r} as lagged ({e}); mark a module-level function instead") from None
+    return fn
+
+
+def is_lagged(fn: Predicate) -> bool:
+    """Whether ``fn`` was marked with :func:`lagged`."""
+    return bool(getattr(fn, LAGGED, False))
+
 
 _RUNNING: ContextVar[tuple[int, bool] | None] = ContextVar("reprokit_running_step", default=None)
 
@@ -60,24 +99,46 @@ class StepResult:
     exc: BaseException | None = None
     value: Any = None
     """What the step function returned; a tensor that requires grad comes back detached (see :meth:`Monitor.run`)."""
+    checked: list[Checked] = field(default_factory=list)
+    """Every step whose checks were judged since the last result, oldest first (this step's too when judged now;
+    ``loss`` and ``grad_norm`` above are this step's, None while its check is still on its way)."""
+    lag: int = 0
+    """Steps that ran after the failing step before its failure was seen (0: at its own step's end)."""
+    later: BaseException | None = None
+    """An exception the current step raised after an earlier step's check had fired (seen when it raised)."""
 
 
 class Monitor:
-    """Runs one step under watch. Create one per (state, run); call :meth:`close` after."""
+    """Runs one step under watch. Create one per (state, run); call :meth:`close` after.
 
-    def __init__(self, state: TrainState, settings: DetectSettings, predicates: Sequence[Predicate] = ()):
+    ``max_lag``: how many steps a step's check may be judged after it (see :mod:`reprokit.lag`); 0 judges every
+    step at its own end (replay). Predicates not marked :func:`lagged` judge every step at its own end too.
+    """
+
+    def __init__(self, state: TrainState, settings: DetectSettings, predicates: Sequence[Predicate] = (),
+                 max_lag: int = 0):
         self.state = state
         self.settings = settings
         self.predicates = list(predicates)
+        self.checks = CheckQueue(max_lag)
+        self.noticed: StepResult | None = None
+        """A failure found between steps (:meth:`settle`): the next :meth:`run` returns it without running its step."""
+        self._unreported: list[Checked] = []
+        """Steps judged since the last result was returned (they go into its ``checked``)."""
+        self._host_each_step = any(not is_lagged(fn) for fn in self.predicates)
+        """A predicate reads ``state`` as its step left it: judge every step at its own end."""
         self.history: deque[float] = deque(maxlen=settings.spike_window)
         self.skip_streak = 0
         self.last_scale: float | None = None
         self._norms: list[torch.Tensor] = []
-        self._scale: float | None = None
         self._groups: tuple[int, list[list[torch.Tensor]]] | None = None
         self._sharded = False
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         self._unjoined: list[torch.cuda.Stream] = []
+        self._dead: BaseException | None = None
+        """The sticky device error a lagged read met (see :meth:`_judge`): the failure's exception."""
+        self._held: list[Any] = []
+        """What the norms queued aside read, kept alive until the training stream waits for them (see _norm_aside)."""
         """Side streams with a norm queued that the training stream has not waited for yet."""
         self._hooks: tuple[Any, Any] | None = None
         self._hook_warned = False
@@ -107,6 +168,9 @@ class Monitor:
         return {"history": list(self.history), "skip_streak": self.skip_streak, "last_scale": self.last_scale}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.checks.clear()  # a replay restoring its snapshot: readings of the steps it ran are void
+        self.noticed = None
+        self._unreported = []
         self.history = deque(d.get("history", []), maxlen=self.settings.spike_window)
         self.skip_streak = int(d.get("skip_streak", 0))
         self.last_scale = d.get("last_scale")
@@ -173,8 +237,11 @@ class Monitor:
         The side stream starts after everything queued so far (backward, clipping,
         unscaling); the training stream goes on to queue the optimizer step, which reads the
         gradients too, and waits for the side stream in the optimizer's post-hook, before
-        anything after the step could write or free them. ``record_stream`` covers an
-        optimizer that frees gradients inside its own step. CPU gradients, gradients on
+        anything after the step could write or free them. The gradients (and the overflow flag) are held here until
+        that wait, which covers an optimizer that frees gradients inside its own step: their memory cannot go back to
+        the training stream's pool before the training stream waits for the norm. (``record_stream`` did this before,
+        at a host cost per gradient and per later allocation: it makes the caching allocator record an event for
+        every gradient freed and poll them on each allocation until the side stream passes.) CPU gradients, gradients on
         several devices and steps under CUDA-graph capture take the norm in line. A
         GradScaler's overflow flag is applied on the side stream too (the training stream
         must not read the norm before the post-hook's wait).
@@ -189,11 +256,7 @@ class Monitor:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             norm = _amp_adjusted(_norm_of_groups(grads), None, found_inf)
-        for gs in grads:
-            for g in gs:
-                g.record_stream(side)
-        if found_inf is not None and found_inf.is_cuda:
-            found_inf.record_stream(side)
+        self._held.append((grads, found_inf))
         self._unjoined.append(side)
         return norm
 
@@ -208,14 +271,22 @@ class Monitor:
             return
         with torch.no_grad():
             norm = global_norm(params)
-            # The same promotion as _read's: a float32 value beside the float64 norm, one transfer.
-            torch.cat([norm.new_zeros(1, dtype=torch.float32), norm.reshape(1)]).tolist()
+            # The same promotion and copy as _measure's: a float32 value beside the float64 norm, into a pinned
+            # buffer of the check queue (kept for the first step), then waited for, once.
+            values = torch.cat([norm.new_zeros(1, dtype=torch.float32), norm.reshape(1)])
+            host, event = self.checks.reserve(values.device)
+            host[:2].copy_(values, non_blocking=True)
+            event.record(torch.cuda.current_stream(values.device))
+            event.synchronize()
+            self.checks.values(Reading(-1, host, (True, True, False, False), event=event, device=values.device))
 
     def _join(self) -> None:
-        """Make the training stream wait for the norms queued aside (a device-side wait, not a sync)."""
+        """Make the training stream wait for the norms queued aside (a device-side wait, not a sync); the tensors they
+        read may be freed from then on (their memory is reused in stream order, after the wait)."""
         for side in self._unjoined:
             torch.cuda.current_stream(side.device).wait_stream(side)
         self._unjoined.clear()
+        self._held.clear()
 
     def run(self, step_fn: Callable[[TrainState, Any], Any], batch: Any, step: int,
             after: Callable[[], None] | None = None) -> StepResult:
@@ -228,7 +299,14 @@ class Monitor:
         ``loss.detach()`` here, so that its autograd graph is freed now, while the device is
         still busy, and not when the caller drops it after the loss read: freeing a GPT-2
         graph (~650 nodes) takes ~0.2 ms of host time, all of it on the critical path there.
+
+        When an earlier step's check fired before this one started (:meth:`settle`), the step function is not run:
+        that failure is returned.
         """
+        if self.noticed is not None:
+            if after is not None:
+                after()
+            return self._collect(step=step)
         self.begin()
         token = _RUNNING.set((step, self.replaying))
         try:
@@ -252,13 +330,27 @@ class Monitor:
         self._after_closure = False
 
     def conclude(self, step: int, loss: Any = None, exc: BaseException | None = None) -> StepResult:
-        """Read the step's loss and gradient norms and run the detectors; with ``exc``, the step raised it."""
+        """Queue the step's loss and gradient norms for the host and judge the readings that have landed; with
+        ``exc``, the step raised it.
+
+        The result's ``failure`` is the first step whose check fired, which may be an earlier step's (``lag`` says
+        how many steps ago). An exception is judged at once, after every earlier step (their checks are waited for:
+        a step that fired before it is the failure, and the exception comes back as ``later``).
+        """
+        if self.noticed is not None:  # seen before this step (a framework that ran the step anyway)
+            return self._collect(step=step)
         if exc is not None:
             try:
                 self._join()  # an optimizer step that raised never reached the post-hook
             except Exception:  # a dead device (a sticky error): the step's own exception is what it says
                 self._unjoined.clear()
-            return StepResult(None, None, from_exception(exc, step), exc)
+            # The steps before it are judged first (a host wait): a step that fired before it is the failure, and the
+            # exception comes back as `later`. Not on a dead device: their readings are gone with it.
+            earlier = None if is_sticky(exc) else self._judge(step, wait=True)
+            if earlier is not None:
+                return self._collect(StepResult(None, None, earlier, self._dead, lag=step - earlier.step, later=exc),
+                                     step)
+            return self._collect(StepResult(None, None, from_exception(exc, step), exc), step)
         if isinstance(loss, torch.Tensor):
             if loss.requires_grad:
                 loss = loss.detach()
@@ -266,16 +358,70 @@ class Monitor:
         else:  # a number, a dict / ModelOutput holding the loss, or something the loss checks cannot read
             read = self._loss_in(loss, step)
         try:
-            loss_f, grad_norm, param_norm = self._read(read, step)
+            self.checks.push(self._measure(read, step))
         except Exception as e:  # reprokit's own fault: the run goes on, unchecked for this step, and says so once
             if is_sticky(e):  # the step's kernels killed the device: its error surfaced in this read
-                return StepResult(None, None, from_exception(e, step), e)
-            if not self._hook_warned:
-                self._hook_warned = True
-                warnings.warn(f"reprokit: could not read the loss and norms after step {step}, so that step went "
-                              f"unchecked: {e!r}", RecorderWarning, stacklevel=3)
-            loss_f = grad_norm = param_norm = None
-        return StepResult(loss_f, grad_norm, self._check(step, loss_f, grad_norm, param_norm), value=loss)
+                return self._collect(StepResult(None, None, from_exception(e, step), e), step)
+            self._unchecked(step, e)
+        failure = self._judge(step, wait=self._host_each_step)
+        if failure is not None:
+            return self._collect(StepResult(None, None, failure, self._dead, lag=step - failure.step, value=loss),
+                                 step)
+        return self._collect(StepResult(None, None, None, value=loss), step)
+
+    def settle(self, ran: int, wait: bool = False) -> bool:
+        """Judge the readings that have landed (with ``wait``, every one: a host wait), between steps; ``ran`` is the
+        last step that ran. True when every step so far is judged and none failed; a failure found is kept in
+        :attr:`noticed` (the next :meth:`run` or :meth:`conclude` returns it)."""
+        if self.noticed is None:
+            failure = self._judge(ran, wait=wait)
+            if failure is not None:
+                self.noticed = StepResult(None, None, failure, self._dead, lag=ran - failure.step)
+        return self.noticed is None and not self.checks.pending
+
+    def collect(self) -> StepResult:
+        """What was judged between steps (:meth:`settle`): the failure :attr:`noticed`, or a result without one,
+        with the steps judged."""
+        return self._collect(None if self.noticed is not None else StepResult(None, None, None))
+
+    def _collect(self, result: StepResult | None = None, step: int | None = None) -> StepResult:
+        """``result`` (or the failure :attr:`noticed`) with every step judged since the last one returned; the loss
+        and grad norm of ``step`` when it is among them."""
+        if result is None:
+            result, self.noticed = self.noticed, None
+            assert result is not None
+        result.checked, self._unreported = self._unreported, []
+        for c in reversed(result.checked):
+            if c.step == step:
+                result.loss, result.grad_norm = c.loss, c.grad_norm
+                break
+        return result
+
+    def _judge(self, ran: int, wait: bool) -> Failure | None:
+        """Run the detectors on the readings that are ready, oldest first; the first failure, or None."""
+        try:
+            for reading in self.checks.take(ran, wait=wait):
+                c = self.checks.values(reading)
+                self._unreported.append(c)
+                if c.grad_norm is not None and c.grad_norm == _SKIPPED:
+                    c.grad_norm = None  # the GradScaler skipped the step: its gradients do not count
+                failure = self._check(c.step, c.loss, c.grad_norm, c.param_norm, c.scale)
+                if failure is not None:
+                    self.checks.clear()  # the steps after it are not judged: their window ends at the failure
+                    return failure
+        except Exception as e:
+            if is_sticky(e):  # the device died since: its error surfaced in this read, and it is the failure
+                self._dead = e
+                self.checks.clear()
+                return from_exception(e, ran)
+            self._unchecked(ran, e)  # a reading that cannot be read: that step goes unchecked
+        return None
+
+    def _unchecked(self, step: int, e: Exception) -> None:
+        if not self._hook_warned:
+            self._hook_warned = True
+            warnings.warn(f"reprokit: could not read the loss and norms after step {step}, so that step went "
+                          f"unchecked: {e!r}", RecorderWarning, stacklevel=4)
 
     def _loss_in(self, value: Any, step: int) -> Any:
         """The loss inside what the step returned when it is not a tensor: a number, or the ``"loss"`` entry of a
@@ -301,11 +447,12 @@ class Monitor:
                           "one-element tensor or a number, or a dict / ModelOutput with a 'loss' entry.",
                           RecorderWarning, stacklevel=6)
 
-    def _read(self, loss: Any, step: int = -1) -> tuple[float | None, float | None, float | None]:
-        """Loss, grad norm, param norm and the GradScaler's scale, fetched from the device in one sync.
+    def _measure(self, loss: Any, step: int = -1) -> Reading:
+        """Loss, grad norm, param norm and the GradScaler's scale, on their way to the host without a wait.
 
-        One ``torch.cat`` (it promotes every part to float64) and one transfer: on a GPU the
-        bare loop's ``loss.item()`` becomes a single small kernel plus the same one copy.
+        One ``torch.cat`` (it promotes every part to float64) and, on a GPU, one non-blocking copy into a pinned
+        buffer with an event after it: the bare loop's ``loss.item()`` becomes a single small kernel and a copy that
+        the host never waits for. On the CPU the values are on the host at once.
         """
         self._join()  # normally done in the optimizer post-hook already
         parts: list[torch.Tensor] = []
@@ -326,31 +473,31 @@ class Monitor:
             if params:
                 parts.append(global_norm(params).reshape(1))
                 has_param = True
-        # The GradScaler's scale rides along in the same read (get_scale() would sync a second time).
+        # The GradScaler's scale rides along in the same copy (get_scale() would sync).
         scale_t = getattr(self.state.scaler, "_scale", None) if self.state.scaler_enabled() else None
         dev = parts[0].device if parts else None
         has_scale = isinstance(scale_t, torch.Tensor) and (dev is None or scale_t.device == dev)
         if has_scale:
             parts.append(scale_t.detach().reshape(1))  # type: ignore[union-attr]
             dev = dev or scale_t.device  # type: ignore[union-attr]
-        if parts:
-            if any(p.device != dev for p in parts):
-                parts = [p.to(dev) for p in parts]
-            got = torch.cat([p.to(torch.float64) if not p.is_floating_point() else p for p in parts]).tolist()
-        else:
-            got = []
-        loss_f = got.pop(0) if has_loss else None
-        if loss_f is None and isinstance(loss, (int, float)):
-            loss_f = float(loss)
-        grad_norm = got.pop(0) if has_grad else None
-        if grad_norm is not None and grad_norm == _SKIPPED:
-            grad_norm = None  # the GradScaler skipped the step: its gradients do not count
-        param_norm = got.pop(0) if has_param else None
-        self._scale = got.pop(0) if has_scale else None
-        return loss_f, grad_norm, param_norm
+        number = float(loss) if not has_loss and isinstance(loss, (int, float)) else None
+        layout = (has_loss, has_grad, has_param, has_scale)
+        if not parts:
+            return Reading(step, None, layout, number_loss=number)
+        if any(p.device != dev for p in parts):
+            parts = [p.to(dev) for p in parts]
+        values = torch.cat([p.to(torch.float64) if not p.is_floating_point() else p for p in parts])
+        if values.device.type != "cuda":  # the CPU (or a device without events: read now, as before)
+            return Reading(step, values.to("cpu"), layout, number_loss=number)
+        if values.dtype != torch.float64:
+            values = values.to(torch.float64)
+        host, event = self.checks.reserve(values.device)
+        host[:len(values)].copy_(values, non_blocking=True)
+        event.record(torch.cuda.current_stream(values.device))
+        return Reading(step, host, layout, event=event, number_loss=number, device=values.device)
 
     def _check(self, step: int, loss: float | None, grad_norm: float | None,
-               param_norm: float | None) -> Failure | None:
+               param_norm: float | None, read_scale: float | None = None) -> Failure | None:
         s = self.settings
         if s.check_loss and loss is not None and not _finite(loss):
             return Failure(FailureKind.NONFINITE_LOSS, step, message=f"loss = {loss}")
@@ -359,7 +506,7 @@ class Monitor:
         if param_norm is not None and not _finite(param_norm):
             return Failure(FailureKind.NONFINITE_PARAM, step, message=f"param norm = {param_norm}")
         if self.state.scaler_enabled():
-            scale = self._scale if self._scale is not None else float(self.state.scaler.get_scale())
+            scale = read_scale if read_scale is not None else float(self.state.scaler.get_scale())
             skipped = self.last_scale is not None and scale < self.last_scale
             self.skip_streak = self.skip_streak + 1 if skipped else 0
             self.last_scale = scale

@@ -93,16 +93,22 @@ class TrainingFailure(ReprokitError, RuntimeError):
     """Raised into the training loop when a detector (not an exception) fires.
 
     Attributes:
-        failure: the :class:`reprokit.signature.Failure` that fired.
+        failure: the :class:`reprokit.signature.Failure` that fired; ``failure.step`` is the step whose values
+            fired.
         bundle: path of the bundle written, or ``None`` when writing it failed
             (a warning then says why).
+        detected_lag: how many steps ran after that step before its check was judged (checks lag the step so that
+            the host never waits for the device; see the Recorder's ``max_lag``); 0 when seen at its own end.
     """
 
-    def __init__(self, failure: Any, bundle: Any):
+    def __init__(self, failure: Any, bundle: Any, lag: int = 0):
         where = f"bundle written to {bundle}" if bundle else "no bundle could be written (see the warning above)"
-        super().__init__(f"{failure.describe()}; {where}")
+        seen = f" (seen {lag} step{'s' if lag != 1 else ''} later, after step {failure.step + lag}; the window ends " \
+               f"at step {failure.step})" if lag else ""
+        super().__init__(f"{failure.describe()}{seen}; {where}")
         self.failure = failure
         self.bundle = bundle
+        self.detected_lag = lag
 
 
 class PeerFailure(ReprokitError, RuntimeError):

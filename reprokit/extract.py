@@ -669,7 +669,8 @@ def _write(bundle: Bundle, output: Path, name: str, cls: str, phase: str, spec: 
             state = mod.build(config)
             state.model.load_state_dict(call.params, strict=False)
             rec = reprokit.Recorder(state, mod.train_step, build=mod.build, config=config,
-                                    out_dir=Path(tmp) / "out", snapshot_every=1, check_grads=False)
+                                    out_dir=Path(tmp) / "out", snapshot_every=1, check_grads=False,
+                                    max_lag=0)  # one step, judged at its own end
             rec._refs["objects"] = objects  # the snapshot's classes the config names: vetted before replay imports
             try:
                 rec.step(batch)

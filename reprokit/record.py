@@ -25,6 +25,11 @@ complete. On a sticky error the bundle is written from host memory alone (:meth:
 
 Memory: the snapshot, the batch buffers and the window's RNG reads stay within
 ``host_memory_budget`` (early snapshots, else a spill to disk; see :meth:`Recorder.stats`).
+
+Checks: the recorder never makes the host wait for the device to judge a step. Each step's loss and norms are
+copied to the host without a wait and judged once they have landed (:mod:`reprokit.lag`), up to ``max_lag`` steps
+later; a failure is attributed to the step whose values fired, and its window ends there. Because a snapshot
+replaces the window, it is taken only once every earlier step is judged clean (see :meth:`Recorder._checks_settled`).
 """
 
 from __future__ import annotations
@@ -150,6 +155,10 @@ def _lr_and_scale(state: TrainState, read_scale: float | None = None) -> tuple[f
         return None, None
 
 
+MAX_LAG = 8
+"""The default ``max_lag``: how many steps a step's checks may be judged after it (see :class:`Recorder`)."""
+
+
 @dataclass(slots=True)
 class _Step:
     """One recorded step, as kept in the window: its batch copied, its RNG as read (encoded at dump)."""
@@ -228,7 +237,8 @@ class Recorder:
         out_dir: where bundles are written.
         snapshot_every: steps between full-state snapshots; a bundle holds at most
             this many steps.
-        detect: extra predicates ``fn(step, loss, state) -> bool | str``; truthy fails.
+        detect: extra predicates ``fn(step, loss, state) -> bool | str``; truthy fails. Judged at their step's
+            end (one wait for the device per step), unless marked :func:`reprokit.detect.lagged` (see ``max_lag``).
         check_grads / check_params / scaler_patience / spike_factor / spike_window:
             see :class:`reprokit.detect.DetectSettings`.
         loss_history: how many recent (step, loss) pairs to keep for ``inspect``.
@@ -270,6 +280,18 @@ class Recorder:
             snapshot is retaken one step later (see :meth:`SnapshotEngine.check`). Turn this on
             when the loop writes parameters in ways version counters do not see
             (``p.data.copy_(...)``, custom kernels).
+        max_lag: how many steps a step's checks (loss, gradient and parameter norms, the GradScaler's scale, lagged
+            predicates) may be judged after it. The values are copied to the host without a wait and judged once
+            they have landed, so the host keeps queueing steps ahead of the device as it would without the recorder;
+            a check ``max_lag`` steps old is waited for (one wait on its copy's event), so a loop that never syncs
+            itself still sees a failure within ``max_lag`` steps. The failure is the step whose values fired (its
+            window ends there; ``rec.step`` raises where it was seen, saying both steps). A snapshot waits for every
+            earlier step's check: it is postponed (the window grows by a step) while some are on their way, and after
+            ``max_lag`` postponements the recorder waits for them (under ``replicated_state``, at once, so that every
+            rank snapshots at the same step). Predicates not marked :func:`reprokit.detect.lagged` judge every step
+            at its own end (one wait per step). 0: every step is judged at its own end. See :meth:`wait_for_checks`.
+            The default is 8, and 0 with ``on_failure="skip"`` (a skip rolls the run back to the failing step,
+            which must not have been followed by others: a larger ``max_lag`` is refused there).
         durable: also write the window behind to disk, under ``out_dir/.reprokit-flight/<run id>/rank<k>/``, so that
             a process that dies without a Python frame to catch anything (the OOM killer's SIGKILL, a segfault in an
             extension, an abort, a preempted node) leaves it: ``reprokit recover OUT_DIR`` turns it into a bundle
@@ -349,9 +371,18 @@ class Recorder:
         skip_window: int = 1000,
         skip_indices: Iterable[Any] | None = None,
         peer_timeout_s: float = PEER_TIMEOUT_S,
+        max_lag: int | None = None,
     ):
         if snapshot_every < 1:
             raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        if max_lag is None:
+            max_lag = 0 if on_failure == "skip" else MAX_LAG
+        if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
+            raise ConfigError(f"max_lag must be a whole number of steps >= 0, got {max_lag!r}")
+        if max_lag and on_failure == "skip":
+            raise ConfigError.option("max_lag", f"{{opt}}={max_lag} with on_failure=\"skip\": a skip rolls the run back "
+                                                "to the failing step, so every step is judged at its own end (leave "
+                                                "{opt} out, or pass 0)")
         if not isinstance(peer_timeout_s, (int, float)) or isinstance(peer_timeout_s, bool) or not peer_timeout_s > 0:
             raise ConfigError.option("peer_timeout_s", f"{{opt}} must be a positive number of seconds, got "
                                                        f"{peer_timeout_s!r}")
@@ -403,8 +434,8 @@ class Recorder:
         self._config = config_tree
         capture_state(state, copy=lambda t: t)  # fail now, at attach time, if anything cannot be recorded
         check_generators(state.extra)
-        self._history: deque[tuple[int, float | None, float | None, float | None, float | None]] = deque(
-            maxlen=loss_history)
+        self._history: deque[list[Any]] = deque(maxlen=loss_history)
+        """[step, loss, grad norm, LR, loss scale] per step; loss, norm and scale are filled in once judged."""
         self._board: IncidentBoard | None = None
         self._flight: FlightLog | None = None
         self._flight_later: tuple[int, int, _Step] | None = None
@@ -415,7 +446,7 @@ class Recorder:
                               "process died); pass replicated_state=\"auto\" or False with it")
         if self.durable:
             replicated_state = False
-        self.monitor = Monitor(state, self.settings, detect)  # from here on, hooks are on the user's optimizer
+        self.monitor = Monitor(state, self.settings, detect, max_lag=max_lag)  # from here on, hooks are on the optimizer
         try:
             self._set_up(state, detect, spill_dir, snapshot_sync, incident_wait_s, replicated_state)
         except BaseException:
@@ -425,8 +456,14 @@ class Recorder:
     def __enter__(self) -> Recorder:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except TrainingFailure as seen:  # the block's own exception stays the one raised; it says what was seen too
+            _add_note(exc, f"reprokit: when the Recorder closed, {seen}")
 
     def _set_up(self, state: TrainState, detect: Sequence[Predicate], spill_dir: str | Path | None,
                 snapshot_sync: bool, incident_wait_s: float, replicated_state: str | bool) -> None:
@@ -465,6 +502,9 @@ class Recorder:
         self._ring_other = 0
         """Bytes the window holds outside the pool: RNG states, numpy leaves of batches."""
         self._mem = {"peak_pinned_bytes": 0, "peak_pageable_bytes": 0, "early_snapshots": 0, "unrecorded_steps": 0}
+        self._postponed = 0
+        """Steps the due snapshot has been postponed by, waiting for earlier steps' checks (see _checks_settled)."""
+        self._postponed_total = 0
         self._opt_entries = -1  # len(optimizer.state) when buffers were last pinned aside for it
         self.step_index = 0
         self.bundles: list[Path] = []
@@ -615,7 +655,10 @@ class Recorder:
 
         Raises:
             Exception: the step's own exception, unchanged (a note names the bundle).
-            TrainingFailure: when a detector fires; ``.bundle`` is the bundle path.
+            TrainingFailure: when a detector fires; ``.bundle`` is the bundle path. Checks are judged once their
+                values reach the host (see ``max_lag``), so it may be an earlier step's failure:
+                ``.failure.step`` is the step that failed, ``.detected_lag`` how many steps later it was seen (and
+                when it is seen before this step starts, this step's batch is not run).
         """
         batch = self._skips.filter(batch, self.step_index)
         record = self._begin_step(batch)
@@ -724,19 +767,46 @@ class Recorder:
         except Exception as e:  # a device error; the step's own outcome below is what the user sees
             self._engine.broken = True
             self._warn("check", f"reprokit: cannot check the snapshot copy ({e!r}); no bundle until the next snapshot")
-        if record is not None:
-            record.loss, record.grad_norm = result.loss, result.grad_norm
         if self._flight is not None and record is not None:
             self._flight.record(b"end ", {"step": k, "loss": _plain(result.loss), "grad_norm": _plain(result.grad_norm),
                                           "failed": result.failure is not None})
-        self._history.append((k, result.loss, result.grad_norm, *_lr_and_scale(self.state, self.monitor.last_scale)))
+        self._history.append([k, None, None, *_lr_and_scale(self.state)])
+        self._note_checked(result)
         if result.failure is None:
             self._stepped_since_incident = True
             return result.value
         if peer_error and self._peer_doc is not None:
             raise self._peer_failure(self._peer_doc) from result.exc
-        path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
-        attempt = self._skips.after_failure(self, result.failure, record, path) if self._skips.on else None
+        if result.failure.step == k:
+            return self._fail(batch, record, result)
+        return self._fail(None, self._recorded_step(result.failure.step), result)
+
+    def _note_checked(self, result: StepResult) -> None:
+        """Steps whose checks were judged: their loss and grad norm go into the window's records and the history."""
+        scaled = self.state.scaler_enabled()
+        for c in result.checked:
+            for r in reversed(self._ring):
+                if r.step <= c.step:
+                    if r.step == c.step:
+                        r.loss, r.grad_norm = c.loss, c.grad_norm
+                    break
+            for h in reversed(self._history):
+                if h[0] <= c.step:
+                    if h[0] == c.step:
+                        h[1], h[2] = c.loss, c.grad_norm
+                        if h[4] is None and scaled:
+                            h[4] = c.scale
+                    break
+
+    def _fail(self, batch: Any, record: _Step | None, result: StepResult) -> Any:
+        """Write the bundle of ``result``'s failure, then skip its proven culprit rows (``on_failure="skip"``: the
+        value the step returns) or raise it. ``batch``: the failing step's own when it is the step that just ran
+        (None: the window's copy of it, ``record``, is read for the note)."""
+        assert result.failure is not None
+        path = self._dump(result.failure, lag=result.lag) if self._board is None else \
+            self._dump_incident(result.failure, lag=result.lag)
+        attempt = self._skips.after_failure(self, result.failure, record, path, lag=result.lag) \
+            if self._skips.on else None
         if attempt is None:
             self._skips.decline(self, result.failure)
         if attempt is not None and attempt.skipped:
@@ -760,11 +830,40 @@ class Recorder:
                 if line:
                     _add_note(result.exc, line)
             raise result.exc
-        failure = TrainingFailure(result.failure, path)
+        failure = TrainingFailure(result.failure, path, lag=result.lag)
         for line in (hint, why_not, nxt):
             if line:
                 _add_note(failure, line)
-        raise failure
+        raise failure from result.later
+
+    def _recorded_step(self, step: int) -> _Step | None:
+        """The window's record of step ``step`` (a failure seen steps after it ran), or None."""
+        for r in self._ring:
+            if r.step == step:
+                return r
+        return None
+
+    def wait_for_checks(self) -> None:
+        """Judge every step's checks now, waiting for the device (one host wait), and raise as :meth:`step` does.
+
+        ``rec.step`` judges a step's checks once their values have reached the host, up to ``max_lag`` steps later.
+        Call this where the loop waits for the device anyway (an evaluation, a checkpoint, the end of an epoch) to
+        know now; :meth:`close` calls it.
+
+        Raises:
+            TrainingFailure: a step's check fired (``.bundle`` is its bundle; the message says which step and how many
+                steps later it was seen).
+            Exception: a step's own exception is raised by the step call, never here.
+        """
+        self.monitor.settle(self.step_index - 1, wait=True)
+        if self.monitor.noticed is None:
+            self._note_checked(self.monitor.collect())
+            return
+        result = self.monitor.collect()
+        assert result.failure is not None
+        self._note_checked(result)
+        self._failed_at = self.step_index - 1
+        self._fail(None, self._recorded_step(result.failure.step), result)
 
     def _record_step_start(self, k: int, batch: Any) -> _Step | None:
         """Copy the batch and read the RNG; take the snapshot when one is due (after the batch copy is queued, so on
@@ -803,6 +902,11 @@ class Recorder:
                 # Mid-accumulation under accelerate: the snapshot (a torn one's replacement too) waits for the next
                 # synced step, where replay's fresh Accelerator starts counting as the run did.
                 due = False
+            postponed = due and not self._checks_settled(k)
+            if self.monitor.noticed is not None:  # an earlier step's check fired: its window is kept, this step not run
+                self._engine.discard_prepared()
+                return None
+            due = due and not postponed
             # A dataloader's last batch syncs early, which replay would not: the window restarts after it.
             self._resnap = last_batch or (self._resnap and not due)
             if last_batch:
@@ -816,7 +920,7 @@ class Recorder:
                                                     "accumulated batches); replay, fed from the bundle, would not, so "
                                                     f"no bundle for it; the next window starts at step {k + 1}.")
                     return None
-            if not due:
+            if not due and not postponed:
                 self._engine.discard_prepared()  # prepared for a snapshot that is not taken now: stale later
             if not due and not self._window_ok:
                 return None
@@ -826,6 +930,9 @@ class Recorder:
             need = batch_bytes + other
             position = 0 if due else k - self._snapshot.step  # type: ignore[union-attr]
             if not self._fits(k, position, need):
+                if not self._checks_settled(k, wait=True):  # the window ends here: every earlier step judged first
+                    self._engine.discard_prepared()
+                    return None
                 if self._refer and not due and position > 0:
                     self._leave_replication(k, "its window reached the host-memory budget")
                 if not due and not boundary:
@@ -984,7 +1091,9 @@ class Recorder:
                 self._opt_entries = len(self.state.optimizer.state)
                 self._warn("pin", f"reprokit: could not pin snapshot buffers aside ({e!r}); the next snapshot will")
         snap = self._snapshot
-        if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every and not self._refer:
+        # While the snapshot is postponed (_checks_settled), walk the state again only for the step that will wait.
+        if snap is not None and self.step_index + 1 - snap.step >= self.snapshot_every and not self._refer and \
+                self._postponed in (0, self.monitor.checks.max_lag):
             self._engine.prepare()
 
     # --- the host-memory budget ------------------------------------------------------
@@ -1078,6 +1187,10 @@ class Recorder:
             ``unrecorded_steps``; ``snapshots_spilled`` (why snapshots go to disk, or None); ``state``:
             ``"snapshotted"``, or ``"referenced"`` on a rank whose bundles reference rank 0's state
             (``replicated_state``), with ``state_bytes_saved``, the state bytes it did not copy.
+            Detection lag (see ``max_lag``): ``max_lag``; ``lag_max`` and ``lag_mean``, the steps that ran after
+            a step before its checks were judged; ``lag_waits``, how many times the recorder waited for the device
+            to judge one (a check ``max_lag`` steps old, a postponed snapshot, :meth:`wait_for_checks`);
+            ``snapshot_postponed_steps``, the steps snapshots were postponed by in all; ``checks_pending`` now.
 
         Example:
             >>> rec.stats()["peak_pinned_bytes"]                             # doctest: +SKIP
@@ -1087,7 +1200,8 @@ class Recorder:
         return {"budget_bytes": self.budget, "held_bytes": self.held_bytes(), **self._mem,
                 "snapshot_bytes": self._engine.held_bytes, "window_steps": len(self._ring),
                 "window_bytes": window + self._ring_other, "snapshots_spilled": self._engine.spilled_for_memory,
-                "state": "referenced" if self._refer else "snapshotted", "state_bytes_saved": self._saved}
+                "state": "referenced" if self._refer else "snapshotted", "state_bytes_saved": self._saved,
+                **self.monitor.checks.stats(), "snapshot_postponed_steps": self._postponed_total}
 
     def _drop_window(self, key: str, message: str) -> None:
         """The window cannot be replayed any more: forget it until the next snapshot, and say so (once per key)."""
@@ -1142,6 +1256,28 @@ class Recorder:
                                  "takes its own state snapshots from now on (its bundles stand alone and hold the "
                                  "state) instead of referencing rank 0's.")
 
+    def _checks_settled(self, k: int, wait: bool = False) -> bool:
+        """Whether a new window may start at step ``k``: every earlier step's check is judged and none fired.
+
+        A snapshot replaces the window, so it is never taken while an earlier step's check is on its way: if that
+        step failed, its bundle needs the window that holds it, and the snapshot's detector state (the spike history,
+        the GradScaler's skip streak) must count every step before it. While checks are on their way the snapshot
+        is postponed by a step rather than waiting for the device: the window grows by one batch of host memory,
+        whereas a wait would drain the work the host has queued ahead, the cost lagged checks exist to avoid. After
+        ``max_lag`` postponements, or with ``wait`` (the memory budget ends the window), the recorder waits for them:
+        at most one host wait per window. Under ``replicated_state`` it waits at once, so that every rank snapshots
+        at the same step. A failure found is kept in ``monitor.noticed`` (and the window with it).
+        """
+        m = self.monitor
+        wait = wait or self._postponed >= m.checks.max_lag or self._refer or self._owns
+        if m.settle(k - 1, wait=wait):
+            self._postponed = 0
+            return True
+        if m.noticed is None:
+            self._postponed += 1
+            self._postponed_total += 1
+        return False
+
     def _next_snapshot(self, k: int) -> int:
         start = self._snapshot.step if self._snapshot else k
         return start + self.snapshot_every * ((k - start) // self.snapshot_every + 1)
@@ -1154,7 +1290,7 @@ class Recorder:
         with self._lock:
             self._after_step()
 
-    def _dump_incident(self, failure: Failure) -> Path | None:
+    def _dump_incident(self, failure: Failure, lag: int = 0) -> Path | None:
         """This rank failed: declare the incident (or join the one a peer declared), write this rank's window into
         the incident folder unless the watcher already did, then wait (bounded) for every rank to write its own.
 
@@ -1176,7 +1312,7 @@ class Recorder:
                 board.handle(doc)
                 self._stepped_since_incident = False
                 failure.detail = {**failure.detail, "incident": doc}
-                path = self._incident_bundle = self._dump(failure, incident=doc["incident"])
+                path = self._incident_bundle = self._dump(failure, incident=doc["incident"], lag=lag)
                 board.done(self.rank.rank)
         self._peer_doc = None  # this rank failed itself: its own error is raised
         board.mark_outcome(self.rank.rank, "failed")
@@ -1185,7 +1321,7 @@ class Recorder:
             self._warn("", f"reprokit: incident {doc['incident']}: ranks {missing} did not write their window within "
                            f"{self.incident_wait_s:.0f} s")
         if self.on_incident == "abort":
-            self._abort_with_peers(doc)
+            self._abort_with_peers(doc, lag)
         return path
 
     def _on_incident(self, doc: dict[str, Any]) -> None:
@@ -1383,12 +1519,13 @@ class Recorder:
                 f"on_incident=\"wait\" keeps it waiting). Every rank's window: "
                 f"`reprokit replay {shlex.quote(str(incident))}`")
 
-    def _abort_with_peers(self, doc: dict[str, Any]) -> None:
+    def _abort_with_peers(self, doc: dict[str, Any], lag: int = 0) -> None:
         """Main thread, this rank failed itself (``on_incident="abort"``): when a peer aborts, abort this rank's
         process group too, before its own error is raised, so that its exit path (``dist.destroy_process_group()``
         under NCCL, a ``dist.barrier()``) does not wait for peers that are gone. Not under gloo, whose abort does not
         interrupt a blocked call (the peers' processes ending does); not when every rank failed itself (a loop that
-        catches the failure may go on)."""
+        catches the failure may go on), unless this rank saw its failure ``lag`` steps late: it has queued the
+        collectives of the steps after it, which peers that stopped sooner never join."""
         board, info = self._board, self.rank
         assert board is not None and info is not None
         if not fail_fast.abort_interrupts(info.backend):
@@ -1400,7 +1537,9 @@ class Recorder:
             if "abort" in outcomes or time.monotonic() >= deadline:
                 break
             if all(o == "failed" for o in outcomes):
-                return
+                if not lag:
+                    return
+                break
             time.sleep(0.02)
         self._aborted = {**doc, "missing": []}
         why = fail_fast.abort_process_group()
@@ -1435,8 +1574,11 @@ class Recorder:
                            f"{shlex.quote(str(incident))}`. (on_incident=\"wait\" keeps this rank waiting instead.)",
                            incident=incident, failed_rank=doc.get("rank"), step=doc.get("step"))
 
-    def _dump(self, failure: Failure, incident: str | None = None, from_watcher: bool = False) -> Path | None:
-        """Write the window as a bundle; on any fault of ours warn and return None.
+    def _dump(self, failure: Failure, incident: str | None = None, from_watcher: bool = False,
+              lag: int = 0) -> Path | None:
+        """Write the window as a bundle; on any fault of ours warn and return None. ``lag``: the steps that ran after
+        the failing one before it was seen; the window ends at the failing step (the steps after it are not
+        replayed).
 
         After a sticky device error (the failure's kind, or a CUDA call here failing so), the bundle is written from
         host memory alone: see :meth:`_dump_dead`."""
@@ -1447,6 +1589,16 @@ class Recorder:
             try:
                 if from_watcher:
                     ring = self._landed_window()  # the main thread may be stuck in a collective: never synchronize
+                elif lag:
+                    # Steps after the failing one are queued behind it, and under a process group may never finish
+                    # (a peer that saw its failure sooner stopped joining collectives): no wait on them. The failing
+                    # step's check has landed, so its kernels ran, and with them every batch copy and step marker
+                    # queued before them on the training stream (see _mark_start); the markers, read from host
+                    # memory, confirm it (a step whose marker has not landed is left out, and the window found
+                    # incomplete below).
+                    self._engine.wait()
+                    last = self._last_marked()
+                    ring = [r for r in ring if r.step <= failure.step and (last is None or r.step <= last)]
                 else:
                     for device in cuda_devices(self._devices(), torch.cuda.current_device()):
                         torch.cuda.synchronize(device)  # copies in flight must land before we read
@@ -1457,21 +1609,25 @@ class Recorder:
                     return self._dump_dead(failure, incident)
                 self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
                 return None
-        if not self._window_ok or self._snapshot is None or self._engine.broken or self._engine.torn or not ring:
+        if not from_watcher:
+            ring = [r for r in ring if r.step <= failure.step]
+        if not self._window_ok or self._snapshot is None or self._engine.broken or self._engine.torn or not ring or \
+                (not from_watcher and ring[-1].step != failure.step):
             self._warn("", f"reprokit: {failure.describe()}, but the recorded window is incomplete; no bundle")
             return None
-        return self._write_bundle(failure, self._snapshot, ring, incident)
+        return self._write_bundle(failure, self._snapshot, ring, incident, lag=lag)
 
     def _write_bundle(self, failure: Failure, snap: _Snapshot, ring: list[_Step], incident: str | None,
-                      host_only: bool = False) -> Path | None:
-        """Write ``snap`` and ``ring`` as a bundle of ``failure`` (``host_only``: without a CUDA call)."""
+                      host_only: bool = False, lag: int = 0) -> Path | None:
+        """Write ``snap`` and ``ring`` as a bundle of ``failure`` (``host_only``: without a CUDA call; ``lag``: the
+        steps that ran after the failing one before it was seen)."""
         writer = None
         try:
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
             where = self.out_dir / incident if incident else self.out_dir
             writer = BundleWriter(where, bundle_name(stamp, failure.step, failure.kind,
                                                      self.rank.tag if self.rank is not None else ""))
-            path = self._write(writer, failure, ring, incident, snap=snap, host_only=host_only)
+            path = self._write(writer, failure, ring, incident, snap=snap, host_only=host_only, lag=lag)
         except BaseException as e:  # Ctrl-C while writing must not leave a half-written folder behind either
             if writer is not None:
                 writer.abort()
@@ -1601,9 +1757,10 @@ class Recorder:
         return path
 
     def _note_batch(self, batch: Any, record: _Step | None) -> Any:
-        """The batch the failure note diagnoses: ``batch`` itself, or once the device died its host copy (the
-        recorded step, decoded: the live batch's GPU tensors cannot be read any more)."""
-        if self._dead is None:
+        """The batch the failure note diagnoses: ``batch`` itself, or its host copy (the recorded step, decoded) for a
+        failure seen steps after it ran (no live batch) or once the device died (its GPU tensors cannot be read).
+        None when neither is there: only the note depends on it."""
+        if self._dead is None and batch is not None:
             return batch
         if record is None:
             return None
@@ -1613,13 +1770,14 @@ class Recorder:
             return None
 
     def _write(self, w: BundleWriter, failure: Failure, ring: list[_Step] | None = None,
-               incident: str | None = None, snap: _Snapshot | None = None, host_only: bool = False) -> Path:
+               incident: str | None = None, snap: _Snapshot | None = None, host_only: bool = False,
+               lag: int = 0) -> Path:
         snap = self._snapshot if snap is None else snap
         assert snap is not None
         ring = self._ring if ring is None else ring
         code = [] if self._root is None else [(relative(p, self._root), p)
                                               for p in snapshot_files(self._root, self._scripts)]
-        run = self._run_doc(snap, failure, ring)
+        run = self._run_doc(snap, failure, ring, lag)
         if self.rank is not None:
             run["distributed"] = {**self.rank.to_json(), "incident": incident}
         env = capture_env(self._root, devices=self._device_names or []) if host_only else capture_env(self._root)
@@ -1648,14 +1806,18 @@ class Recorder:
                             state=({**snap.tree, "state": owner_tree}, snap.tensors),
                             steps=steps, code=code, reference=ref)
 
-    def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None) -> dict[str, Any]:
+    def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None,
+                 lag: int = 0) -> dict[str, Any]:
         ring = self._ring if ring is None else ring
+        # Steps after this rank's failing one (run while its check was on its way) are in no window, nor in the history.
+        last = None if failure.kind == FailureKind.PEER else failure.step
         return {
             **self._run_base(),
             "window": {"start": snap.step, "end": ring[-1].step if ring else failure.step,
                        "steps": [r.step for r in ring]},
+            "detected_lag": lag,
             "history": [{"step": s, "loss": loss, "grad_norm": g, "lr": lr, "loss_scale": scale}
-                        for s, loss, g, lr, scale in self._history],
+                        for s, loss, g, lr, scale in self._history if last is None or s <= last],
         }
 
     def _run_base(self) -> dict[str, Any]:
@@ -1665,8 +1827,8 @@ class Recorder:
         return {
             "refs": self._refs,
             "config": self._config,
-            "recorder": {"snapshot_every": self.snapshot_every, "detect": self.settings.to_json(),
-                         "memory": self.stats()},
+            "recorder": {"snapshot_every": self.snapshot_every, "max_lag": self.monitor.checks.max_lag,
+                         "detect": self.settings.to_json(), "memory": self.stats()},
             "determinism": determinism,
             "precision": precision,
             "device": device,
@@ -1703,7 +1865,24 @@ class Recorder:
         self._engine.attach()
 
     def close(self) -> None:
-        """Detach from the optimizer, stop the incident watcher and free the window."""
+        """Judge the steps whose checks are still on their way (:meth:`wait_for_checks`), then detach from the
+        optimizer, stop the incident watcher and free the window.
+
+        Raises:
+            TrainingFailure: one of those steps' checks fired (its bundle is written first).
+        """
+        seen: TrainingFailure | None = None
+        try:
+            self.wait_for_checks()
+        except TrainingFailure as e:
+            seen = e
+        except Exception as e:  # never let a fault of ours stop the close
+            self._warn("", f"reprokit: could not judge the last steps' checks at close ({e!r})")
+        self._close()
+        if seen is not None:
+            raise seen
+
+    def _close(self) -> None:
         if self._board is not None:
             self._board.close()
         if self._flight is not None:

@@ -38,6 +38,7 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "format_version": bundle.manifest["version"],
         "failure": {**f.summary(), "signature": f.signature()},
         "window": {"start": run["window"]["start"], "end": run["window"]["end"], "steps": len(steps)},
+        "detected_lag": schema.detected_lag(run),
         "batch": _batch_structure(batches[steps[-1]]) if steps else {},
         "state": _state_sizes(bundle),
         "state_reference": _state_reference(bundle),
@@ -290,6 +291,10 @@ def format_describe(d: dict[str, Any]) -> str:
     ]
     if f["frame"]:
         lines.append(f"raised   in {f['frame']}")
+    if d.get("detected_lag"):
+        lag = d["detected_lag"]
+        lines.append(f"seen     {_n(lag, 'step')} later, after step {f['step'] + lag} (the recorder's checks lag the "
+                     "device); the steps after the failing one are not in the window")
     lines.append(f"window   steps {w['start']}..{w['end']} ({_n(w['steps'], 'step')}, replayed from the snapshot at "
                  f"step {w['start']})")
     lines.append("batch    " + ("; ".join(f"{k}: {v.get('dtype', v.get('type'))}{v.get('shape', '')}"

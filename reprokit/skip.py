@@ -192,14 +192,20 @@ class Skipper:
 
     # --- on a failure ---
 
-    def after_failure(self, rec: Recorder, failure: Failure, record: Any, bundle: Path | None) -> Attempt:
+    def after_failure(self, rec: Recorder, failure: Failure, record: Any, bundle: Path | None,
+                      lag: int = 0) -> Attempt:
         """The step ``failure.step`` failed and its bundle is written (``bundle``; None if it could not be): skip its
-        proven culprit rows and continue, or say why not. Never raises (but ``BaseException``)."""
+        proven culprit rows and continue, or say why not. ``lag``: the steps that ran after it before its failure was
+        seen (a skip rolls back to the failing step, so it needs 0: the Recorder judges every step at its end when it
+        skips). Never raises (but ``BaseException``)."""
         from reprokit.distributed.team import TeamLost
         from reprokit.skip_proof import Clock, OutOfTime, Refused  # torch-heavy: loaded at a failure only
 
         k = failure.step
         clock = Clock(self.settings.skip_budget_s)
+        if lag:
+            return Attempt(False, note=self._no_skip(k, "lag", f"the failure was seen {lag} step(s) after it ran, and "
+                                                     "those steps cannot be undone", clock))
         try:
             proof, session = self._attempt(rec, failure, record, bundle, clock)
         except Refused as r:
@@ -324,7 +330,7 @@ class Skipper:
         rec.monitor.load_state_dict(session.monitor.state_dict())
         if rec._history and rec._history[-1][0] == k:
             old = rec._history[-1]
-            rec._history[-1] = (k, loss, None, old[3], old[4])
+            rec._history[-1] = [k, loss, None, old[3], old[4]]
         if record is not None:
             record.loss = loss
         rec._resnap = True  # the window restarts at the next step, from the state the run goes on with

@@ -501,6 +501,10 @@ def check_run(d: Any, name: str = RUN) -> None:
             f.integer(v, field, lo=1 if k == "scaler_patience" else 2, hi=MAX_COUNT)
     if "snapshot_every" in rec:
         f.integer(rec["snapshot_every"], "recorder.snapshot_every", lo=1)
+    if "max_lag" in rec:
+        f.integer(rec["max_lag"], "recorder.max_lag", hi=MAX_COUNT)
+    if "detected_lag" in d:
+        f.integer(d["detected_lag"], "detected_lag", hi=MAX_COUNT)
     if "distributed" in d:
         _check_distributed(f, d["distributed"])
     if "determinism" in d:
@@ -542,6 +546,17 @@ def check_run(d: Any, name: str = RUN) -> None:
         f.number(h["grad_norm"], f"history[{i}].grad_norm")
         for k in ("lr", "loss_scale"):
             f.number(h.get(k), f"history[{i}].{k}")
+
+
+def detected_lag(run: dict[str, Any]) -> int:
+    """How many steps ran after the failing step before the recorder saw its failure (``run.json``'s
+    ``detected_lag``); 0 for bundles written before checks lagged, which judged every step at its own end.
+
+    Example:
+        >>> detected_lag({"detected_lag": 3}), detected_lag({})
+        (3, 0)
+    """
+    return int(run.get("detected_lag", 0))
 
 
 MAX_WORLD = 1 << 20

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import reprokit
+from reprokit.detect import lagged
 
 OPTIMIZERS = {
     "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9, nesterov=True),
@@ -80,7 +81,8 @@ def build(config):
     opt = OPTIMIZERS[config.get("optimizer", "adamw")](model.parameters(), config.get("lr", 1e-2))
     sched = make_scheduler(config.get("scheduler"), opt, config.get("steps", 50))
     scaler = torch.amp.GradScaler("cpu", init_scale=config.get("init_scale", 2.0**8)) if config.get("scaler") else None
-    return reprokit.TrainState(model=model, optimizer=opt, scheduler=sched, scaler=scaler)
+    extra = {"calls": 0} if config.get("count") else {}
+    return reprokit.TrainState(model=model, optimizer=opt, scheduler=sched, scaler=scaler, extra=extra)
 
 
 def train_step(state, batch):
@@ -152,6 +154,24 @@ def batches(config, steps, poison_step=None, spike_step=None, zero_step=None, co
 def loss_above(step, loss, state):
     """A user predicate: fail once the loss passes 1e3."""
     return loss is not None and loss > 1e3 and f"loss {loss:.1f} above 1e3"
+
+
+@lagged
+def loss_above_lagged(step, loss, state):
+    """``loss_above``, marked lagged: it reads the loss only, so it may be judged steps after its step."""
+    return loss_above(step, loss, state)
+
+
+def counting_step(state, batch):
+    """``train_step`` that counts its calls in ``state.extra`` (build with ``{"count": True}``)."""
+    loss = train_step(state, batch)
+    state.extra["calls"] += 1
+    return loss
+
+
+def seven_calls(step, loss, state):
+    """A predicate that reads the state its step left: fires once the step function has run seven times."""
+    return state.extra["calls"] >= 7 and f"{state.extra['calls']} calls"
 
 
 def scribbling_step(state, batch):

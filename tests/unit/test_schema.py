@@ -74,6 +74,17 @@ def test_golden_files_pass_their_schemas():
     schema.check_step(load("steps/00000006.json"), 6, keys, "steps/00000006.json")
 
 
+def test_detection_lag_in_run_json_reads_as_0_when_absent_and_is_checked_when_present():
+    run = schema.load_json(GOLDEN / "run.json", "run.json")
+    assert "detected_lag" not in run and schema.detected_lag(run) == 0  # written before checks lagged
+    schema.check_run({**run, "detected_lag": 3, "recorder": {**run["recorder"], "max_lag": 8}})
+    assert schema.detected_lag({**run, "detected_lag": 3}) == 3
+    for bad, field in (({**run, "detected_lag": -1}, "detected_lag"), ({**run, "detected_lag": 1.5}, "detected_lag"),
+                       ({**run, "recorder": {**run["recorder"], "max_lag": "8"}}, "recorder.max_lag")):
+        with pytest.raises(schema.SchemaError, match=field):
+            schema.check_run(bad)
+
+
 def _file(tmp_path: Path, header: dict, data: bytes) -> Path:
     h = json.dumps(header).encode()
     p = tmp_path / "t.safetensors"
