@@ -74,7 +74,7 @@ from reprokit.env import capture_env, determinism_flags, split_flags
 from reprokit.errors import CaptureError, CodeLoadError, ConfigError, PeerFailure, RecorderWarning, TrainingFailure
 from reprokit.flight import FlightLog
 from reprokit.flight import run_id as flight_run_id
-from reprokit.rng import RNGState, check_generators, host_format_matches
+from reprokit.rng import RNGState, check_generators, host_format_problem
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
 from reprokit.signature import Failure, FailureKind
@@ -172,8 +172,8 @@ class _Step:
     loss: float | None = None
     grad_norm: float | None = None
 
-    def record(self, host_only: bool = False) -> StepRecord:
-        rng_tree, rng_tensors = encode_rng(self.rng, host_only=host_only)
+    def record(self, host_only: bool = False, cuda_rng: bool = True) -> StepRecord:
+        rng_tree, rng_tensors = encode_rng(self.rng, host_only=host_only, cuda=cuda_rng)
         return StepRecord(self.step, self.batch, {**self.tensors, **rng_tensors}, rng_tree, self.loss,
                             self.grad_norm)
 
@@ -472,7 +472,8 @@ class Recorder:
         self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync, limit=self.budget * 3 // 4,
                                       fallback_spill_dir=self.out_dir / SPILL_DIR)
         self._model_device = next((p.device for p in state.model.parameters() if p.is_cuda), None)
-        self._device_names, self._host_rng = self._read_devices()
+        self._device_names, self._host_rng_why = self._read_devices()
+        self._host_rng = self._host_rng_why is None
         self._engine.others = self._room_for_snapshot
         self._flat_batch: tuple[list[str], dict[str, Any], list[str]] | None = None
         """(keys, encoded tree, tensor keys) of the last batch when it was a flat dict of tensors."""
@@ -1670,19 +1671,28 @@ class Recorder:
 
     # --- after a sticky device error: host memory only ----------------------------------------
 
-    def _read_devices(self) -> tuple[list[str] | None, bool]:
-        """While the device works (at attach): the GPUs' names for env.json, and whether the CUDA generators' state
-        can be written without a CUDA call (see :func:`reprokit.rng.cuda_state_on_host`). Also makes the model
-        device's step marker. None / False where this process has no CUDA context."""
+    def _read_devices(self) -> tuple[list[str] | None, str | None]:
+        """While the device works (at attach): the GPUs' names for env.json, and why the CUDA generators' state
+        cannot be written without a CUDA call (None: it can, see :func:`reprokit.rng.cuda_state_on_host`). Also
+        makes the model device's step marker. Each part on its own: one failing never costs the others, and never
+        refuses the run (a device error then writes what it can)."""
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return None, False
+            return None, "this process had no CUDA context when the Recorder attached"
+        names = None
         try:
             names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if self._model_device is not None:
+        except Exception:
+            pass
+        if self._model_device is not None:
+            try:
                 self._marks[self._model_device] = device_error.HostMarker(self._model_device)
-            return names, host_format_matches(torch.cuda.current_device())
-        except Exception:  # never a reason to refuse the run: a device error then writes what it can
-            return None, False
+            except Exception as e:
+                self._warn("marker", f"reprokit: cannot place step markers on {self._model_device} ({e!r}); after a "
+                                     "device error the bundle cannot say which step's kernels failed")
+        try:
+            return names, host_format_problem(torch.cuda.current_device())
+        except Exception as e:
+            return names, f"checking the CUDA generator state's format failed ({e!r})"
 
     def _device_died(self, e: BaseException | str) -> None:
         """A CUDA call failed with a sticky error: from now on the recorder makes none (its own calls, that is), and
@@ -1750,6 +1760,11 @@ class Recorder:
             "error": self._dead, "surfaced_at_step": surfaced, "rank": self.rank.rank if self.rank else None,
             "snapshot": "previous (the snapshot of the failing step had not landed)" if snap is not self._snapshot
             else "current"}}
+        if not self._host_rng and any(r.rng.cuda for r in ring):
+            why = (f"the CUDA generators' state of the window's steps is not in the bundle ({self._host_rng_why}): "
+                   "replay starts them fresh, so random numbers drawn on the GPU (dropout, sampling) may differ")
+            failure.detail["device_error"]["cuda_rng"] = why
+            self._warn("dead-rng", f"reprokit: {why}")
         path = self._write_bundle(failure, snap, ring, incident, host_only=True)
         if path is not None:
             self._dead_bundle = path
@@ -1781,7 +1796,9 @@ class Recorder:
         if self.rank is not None:
             run["distributed"] = {**self.rank.to_json(), "incident": incident}
         env = capture_env(self._root, devices=self._device_names or []) if host_only else capture_env(self._root)
-        steps = (r.record(host_only=host_only and self._host_rng) for r in ring)
+        # After a device error no CUDA call may run: the CUDA generators' state is made on the host where its format
+        # was checked at attach, else left out (see _dump_dead, which says so in the failure's detail).
+        steps = (r.record(host_only=host_only, cuda_rng=not host_only or self._host_rng) for r in ring)
         if snap.referenced:
             return self._write_referencing(w, failure, run, snap, ring, code, incident, env, steps)
         return write_bundle(w, failure=failure.to_json(), run=run, env=env,

@@ -203,18 +203,20 @@ def _cuda_read(gen: torch.Generator) -> tuple[int, int] | torch.Tensor:
     return gen.get_state()
 
 
-def encode(rs: RNGState, host_only: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def encode(rs: RNGState, host_only: bool = False, cuda: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The bundle form: small scalars in a JSON tree, state vectors as tensors (``rng/...``).
 
     ``host_only``: make the CUDA generators' state tensors on the host alone (see :func:`cuda_state_on_host`), for
-    a bundle written after a sticky device error, when no CUDA call may run."""
+    a bundle written after a sticky device error, when no CUDA call may run. ``cuda=False``: leave the CUDA
+    generators' state out (a bundle written after a device error where the host-made format could not be checked:
+    replay then starts those generators fresh, and the bundle says so)."""
     version, internal, gauss = rs.python
     name, keys, pos, has_gauss, cached = rs.numpy
     tree: dict[str, Any] = {"python": [version, gauss], "numpy": [name, int(pos), int(has_gauss), float(cached)]}
     tensors = {"rng/python": torch.from_numpy(np.array(internal, dtype=np.int64)),  # torch.tensor(tuple): 10x slower
                "rng/numpy": torch.from_numpy(np.asarray(keys).astype(np.int64)),
                "rng/torch": rs.torch_cpu}
-    for i, st in enumerate(rs.cuda):
+    for i, st in enumerate(rs.cuda if cuda else ()):
         tensors[f"rng/cuda/{i}"] = st if isinstance(st, torch.Tensor) else \
             cuda_state_on_host(st) if host_only else _cuda_state_tensor(i, st)
     owned = []
@@ -235,18 +237,25 @@ def cuda_state_on_host(seed_offset: tuple[int, int]) -> torch.Tensor:
     """``torch.cuda.get_rng_state()`` for a generator at (seed, offset), made without a CUDA call: the 16 bytes
     torch's CUDA generator writes (the seed as uint64, then the Philox offset as int64, native byte order).
     The recorder checks once, while the device works, that this is the format of the torch it runs
-    (:func:`host_format_matches`)."""
+    (:func:`host_format_problem`)."""
     seed, offset = seed_offset
     raw = np.array([seed], dtype=np.uint64).tobytes() + np.array([offset], dtype=np.int64).tobytes()
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def host_format_matches(device: int = 0) -> bool:
-    """Is :func:`cuda_state_on_host` what this torch's CUDA generator says? (Asks the device: call while it works.)"""
-    try:
-        return torch.equal(cuda_state_on_host((12345, 64)), _cuda_state_tensor(device, (12345, 64)))
-    except Exception:
-        return False
+def host_format_problem(device: int = 0) -> str | None:
+    """Why :func:`cuda_state_on_host` is not what this torch's CUDA generator says (None: it is). Asks the device:
+    call while it works.
+
+    Raises:
+        RuntimeError: a CUDA call failed.
+    """
+    made = cuda_state_on_host((12345, 64))
+    real = _cuda_state_tensor(device, (12345, 64))
+    if torch.equal(made, real):
+        return None
+    return (f"this torch's CUDA generator state for (seed 12345, offset 64) is {real.dtype} {list(real.shape)} "
+            f"starting {real.flatten()[:16].tolist()}, not the 16 bytes (seed, offset) reprokit makes on the host")
 
 
 def _cuda_state_tensor(device: int, seed_offset: tuple[int, int]) -> torch.Tensor:

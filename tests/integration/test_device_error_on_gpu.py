@@ -86,12 +86,13 @@ def check_shrink(bundle: str, tmp: Path, *extra: str) -> dict:
     return d
 
 
-# Seen on an H200 with torch 2.11: the host-only write raises at rng.py's _cuda_state_tensor (a CUDA generator made
-# after the error), so no bundle is written. The recorder's check that it can write the CUDA generators' state on the
-# host (rng.host_format_matches) did not hold there; until that is fixed these four fail, and strict xfail says so
-# the day they pass.
-HOST_RNG_ON_GPU = pytest.mark.xfail(strict=True, reason="no bundle on an H200/torch 2.11: the host-only write calls "
-                                    "rng._cuda_state_tensor after the error (host RNG format unverified)")
+# Seen on an H200 with torch 2.11: the host-only write raised at rng.py's _cuda_state_tensor (a CUDA generator made
+# after the error, because the recorder's check of the host-made CUDA RNG format had not held), so no bundle was
+# written. The host-only write now never calls CUDA (where the format is unchecked it leaves the CUDA RNG out and the
+# bundle says so), but that has not run on a GPU yet: until it has, these four are expected to fail, not strictly.
+# Whoever runs them on a GPU: drop this marker if they pass, else fix what they show.
+HOST_RNG_ON_GPU = pytest.mark.xfail(strict=False, reason="not yet run on a GPU since the host-only write stopped "
+                                    "calling CUDA (on an H200/torch 2.11 these wrote no bundle before)")
 
 
 @HOST_RNG_ON_GPU

@@ -146,3 +146,20 @@ def test_a_generator_of_another_bit_generator_is_a_clear_mismatch():
     tree, tensors = rng.encode(rng.capture({"g": np.random.Generator(np.random.MT19937(3))}))
     with pytest.raises(StateMismatchError, match="MT19937"):
         rng.restore(tree, tensors, {"g": np.random.default_rng(0)})
+
+
+def test_after_a_device_error_the_cuda_state_is_made_on_the_host_or_left_out():
+    """The bundle form written when no CUDA call may run: each CUDA generator's (seed, offset) as the 16 bytes
+    torch's CUDA generator writes, or (the host format unchecked) no CUDA state at all; never a CUDA call."""
+    import dataclasses
+
+    from reprokit.rng import capture, cuda_state_on_host, encode
+
+    rs = dataclasses.replace(capture(), cuda=((2**64 - 5, 96), (7, 0)))
+    _, host = encode(rs, host_only=True)
+    assert host["rng/cuda/0"].dtype == torch.uint8 and host["rng/cuda/0"].tolist() == \
+        list((2**64 - 5).to_bytes(8, "little")) + list((96).to_bytes(8, "little"))
+    assert torch.equal(host["rng/cuda/1"], cuda_state_on_host((7, 0)))
+    tree, left_out = encode(rs, host_only=True, cuda=False)
+    assert not [k for k in left_out if k.startswith("rng/cuda/")]
+    assert torch.equal(left_out["rng/torch"], host["rng/torch"]) and tree == encode(rs, host_only=True)[0]
