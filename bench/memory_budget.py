@@ -63,7 +63,7 @@ def loader(cfg, steps):
 
 def held(rec) -> int:
     engine = rec._engine
-    ts = list(rec._slots.values()) + list(engine._buffers.values())
+    ts = list(rec._pool.slots.values()) + list(engine._buffers.values())
     return sum(t.untyped_storage().nbytes() for t in ts) + rec._ring_other
 
 

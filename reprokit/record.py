@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from reprokit import device_error, pytree, skip
+from reprokit.batch_pool import BatchPool
 from reprokit.bundle import (
     BundleWriter,
     StepRecord,
@@ -475,31 +476,19 @@ class Recorder:
         self._device_names, self._host_rng_why = self._read_devices()
         self._host_rng = self._host_rng_why is None
         self._engine.others = self._room_for_snapshot
-        self._flat_batch: tuple[list[str], dict[str, Any], list[str]] | None = None
-        """(keys, encoded tree, tensor keys) of the last batch when it was a flat dict of tensors."""
-        self._slots: dict[tuple[int, int], torch.Tensor] = {}
-        """Host buffers the batches are copied into, per (position in the window, leaf): reused window after window,
-        so that steady state allocates nothing (a fresh large buffer costs its page faults every step)."""
-        self._slot = self._leaf = 0
-        self._copied: set[torch.device] = set()
-        """CUDA devices this step's batch tensors were copied from (device to host, on their training streams)."""
+        self._pool = BatchPool()
+        """The host buffers each step's batch is copied into (see :mod:`reprokit.batch_pool`)."""
         self._marks: dict[torch.device, device_error.HostMarker] = {}
         """Per CUDA device: the last step whose start (its batch copies, and everything queued before them on the
         training stream) has run, in pinned host memory (see :mod:`reprokit.device_error`)."""
         self._landed: dict[torch.device, torch.cuda.Event] = {}
         """Durable recording only: recorded on the training stream after the last step's batch copies."""
         self._kept: _Kept | None = None
-        self._spares: dict[tuple[int, int], torch.Tensor] = {}
-        """Batch buffers swapped out of ``_slots`` while the kept window's steps still use them (see _batch_copy)."""
         self._dead: str | None = None
         """The sticky device error after which the recorder touches the GPU no more."""
         self._dead_bundle: Path | None = None
         self.dead_write_seconds: float | None = None
         """Seconds the bundle took to write after a sticky device error (from the failure to the bundle on disk)."""
-        self._pool = {"pinned": 0, "pageable": 0}
-        """Bytes of the batch buffers in ``_slots``."""
-        self._bytes_at: dict[int, int] = {}
-        """Bytes of the batch buffers per position in the window."""
         self._ring_other = 0
         """Bytes the window holds outside the pool: RNG states, numpy leaves of batches."""
         self._mem = {"peak_pinned_bytes": 0, "peak_pageable_bytes": 0, "early_snapshots": 0, "unrecorded_steps": 0}
@@ -872,7 +861,7 @@ class Recorder:
         on the training stream (see :meth:`_mark_start`). Once the device died, nothing (no CUDA call)."""
         if self._dead is not None:
             return None
-        self._copied.clear()
+        self._pool.copied.clear()
         if self._kept is not None and self._snapshot is not None and self._engine.complete(self._snapshot.serial):
             self._kept = None  # the snapshot that replaced it has landed (read from host memory)
         try:
@@ -948,13 +937,13 @@ class Recorder:
                     self._skip(k, need, due)
                     return None
                 due, position = True, 0
-            self._slot, self._leaf = position, 0
             if self._flight is not None:
                 self._flight.reserve(position)  # the record one window ago that reads these buffers is written
             if due:
                 self._keep_window()
-            tree, tensors = self._encode_batch(batch)
-            later = bool(self._copied)
+            self._pool.start(position, kept_steps=len(self._kept.ring) if self._kept is not None else 0)
+            tree, tensors = self._pool.encode(batch)
+            later = bool(self._pool.copied)
             rec = _Step(k, tree, tensors, rng, other)
             if due:
                 self._current_other = rec.other_bytes  # this step's own bytes count against the snapshot's room
@@ -976,69 +965,10 @@ class Recorder:
                                          f"the next snapshot (step {self._next_snapshot(k)}). Training continues.")
             return None
 
-    def _encode_batch(self, batch: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-        """``pytree.encode(batch, "batch", copy=self._batch_copy)``; a dict of dense tensors with last step's keys
-        reuses last step's tree (most loops feed the same dict every step)."""
-        flat = self._flat_batch
-        if flat is not None and type(batch) is dict and len(batch) == len(flat[0]) and all(
-                k is f or k == f for k, f in zip(batch, flat[0])):
-            values = batch.values()
-            if all(type(v) is torch.Tensor and v.layout is torch.strided for v in values):
-                return flat[1], {key: self._batch_copy(v) for key, v in zip(flat[2], values)}
-        tree, tensors = pytree.encode(batch, "batch", copy=self._batch_copy)
-        flat_keys = [f"batch/{k}" for k in batch] if type(batch) is dict else []
-        self._flat_batch = None
-        if flat_keys and all(type(k) is str for k in batch) and tree == {
-                k: {pytree.TENSOR: key} for k, key in zip(batch, flat_keys)} and list(tensors) == flat_keys:
-            self._flat_batch = (list(batch), tree, flat_keys)
-        return tree, tensors
-
-    def _batch_copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of ``t`` as it is now, in a host buffer reused window after window.
-
-        A CPU tensor is copied here. A CUDA tensor is copied into its pinned host buffer on the
-        training stream (``non_blocking``: the host goes on), so the step's kernels, and any later
-        refill of the batch, are ordered after the copy: it has landed before any of the step's
-        kernels can fail (:meth:`_mark_start` tells the host when, without asking the device).
-
-        While the previous window is kept (its snapshot's successor may still be copying), a
-        buffer one of its steps holds is not written: a spare one takes its place.
-        """
-        key = (self._slot, self._leaf)
-        self._leaf += 1
-        slot = self._slots.get(key)
-        if self._kept is not None and key[0] < len(self._kept.ring) and slot is not None:
-            slot = self._swap_slot(key, slot)
-        if slot is None or slot.shape != t.shape or slot.dtype != t.dtype:
-            if slot is not None:
-                self._free_slot(key)
-            slot = self._new_slot(key, t)
-        if t.requires_grad:
-            t = t.detach()
-        if not t.is_cuda:
-            return slot.copy_(t)
-        self._copied.add(t.device)
-        return slot.copy_(t, non_blocking=True)
-
-    def _swap_slot(self, key: tuple[int, int], held: torch.Tensor) -> torch.Tensor | None:
-        """The buffer at ``key`` is held by a kept step: put the spare of ``key`` in its place (None: there is none,
-        the caller makes one), and keep the held one as the spare (free for the next swap once the kept window is
-        dropped). Spares count as held host memory, not as any position's."""
-        spare = self._spares.pop(key, None)
-        self._spares[key] = held
-        self._count_slot(key, held, -1, pool=False)
-        if spare is None:
-            del self._slots[key]
-            return None
-        self._slots[key] = spare
-        self._count_slot(key, spare, 1, pool=False)
-        return spare
-
     def _free_spares(self) -> None:
-        """Free the spare batch buffers (none is held once the kept window is dropped)."""
+        """Drop the kept window and free the spare batch buffers it made necessary."""
         self._kept = None
-        for key in list(self._spares):
-            self._count_slot(key, self._spares.pop(key), -1, at=False)
+        self._pool.free_spares()
 
     def _keep_window(self) -> None:
         """A snapshot is about to be taken: keep the window it replaces while the new one copies (see :class:`_Kept`),
@@ -1053,7 +983,7 @@ class Recorder:
     def _mark_start(self, k: int) -> None:
         """After step ``k``'s batch copies, on each device's training stream: the marker of step ``k`` (on the model's
         device too, whatever the batch: it tells which step a device error struck in)."""
-        devices = set(self._copied)
+        devices = set(self._pool.copied)
         if self._model_device is not None:
             devices.add(self._model_device)
         for device in devices:
@@ -1061,8 +991,8 @@ class Recorder:
             if mark is None:
                 mark = self._marks[device] = device_error.HostMarker(device)
             mark.mark(k)
-        if self._flight is not None and self._copied:
-            for device in self._copied:
+        if self._flight is not None and self._pool.copied:
+            for device in self._pool.copied:
                 event = self._landed.get(device)
                 if event is None:
                     event = self._landed[device] = torch.cuda.Event()
@@ -1080,7 +1010,7 @@ class Recorder:
         if later is not None and self._flight is not None:
             k, position, rec = later
             self._flight.step_later(k, position, rec.batch, rec.tensors, rec.rng,
-                                    [self._landed[d] for d in self._copied if d in self._landed])
+                                    [self._landed[d] for d in self._pool.copied if d in self._landed])
         if len(self.state.optimizer.state) != self._opt_entries and not self._refer:
             # Optimizer state appeared (AdamW's moments, after the first step): pin its snapshot buffers on a helper
             # thread now, snapshot_every steps before the next snapshot needs them.
@@ -1103,7 +1033,7 @@ class Recorder:
         """Host memory the recorder holds now: snapshot, batch-buffer pool, the window's RNG states (and the kept
         window's, while its successor's snapshot copies)."""
         kept = self._kept.other if self._kept is not None else 0
-        return self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"] + self._ring_other + kept
+        return self._engine.held_bytes + self._pool.bytes() + self._ring_other + kept
 
     def _fits(self, k: int, position: int, need: int, early: bool = False) -> bool:
         """Whether step ``k``'s ``need`` bytes fit the budget at ``position`` of the window, after freeing buffers the
@@ -1111,8 +1041,7 @@ class Recorder:
         if self._projected(position, need) <= self.budget:
             fits = True
         else:
-            for key in [key for key in self._slots if key[0] > position]:
-                self._free_slot(key)
+            self._pool.free_after(position)
             self._free_spares()
             fits = self._projected(position, need) <= self.budget
         if fits and early:
@@ -1141,41 +1070,21 @@ class Recorder:
         """Held bytes once a step of ``need`` bytes sits at ``position`` (the buffers there reused or replaced);
         at position 0 the window restarts, so its RNG states are dropped."""
         window_other = self._ring_other if position > 0 else 0
-        return (self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"]
-                - self._bytes_at.get(position, 0) + window_other + need)
+        return self._engine.held_bytes + self._pool.bytes() - self._pool.bytes_at(position) + window_other + need
 
     def _room_for_snapshot(self, make_room: bool) -> int:
         """Bytes the budget leaves for a snapshot being taken now: the window restarts with this step (position 0),
         so buffers of later positions are unused and, with ``make_room``, freed."""
         if make_room:
-            for key in [key for key in self._slots if key[0] > 0]:
-                self._free_slot(key)
+            self._pool.free_after(0)
             self._free_spares()  # the budget first: a window kept for a device error is a nicety
-        return self.budget - self._pool["pinned"] - self._pool["pageable"] - self._current_other
-
-    def _new_slot(self, key: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
-        """A batch buffer for ``like`` at (position, leaf) ``key``: pinned for a CUDA tensor, counted in the pool."""
-        slot = self._slots[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
-        self._count_slot(key, slot, 1)
-        return slot
-
-    def _free_slot(self, key: tuple[int, int]) -> None:
-        self._count_slot(key, self._slots.pop(key), -1)
-
-    def _count_slot(self, key: tuple[int, int], slot: torch.Tensor, sign: int, pool: bool = True,
-                    at: bool = True) -> None:
-        """Count a batch buffer in (``sign`` 1) or out of the pool's bytes (``pool``) and its position's (``at``)."""
-        n = sign * slot.numel() * slot.element_size()
-        if pool:
-            self._pool["pinned" if slot.is_pinned() else "pageable"] += n
-        if at:
-            self._bytes_at[key[0]] = self._bytes_at.get(key[0], 0) + n
+        return self.budget - self._pool.bytes() - self._current_other
 
     def _note_peak(self) -> None:
         e = self._engine.stats
-        self._mem["peak_pinned_bytes"] = max(self._mem["peak_pinned_bytes"], e["pinned_bytes"] + self._pool["pinned"])
+        self._mem["peak_pinned_bytes"] = max(self._mem["peak_pinned_bytes"], e["pinned_bytes"] + self._pool.pinned)
         self._mem["peak_pageable_bytes"] = max(self._mem["peak_pageable_bytes"],
-                                               e["pageable_bytes"] + self._pool["pageable"] + self._ring_other)
+                                               e["pageable_bytes"] + self._pool.pageable + self._ring_other)
 
     def stats(self) -> dict[str, Any]:
         """Host memory of the recorder and what the budget did.
@@ -1197,7 +1106,7 @@ class Recorder:
             >>> rec.stats()["peak_pinned_bytes"]                             # doctest: +SKIP
             1598029824
         """
-        window = sum(t.numel() * t.element_size() for key, t in self._slots.items() if key[0] < len(self._ring))
+        window = self._pool.window_bytes(len(self._ring))
         return {"budget_bytes": self.budget, "held_bytes": self.held_bytes(), **self._mem,
                 "snapshot_bytes": self._engine.held_bytes, "window_steps": len(self._ring),
                 "window_bytes": window + self._ring_other, "snapshots_spilled": self._engine.spilled_for_memory,
@@ -1700,8 +1609,7 @@ class Recorder:
         if self._dead is None:
             self._dead = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             if self._marks or self._model_device is not None:
-                device_error.keep_to_exit([self._engine.buffers(), list(self._slots.values()),
-                                           list(self._spares.values()), list(self._marks.values())])
+                device_error.keep_to_exit([self._engine.buffers(), self._pool.buffers(), list(self._marks.values())])
 
     def _last_marked(self) -> int | None:
         """The last step whose start marker has landed on every device that marks (-1: none has); None where no
@@ -1911,11 +1819,8 @@ class Recorder:
             self.monitor.close()
             self._engine.close()
         self._ring.clear()
-        self._slots.clear()
-        self._spares.clear()
+        self._pool.clear()
         self._kept = None
-        self._bytes_at.clear()
-        self._pool = {"pinned": 0, "pageable": 0}
         self._ring_other = 0
         self._snapshot = None
 

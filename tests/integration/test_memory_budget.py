@@ -15,7 +15,7 @@ from reprokit.record import default_host_budget
 def _held_by_tensors(rec) -> int:
     """What the recorder's buffers really occupy, counted from the tensors (not from its own accounting)."""
     engine = rec._engine
-    buffers = list(rec._slots.values()) + list(engine._buffers.values())
+    buffers = list(rec._pool.slots.values()) + list(engine._buffers.values())
     if engine._staging is not None:
         buffers.append(engine._staging)
     return sum(t.untyped_storage().nbytes() for t in buffers) + rec._ring_other
@@ -62,11 +62,11 @@ def test_buffers_are_a_reused_pool_in_steady_state(projects, tmp_path):
     batches = list(mlp.batches(cfg, 30))
     for b in batches[:10]:
         rec.step(b)
-    slots = {k: v.data_ptr() for k, v in rec._slots.items()}
+    slots = {k: v.data_ptr() for k, v in rec._pool.slots.items()}
     buffers = {k: v.data_ptr() for k, v in rec._engine._buffers.items()}
     for b in batches[10:]:
         rec.step(b)
-    assert {k: v.data_ptr() for k, v in rec._slots.items()} == slots, "batch buffers reused, none allocated"
+    assert {k: v.data_ptr() for k, v in rec._pool.slots.items()} == slots, "batch buffers reused, none allocated"
     assert {k: v.data_ptr() for k, v in rec._engine._buffers.items()} == buffers, "snapshot buffers reused"
 
 
