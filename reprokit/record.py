@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 import os
 import shlex
 import sys
@@ -59,7 +58,6 @@ from reprokit.bundle import (
     BundleWriter,
     StepRecord,
     find_leftovers,
-    verify,
     write_bundle,
     write_probe,
 )
@@ -70,9 +68,10 @@ from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
 from reprokit.distributed import abort as fail_fast
-from reprokit.distributed.peers import BEAT_EVERY_S, PEER_TIMEOUT_S, Death, PeerWatch
+from reprokit.distributed.peers import PEER_TIMEOUT_S, PeerWatch
+from reprokit.distributed.rank_incidents import RankIncidents
 from reprokit.env import capture_env, determinism_flags, split_flags
-from reprokit.errors import CaptureError, CodeLoadError, ConfigError, PeerFailure, RecorderWarning, TrainingFailure
+from reprokit.errors import CaptureError, CodeLoadError, ConfigError, RecorderWarning, TrainingFailure
 from reprokit.flight import FlightLog
 from reprokit.flight import run_id as flight_run_id
 from reprokit.rng import RNGState, check_generators, host_format_problem
@@ -85,11 +84,6 @@ from reprokit.state import TrainState, accumulation_phase, capture_state
 StepFn = Callable[[TrainState, Any], Any]
 
 SPILL_DIR = ".reprokit-spill"
-INCIDENT_GRACE_S = 1.0
-"""How long a rank's incident watcher waits for its own main thread to report a failure of its own."""
-PEER_EXIT_S = 1.0
-"""How long a rank whose step raised looks for a dead peer on its host (a collective broken by a peer's death can
-arrive while the kernel is still tearing that peer down, before its lock is released)."""
 RNG_STEP_BYTES = 40 << 10
 """Host memory of one step's RNG reads (python's 625-int tuple is most of it), counted against the budget."""
 
@@ -388,23 +382,12 @@ class Recorder:
             raise ConfigError.option("peer_timeout_s", f"{{opt}} must be a positive number of seconds, got "
                                                        f"{peer_timeout_s!r}")
         self.peer_timeout_s = float(peer_timeout_s)
-        self._peers: PeerWatch | None = None
-        """Under a process group with ``durable=True``: this rank's check of its peers' flight folders."""
-        self._waiting: tuple[int, float] = (-1, 0.0)
-        """(step, monotonic time) at which the watcher first saw this rank inside that step."""
-        self._beat_at = 0.0
         self._skips = skip.Skipper(skip.SkipSettings(
             on_failure=on_failure, skip_budget_s=skip_budget_s, max_skips=max_skips, skip_window=skip_window,
             skip_indices=skip.as_indices(skip_indices)), Path(out_dir))
         self.on_incident = fail_fast.check_on_incident(on_incident)
-        self._peer_doc: dict[str, Any] | None = None
-        """The incident whose window this rank's watcher wrote as a peer's (this rank had not failed itself)."""
-        self._peer_step: int | None = None
-        """The step this rank was at when its watcher wrote that window."""
-        self._failed_at: int | None = None
-        """The last step at which this rank failed itself."""
-        self._aborted: dict[str, Any] | None = None
-        """The incident after which this rank's part of the run was ended (``on_incident="abort"``)."""
+        self._incidents: RankIncidents | None = None
+        """Under a process group: this rank's part in its incidents (see :mod:`reprokit.distributed.rank_incidents`)."""
         importing = importing_for_replay()
         if importing:  # a CodeLoadError: replay's import passes it on as it is, without its generic advice
             raise CodeLoadError(f"a Recorder was created while replay imported {importing} for build() and the "
@@ -518,14 +501,11 @@ class Recorder:
                            "in a collective writes none. Give every rank the same out_dir on a filesystem they all "
                            "see.")
         self._lock: Any = contextlib.nullcontext()
-        self._stepped_since_incident = True
-        """This rank finished a step since the last incident it handled: a failure now is a new incident."""
-        self._incident_bundle: Path | None = None
-        """This rank's bundle of the last incident it handled."""
         if self.rank is not None:
             self._lock = threading.RLock()  # the incident watcher writes the window from another thread
             self._board = IncidentBoard(self.out_dir, self.rank)
             self._board.attach()
+            self._incidents = RankIncidents(self, self._board, self.rank)
         # This rank references the owner's state instead of snapshotting its own (a non-owner, replicated).
         self._refer = self._replication(replicated_state)
         self._saved = 0
@@ -541,8 +521,9 @@ class Recorder:
             self._warn("warm", f"reprokit: could not warm up the step checks ({e!r}); the first step will")
         if self.durable:
             self._start_flight()
-        if self._board is not None:
-            self._board.watch(self._on_incident, tick=self._watch_peers if self._peers is not None else None)
+        if self._board is not None and self._incidents is not None:
+            inc = self._incidents
+            self._board.watch(inc.on_incident, tick=inc.watch_peers if inc.peers is not None else None)
 
     def _start_flight(self) -> None:
         """Open the flight log (``durable=True``): what a bundle needs that does not change is written now."""
@@ -563,9 +544,9 @@ class Recorder:
                                        lambda message: self._warn("flight", message))
         if self._flight is not None:
             self._flight.in_step = lambda: self._in_step
-            if self.rank is not None and self.rank.world_size > 1:
-                self._peers = PeerWatch(self._flight.run_folder, self.rank.rank, self.rank.world_size,
-                                        self.peer_timeout_s)
+            if self._incidents is not None and self.rank is not None and self.rank.world_size > 1:
+                self._incidents.peers = PeerWatch(self._flight.run_folder, self.rank.rank, self.rank.world_size,
+                                                  self.peer_timeout_s)
 
     def _carry(self, objects: Sequence[Any]) -> None:
         """List ``objects`` (the ``carry`` option) under ``refs.objects`` and put their files in the code snapshot.
@@ -653,8 +634,8 @@ class Recorder:
         batch = self._skips.filter(batch, self.step_index)
         record = self._begin_step(batch)
         result = self.monitor.run(self.train_step, batch, self.step_index, after=self._locked_after_step)
-        if result.exc is not None and self._peers is not None:
-            self._await_dead_peer(result.exc)
+        if result.exc is not None and self._incidents is not None and self._incidents.peers is not None:
+            self._incidents.await_dead_peer(result.exc)
         return self._finish_step(batch, record, result)
 
     # --- a step driven by a framework ---------------------------------------------------
@@ -702,8 +683,8 @@ class Recorder:
         self._open = None
         self._locked_after_step()
         result = self.monitor.conclude(self.step_index, loss, exc)
-        if result.exc is not None and self._peers is not None:
-            self._await_dead_peer(result.exc)
+        if result.exc is not None and self._incidents is not None and self._incidents.peers is not None:
+            self._incidents.await_dead_peer(result.exc)
         # on_failure="skip" never skips an exception handed in here: it has already left the framework's loop.
         self._skips.exceptions_end_the_loop = skip.CAUGHT_BY_THE_CALLER if exc is not None else None
         try:
@@ -733,8 +714,9 @@ class Recorder:
     def _begin_step(self, batch: Any) -> _Step | None:
         """Step start: copy the batch, read the RNG, snapshot when due."""
         k = self.step_index
-        if self._aborted is not None:  # a peer failed and this rank's part of the run was ended (on_incident)
-            raise self._peer_failure(self._aborted)
+        inc = self._incidents
+        if inc is not None and inc.aborted is not None:  # a peer failed and this rank's part of the run was ended
+            raise inc.peer_failure(inc.aborted)
         if self._in_step:  # the last step was interrupted (Ctrl-C): its partial updates are not replayable
             self._flight_later = None
             self._drop_window("interrupted", f"reprokit: step {k - 1} was interrupted; no bundle until the next "
@@ -747,9 +729,11 @@ class Recorder:
         """The step is over (``result``): count it, and on a failure write the bundle and raise."""
         k = self.step_index
         # A peer failed and this rank's window is written (on_incident="abort"): an error now is its collective breaking.
-        peer_error = self._peer_doc is not None and result.exc is not None and self.on_incident == "abort"
-        if result.failure is not None and not peer_error:
-            self._failed_at = k  # before the step is over: the incident watcher reads it then (_end_after_incident)
+        inc = self._incidents
+        peer_error = inc is not None and inc.peer_doc is not None and result.exc is not None and \
+            self.on_incident == "abort"
+        if result.failure is not None and not peer_error and inc is not None:
+            inc.failed_at = k  # before the step is over: the incident watcher reads it then (_end_after_incident)
         self.step_index += 1
         self._in_step = False
         try:
@@ -763,10 +747,11 @@ class Recorder:
         self._history.append([k, None, None, *_lr_and_scale(self.state)])
         self._note_checked(result)
         if result.failure is None:
-            self._stepped_since_incident = True
+            if inc is not None:
+                inc.stepped_since = True
             return result.value
-        if peer_error and self._peer_doc is not None:
-            raise self._peer_failure(self._peer_doc) from result.exc
+        if peer_error and inc is not None and inc.peer_doc is not None:
+            raise inc.peer_failure(inc.peer_doc) from result.exc
         if result.failure.step == k:
             return self._fail(batch, record, result)
         return self._fail(None, self._recorded_step(result.failure.step), result)
@@ -793,8 +778,8 @@ class Recorder:
         value the step returns) or raise it. ``batch``: the failing step's own when it is the step that just ran
         (None: the window's copy of it, ``record``, is read for the note)."""
         assert result.failure is not None
-        path = self._dump(result.failure, lag=result.lag) if self._board is None else \
-            self._dump_incident(result.failure, lag=result.lag)
+        inc = self._incidents
+        path = self._dump(result.failure, lag=result.lag) if inc is None else inc.dump(result.failure, lag=result.lag)
         attempt = self._skips.after_failure(self, result.failure, record, path, lag=result.lag) \
             if self._skips.on else None
         if attempt is None:
@@ -852,7 +837,8 @@ class Recorder:
         result = self.monitor.collect()
         assert result.failure is not None
         self._note_checked(result)
-        self._failed_at = self.step_index - 1
+        if self._incidents is not None:
+            self._incidents.failed_at = self.step_index - 1
         self._fail(None, self._recorded_step(result.failure.step), result)
 
     def _record_step_start(self, k: int, batch: Any) -> _Step | None:
@@ -1199,290 +1185,6 @@ class Recorder:
     def _locked_after_step(self) -> None:
         with self._lock:
             self._after_step()
-
-    def _dump_incident(self, failure: Failure, lag: int = 0) -> Path | None:
-        """This rank failed: declare the incident (or join the one a peer declared), write this rank's window into
-        the incident folder unless the watcher already did, then wait (bounded) for every rank to write its own.
-
-        A failure in the step this rank was in when an incident came (a peer that failed and left this rank's
-        collective hanging, or the NaN a peer all-reduced into this rank's gradients) belongs to that incident; once
-        this rank has finished a step since, a failure is a new incident (a loop that skipped the failing step)."""
-        board = self._board
-        assert board is not None and self.rank is not None
-        with self._lock:
-            if board.current is not None and not self._stepped_since_incident:
-                doc, path = board.current, self._incident_bundle
-            else:
-                try:
-                    doc = board.declare(failure.step, self.rank.rank, failure.describe())
-                except OSError as e:  # never let our bookkeeping replace the training's own error
-                    self._warn("", f"reprokit: {failure.describe()}, but the incident could not be declared under "
-                                   f"{board.path.parent} ({e!r}); no bundle")
-                    return None
-                board.handle(doc)
-                self._stepped_since_incident = False
-                failure.detail = {**failure.detail, "incident": doc}
-                path = self._incident_bundle = self._dump(failure, incident=doc["incident"], lag=lag)
-                board.done(self.rank.rank)
-        self._peer_doc = None  # this rank failed itself: its own error is raised
-        board.mark_outcome(self.rank.rank, "failed")
-        missing = board.wait_for_all(self.incident_wait_s)
-        if missing:
-            self._warn("", f"reprokit: incident {doc['incident']}: ranks {missing} did not write their window within "
-                           f"{self.incident_wait_s:.0f} s")
-        if self.on_incident == "abort":
-            self._abort_with_peers(doc, lag)
-        return path
-
-    def _on_incident(self, doc: dict[str, Any]) -> None:
-        """Watcher thread: a peer failed; write this rank's window as it is now (a peer's failure, not this rank's)."""
-        board = self._board
-        assert board is not None and self.rank is not None
-        # A rank whose own detector fires at the same step (a NaN all-reduced into its gradients) is about to write
-        # its own failure: give its main thread a moment before writing this rank's window as a peer's. (A peer that
-        # died outright is the whole incident: no wait.)
-        if "died" not in doc:
-            time.sleep(INCIDENT_GRACE_S)
-        with self._lock:
-            if board.seen == doc["incident"] or int(doc["number"]) < board.handled:
-                return
-            board.handle(doc)
-            self._stepped_since_incident = False
-            step = max(self.step_index, self._ring[-1].step if self._ring else self.step_index)
-            failure = Failure(kind=FailureKind.PEER, step=int(doc.get("step", step)),
-                              message=f"rank {doc.get('rank')} failed: {doc.get('what')}",
-                              detail={"incident": doc, "this_rank_step": step})
-            self._incident_bundle = self._peer_window(failure, doc)
-            board.done(self.rank.rank)
-            self._peer_doc, self._peer_step = doc, self.step_index
-        if self.on_incident == "abort":
-            self._end_after_incident(doc, self._peer_step)
-
-    def _watch_peers(self) -> None:
-        """Watcher thread, before each look for incidents (durable, under a process group): rewrite this rank's
-        heartbeat (every ``BEAT_EVERY_S``), and declare the incident of a peer found dead (its pid gone and its lock
-        released on this host; elsewhere its heartbeat older than ``peer_timeout_s`` while this rank waits); the
-        look that follows handles it as any incident."""
-        flight, board, watch = self._flight, self._board, self._peers
-        if flight is None or board is None or watch is None:
-            return
-        now = time.monotonic()
-        k, in_step = self.step_index, self._in_step
-        if now - self._beat_at >= BEAT_EVERY_S:
-            self._beat_at = now
-            flight.beat(k if in_step else k - 1)
-        if self._waiting[0] != k or not in_step:
-            self._waiting = (k if in_step else -1, now)
-        if self._aborted is not None or board.pending() is not None:
-            return
-        waited = now - self._waiting[1] if in_step else 0.0
-        for death in self._new_deaths(watch.dead(waiting_s=waited)):
-            self._declare_death(death)
-
-    def _new_deaths(self, deaths: list[Death]) -> list[Death]:
-        """``deaths`` without the ranks whose window of the incident this rank is still in is written: a rank that
-        failed itself and then ended (its launcher's SIGTERM, the gloo abort's ``os._exit``) is no new incident."""
-        board = self._board
-        if board is None or board.current is None or self._stepped_since_incident:
-            return deaths
-        return [d for d in deaths if not board.done_path(d.rank).exists()]
-
-    def _declare_death(self, death: Death) -> dict[str, Any] | None:
-        """Rank ``death.rank`` died without writing an incident: declare one for it (or join the one a peer declared
-        first), mark it dead (no rank waits for its window) and say so in the incident folder; ``reprokit recover``
-        writes its window there from its flight log."""
-        board = self._board
-        assert board is not None
-        step = death.last_started if death.last_started is not None else self.step_index
-        try:
-            doc = board.declare(step, death.rank, death.what(), died=death.to_json())
-        except OSError as e:
-            self._warn("", f"reprokit: {death.what()}, but the incident could not be declared under "
-                           f"{board.path.parent} ({e!r})")
-            return None
-        board.mark_dead(death.rank, death.to_json())
-        died: dict[str, Any] = doc["died"] if isinstance(doc.get("died"), dict) else death.to_json()
-        try:
-            folder = self.out_dir / str(doc["incident"])
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"died-rank{death.rank}.json"
-            tmp = folder / f".{path.name}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({**died, "incident": doc["incident"], "what": death.what(),
-                                       "recover": f"reprokit recover {self.out_dir}"}, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # the incident file and every rank's bundle say it too
-        print(f"reprokit: rank {death.detected_by}: {death.what()}; incident {self.out_dir / str(doc['incident'])}; "
-              f"its window: `reprokit recover {shlex.quote(str(self.out_dir))}` once the job has ended",
-              file=sys.stderr, flush=True)
-        return doc
-
-    def _await_dead_peer(self, exc: BaseException) -> None:
-        """Main thread, the step raised ``exc`` (durable, under a process group). A collective broken by a peer's
-        death (gloo raises as soon as the peer's sockets close) reaches this rank within moments of it: when a peer on
-        this host is dead (for a ``RuntimeError``, the type collectives raise, looked for up to ``PEER_EXIT_S`` while
-        the peer's process is still torn down) or a death incident is pending, wait (bounded) until the watcher has
-        written this rank's window for it, so that the step raises :class:`PeerFailure` (``on_incident="abort"``),
-        or this rank's error joins that incident (``"wait"``)."""
-        board, watch = self._board, self._peers
-        if board is None or watch is None or self._peer_doc is not None:
-            return
-        deadline = time.monotonic() + (PEER_EXIT_S if isinstance(exc, RuntimeError) else 0.0)
-        doc = None
-        while doc is None:
-            current, pending = board.current, board.pending()
-            if current is not None and "died" in current and not self._stepped_since_incident:
-                doc = current  # the watcher is handling it (or has) since this step began
-                break
-            if pending is not None:
-                if "died" not in pending:
-                    return  # a peer's raised failure: the usual path decides
-                doc = pending
-                break
-            for death in self._new_deaths(watch.dead(remote=False)):
-                doc = self._declare_death(death) or doc
-            if doc is None:
-                if time.monotonic() >= deadline:
-                    return
-                time.sleep(0.05)
-        deadline = time.monotonic() + 2 * board.poll_s + 5.0
-        while board.seen != doc["incident"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        with self._lock:  # the watcher writes this rank's window holding it
-            pass
-
-    def _peer_window(self, failure: Failure, doc: dict[str, Any]) -> Path | None:
-        """Watcher thread: this rank's window of a peer's incident. Of a peer that died outright, the window must
-        start where the dead rank's flight log has one (``reprokit recover`` writes the dead rank's from there, and
-        an incident replays only when every rank's window starts at one step): a rank killed just after a snapshot
-        had not yet committed it, so its newest window starts one snapshot earlier. Then this rank's window is
-        written from its own flight log, which keeps that earlier window too (see :mod:`reprokit.flight`)."""
-        died, flight, snap = doc.get("died"), self._flight, self._snapshot
-        incident = str(doc["incident"])
-        if not isinstance(died, dict) or flight is None or snap is None:
-            return self._dump(failure, incident=incident, from_watcher=True)
-        from reprokit.recover import read_rank, window_chain, write_window
-
-        try:
-            theirs = window_chain(read_rank(flight.run_folder / f"rank{died.get('rank')}"))
-            if isinstance(theirs, str) or theirs[0] >= snap.step:
-                return self._dump(failure, incident=incident, from_watcher=True)
-            mine = read_rank(flight.folder)
-            chain = window_chain(mine, theirs[0])
-            if isinstance(chain, str):
-                self._warn("", f"reprokit: rank {died.get('rank')}'s flight log holds a window from step {theirs[0]} "
-                               f"only, and this rank's own log has none from there ({chain}); this rank's window "
-                               f"starts at step {snap.step}, so `reprokit recover` cannot line rank "
-                               f"{died.get('rank')}'s window up with it")
-                return self._dump(failure, incident=incident, from_watcher=True)
-            path = write_window(mine, self.out_dir / incident, chain, failure, incident=incident)
-        except Exception as e:  # never let our bookkeeping stop the run: the window from memory still serves
-            self._warn("", f"reprokit: could not write this rank's window from its flight log ({e!r}); writing the "
-                           "one in memory")
-            return self._dump(failure, incident=incident, from_watcher=True)
-        self.bundles.append(path)
-        flight.record(b"bndl", {"step": failure.step, "path": str(path.absolute()), "incident": incident,
-                                "kind": failure.kind})
-        return path
-
-    def _end_after_incident(self, doc: dict[str, Any], at: int) -> None:
-        """Watcher thread, ``on_incident="abort"``: this rank's window of a peer's incident is written (it was at
-        step ``at``). Once every rank's window is, end this rank's part of the run unless its own step failed in the
-        same incident: abort the process group, so that a collective it is blocked in returns with an error (and its
-        next step raises :class:`PeerFailure` otherwise); under gloo, end the process if it stays blocked."""
-        board, info = self._board, self.rank
-        assert board is not None and info is not None
-        missing = board.wait_for_all(self.incident_wait_s)
-        deadline = time.monotonic() + fail_fast.ABORT_GRACE_S
-        while self._in_step and self.step_index == at and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if self._failed_at is not None and self._failed_at >= at:
-            return  # its own failure in this incident is what its loop sees (and may catch and go on from)
-        incident = self.out_dir / str(doc["incident"])
-        checked = self._verified(self._incident_bundle)
-        self._aborted = {**doc, "missing": missing}
-        board.mark_outcome(info.rank, "abort")
-        blocked = self._in_step and self.step_index == at
-        lines = [f"reprokit: rank {info.rank}: rank {doc.get('rank')} failed at step {doc.get('step')} "
-                 f"({doc.get('what')}); incident: {incident}", f"reprokit: rank {info.rank}'s window: {checked}"]
-        if missing:
-            lines.append(f"reprokit: ranks {missing} wrote no window within {self.incident_wait_s:.0f} s "
-                         "(incident_wait_s); the others' are in the incident folder")
-        interrupts = fail_fast.abort_interrupts(info.backend)
-        if interrupts:
-            why = fail_fast.abort_process_group()
-            lines.append(f"reprokit: rank {info.rank} aborted its process group (on_incident=\"abort\"; "
-                         "on_incident=\"wait\" keeps it waiting)" if why is None else
-                         f"reprokit: rank {info.rank} could not abort its process group: {why}")
-        print("\n".join(lines), file=sys.stderr, flush=True)
-        if not blocked:
-            return  # its collective broke by itself, or it is outside a step: its next step raises PeerFailure
-        deadline = time.monotonic() + fail_fast.UNBLOCK_S
-        while self._in_step and self.step_index == at and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self._in_step and self.step_index == at:  # gloo cannot abort a blocked call; the process's end does
-            why = "its process group was aborted, yet the call has not returned" if interrupts else \
-                "gloo cannot abort a blocked call"
-            fail_fast.end_process(
-                f"reprokit: rank {info.rank} is still blocked in step {at}'s collective {fail_fast.UNBLOCK_S:.0f} s "
-                f"after every window was written; {why}, so it ends its process (exit 1, on_incident=\"abort\"; "
-                f"on_incident=\"wait\" keeps it waiting). Every rank's window: "
-                f"`reprokit replay {shlex.quote(str(incident))}`")
-
-    def _abort_with_peers(self, doc: dict[str, Any], lag: int = 0) -> None:
-        """Main thread, this rank failed itself (``on_incident="abort"``): when a peer aborts, abort this rank's
-        process group too, before its own error is raised, so that its exit path (``dist.destroy_process_group()``
-        under NCCL, a ``dist.barrier()``) does not wait for peers that are gone. Not under gloo, whose abort does not
-        interrupt a blocked call (the peers' processes ending does); not when every rank failed itself (a loop that
-        catches the failure may go on), unless this rank saw its failure ``lag`` steps late: it has queued the
-        collectives of the steps after it, which peers that stopped sooner never join."""
-        board, info = self._board, self.rank
-        assert board is not None and info is not None
-        if not fail_fast.abort_interrupts(info.backend):
-            return
-        others = [r for r in board.recording_ranks() if r != info.rank]
-        deadline = time.monotonic() + fail_fast.ABORT_GRACE_S + 2 * INCIDENT_GRACE_S + 1.0
-        while True:
-            outcomes = [board.outcome(r) for r in others]
-            if "abort" in outcomes or time.monotonic() >= deadline:
-                break
-            if all(o == "failed" for o in outcomes):
-                if not lag:
-                    return
-                break
-            time.sleep(0.02)
-        self._aborted = {**doc, "missing": []}
-        why = fail_fast.abort_process_group()
-        print(f"reprokit: rank {info.rank} failed at step {doc.get('step')} and its peers end their part of the run: "
-              + ("its process group is aborted too, so that its exit path does not wait for them" if why is None else
-                 f"its process group could not be aborted ({why})"), file=sys.stderr, flush=True)
-
-    def _verified(self, path: Path | None) -> str:
-        """``path`` and whether its files are all there as its manifest says (sizes and headers: a window is never
-        reported complete when it is not)."""
-        if path is None:
-            return "none could be written (see the warning above)"
-        try:
-            problems = verify(path, hash_tensors=False)
-        except Exception as e:
-            return f"{path} (could not verify: {e!r})"
-        return f"{path} (verified)" if not problems else f"{path} ({len(problems)} problem(s): {problems[0]})"
-
-    def _peer_failure(self, doc: dict[str, Any]) -> PeerFailure:
-        """The error a rank that did not fail itself sees: who failed, where, and where every window is."""
-        incident = self.out_dir / str(doc["incident"])
-        aborted = self._aborted is not None and self.rank is not None and \
-            fail_fast.abort_interrupts(self.rank.backend)
-        missing = doc.get("missing") or []
-        lost = f" Ranks {missing} wrote no window in time." if missing else ""
-        if isinstance(doc.get("died"), dict):
-            lost += (f" Rank {doc['died'].get('rank')} could write none (its process died): once the job has ended, "
-                     f"`reprokit recover {shlex.quote(str(self.out_dir))}` writes it from its flight log.")
-        how = "reprokit aborted the process group" if aborted else "reprokit ended this rank's part of the run"
-        return PeerFailure(f"{how}: rank {doc.get('rank')} failed at step {doc.get('step')} ({doc.get('what')}); "
-                           f"incident: {incident}.{lost} Replay every rank: `reprokit replay "
-                           f"{shlex.quote(str(incident))}`. (on_incident=\"wait\" keeps this rank waiting instead.)",
-                           incident=incident, failed_rank=doc.get("rank"), step=doc.get("step"))
 
     def _dump(self, failure: Failure, incident: str | None = None, from_watcher: bool = False,
               lag: int = 0) -> Path | None:
