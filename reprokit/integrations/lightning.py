@@ -14,9 +14,9 @@ accumulation, ``optimizer_step`` with ``on_before_optimizer_step`` and gradient 
 followed by the ``interval="step"`` LR schedulers Lightning steps after it.
 
 * Recording: at ``on_train_start`` the callback puts a :class:`reprokit.Recorder` around those two ``run``
-  methods of the live trainer, so each batch runs through ``Recorder.step`` exactly as Lightning runs it
-  (batch, RNG and state are taken at its start; an exception or a non-finite loss writes a bundle and is
-  raised through Lightning, which calls ``on_exception`` and stops). The recorded batch is
+  methods of the live trainer, so each batch runs between ``Recorder.begin_step`` and ``Recorder.end_step``
+  exactly as Lightning runs it (batch, RNG and state are taken at its start; an exception or a non-finite loss
+  writes a bundle and is raised through Lightning, which calls ``on_exception`` and stops). The recorded batch is
   ``{"batch": BATCH, "lightning": {"batch_idx", "optimizer_step"}}``: whether this batch ended an
   accumulation (and, on an epoch's last batch, ``epoch_end`` and ``epoch``) is recorded, not recomputed.
 * Replay: ``build(config)`` imports the LightningModule class from the bundle's code snapshot (vetted like
@@ -25,6 +25,15 @@ followed by the ``interval="step"`` LR schedulers Lightning steps after it.
   settings; ``configure_optimizers`` gives the optimizer and scheduler configs. :func:`train_step` then calls
   the same ``run`` method of that trainer's loop, and steps the ``interval="step"`` schedulers as
   ``TrainingEpochLoop._update_learning_rates`` does. Losses replay bit-exact on CPU.
+
+Skipping (``on_failure="skip"``, see :mod:`reprokit.skip`): a detector's failure (never an exception) is replayed
+on the live trainer through the same automatic optimization ``run`` (:meth:`ReprokitCallback._replay_live`), each
+replayed batch before the failing one followed by its schedulers as Lightning stepped them. Lightning's counters: the
+automatic optimization's progress (``global_step``, the ``zero_grad`` counts) is put back when the attempt ends, so
+the failing batch counts once; batch, epoch and ``_batches_that_stepped`` progress are never moved by a replay; the
+failing batch's own schedulers are not stepped by any replay: Lightning steps them (and counts them) after the batch
+as for every batch, from the state the last replay (the batch without the culprit rows) left. What cannot be undone
+is refused at ``on_fit_start``, before the first batch (:func:`_refuse_what_skip_cannot_do`).
 
 Several ranks (``strategy="ddp"`` under torchrun): every rank records through the multi-rank machinery (one
 incident folder, every rank's window; see :mod:`reprokit.distributed`). A rank's bundle replays alone on one
@@ -79,7 +88,13 @@ class ReprokitCallback(Callback):
     Args:
         out_dir: where bundles are written.
         **recorder_options: passed to :class:`reprokit.Recorder` (``snapshot_every``, ``check_grads``,
-            ``detect``, ``host_memory_budget``, ``on_incident``...).
+            ``detect``, ``host_memory_budget``, ``on_incident``, ``on_failure``...).
+
+    With ``on_failure="skip"``, a detector's failure (a non-finite loss or gradient norm) whose cause is proven to be
+    rows of the batch is skipped: the batch is replayed on the live Trainer without those rows and training goes on
+    (see :mod:`reprokit.skip`). An exception inside a batch is never skipped. Manual optimization, gradient
+    accumulation, several optimizers or processes, and callbacks with hooks inside the optimization are refused with
+    :class:`reprokit.ConfigError` at ``on_fit_start``, before the first batch.
 
     Example:
         >>> trainer = pl.Trainer(callbacks=[ReprokitCallback(out_dir="repros")])   # doctest: +SKIP
@@ -264,23 +279,25 @@ def _refuse_what_skip_cannot_do(trainer: pl.Trainer, module: pl.LightningModule,
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     why = []
+    callbacks: list[Any] = list(getattr(trainer, "callbacks", []))
     if not module.automatic_optimization:
         why.append("manual optimization (automatic_optimization = False): training_step steps the optimizer and its "
                    "schedulers itself, and Lightning's counters of those steps cannot be told from a replay's")
     if len(trainer.optimizers) != 1:
         why.append(f"{len(trainer.optimizers)} optimizers: the callback records one")
     if trainer.accumulate_grad_batches != 1 or any(isinstance(c, GradientAccumulationScheduler)
-                                                   for c in trainer.callbacks):
+                                                   for c in callbacks):
         why.append(f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}, or a "
-                   "GradientAccumulationScheduler): a skip rolls back one batch, and the gradients the batches "
-                   "before it accumulated are gone by then")
+                   "GradientAccumulationScheduler): Lightning decides from its live batch counters whether a batch "
+                   "steps the optimizer, so a replay of an earlier batch of the window would step where the recorded "
+                   "one accumulated")
     if trainer.strategy.handles_gradient_accumulation:
         why.append(f"the {type(trainer.strategy).__name__} strategy, which steps the optimizer itself")
     if trainer.world_size > 1:
         why.append(f"{trainer.world_size} processes (strategy={type(trainer.strategy).__name__}): a skip through the "
                    "Lightning callback is for one process (use reprokit.Recorder under torchrun to skip on several "
                    "ranks)")
-    hooked = sorted({f"{type(c).__qualname__}.{h}" for c in trainer.callbacks if c is not me for h in IN_STEP_HOOKS
+    hooked = sorted({f"{type(c).__qualname__}.{h}" for c in callbacks if c is not me for h in IN_STEP_HOOKS
                      if getattr(type(c), h, None) is not getattr(Callback, h)})
     if hooked:
         why.append(f"callback hooks that run inside the batch's optimization ({', '.join(hooked)}): the replays of a "

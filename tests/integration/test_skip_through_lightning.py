@@ -93,3 +93,56 @@ def _fit_with(L, module_cls, callbacks, bad, drop, **trainer_kw):
         ds.labels[i] = -100  # no target: the sample's loss is 0 / 0 = NaN, and so is its batch's mean
     trainer.fit(module, DataLoader(ds, batch_sampler=_batches(drop), num_workers=0))
     return trainer, module, torch.get_rng_state()
+
+
+class _GradNorms(lightning.pytorch.Callback):
+    """Reads the gradients inside the batch's optimization, as gradient-norm loggers do."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        pass
+
+
+@pytest.mark.parametrize("module_kw, trainer_kw, extra, words", [
+    ({"manual": True}, {}, None, "manual optimization (automatic_optimization = False)"),
+    ({}, {"accumulate_grad_batches": 2}, None, "gradient accumulation (accumulate_grad_batches=2"),
+    ({}, {}, _GradNorms, "callback hooks that run inside the batch's optimization "
+                         "(_GradNorms.on_before_optimizer_step)"),
+])
+def test_what_a_skip_cannot_undo_is_refused_before_the_first_batch(projects, tmp_path, module_kw, trainer_kw, extra,
+                                                                    words):
+    from reprokit.integrations.lightning import ReprokitCallback
+
+    L = projects("rk_lightning")
+    cb = ReprokitCallback(out_dir=tmp_path / "repros", on_failure="skip")
+    trainer = L.trainer([cb] + ([extra()] if extra else []), **trainer_kw)
+    with pytest.raises(reprokit.ConfigError, match=r"on_failure=\"skip\" through the Lightning callback cannot skip "
+                                                   r"in this run: ") as info:
+        trainer.fit(L.TinyLit(**module_kw), L.loader(L.Tokens(n=N), BS))
+    assert words in str(info.value) and "Record with on_failure=\"raise\" (the default)" in str(info.value)
+    assert trainer.global_step == 0 and trainer.fit_loop.epoch_loop.batch_progress.total.ready == 0
+    assert not (tmp_path / "repros").exists() or not any((tmp_path / "repros").iterdir())
+
+
+def test_an_exception_inside_a_step_is_never_skipped(projects, tmp_path):
+    from reprokit.integrations.lightning import ReprokitCallback
+
+    L = projects("rk_lightning")
+    cb = ReprokitCallback(out_dir=tmp_path / "repros", snapshot_every=3, on_failure="skip")
+    trainer = L.trainer([cb])
+    with pytest.raises(IndexError) as info:  # sample 21 (batch 5) holds an id past the vocab
+        trainer.fit(L.TinyLit(), L.loader(L.Tokens(n=N, oov=21), BS))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "did not skip step 5 (kind)" in notes and "end_step(exc=...)" in notes
+    assert bundle_of(info.value).exists()
+    assert read_journal(tmp_path / "repros") == []
+
+
+def test_skip_indices_leave_the_batches_lightning_trains_on(projects, tmp_path):
+    # A run given the skipping run's skip_list trains on the batches it trained on: bit-identical to the clean run.
+    from reprokit.integrations.lightning import ReprokitCallback
+
+    L = projects("rk_lightning")
+    cb = ReprokitCallback(out_dir=tmp_path / "repros", skip_indices=BAD)
+    resumed = _fit_with(L, L.TinyLit, [cb], BAD, set())
+    clean = _fit_with(L, L.TinyLit, [], BAD, set(BAD))
+    _same_run(resumed, clean)
