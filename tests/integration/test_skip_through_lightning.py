@@ -55,6 +55,16 @@ def _same_run(a, b):
     assert la.epoch_loop._batches_that_stepped == lb.epoch_loop._batches_that_stepped
 
 
+class _Losses(lightning.pytorch.Callback):
+    """The loss Lightning hands ``on_train_batch_end`` after each batch."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(outputs["loss"].item())
+
+
 @pytest.mark.parametrize("module_name, epochs, max_skips", [
     ("TinyLit", 1, 3),  # a per-step LambdaLR warmup: stepped once per batch by Lightning, the skipped ones too
     # A per-epoch StepLR over two epochs: the bad samples come back in the second, and batch 7 (sample 30) ends an
@@ -71,9 +81,12 @@ def test_two_poisoned_samples_are_skipped_through_the_lightning_callback(project
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cb = ReprokitCallback(out_dir=tmp_path / "repros", snapshot_every=3, on_failure="skip", max_skips=max_skips)
-        skipping = _fit_with(L, cls, [cb], bad, set(), max_epochs=epochs)
-    clean = _fit_with(L, cls, [], bad, set(bad), max_epochs=epochs)
+        losses, clean_losses = _Losses(), _Losses()
+        skipping = _fit_with(L, cls, [cb, losses], bad, set(), max_epochs=epochs)
+    clean = _fit_with(L, cls, [clean_losses], bad, set(bad), max_epochs=epochs)
     _same_run(skipping, clean)
+    # A skipped batch's output, as Lightning hands it on, is the batch's without the culprit rows.
+    assert losses.seen == clean_losses.seen and len(losses.seen) == epochs * N // BS
     assert skipping[0].global_step == epochs * N // BS
 
     entries = read_journal(tmp_path / "repros")
