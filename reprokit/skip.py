@@ -30,7 +30,9 @@ is used), then single runs of the failing step (about 2·log2(rows) per culprit,
 Under torch.distributed every rank takes part or none does: the ranks agree through files beside the incident's
 (:mod:`reprokit.distributed.team`, never a collective) and replay in step (the model's collectives run in every
 replay); the culprit rank skips its rows and the others roll back with it (:func:`reprokit.skip_proof.prove_together`).
-Through the Hugging Face Trainer callback, the rows are those of the update's micro-batches.
+Through the Hugging Face Trainer callback, the rows are those of the update's micro-batches; through the Lightning
+callback, those of the batch, replayed through Lightning's automatic optimization on the live trainer (see
+:mod:`reprokit.integrations.lightning`).
 
 Each skip is a line of ``out_dir/skips.jsonl`` (:mod:`reprokit.skip_journal`); ``reprokit.skip_list(out_dir)``
 gives the dataset indices to keep out of a resumed run, and ``Recorder(skip_indices=...)`` drops those rows from the
@@ -135,18 +137,6 @@ def _go(got: dict[int, Any] | None, wait: float) -> str:
         return (f"rank(s) {raised} failed with an exception: replaying it may leave the other ranks waiting in a "
                 "collective, so every rank stops")
     return "go"
-
-
-def refuse_skip(options: dict[str, Any], framework: str) -> None:
-    """A framework callback's check of its Recorder options: ``on_failure="skip"`` needs a step function that replays
-    an edited batch on the live trainer without moving the framework's own counters, which the Lightning callback
-    does not have yet. Refused at construction, never at the failure."""
-    value = options.get("on_failure", "raise")
-    if value != "raise":
-        SkipSettings(on_failure=value)  # an unknown value is refused as the Recorder refuses it
-        raise ConfigError.option("on_failure", f"{{opt}}={value!r} is not supported through the {framework} callback "
-                                               "yet: the callback records, and a failure stops training as with "
-                                               f"{{opt}}=\"raise\" (the default). See {GUIDE}")
 
 
 class Skipper:

@@ -14,9 +14,9 @@ accumulation, ``optimizer_step`` with ``on_before_optimizer_step`` and gradient 
 followed by the ``interval="step"`` LR schedulers Lightning steps after it.
 
 * Recording: at ``on_train_start`` the callback puts a :class:`reprokit.Recorder` around those two ``run``
-  methods of the live trainer, so each batch runs through ``Recorder.step`` exactly as Lightning runs it
-  (batch, RNG and state are taken at its start; an exception or a non-finite loss writes a bundle and is
-  raised through Lightning, which calls ``on_exception`` and stops). The recorded batch is
+  methods of the live trainer, so each batch runs between ``Recorder.begin_step`` and ``Recorder.end_step``
+  exactly as Lightning runs it (batch, RNG and state are taken at its start; an exception or a non-finite loss
+  writes a bundle and is raised through Lightning, which calls ``on_exception`` and stops). The recorded batch is
   ``{"batch": BATCH, "lightning": {"batch_idx", "optimizer_step"}}``: whether this batch ended an
   accumulation (and, on an epoch's last batch, ``epoch_end`` and ``epoch``) is recorded, not recomputed.
 * Replay: ``build(config)`` imports the LightningModule class from the bundle's code snapshot (vetted like
@@ -25,6 +25,15 @@ followed by the ``interval="step"`` LR schedulers Lightning steps after it.
   settings; ``configure_optimizers`` gives the optimizer and scheduler configs. :func:`train_step` then calls
   the same ``run`` method of that trainer's loop, and steps the ``interval="step"`` schedulers as
   ``TrainingEpochLoop._update_learning_rates`` does. Losses replay bit-exact on CPU.
+
+Skipping (``on_failure="skip"``, see :mod:`reprokit.skip`): a detector's failure (never an exception) is replayed
+on the live trainer through the same automatic optimization ``run`` (:meth:`ReprokitCallback._replay_live`), each
+replayed batch before the failing one followed by its schedulers as Lightning stepped them. Lightning's counters: the
+automatic optimization's progress (``global_step``, the ``zero_grad`` counts) is put back when the attempt ends, so
+the failing batch counts once; batch, epoch and ``_batches_that_stepped`` progress are never moved by a replay; the
+failing batch's own schedulers are not stepped by any replay: Lightning steps them (and counts them) after the batch
+as for every batch, from the state the last replay (the batch without the culprit rows) left. What cannot be undone
+is refused at ``on_fit_start``, before the first batch (:func:`_refuse_what_skip_cannot_do`).
 
 Several ranks (``strategy="ddp"`` under torchrun): every rank records through the multi-rank machinery (one
 incident folder, every rank's window; see :mod:`reprokit.distributed`). A rank's bundle replays alone on one
@@ -56,15 +65,19 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from reprokit.code import ref_of, resolve_project
-from reprokit.errors import CaptureError, CodeLoadError
+from reprokit.detect import current_step
+from reprokit.errors import CaptureError, CodeLoadError, ConfigError
 from reprokit.record import Recorder
-from reprokit.skip import refuse_skip
+from reprokit.skip import GUIDE, SkipSettings, as_indices
 from reprokit.state import TrainState
 
 BATCH = "batch"
 META = "lightning"
 TRAINER_FLAGS = ("accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm", "precision")
 """The Trainer settings that change what one optimization step computes, recorded in run.json."""
+IN_STEP_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
+"""The callback hooks Lightning calls inside a batch's optimization: a skip's replays would call them again."""
+SKIP_OPTIONS = ("on_failure", "skip_budget_s", "max_skips", "skip_window")
 
 __all__ = ["ReprokitCallback", "build", "train_step"]
 
@@ -75,7 +88,13 @@ class ReprokitCallback(Callback):
     Args:
         out_dir: where bundles are written.
         **recorder_options: passed to :class:`reprokit.Recorder` (``snapshot_every``, ``check_grads``,
-            ``detect``, ``host_memory_budget``, ``on_incident``...).
+            ``detect``, ``host_memory_budget``, ``on_incident``, ``on_failure``...).
+
+    With ``on_failure="skip"``, a detector's failure (a non-finite loss or gradient norm) whose cause is proven to be
+    rows of the batch is skipped: the batch is replayed on the live Trainer without those rows and training goes on
+    (see :mod:`reprokit.skip`). An exception inside a batch is never skipped. Manual optimization, gradient
+    accumulation, several optimizers or processes, and callbacks with hooks inside the optimization are refused with
+    :class:`reprokit.ConfigError` at ``on_fit_start``, before the first batch.
 
     Example:
         >>> trainer = pl.Trainer(callbacks=[ReprokitCallback(out_dir="repros")])   # doctest: +SKIP
@@ -87,14 +106,36 @@ class ReprokitCallback(Callback):
             if key in recorder_options:
                 raise CaptureError(f"ReprokitCallback({key}=...): the callback makes {key} itself from the "
                                    "LightningModule and the Trainer; drop it")
-        refuse_skip(recorder_options, "Lightning")
+        # The on_failure options are checked here, as the Recorder checks them; what the Trainer and the module allow
+        # under on_failure="skip" is checked at on_fit_start, before the first batch (see _refuse_what_skip_cannot_do).
+        SkipSettings(**{k: recorder_options[k] for k in SKIP_OPTIONS if k in recorder_options},
+                     skip_indices=as_indices(recorder_options.get("skip_indices")))
+        if recorder_options.get("on_failure") == "skip" and recorder_options.get("max_lag"):
+            raise ConfigError.option("max_lag", f"{{opt}}={recorder_options['max_lag']} with on_failure=\"skip\": a "
+                                                "skip rolls the run back to the failing step, so every step is judged "
+                                                "at its own end (leave {opt} out, or pass 0)")
         self.out_dir = out_dir
         self.options = recorder_options
         self.recorder: Recorder | None = None
-        self._live: tuple[Any, tuple[Any, ...]] | None = None
         self._output: Any = None
         self._restore: tuple[Any, ...] = ()
         self._lrs_at_validation: list[float] | None = None
+        self._trainer: pl.Trainer | None = None
+        self._auto_run: Any = None
+        """The automatic optimization's own ``run`` (not the recording wrapper): what a skip's replays call."""
+        self._failing: int | None = None
+        """The step being run (the one a skip attempt would roll back to)."""
+        self._replays: dict[str, Any] | None = None
+        """While a skip attempt replays: what :meth:`_leave_replays` puts back (Lightning's progress counters, the
+        module's ``log``)."""
+
+    @property
+    def skips(self) -> bool:
+        return self.options.get("on_failure", "raise") == "skip"
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.skips:
+            _refuse_what_skip_cannot_do(trainer, pl_module, self)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state, config = _describe(trainer, pl_module)
@@ -110,8 +151,11 @@ class ReprokitCallback(Callback):
                                "kept as JSON in the bundle: take plain values in __init__ (a config dataclass as "
                                "its fields, or a dict), or leave the others out with save_hyperparameters(ignore=[...]) "
                                "and give them defaults") from None
-        # Replay runs reprokit's train_step on a headless trainer; while recording, the step is the live one.
-        rec.train_step = self._run_live
+        # Replay runs reprokit's train_step on a headless trainer. While recording, the callback runs Lightning's
+        # step itself between begin_step and end_step; the Recorder calls its step function only to replay the
+        # window on the live trainer when on_failure="skip" tries a skip (_replay_live).
+        rec.train_step = self._replay_live
+        self._trainer = trainer
         # Steps are the fit's batches: a fit resumed from a checkpoint (ckpt_path=) counts on from its batches.
         rec.step_index = int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
         self.recorder = rec
@@ -125,6 +169,7 @@ class ReprokitCallback(Callback):
         def recorded_manual(kwargs: OrderedDict) -> Any:
             return self._step(trainer, manual_run, (kwargs,), kwargs, int(kwargs.get("batch_idx", 0)))
 
+        self._auto_run = auto_run
         auto.run = recorded_auto  # type: ignore[method-assign]
         manual.run = recorded_manual  # type: ignore[method-assign]
         self._restore = (auto, manual)
@@ -140,19 +185,72 @@ class ReprokitCallback(Callback):
             if _lrs(trainer) != self._lrs_at_validation:
                 self.recorder.request_snapshot()
             self._lrs_at_validation = None
-        self._live, self._output = (run, args), None
-        self.recorder.step({BATCH: kwargs[BATCH], META: meta})
+        rec = self.recorder
+        self._output = None
+        self._failing = rec.step_index
+        # skip_indices (a skipping run's reprokit.skip_list): their rows leave the batch Lightning trains on too.
+        batch = rec._skips.filter({BATCH: kwargs[BATCH], META: meta}, rec.step_index)
+        kwargs[BATCH] = batch[BATCH]
+        rec.begin_step(batch)
+        try:
+            self._output = run(*args)
+        except Exception as e:
+            # Written to a bundle and raised through Lightning; never skipped (skip.CAUGHT_BY_THE_CALLER): an
+            # exception leaves Lightning's step half done (its counters, the closure), which no replay can mend.
+            self._end(rec, None, e)
+            raise
+        # A failure the Recorder skips replays the window on this trainer (_replay_live): its last replay, the batch
+        # without the culprit rows, leaves the state the run goes on with, and its output in self._output.
+        self._end(rec, _loss_of(self._output), None)
         if meta.get("epoch_end") and any(cfg.reduce_on_plateau for cfg in trainer.lr_scheduler_configs):
             # ReduceLROnPlateau steps on a metric after this batch, which replay cannot recompute: the next
             # batch starts a window of its own (a snapshot holds the scheduler as the metric left it).
             self.recorder.request_snapshot()
         return self._output
 
-    def _run_live(self, state: TrainState, batch: Any) -> Any:
-        assert self._live is not None
-        run, args = self._live
-        self._output = run(*args)
-        return _loss_of(self._output)
+    def _end(self, rec: Recorder, loss: Any, exc: BaseException | None) -> None:
+        try:
+            rec.end_step(loss, exc=exc)
+        finally:
+            self._leave_replays()
+
+    def _replay_live(self, state: TrainState, batch: dict[str, Any]) -> Any:
+        """One recorded batch through the live trainer's optimization, for a skip attempt's replays (see
+        :mod:`reprokit.skip`): :func:`train_step` on the running Trainer.
+
+        Lightning's own loop is not moved: the automatic optimization's progress counters (``global_step``) are
+        put back when the attempt ends, ``self.log`` logs nothing while it replays, and the failing step's schedulers
+        are not stepped here: once the Recorder returns, Lightning steps them after the batch, as for every batch,
+        from the state the batch without the culprit rows left."""
+        trainer = self._trainer
+        assert trainer is not None and self._auto_run is not None
+        module: Any = trainer.lightning_module
+        if self._replays is None:
+            self._replays = {"progress": trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.state_dict(),
+                             "log": {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}}
+            module.log = module.log_dict = _no_log
+        meta = batch[META]
+        idx = int(meta["batch_idx"])
+        output = self._auto_run(trainer.optimizers[0], idx, OrderedDict([(BATCH, batch[BATCH]), ("batch_idx", idx)]))
+        self._output = output
+        running = current_step()
+        if running is None or running[0] != self._failing:  # a window step before the failing one: as Lightning did
+            if meta["optimizer_step"]:
+                _step_schedulers(trainer, "step", idx + 1)
+            if meta.get("epoch_end"):
+                _step_schedulers(trainer, "epoch", int(meta["epoch"]) + 1)
+        loss = _loss_of(output)
+        return loss if isinstance(loss, torch.Tensor) else None
+
+    def _leave_replays(self) -> None:
+        saved, self._replays = self._replays, None
+        if saved is None or self._trainer is None:
+            return
+        module: Any = self._trainer.lightning_module
+        self._trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.load_state_dict(saved["progress"])
+        for name in ("log", "log_dict"):
+            module.__dict__.pop(name, None)
+        module.__dict__.update(saved["log"])
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning steps a ReduceLROnPlateau on the metrics right after a validation, between training batches
@@ -172,6 +270,42 @@ class ReprokitCallback(Callback):
         for loop in getattr(self, "_restore", ()):
             loop.__dict__.pop("run", None)  # the class's run again
         self._restore = ()
+
+
+def _refuse_what_skip_cannot_do(trainer: pl.Trainer, module: pl.LightningModule, me: Callback) -> None:
+    """``on_failure="skip"`` replays a failing batch's window on the live trainer, several times, and goes on from the
+    last replay: refused, before the first batch, where that cannot leave the run as one whose data never held the
+    culprit rows."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    why = []
+    callbacks: list[Any] = list(getattr(trainer, "callbacks", []))
+    if not module.automatic_optimization:
+        why.append("manual optimization (automatic_optimization = False): training_step steps the optimizer and its "
+                   "schedulers itself, and Lightning's counters of those steps cannot be told from a replay's")
+    if len(trainer.optimizers) != 1:
+        why.append(f"{len(trainer.optimizers)} optimizers: the callback records one")
+    if trainer.accumulate_grad_batches != 1 or any(isinstance(c, GradientAccumulationScheduler)
+                                                   for c in callbacks):
+        why.append(f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}, or a "
+                   "GradientAccumulationScheduler): Lightning decides from its live batch counters whether a batch "
+                   "steps the optimizer, so a replay of an earlier batch of the window would step where the recorded "
+                   "one accumulated")
+    if trainer.strategy.handles_gradient_accumulation:
+        why.append(f"the {type(trainer.strategy).__name__} strategy, which steps the optimizer itself")
+    if trainer.world_size > 1:
+        why.append(f"{trainer.world_size} processes (strategy={type(trainer.strategy).__name__}): a skip through the "
+                   "Lightning callback is for one process (use reprokit.Recorder under torchrun to skip on several "
+                   "ranks)")
+    hooked = sorted({f"{type(c).__qualname__}.{h}" for c in callbacks if c is not me for h in IN_STEP_HOOKS
+                     if getattr(type(c), h, None) is not getattr(Callback, h)})
+    if hooked:
+        why.append(f"callback hooks that run inside the batch's optimization ({', '.join(hooked)}): the replays of a "
+                   "skip would call them again, or, without them, replay another run than the recorded one")
+    if why:
+        raise ConfigError.option("on_failure", f"{{opt}}=\"skip\" through the Lightning callback cannot skip in this "
+                                               f"run: {'; '.join(why)}. Record with {{opt}}=\"raise\" (the default), "
+                                               f"or change the run (see {GUIDE})")
 
 
 def _describe(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[TrainState, dict[str, Any]]:

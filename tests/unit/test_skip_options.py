@@ -84,12 +84,17 @@ def test_mask_rows_neutralises_every_other_row_and_keeps_indices():
 
 
 @pytest.mark.slow
-def test_the_lightning_callback_refuses_skip_at_construction():
+def test_the_lightning_callback_checks_the_skip_options_at_construction():
     pytest.importorskip("lightning")
     from reprokit.integrations.lightning import ReprokitCallback
 
-    with pytest.raises(reprokit.ConfigError, match=r"on_failure='skip' is not supported through the Lightning callback"):
-        ReprokitCallback(out_dir="repros", on_failure="skip")
     with pytest.raises(reprokit.ConfigError, match="on_failure must be one of 'raise', 'skip'"):
         ReprokitCallback(out_dir="repros", on_failure="bogus")
-    ReprokitCallback(out_dir="repros", on_failure="raise")
+    with pytest.raises(reprokit.ConfigError, match="skip_budget_s must be a positive number of seconds"):
+        ReprokitCallback(out_dir="repros", on_failure="skip", skip_budget_s=0)
+    with pytest.raises(reprokit.ConfigError, match="max_skips must be an integer >= 1"):
+        ReprokitCallback(out_dir="repros", on_failure="skip", max_skips=0)
+    with pytest.raises(reprokit.ConfigError, match=r"max_lag=2 with on_failure=\"skip\""):
+        ReprokitCallback(out_dir="repros", on_failure="skip", max_lag=2)
+    ReprokitCallback(out_dir="repros", on_failure="skip")  # what the Trainer allows is checked at on_fit_start
+    ReprokitCallback(out_dir="repros", on_failure="raise", max_lag=2)
