@@ -692,6 +692,12 @@ class Recorder:
         finally:
             self._skips.exceptions_end_the_loop = None
 
+    def without_skipped(self, batch: Any) -> Any:
+        """``batch`` without its rows whose dataset index is in ``skip_indices`` (``batch`` itself when there are
+        none, or no ``skip_indices``): what :meth:`step` trains on. A framework that owns its loop trains on what
+        this returns and hands that to :meth:`begin_step`, so that the recorded batch is the one trained on."""
+        return self._skips.filter(batch, self.step_index)
+
     def skip_step(self, message: str) -> None:
         """Count a step that cannot be recorded (a framework's step that ``train_step`` could not replay): the
         step index moves on as the framework's does, and the window is dropped, so no bundle is written until the

@@ -189,7 +189,7 @@ class ReprokitCallback(Callback):
         self._output = None
         self._failing = rec.step_index
         # skip_indices (a skipping run's reprokit.skip_list): their rows leave the batch Lightning trains on too.
-        batch = rec._skips.filter({BATCH: kwargs[BATCH], META: meta}, rec.step_index)
+        batch = rec.without_skipped({BATCH: kwargs[BATCH], META: meta})
         kwargs[BATCH] = batch[BATCH]
         rec.begin_step(batch)
         try:
