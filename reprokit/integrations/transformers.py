@@ -45,7 +45,7 @@ from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArg
 from transformers.trainer_utils import IntervalStrategy
 
 from reprokit.code import ref_label, ref_of, resolve_project
-from reprokit.errors import BundleError, CaptureError, CodeLoadError, StateMismatchError
+from reprokit.errors import BundleError, CaptureError, CodeLoadError, ConfigError, StateMismatchError
 from reprokit.record import Recorder
 from reprokit.state import TrainState
 
@@ -300,6 +300,14 @@ class ReprokitCallback(TrainerCallback):
         for key in ("build", "config", "train_step"):
             if key in recorder_options:
                 raise CaptureError(f"ReprokitCallback makes {key} itself (the Trainer's own); drop {key}=")
+        if recorder_options.get("skip_indices") is not None:
+            # The Trainer counts the update's items (num_items_in_batch) before any step sees its micro-batches, so
+            # rows dropped there would train on a loss scaled for rows that are gone.
+            raise ConfigError.option("skip_indices", "{opt} is not supported through the Hugging Face Trainer "
+                                                     "callback: leave those samples out of the dataset instead, e.g. "
+                                                     "`bad = set(reprokit.skip_list(out_dir)); train_dataset = "
+                                                     "train_dataset.select([i for i in range(len(train_dataset)) if i "
+                                                     "not in bad])`")
         self.out_dir = Path(out_dir)
         self.options = recorder_options
         self.recorder: Recorder | None = None

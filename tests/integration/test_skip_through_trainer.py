@@ -1,7 +1,7 @@
 """``ReprokitCallback(on_failure="skip")`` on a real Hugging Face ``Trainer`` (tiny GPT-2, CPU, dropout on, two
 micro-batches per update): two poisoned samples are skipped row by row inside their micro-batches, and the Trainer
 ends bit-identical to one whose collator never let those samples into their batches (same seed, same sampler order).
-The Lightning callback refuses the option (see tests/unit/test_skip_options.py)."""
+``skip_indices`` is refused through this callback (the Trainer counts an update's items before any step sees them)."""
 
 from __future__ import annotations
 
@@ -77,3 +77,9 @@ def test_two_poisoned_samples_are_skipped_through_the_trainer_callback(tmp_path)
     assert reprokit.skip_list(tmp_path / "repros") == BAD
     said = [str(w.message) for w in caught if issubclass(w.category, reprokit.RecorderWarning)]
     assert sum("skipped dataset indices" in s for s in said) == 2
+
+
+def test_skip_indices_through_the_trainer_callback_is_refused_naming_what_to_do():
+    with pytest.raises(reprokit.ConfigError, match=r"skip_indices is not supported through the Hugging Face Trainer "
+                                                   r"callback: leave those samples out of the dataset instead"):
+        ReprokitCallback(out_dir="unused", on_failure="skip", skip_indices=[3, 5])
