@@ -67,6 +67,21 @@ class Attempt:
 
 
 @dataclass
+class CommandRun:
+    """A ``python -m reprokit ARGS`` command run in a process forked by the server
+    (:meth:`IsolatedRunner.run_command`): its exit status (negative: killed by that signal; None: killed past its time
+    limit) and what it wrote on its standard output and error."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+@dataclass
 class _Child:
     proc: subprocess.Popen
     events: int
@@ -89,7 +104,10 @@ class IsolatedRunner:
         ('reproduced', {'signal': 'SIGSEGV', 'step': 37, ...})
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, empty_cwd: bool = False) -> None:
+        """``empty_cwd``: run the fork server in an empty folder of its own rather than in this process's working
+        directory, so that no module of the caller's folder can be imported there (the folder ``python -m`` puts
+        first on ``sys.path``); :meth:`run_command` wants that."""
         from reprokit.code import child_env
 
         self._tmp = Path(tempfile.mkdtemp(prefix="reprokit-isolate-"))
@@ -97,6 +115,10 @@ class IsolatedRunner:
         env = child_env(self._tmp)  # the children's code copies go there: removed with it, even after a kill
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         self._env = env
+        self._cwd: Path | None = None
+        if empty_cwd:
+            self._cwd = self._tmp / "cwd"
+            self._cwd.mkdir()
         self._child: _Child | None = None
         self.starts = 0
         """Fork servers started (one, unless one died)."""
@@ -188,6 +210,65 @@ class IsolatedRunner:
         failure = death_failure(end["returncode"], got.get("died"), started, finished, tail, pid)
         return died(failure, recorded, finished, time.perf_counter() - t0, end["peak_rss_bytes"])
 
+    def run_command(self, argv: list[str], *, cwd: str | Path, timeout: float | None = None) -> CommandRun:
+        """Run ``python -m reprokit ARGV`` from the folder ``cwd`` in a process forked by the server, as a fresh
+        process started there would run it, less the seconds of importing torch: ``cwd`` first on ``sys.path`` (in
+        place of the server's folder), stdin empty, stdout and stderr captured, its exit status returned. Nothing of
+        what the command imports (user code) stays: the server never imports it, and the process goes at the end.
+        Past ``timeout`` seconds the process is killed (``returncode`` None), as ``subprocess.run`` would.
+
+        Example:
+            >>> with IsolatedRunner() as runner:                                                   # doctest: +SKIP
+            ...     run = runner.run_command(["replay", "bundle-x", "--json"], cwd="/tmp/checkout", timeout=600)
+            >>> run.returncode, run.stdout                                                          # doctest: +SKIP
+            (1, '{"verdict": "deterministic", ...}')
+        """
+        child = self._ready_child()
+        n = self.attempts
+        out, err = self._tmp / f"command-{n}.out", self._tmp / f"command-{n}.err"
+        request = {"argv": [str(a) for a in argv], "cwd": str(Path(cwd).resolve()), "stdout": str(out),
+                   "stderr": str(err)}
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        self.attempts += 1
+        got: dict[str, dict[str, Any]] = {}
+        try:
+            assert child.proc.stdin is not None
+            child.proc.stdin.write(json.dumps(request) + "\n")
+            child.proc.stdin.flush()
+        except OSError:
+            pass  # the server died since it said it was ready: the events pipe says so next
+        returncode: int | None
+        while True:
+            event = self._next_event(child, deadline)
+            if event is None:  # the server itself died (killed from outside): so did the command
+                rc, _ = self._reap(child)
+                self._child = None
+                returncode = rc if rc < 0 else -signal.SIGKILL
+                break
+            if event["event"] == "timeout" and "forked" not in got:  # the server goes; the next call starts another
+                self._killed(child)  # counts the death
+                returncode = None
+                break
+            if event["event"] == "timeout":
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(got["forked"]["pid"], signal.SIGKILL)  # the server reports its exit next
+                got["timeout"], deadline = event, None
+            elif event["event"] == "exit":
+                returncode = None if "timeout" in got else event["returncode"]
+                break
+            else:
+                got[event["event"]] = event
+        if event is None or (event["event"] == "exit" and (returncode is None or returncode < 0)):
+            self.deaths += 1
+        texts = []
+        for f in (out, err):
+            try:
+                texts.append(f.read_text(errors="replace"))
+                f.unlink()
+            except OSError:
+                texts.append("")
+        return CommandRun(returncode, texts[0], texts[1])
+
     # -- children ------------------------------------------------------------------------------------------------
 
     def _spawn(self) -> _Child:
@@ -197,7 +278,7 @@ class IsolatedRunner:
             with open(log, "wb") as out:
                 proc = subprocess.Popen([sys.executable, "-m", "reprokit.isolation_server", str(write)], stdin=subprocess.PIPE,
                                         stdout=out, stderr=subprocess.STDOUT, pass_fds=(write,), env=self._env,
-                                        text=True)
+                                        text=True, cwd=self._cwd)
         except BaseException:
             os.close(read)
             raise
@@ -414,5 +495,5 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-__all__ = ["FROM_OUTSIDE", "KILLED_FROM_OUTSIDE", "STOPPED_FROM_OUTSIDE", "Attempt", "IsolatedRunner", "death_failure",
-           "died"]
+__all__ = ["FROM_OUTSIDE", "KILLED_FROM_OUTSIDE", "STOPPED_FROM_OUTSIDE", "Attempt", "CommandRun", "IsolatedRunner",
+           "death_failure", "died"]

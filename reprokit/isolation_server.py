@@ -1,13 +1,19 @@
 """The child side of :mod:`reprokit.isolation`: a fork server that imports torch and reprokit once, then runs each
 replay attempt it is asked for in a forked process of its own and reports the attempt's events, exit status and peak
-memory to the parent on a pipe. Run as ``python -m reprokit.isolation_server FD``; it never runs user code itself.
+memory to the parent on a pipe. It also runs a whole ``python -m reprokit ARGS`` command from a folder in a forked
+process (:meth:`reprokit.isolation.IsolatedRunner.run_command`). Run as ``python -m reprokit.isolation_server FD``; it
+never runs user code itself.
 """
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import json
 import os
+import runpy
 import sys
+import traceback
 from typing import IO, Any
 
 from reprokit import errors
@@ -48,12 +54,64 @@ def _attempt(fd: int, req: dict[str, Any]) -> None:
     s.drop_code_copy()
 
 
+_CWD_ENTRY: str | None = None
+"""The entry ``python -m`` put first on the server's ``sys.path`` for its working directory (None under ``-P``)."""
+
+
+def _command(fd: int, req: dict[str, Any]) -> None:
+    """Run ``python -m reprokit ARGV`` from the folder ``cwd`` in this (forked) process, as a fresh process started
+    there would, less the imports: the folder first on ``sys.path`` in place of the server's own, standard output and
+    error to the files named, nothing to read on standard input, no ``faulthandler`` unless asked for
+    (``PYTHONFAULTHANDLER``), ``atexit`` handlers run at the end. Never returns: the process exits with the command's
+    status."""
+    _send(fd, {"event": "forked", "pid": os.getpid()})
+    code = 1
+    try:
+        if not os.environ.get("PYTHONFAULTHANDLER"):
+            faulthandler.disable()
+        for target, path, flags in ((0, os.devnull, os.O_RDONLY),
+                                    (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                                    (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+            f = os.open(path, flags, 0o600)
+            os.dup2(f, target)
+            os.close(f)
+        os.chdir(req["cwd"])
+        if _CWD_ENTRY is not None and sys.path and sys.path[0] == _CWD_ENTRY:
+            sys.path[0] = os.getcwd()  # what ``python -m`` puts first when started in this folder
+        sys.argv = ["-m", *req["argv"]]  # run_module sets argv[0] to reprokit's __main__.py, as ``python -m`` does
+        try:
+            runpy.run_module("reprokit", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:  # what the interpreter makes of it at exit
+            if e.code is None:
+                code = 0
+            elif isinstance(e.code, int):
+                code = e.code
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:  # an uncaught exception: its traceback, exit status 1
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code & 0xFF)
+
+
 def _serve(fd: int, requests: IO[str]) -> None:
     """The fork server: one forked process per request, waited for; its exit status and peak memory reported."""
     _send(fd, {"event": "ready", "pid": os.getpid()})
     for line in requests:
         req = json.loads(line)
+        if "argv" in req:
+            import reprokit.cli  # noqa: F401 - once here rather than in each command's process (no user code)
+        sys.stdout.flush()  # nothing of the server's own buffered output may end in a forked process's files
+        sys.stderr.flush()
         pid = os.fork()
+        if pid == 0 and "argv" in req:
+            _command(fd, req)
         if pid == 0:
             code = 0
             try:
@@ -80,8 +138,10 @@ def _preload() -> None:
 
 def main(argv: list[str]) -> None:
     """``python -m reprokit.isolation_server FD``: serve replay requests (JSON lines on stdin), events on file FD."""
-    import faulthandler
+    global _CWD_ENTRY
 
+    if not getattr(sys.flags, "safe_path", False) and sys.path and sys.path[0] == os.getcwd():  # no -P (3.11+)
+        _CWD_ENTRY = sys.path[0]
     fd = int(argv[0])
     os.set_inheritable(fd, False)  # programs the step runs (exec) must not keep the parent's end-of-file away
     faulthandler.enable(all_threads=True)  # a segfault's Python traceback goes to the log the parent keeps

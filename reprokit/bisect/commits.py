@@ -2,8 +2,10 @@
 
 Each probe checks the commit out into a temporary ``git worktree`` (the user's
 working tree, index, branch and stash are never touched) and replays the
-bundle in a subprocess with ``--code`` pointing there, so no module state
-leaks between commits. Verdicts: same failure = bad, passes = good; the code
+bundle with ``python -m reprokit replay --code <worktree>`` run from there, in a
+process of its own forked from a server that imported torch once and never
+imports user code (:meth:`reprokit.isolation.IsolatedRunner.run_command`), so no
+module state leaks between commits. Verdicts: same failure = bad, passes = good; the code
 does not import, ``build`` fails, the state does not fit, a different failure
 or a timeout = skip, with the reason (like ``git bisect run``'s exit 125).
 The search follows ancestry, not one ordering of the range (see :func:`_search`), so
@@ -17,8 +19,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -132,6 +132,16 @@ class _Prober:
         self.times = 1
         """Replays of the commit being probed (the bad end's are checked for flakiness)."""
         self.probes: list[Probe] = []
+        self._runner: Any = None  # IsolatedRunner, started at the first replay
+
+    def __enter__(self) -> _Prober:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop the fork server the replays ran from (if one was started)."""
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
 
     def probe(self, sha: str, role: str = "search", times: int = 1) -> Probe:
         if sha in self.cache:
@@ -162,16 +172,20 @@ class _Prober:
     def _replay(self, code: Path) -> tuple[str, str]:
         if not code.is_dir():
             return "skip", f"the project folder {self.subdir!r} does not exist at this commit"
-        cmd = [sys.executable, "-m", "reprokit", "replay", str(self.bundle.path.resolve()), "--code", str(code),
-               *entry_args(self.bundle.run["refs"]), "--json", "--times", str(self.times)]
+        args = ["replay", str(self.bundle.path.resolve()), "--code", str(code), *entry_args(self.bundle.run["refs"]),
+                "--json", "--times", str(self.times)]
         if self.device:
-            cmd += ["--device", self.device]
-        try:
-            # Run from the checked-out tree: ``python -m`` puts the working directory first on sys.path, and the
-            # caller's (their own checkout, with files this commit lacks, such as one never committed) would let
-            # a commit that does not build import them and be judged on code it does not have.
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout, cwd=code)
-        except subprocess.TimeoutExpired:
+            args += ["--device", self.device]
+        if self._runner is None:
+            from reprokit.isolation import IsolatedRunner
+
+            self._runner = IsolatedRunner(empty_cwd=True)
+        # Run from the checked-out tree: ``python -m`` puts the working directory first on sys.path, and the caller's
+        # (their own checkout, with files this commit lacks, such as one never committed) would let a commit that does
+        # not build import them and be judged on code it does not have. The fork server itself runs in an empty
+        # folder and imports no user code, so nothing of one commit is there when the next one is probed.
+        proc = self._runner.run_command(args, cwd=code, timeout=self.timeout)
+        if proc.timed_out:
             return "skip", f"replay timed out after {self.timeout:g}s"
         err = proc.stderr
         # The CLI's own message ("Error: ...", possibly over several lines), else the last line printed.
@@ -225,31 +239,31 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
     commits, parents = _range(r, good_sha, bad_sha, first_parent)
     if not commits:
         raise BisectError(f"no commits between --good {good} and --bad {bad}")
-    prober = _Prober(r, b, subdir, timeout, device)
+    with _Prober(r, b, subdir, timeout, device) as prober:
 
-    def step(p: Probe) -> Probe:
-        if progress:
-            progress(p, len(commits))
-        return p
+        def step(p: Probe) -> Probe:
+            if progress:
+                progress(p, len(commits))
+            return p
 
-    # Sanity checks first: the bad end must fail the same way and the good end must pass.
-    end = step(prober.probe(bad_sha, "bad end", times=END_REPLAYS))
-    if end.verdict == "flaky":
-        raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) {end.reason}: a failure that does not recur on every "
-                          "replay would let a lucky pass call a bad commit good. Make it deterministic first "
-                          "(`reprokit replay BUNDLE --times 5`; a random generator outside state.extra, or state kept "
-                          "outside train_step, are the usual causes)")
-    if end.verdict != "bad":
-        raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) does not fail the same way ({end.verdict}: "
-                          f"{end.reason}); check --bad, or that this bundle reproduces at all{_dirty_note(git_env)}"
-                          f"{_elsewhere_note(r, git_env)}")
-    start = step(prober.probe(good_sha, "good end"))
-    if start.verdict != "good":
-        raise BisectError(f"the good end {good} ({good_sha[:10]}) does not pass ({start.verdict}: {start.reason}); "
-                          "pick an older --good")
-    first, candidates, skipped = _search(commits, parents, lambda sha: step(prober.probe(sha)).verdict)
-    return CommitBisectResult(first, candidates, prober.probes, len(commits), _info(r, first) if first else None,
-                              skipped)
+        # Sanity checks first: the bad end must fail the same way and the good end must pass.
+        end = step(prober.probe(bad_sha, "bad end", times=END_REPLAYS))
+        if end.verdict == "flaky":
+            raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) {end.reason}: a failure that does not recur on "
+                              "every replay would let a lucky pass call a bad commit good. Make it deterministic first "
+                              "(`reprokit replay BUNDLE --times 5`; a random generator outside state.extra, or state "
+                              "kept outside train_step, are the usual causes)")
+        if end.verdict != "bad":
+            raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) does not fail the same way ({end.verdict}: "
+                              f"{end.reason}); check --bad, or that this bundle reproduces at all"
+                              f"{_dirty_note(git_env)}{_elsewhere_note(r, git_env)}")
+        start = step(prober.probe(good_sha, "good end"))
+        if start.verdict != "good":
+            raise BisectError(f"the good end {good} ({good_sha[:10]}) does not pass ({start.verdict}: "
+                              f"{start.reason}); pick an older --good")
+        first, candidates, skipped = _search(commits, parents, lambda sha: step(prober.probe(sha)).verdict)
+        return CommitBisectResult(first, candidates, prober.probes, len(commits),
+                                  _info(r, first) if first else None, skipped)
 
 
 def _range(repo: Any, good: str, bad: str, first_parent: bool) -> tuple[list[str], list[list[int]]]:
