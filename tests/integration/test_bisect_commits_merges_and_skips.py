@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import git
 import pytest
 
 from reprokit.bisect import BisectError, bisect_commits
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))
 from test_bisect_commits import ACTOR, TRAINER, record_at  # noqa: E402
 
 sys.path.pop(0)
@@ -207,3 +209,54 @@ def test_a_bug_in_uncommitted_changes_is_named_when_the_bad_end_passes(tmp_path,
     with pytest.raises(BisectError, match=r"bad end .* does not fail the same way \(good.*uncommitted changes "
                                           r"\(trainer.py\): no commit holds them"):
         bisect_commits(bundle, good=shas[0], bad="HEAD", repo=proj)
+
+
+def _reprokit_processes_below(pid):
+    """The command lines of the live processes below ``pid`` that run reprokit (from /proc: each process's parent;
+    gitpython's own ``git cat-file`` helpers are left out)."""
+    parent, cmdline = {}, {}
+    for d in Path("/proc").iterdir():
+        try:
+            parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        ppid = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == ppid]
+        out += [cmdline[k] for k in kids if "reprokit" in cmdline[k]]
+        todo += kids
+    return out
+
+
+HANGING_STEP = '''
+_real_step = train_step
+
+
+def train_step(state, batch):  # noqa: F811 - a deadlock, as far as the bisect can tell
+    import time
+    time.sleep(600)
+    return _real_step(state, batch)
+'''
+
+
+@pytest.mark.slow
+def test_a_commit_whose_replay_hangs_is_skipped_at_its_time_limit_and_the_next_probe_runs(tmp_path, monkeypatch):
+    """Commit 2's step never returns: its replay is killed at --timeout and the commit skipped with that reason; the
+    probes after it still run (the bad end, commit 3, is where the bug came in), and no process is left behind."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    repo = git.Repo.init(proj)
+    shas = []
+    for k in range(1, 5):
+        _write(proj, k < 3, f"change {k}\n", extra=HANGING_STEP if k == 2 else "")
+        shas.append(_commit(repo, f"commit {k}").hexsha)
+    bundle = _record(proj, tmp_path / "r", monkeypatch)
+    r = bisect_commits(bundle, good=shas[0], bad=shas[-1], timeout=30)
+    verdicts = {shas.index(p.sha) + 1: (p.verdict, p.reason) for p in r.probes}
+    assert verdicts[2] == ("skip", "replay timed out after 30s"), verdicts
+    assert verdicts[3][0] == "bad" and verdicts[4][0] == "bad", verdicts
+    assert r.first_bad is None and r.candidates == shas[1:3] and r.skipped == [shas[1]], verdicts
+    assert _reprokit_processes_below(os.getpid()) == [], "a replay's process or the fork server outlived the bisect"
+    assert len(repo.git.worktree("list").splitlines()) == 1
