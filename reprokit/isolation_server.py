@@ -13,7 +13,6 @@ import json
 import os
 import runpy
 import sys
-import traceback
 from typing import IO, Any
 
 from reprokit import errors
@@ -90,8 +89,8 @@ def _command(fd: int, req: dict[str, Any]) -> None:
             else:
                 print(e.code, file=sys.stderr)
                 code = 1
-        except BaseException:  # an uncaught exception: its traceback, exit status 1
-            traceback.print_exc()
+        except BaseException:  # an uncaught exception: reported as the interpreter does, exit status 1
+            sys.excepthook(*sys.exc_info())
             code = 1
         atexit._run_exitfuncs()
     finally:
