@@ -138,9 +138,9 @@ def _text(path: Path) -> str:
 
 
 def _child(req: dict[str, Any]) -> None:
+    import atexit
     import runpy
     import tempfile
-    import traceback
 
     code = 0
     try:
@@ -167,8 +167,10 @@ def _child(req: dict[str, Any]) -> None:
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as the interpreter reports an uncaught exception (notes included)
         code = 1
+    try:
+        atexit._run_exitfuncs()  # what the interpreter runs at a normal exit (a recorder's flight log closes there)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
