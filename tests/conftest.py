@@ -69,19 +69,15 @@ def nan_bundle(shared_nan_bundle: Path, tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def fork_server() -> Iterator[object]:
-    """One fork server per test process (each xdist worker), shared: :class:`rk_forked.ForkedRuns` started with this
-    process's environment (this checkout first on ``PYTHONPATH``). A test that runs an example script or a
-    ``python -m reprokit`` command in a process of its own, where the fresh interpreter's start-up is not what it
-    tests, forks it from there (``fork_server.capture(...)``, ``fork_server.reprokit(...)``) instead of paying a torch
-    import per process."""
-    import os
+def fork_server() -> object:
+    """This test process's fork server (each xdist worker has one), shared: :func:`rk_forked.shared`, a
+    :class:`rk_forked.ForkedRuns` started with this process's environment (this checkout first on ``PYTHONPATH``). A
+    test that runs an example script or a ``python -m reprokit`` command in a process of its own, where the fresh
+    interpreter's start-up is not what it tests, forks it from there (``fork_server.capture(...)``,
+    ``fork_server.reprokit(...)``) instead of paying a torch import per process."""
+    from rk_forked import shared
 
-    from rk_forked import ROOT, ForkedRuns
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    with ForkedRuns(env=env) as runs:
-        yield runs
+    return shared()
 
 
 @pytest.fixture(autouse=True)

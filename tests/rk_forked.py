@@ -91,17 +91,20 @@ class ForkedRuns:
         return self.wait()
 
     def capture(self, argv: list[Any], *, cwd: Path | str, script: Path | None = None, module: str | None = None,
-                env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+                env: dict[str, str] | None = None, replace_env: bool = False,
+                timeout: float = 600) -> subprocess.CompletedProcess:
         """Run ``python SCRIPT ARGV`` or ``python -m MODULE ARGV`` from ``cwd`` in a forked process, stdin empty,
         and return what ``subprocess.run(..., capture_output=True, text=True)`` would: ``returncode``, ``stdout``,
-        ``stderr``. ``env``: variables set on top of the server's environment. Past ``timeout`` seconds the process
-        is killed (``returncode`` -9, and its stderr says so)."""
+        ``stderr``. ``env``: variables set on top of the server's environment, or the whole environment with
+        ``replace_env`` (as ``subprocess.run(env=...)``; what the process starts gets exactly that). Past ``timeout``
+        seconds the process is killed (``returncode`` -9, and its stderr says so)."""
         assert (script is None) != (module is None), "a script or a module"
         assert self._proc.stdin is not None
         out = Path(tempfile.mkdtemp(prefix="rk-forked-"))
         try:
             req = {"script": str(script) if script else None, "module": module, "argv": [str(a) for a in argv],
-                   "cwd": str(cwd), "env": env or {}, "stdout": str(out / "stdout"), "stderr": str(out / "stderr")}
+                   "cwd": str(cwd), "env": env or {}, "replace_env": replace_env, "stdout": str(out / "stdout"),
+                   "stderr": str(out / "stderr")}
             self._proc.stdin.write(json.dumps(req) + "\n")
             self._proc.stdin.flush()
             pid, fired = int(self._read()["pid"]), []
@@ -130,6 +133,23 @@ class ForkedRuns:
         return self.capture(list(args), cwd=cwd, module="reprokit", env=env)
 
 
+_SHARED: ForkedRuns | None = None
+
+
+def shared() -> ForkedRuns:
+    """This test process's fork server, started at the first call (this process's environment, this checkout first
+    on ``PYTHONPATH``) and stopped when the process exits; the ``fork_server`` fixture and ``rk_testing.torchrun``
+    use it."""
+    global _SHARED
+    if _SHARED is None or _SHARED._proc.poll() is not None:
+        import atexit
+
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        _SHARED = ForkedRuns(env=env)
+        atexit.register(_SHARED.close)
+    return _SHARED
+
+
 def _text(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
@@ -152,8 +172,20 @@ def _child(req: dict[str, Any]) -> None:
             os.dup2(fd, target)
             os.close(fd)
         os.chdir(req["cwd"])
+        if req.get("replace_env"):
+            os.environ.clear()
         os.environ.update(req["env"])
-        tempfile.tempdir = None  # TMPDIR as this run's environment says, as a fresh process reads it
+        # What a fresh interpreter reads from its environment at start-up, read again: the temporary folder, the
+        # thread count (torch is imported, its thread pool not yet started), the fault handler.
+        tempfile.tempdir = None
+        if "OMP_NUM_THREADS" in req["env"]:
+            import torch
+
+            torch.set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
+        if os.environ.get("PYTHONFAULTHANDLER"):
+            import faulthandler
+
+            faulthandler.enable()
         if req.get("module"):
             sys.argv = ["-m", *req["argv"]]  # run_module puts the module's file there, as ``python -m`` does
             sys.path[0] = os.getcwd()  # in place of the server's script folder: what ``python -m`` puts first

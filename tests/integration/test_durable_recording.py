@@ -37,18 +37,20 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 @pytest.fixture(scope="module")
-def forked():
-    """One server that imported torch forks every training run of this module (a real process each)."""
-    with ForkedRuns(env=_env()) as runs:
-        yield runs
+def forked(fork_server):
+    """The server that imported torch forks every training run (a real process each, one thread: ``ONE_THREAD``)."""
+    return fork_server
 
 
 def _train(forked: ForkedRuns, tmp_path: Path, crash_step: int, **extra: str) -> subprocess.CompletedProcess[str]:
     """Run the training script (forked, see tests/rk_forked.py) in ``tmp_path``; its output in stdout and stderr."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    code = forked.run(script, [str(tmp_path / "out"), str(crash_step)], cwd=tmp_path, env=extra)
+    code = forked.run(script, [str(tmp_path / "out"), str(crash_step)], cwd=tmp_path, env={**ONE_THREAD, **extra})
     log = (tmp_path / "run.log").read_text()
     return subprocess.CompletedProcess([str(script)], code, log, log)
 
@@ -171,7 +173,7 @@ def test_kills_from_outside_at_random_moments_give_valid_bundles_or_nothing_to_r
             (case / "train.py").write_text(SCRIPT)
             ready = case / "ready"
             pid = forked.start(case / "train.py", [str(case / "out"), "-1"], cwd=case,
-                               env={"STEPS": "100000", "PAUSE": "0.002", "READY": str(ready)})
+                               env={**ONE_THREAD, "STEPS": "100000", "PAUSE": "0.002", "READY": str(ready)})
             deadline = time.monotonic() + 120
             while not ready.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)

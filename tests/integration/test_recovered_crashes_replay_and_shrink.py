@@ -27,21 +27,20 @@ MARKER_ROW = 3  # the script puts its marker at x[3, 2] of step CRASH_STEP's bat
 CRASH_STEP = 37
 
 
-def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "OMP_NUM_THREADS": "1", **extra}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
-def forked():
-    with ForkedRuns(env=_env()) as runs:
-        yield runs
+def forked(fork_server):
+    """The server that imported torch forks the training runs and the reprokit commands (one thread each:
+    ``ONE_THREAD``, which their children inherit)."""
+    return fork_server
 
 
 def _reprokit(forked: ForkedRuns, *args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """``python -m reprokit ARGS`` as its own process (forked): a child it starts may die, reprokit must not.
     ``env``: the script's own variables (DIE_HOW: how its step dies, as in training)."""
-    return forked.capture(list(args), module="reprokit", cwd=cwd, env=env)
+    return forked.capture(list(args), module="reprokit", cwd=cwd, env={**ONE_THREAD, **env})
 
 
 def _recovered_bundle(tmp_path: Path) -> Path:
@@ -56,7 +55,8 @@ def _recovered_bundle(tmp_path: Path) -> Path:
 
 def _start(forked: ForkedRuns, tmp_path: Path, crash_step: int, **env: str) -> int:
     (tmp_path / "train.py").write_text(SCRIPT)
-    return forked.start(tmp_path / "train.py", [str(tmp_path / "out"), str(crash_step)], cwd=tmp_path, env=env)
+    return forked.start(tmp_path / "train.py", [str(tmp_path / "out"), str(crash_step)], cwd=tmp_path,
+                        env={**ONE_THREAD, **env})
 
 
 def _log(tmp_path: Path) -> str:
