@@ -115,6 +115,7 @@ class IsolatedRunner:
         env = child_env(self._tmp)  # the children's code copies go there: removed with it, even after a kill
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         self._env = env
+        self.empty_cwd = empty_cwd
         self._cwd: Path | None = None
         if empty_cwd:
             self._cwd = self._tmp / "cwd"

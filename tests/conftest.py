@@ -80,6 +80,17 @@ def fork_server() -> object:
     return shared()
 
 
+@pytest.fixture(scope="session")
+def bisect_runner() -> Iterator[object]:
+    """One ``IsolatedRunner(empty_cwd=True)`` per test process, passed as ``bisect_commits(runner=...)``: the
+    bisections of the tests that take it fork their probes from one server (torch imported once). Tests of what a
+    bisection does on its own (it starts and stops its server, no process outlives it) leave it out."""
+    from reprokit.isolation import IsolatedRunner
+
+    with IsolatedRunner(empty_cwd=True) as runner:
+        yield runner
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state():
     import torch

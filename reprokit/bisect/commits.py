@@ -29,6 +29,7 @@ from typing import Any
 from reprokit.bundle import Bundle, open_bundle
 from reprokit.code import entry_args
 from reprokit.errors import ReprokitError
+from reprokit.isolation import IsolatedRunner
 from reprokit.signature import summary_line
 
 Progress = Callable[["Probe", int], None]
@@ -126,20 +127,22 @@ def _elsewhere_note(repo: Any, git_env: dict[str, Any]) -> str:
 class _Prober:
     """Checks commits out into throwaway worktrees and replays the bundle against them."""
 
-    def __init__(self, repo: Any, bundle: Bundle, subdir: str, timeout: float, device: str | None):
+    def __init__(self, repo: Any, bundle: Bundle, subdir: str, timeout: float, device: str | None,
+                 runner: IsolatedRunner | None = None):
         self.repo, self.bundle, self.subdir, self.timeout, self.device = repo, bundle, subdir, timeout, device
         self.cache: dict[str, Probe] = {}
         self.times = 1
         """Replays of the commit being probed (the bad end's are checked for flakiness)."""
         self.probes: list[Probe] = []
-        self._runner: Any = None  # IsolatedRunner, started at the first replay
+        self._runner = runner  # the caller's; else one of our own, started at the first replay
+        self._own = runner is None
 
     def __enter__(self) -> _Prober:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Stop the fork server the replays ran from (if one was started)."""
-        if self._runner is not None:
+        """Stop the fork server the replays ran from (if this bisection started one)."""
+        if self._own and self._runner is not None:
             self._runner.close()
             self._runner = None
 
@@ -177,8 +180,6 @@ class _Prober:
         if self.device:
             args += ["--device", self.device]
         if self._runner is None:
-            from reprokit.isolation import IsolatedRunner
-
             self._runner = IsolatedRunner(empty_cwd=True)
         # Run from the checked-out tree: ``python -m`` puts the working directory first on sys.path, and the caller's
         # (their own checkout, with files this commit lacks, such as one never committed) would let a commit that does
@@ -218,8 +219,13 @@ def _describe(f: dict[str, Any] | None) -> str:
 
 def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: str | Path | None = None,
                    first_parent: bool = False, timeout: float = 600.0, device: str | None = None,
-                   progress: Progress | None = None) -> CommitBisectResult:
+                   progress: Progress | None = None, runner: IsolatedRunner | None = None) -> CommitBisectResult:
     """Find the first commit in ``good..bad`` at which the bundle fails the same way.
+
+    Each commit's replay runs in a process forked from a fork server that imported torch (see the module
+    docstring); the bisection starts one and stops it at the end. ``runner``: an
+    ``IsolatedRunner(empty_cwd=True)`` of the caller's, whose server the probes of several bisections share (each
+    probe is still a process of its own that starts from the server's clean state); the caller closes it.
 
     Raises:
         BisectError: when an end is wrong (bad passes, good fails) or a revision is unknown.
@@ -228,6 +234,9 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
         >>> r = bisect_commits("repros/bundle-...", good="v1.2", bad="HEAD")   # doctest: +SKIP
         >>> r.first_bad                                                          # doctest: +SKIP
     """
+    if runner is not None and not runner.empty_cwd:
+        raise ValueError("bisect_commits(runner=...) needs an IsolatedRunner(empty_cwd=True): a fork server in the "
+                         "caller's folder could import the caller's files where a commit lacks them")
     b = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     git_env = b.env.get("git") or {}
     # The bundle's git.root is where the sender's repository was: information, never the repository to run.
@@ -239,7 +248,7 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
     commits, parents = _range(r, good_sha, bad_sha, first_parent)
     if not commits:
         raise BisectError(f"no commits between --good {good} and --bad {bad}")
-    with _Prober(r, b, subdir, timeout, device) as prober:
+    with _Prober(r, b, subdir, timeout, device, runner) as prober:
 
         def step(p: Probe) -> Probe:
             if progress:

@@ -62,7 +62,7 @@ def _merge_repo(path, bug_branch_len, other_branch_len, bug_on_side):
 
 
 @pytest.mark.slow
-def test_culprit_on_one_side_of_a_merge_is_found_not_the_merge(tmp_path, monkeypatch):
+def test_culprit_on_one_side_of_a_merge_is_found_not_the_merge(tmp_path, monkeypatch, bisect_runner):
     """A short branch brought the bug, a long one did not: probing the long one's commits (good) must not clear
     the short one's. The first bad commit is the branch commit, never the merge (one of whose parents is bad).
     (Every other shape of history: test_search_over_every_culprit_of_a_history_with_merges, without git.)"""
@@ -70,7 +70,7 @@ def test_culprit_on_one_side_of_a_merge_is_found_not_the_merge(tmp_path, monkeyp
     proj.mkdir()
     repo, root, culprit, merge = _merge_repo(proj, 1, 5, bug_on_side=False)
     bundle = _record(proj, tmp_path / "r", monkeypatch)
-    r = bisect_commits(bundle, good=root.hexsha, bad=merge.hexsha)
+    r = bisect_commits(bundle, good=root.hexsha, bad=merge.hexsha, runner=bisect_runner)
     seen = [(repo.commit(p.sha).summary, p.verdict) for p in r.probes]
     assert r.first_bad == culprit.hexsha, seen
     assert all(p.verdict == "bad" for p in r.probes if repo.is_ancestor(culprit.hexsha, p.sha)), seen
@@ -178,7 +178,7 @@ def train_step(state, batch):  # noqa: F811 - the NaN gets through on 2 runs in 
 
 
 @pytest.mark.slow
-def test_a_failure_that_does_not_recur_on_every_replay_is_refused_at_the_bad_end(tmp_path, monkeypatch):
+def test_a_failure_that_does_not_recur_on_every_replay_is_refused_at_the_bad_end(tmp_path, monkeypatch, bisect_runner):
     """Every commit is judged on one replay, so a flaky failure would let a lucky pass call a bad commit good (here
     commit 3, the culprit, passes on the third run overall). The bad end is replayed three times first."""
     proj = tmp_path / "proj"
@@ -190,12 +190,12 @@ def test_a_failure_that_does_not_recur_on_every_replay_is_refused_at_the_bad_end
         shas.append(_commit(repo, f"commit {k}").hexsha)
     bundle = _record(proj, tmp_path / "r", monkeypatch)
     with pytest.raises(BisectError, match=r"bad end .* failed the same way in 2 of 3 replays.*deterministic"):
-        bisect_commits(bundle, good=shas[0], bad=shas[-1])
+        bisect_commits(bundle, good=shas[0], bad=shas[-1], runner=bisect_runner)
     assert len(repo.git.worktree("list").splitlines()) == 1
 
 
 @pytest.mark.slow
-def test_a_bug_in_uncommitted_changes_is_named_when_the_bad_end_passes(tmp_path, monkeypatch):
+def test_a_bug_in_uncommitted_changes_is_named_when_the_bad_end_passes(tmp_path, monkeypatch, bisect_runner):
     """Recorded from a dirty tree whose uncommitted edit is the bug: HEAD passes, and the error says why."""
     proj = tmp_path / "proj"
     proj.mkdir()
@@ -208,12 +208,12 @@ def test_a_bug_in_uncommitted_changes_is_named_when_the_bad_end_passes(tmp_path,
     bundle = _record(proj, tmp_path / "r", monkeypatch)
     with pytest.raises(BisectError, match=r"bad end .* does not fail the same way \(good.*uncommitted changes "
                                           r"\(trainer.py\): no commit holds them"):
-        bisect_commits(bundle, good=shas[0], bad="HEAD", repo=proj)
+        bisect_commits(bundle, good=shas[0], bad="HEAD", repo=proj, runner=bisect_runner)
 
 
 def _reprokit_processes_below(pid):
-    """The command lines of the live processes below ``pid`` that run reprokit (from /proc: each process's parent;
-    gitpython's own ``git cat-file`` helpers are left out)."""
+    """The live processes below ``pid`` that run reprokit, as {pid: command line} (from /proc: each process's
+    parent; gitpython's own ``git cat-file`` helpers are left out)."""
     parent, cmdline = {}, {}
     for d in Path("/proc").iterdir():
         try:
@@ -221,11 +221,11 @@ def _reprokit_processes_below(pid):
             cmdline[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, ValueError):
             continue
-    out, todo = [], [pid]
+    out, todo = {}, [pid]
     while todo:
         ppid = todo.pop()
         kids = [c for c, pp in parent.items() if pp == ppid]
-        out += [cmdline[k] for k in kids if "reprokit" in cmdline[k]]
+        out.update({k: cmdline[k] for k in kids if "reprokit" in cmdline[k]})
         todo += kids
     return out
 
@@ -253,10 +253,12 @@ def test_a_commit_whose_replay_hangs_is_skipped_at_its_time_limit_and_the_next_p
         _write(proj, k < 3, f"change {k}\n", extra=HANGING_STEP if k == 2 else "")
         shas.append(_commit(repo, f"commit {k}").hexsha)
     bundle = _record(proj, tmp_path / "r", monkeypatch)
+    before = _reprokit_processes_below(os.getpid())  # other tests' fork servers, shared by this process
     r = bisect_commits(bundle, good=shas[0], bad=shas[-1], timeout=30)
     verdicts = {shas.index(p.sha) + 1: (p.verdict, p.reason) for p in r.probes}
     assert verdicts[2] == ("skip", "replay timed out after 30s"), verdicts
     assert verdicts[3][0] == "bad" and verdicts[4][0] == "bad", verdicts
     assert r.first_bad is None and r.candidates == shas[1:3] and r.skipped == [shas[1]], verdicts
-    assert _reprokit_processes_below(os.getpid()) == [], "a replay's process or the fork server outlived the bisect"
+    left = {pid: cmd for pid, cmd in _reprokit_processes_below(os.getpid()).items() if pid not in before}
+    assert left == {}, "a replay's process or the fork server outlived the bisect"
     assert len(repo.git.worktree("list").splitlines()) == 1
