@@ -8,7 +8,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 import warnings
@@ -29,12 +28,6 @@ from reprokit.report import format_incident
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = 12345.0
 SCRIPT = (ROOT / "tests" / "projects" / "rk_durable_die.py").read_text()
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", **extra}
-    return env
 
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -306,12 +299,12 @@ DDP_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.slow
 def test_two_ranks_under_torchrun_rank1_killed_in_step_17_recover_to_one_incident_folder(tmp_path):
-    from reprokit.distributed.incident import describe_incident, free_port, rank_bundles
+    from rk_testing import torchrun
+
+    from reprokit.distributed.incident import describe_incident, rank_bundles
 
     (tmp_path / "train_ddp.py").write_text(DDP_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(free_port()), "train_ddp.py", str(tmp_path / "out")],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = torchrun(tmp_path / "train_ddp.py", tmp_path / "out", cwd=tmp_path, timeout=300)
     assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-3000:]
     d = _recover(tmp_path)
     [run] = d["runs"]
