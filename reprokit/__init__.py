@@ -36,13 +36,14 @@ if TYPE_CHECKING:
     from reprokit.record import Recorder
     from reprokit.replayer import ReplayReport, Session, replay
     from reprokit.signature import Failure
+    from reprokit.skip_journal import skip_list
     from reprokit.state import TrainState
 
 _LAZY = {
     "Bundle": "reprokit.bundle", "open_bundle": "reprokit.bundle", "verify": "reprokit.bundle",
     "DetectSettings": "reprokit.detect", "Recorder": "reprokit.record", "ReplayReport": "reprokit.replayer",
     "Session": "reprokit.replayer", "replay": "reprokit.replayer", "Failure": "reprokit.signature",
-    "TrainState": "reprokit.state",
+    "TrainState": "reprokit.state", "skip_list": "reprokit.skip_journal",
 }
 
 
@@ -83,5 +84,6 @@ __all__ = [
     "__version__",
     "open_bundle",
     "replay",
+    "skip_list",
     "verify",
 ]

@@ -40,15 +40,17 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
+from reprokit.archive_limits import Limits
 from reprokit.bundle import _self_digest, schema, sha256_file, verify
 from reprokit.bundle.layout import MANIFEST
 from reprokit.errors import BundleError, BundleVersionError, ConfigError
 
-# This module is imported by the command line's option decorators (Limits), so it must not import torch (nor does
-# reprokit.bundle until tensors are read); reprokit.pack is imported inside the functions that use it.
+# This module must not import torch (nor does reprokit.bundle until tensors are read): verify and inspect of an
+# archive need none; reprokit.pack is imported inside the functions that use it. Limits lives in
+# reprokit.archive_limits, which the command line reads at start-up for its --max-* defaults (reprokit.archive.Limits
+# is the same class).
 PACK_MANIFEST = "pack-manifest.json"  # reprokit.pack.PACK_MANIFEST
 
-GiB = 1 << 30
 MAX_PROBLEMS = 100
 SIDECAR_MAX_BYTES = 4096
 """A ``.sha256`` file holds one line; a larger one is refused unread."""
@@ -61,27 +63,6 @@ MAX_PATH_PARTS = 128
 folders would crash Python's own recursive tree walks (``shutil.rmtree`` of the temp dir among them)."""
 MAX_PAX_NUMBER_DIGITS = 20
 """A pax ``size`` (or record length) is a 64-bit count: more digits are refused before ``int()`` sees them."""
-
-
-@dataclass(kw_only=True, slots=True)
-class Limits:
-    """Caps applied while opening an archive (defaults sized for real model state)."""
-
-    max_members: int = 100_000
-    """Most members (files and directories) an archive may hold."""
-    max_file_bytes: int = 64 * GiB
-    """Largest single file, as declared in its header."""
-    max_total_bytes: int = 256 * GiB
-    """Most bytes, all files together, after decompression."""
-    max_ratio: float = 200.0
-    """Most decompressed bytes per compressed byte, checked once 256 MiB are out (gzip bombs)."""
-    max_header_bytes: int = 1 << 16
-    """Largest extended header (a pax record block, a GNU long name): a path needs a few hundred bytes."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_members", "max_file_bytes", "max_total_bytes", "max_ratio", "max_header_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)}")
 
 
 class _Refused(Exception):

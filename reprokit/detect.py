@@ -30,6 +30,7 @@ import torch
 
 from reprokit import pytree
 from reprokit.detect_settings import DetectSettings
+from reprokit.device_error import is_sticky
 from reprokit.errors import ConfigError, RecorderWarning
 from reprokit.signature import Failure, FailureKind, from_exception
 from reprokit.state import TrainState
@@ -253,7 +254,10 @@ class Monitor:
     def conclude(self, step: int, loss: Any = None, exc: BaseException | None = None) -> StepResult:
         """Read the step's loss and gradient norms and run the detectors; with ``exc``, the step raised it."""
         if exc is not None:
-            self._join()  # an optimizer step that raised never reached the post-hook
+            try:
+                self._join()  # an optimizer step that raised never reached the post-hook
+            except Exception:  # a dead device (a sticky error): the step's own exception is what it says
+                self._unjoined.clear()
             return StepResult(None, None, from_exception(exc, step), exc)
         if isinstance(loss, torch.Tensor):
             if loss.requires_grad:
@@ -264,6 +268,8 @@ class Monitor:
         try:
             loss_f, grad_norm, param_norm = self._read(read, step)
         except Exception as e:  # reprokit's own fault: the run goes on, unchecked for this step, and says so once
+            if is_sticky(e):  # the step's kernels killed the device: its error surfaced in this read
+                return StepResult(None, None, from_exception(e, step), e)
             if not self._hook_warned:
                 self._hook_warned = True
                 warnings.warn(f"reprokit: could not read the loss and norms after step {step}, so that step went "

@@ -17,11 +17,12 @@ FRAMEWORKS = ("transformers", "lightning", "pytorch_lightning", "accelerate")
 _ENV_PREFIXES = ("CUDA_", "CUBLAS_", "CUDNN_", "TORCH_", "PYTORCH_", "NCCL_", "OMP_", "MKL_", "NVIDIA_TF32")
 
 
-def capture_env(code_root: Path | None) -> dict[str, Any]:
+def capture_env(code_root: Path | None, devices: list[str] | None = None) -> dict[str, Any]:
+    """``env.json``. ``devices``: the GPUs' names, read earlier (after a sticky device error no CUDA call may run)."""
     import torch  # here, not at module level: reprokit.pack imports FRAMEWORKS, and opening an archive
     # (inspect) must not import torch, which takes seconds
 
-    cuda = torch.cuda.is_available()
+    cuda = devices is None and torch.cuda.is_available()
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -33,7 +34,8 @@ def capture_env(code_root: Path | None) -> dict[str, Any]:
         "frameworks": {name: v for name in FRAMEWORKS if (v := _version(name)) is not None},
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "devices": devices if devices is not None else
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
         "cpu_threads": torch.get_num_threads(),
         "memory_bytes": _host_memory(),
         "git": git_info(code_root),

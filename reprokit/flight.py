@@ -3,9 +3,13 @@
 ``Recorder(durable=True)`` keeps what it records in memory as always and also writes it under
 ``out_dir/.reprokit-flight/<run id>/rank<k>/``, from the host copies it already makes:
 
-- ``owner.json``: pid, host, start time, run id, rank; ``lock``: an ``fcntl.flock`` held for the process's
-  lifetime (the kernel drops it on any death, so ``reprokit recover`` tells a dead run from a live one without
-  guessing from pids); ``faults.log`` (``faulthandler``: SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) and
+- ``owner.json``: pid (and its start time in clock ticks, from /proc), host, start time, run id, rank; ``lock``: an
+  ``fcntl.flock`` held for the process's lifetime (the kernel drops it on any death, so ``reprokit recover`` and the
+  peers' watchers tell a dead rank from a live one without guessing from pids; a process forked from the rank, a
+  DataLoader worker, closes its copy at once); ``heartbeat``: pid, the step the recorder is at and the wall time,
+  rewritten in place every second by the rank's incident watcher thread (never by the training thread, never
+  fsynced), so that peers on other hosts can tell a rank that stopped (:mod:`reprokit.distributed.peers`);
+  ``faults.log`` (``faulthandler``: SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) and
   ``sigterm.log`` (a SIGTERM, when the process had no handler of its own for it).
 - ``run.json``, ``env.json`` and ``code/``: what a bundle needs that does not change during the run, written once.
 - ``win-<step>/``: one folder per window: the snapshot's tensor files, and ``log``, an append-only file of
@@ -18,11 +22,16 @@ JSON header followed by the tensors as safetensors bytes (never pickle), the dig
 record torn by a death (a short write, a page never written) fails its length or digest check and ends the log:
 the reader keeps the longest prefix of whole records and says what it dropped.
 
-When the batch is on the CPU its record is written before the step function runs, with one plain ``write`` (the
-page cache survives a process death; no fsync on the step path). A CUDA batch reaches host memory only after the
-step's kernels (the recorder's copy is asynchronous): a small ``begn`` record says the step started, and a writer
-thread writes the batch once the copy's event has completed. A death before that loses at most that step's batch
-(and a step still queued behind a snapshot being written). Snapshots are written by the same thread once their
+When the batch is on the CPU its record is written before the step function runs, with one ``os.writev`` of the
+record's buffers straight from the batch's host copy (the page cache survives a process death; no fsync on the
+step path). A record's header is compact JSON from the C encoder; its tensors are never copied into a record-sized
+buffer first. A CUDA batch reaches host memory only after the step's kernels (the recorder's copy is asynchronous):
+a small ``begn`` record says the step started, and a writer thread writes the batch once the copy's event has
+completed. That thread frames the record (its Python work) while the device still runs the step, and only hashes
+and writes it (both release the GIL) once the copy has landed, when the training thread wants the GIL back to start
+the next step. A death before that loses at most that step's batch
+(and a step still queued behind a snapshot being written, or the step before, when the death comes before the
+writer thread got to its landed copy). Snapshots are written by the same thread once their
 copies have landed; at a snapshot's commit the log and folder are fsynced (a host crash keeps what came before),
 and windows older than the committed one are deleted: at most two windows are on disk, the last complete one and
 the one being written (under a process group one more complete window is kept: the ranks' windows must start at a
@@ -52,6 +61,7 @@ import sys
 import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +82,12 @@ CODE = "code"
 FAULTS = "faults.log"
 SIGTERM_LOG = "sigterm.log"
 LOG = "log"
+HEARTBEAT = "heartbeat"
+_BEAT = struct.Struct("<8sQqdqI")
+"""magic, sequence number, step, wall time, pid, crc32 of what comes before it."""
+BEAT_MAGIC = b"RKBEAT01"
+_IOV_MAX = 512
+"""Buffers per ``os.writev`` call (the kernel takes at most ``IOV_MAX``, 1024 on Linux)."""
 SETTLE_WAIT_S = 600.0
 """How long the training thread waits, at most, for the writer to finish with a buffer it is about to reuse."""
 
@@ -90,24 +106,96 @@ def run_id(rank_key: str | None) -> str:
     return f"run-{stamp}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
+# --- the heartbeat ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat as read back (:func:`read_beat`)."""
+
+    seq: int
+    step: int
+    """The step the recorder was at (the last one started, or the next one when between steps)."""
+    time: float
+    """Wall time (``time.time()`` of the writing host) when it was written."""
+    pid: int
+
+
+def encode_beat(seq: int, step: int, when: float, pid: int) -> bytes:
+    head = _BEAT.pack(BEAT_MAGIC, seq, step, when, pid, 0)[:-4]
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def read_beat(path: Path) -> Beat | None:
+    """The heartbeat at ``path``, or None when there is none or it does not check (torn by a concurrent write: read
+    again later)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_BEAT.size)
+    except OSError:
+        return None
+    if len(data) != _BEAT.size:
+        return None
+    magic, seq, step, when, pid, crc = _BEAT.unpack(data)
+    if magic != BEAT_MAGIC or crc != zlib.crc32(data[:-4]):
+        return None
+    return Beat(seq, step, when, pid)
+
+
+def start_ticks(pid: int) -> int:
+    """When ``pid`` started (clock ticks after boot, /proc), 0 where /proc does not say: with the pid, it names one
+    process (a recycled pid has another start)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 # --- records ---------------------------------------------------------------------------------------------------
 
-def encode_record(kind: bytes, header: dict[str, Any], tensors: dict[str, Any] | None = None) -> bytes:
-    """One self-checking record (see the module's docstring)."""
-    from reprokit.bundle import dumps
+def record_parts(kind: bytes, header: dict[str, Any], tensors: dict[str, Any] | None = None) -> list[Any]:
+    """One self-checking record (see the module's docstring) as the buffers it is written from: the framing, the
+    JSON header, the tensors as safetensors straight from their own memory (no copy: ``os.writev`` writes them),
+    and the sha256 over all of it. Tensors must not change until the buffers are written."""
+    return _seal(_frame(kind, header, tensors))
 
-    head = dumps(header)
-    body = b""
+
+def _frame(kind: bytes, header: dict[str, Any], tensors: dict[str, Any] | None) -> list[Any]:
+    """A record without its digest: everything but reading the tensors' bytes, so it can be done before they are
+    filled (a CUDA batch's copy still in flight)."""
+    head = _header_json(header)
+    body: list[Any] = []
     if tensors:
-        from safetensors.torch import save
+        from reprokit.bundle.tensorfile import safetensors_parts
 
-        body = save({k: v.contiguous() for k, v in tensors.items()})
-    payload_len = len(head) + len(body)
-    top = _HEAD.pack(MAGIC, kind, len(head), payload_len)
-    h = hashlib.sha256(top)
-    h.update(head)
-    h.update(body)
-    return b"".join((top, head, body, h.digest()))
+        body = safetensors_parts(tensors)
+    top = _HEAD.pack(MAGIC, kind, len(head), len(head) + sum(len(b) for b in body))
+    return [top, head, *body]
+
+
+def _seal(parts: list[Any]) -> list[Any]:
+    """``parts`` and the sha256 over them (hashlib releases the GIL for all but small pieces)."""
+    h = hashlib.sha256()
+    for b in parts:
+        h.update(b)
+    return [*parts, h.digest()]
+
+
+def encode_record(kind: bytes, header: dict[str, Any], tensors: dict[str, Any] | None = None) -> bytes:
+    """One self-checking record as bytes (see :func:`record_parts`)."""
+    return b"".join(record_parts(kind, header, tensors))
+
+
+def _header_json(header: dict[str, Any]) -> bytes:
+    """A record's header as compact JSON by the C encoder (a step's header is written on the step path); a value
+    that strict JSON cannot hold as it is (a non-finite float, a key that is not a string) goes through the
+    bundle's own encoder, which spells it out."""
+    try:
+        return json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError):
+        from reprokit.bundle import dumps
+
+        return dumps(header)
 
 
 @dataclass
@@ -229,6 +317,22 @@ def _faults_off(faults: Any) -> None:
 
 _live: weakref.WeakSet[FlightLog] = weakref.WeakSet()
 _exit_hook = False
+_fork_hook = False
+
+
+def _after_fork_in_child() -> None:
+    """A process forked from a recording one (a DataLoader worker, ``multiprocessing``) closes its copies of the
+    flight logs' lock and heartbeat descriptors: a ``flock`` lives as long as any copy of its descriptor, so a worker
+    that outlived a killed rank would otherwise keep that rank looking alive. The parent's lock is untouched."""
+    for log in list(_live):
+        for fd in (log._lock_fd, log._beat_fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        log._lock_fd = log._beat_fd = None
+        log.on = False
+        log._thread = None
+        _live.discard(log)
 
 
 def _at_exit() -> None:
@@ -251,6 +355,8 @@ class FlightLog:
         self.on = True
         self.in_step: Callable[[], bool] = lambda: False
         self._lock_fd: int | None = None
+        self._beat_fd: int | None = None
+        self._beat_seq = 0
         self._faults: Any = None
         self._term: Any = None
         self._write_lock = threading.Lock()
@@ -292,8 +398,10 @@ class FlightLog:
                 raise OSError(f"{folder / LOCK} is locked by another live process (two Recorders with one run "
                               "id)") from None
             log._lock_fd = fd
-            _atomic_json(folder / OWNER, {**owner, "pid": os.getpid(), "host": socket.gethostname(),
-                                          "started": time.time(), "run_id": rid})
+            log._beat_fd = os.open(folder / HEARTBEAT, os.O_CREAT | os.O_WRONLY, 0o644)
+            log.beat(0)
+            _atomic_json(folder / OWNER, {**owner, "pid": os.getpid(), "start_ticks": start_ticks(os.getpid()),
+                                          "host": socket.gethostname(), "started": time.time(), "run_id": rid})
             _atomic_json(folder / RUN, run)
             _atomic_json(folder / ENV, env)
             for rel, src in code:
@@ -312,10 +420,13 @@ class FlightLog:
         log._thread = threading.Thread(target=log._run, name="reprokit-flight", daemon=True)
         log._thread.start()
         _live.add(log)
-        global _exit_hook
+        global _exit_hook, _fork_hook
         if not _exit_hook:
             atexit.register(_at_exit)
             _exit_hook = True
+        if not _fork_hook and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_hook = True
         return log
 
     def close(self, remove: bool = True) -> None:
@@ -338,6 +449,10 @@ class FlightLog:
                     with contextlib.suppress(Exception):
                         f.close()
             self._faults = self._term = None
+        if self._beat_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._beat_fd)
+            self._beat_fd = None
         if remove:
             shutil.rmtree(self.folder, ignore_errors=True)
             with contextlib.suppress(OSError):
@@ -363,6 +478,16 @@ class FlightLog:
             self.on = False
             self.warn(f"reprokit: durable recording is off from here on: {why}. Training goes on; a hard crash now "
                       "leaves only what was written before.")
+
+    def beat(self, step: int) -> None:
+        """Rewrite the heartbeat in place (one ``pwrite`` of a few dozen bytes, no fsync): the incident watcher's
+        thread calls this every second, also while the log itself is off after a fault (the rank is alive)."""
+        fd = self._beat_fd
+        if fd is None:
+            return
+        self._beat_seq += 1
+        with contextlib.suppress(OSError):
+            os.pwrite(fd, encode_beat(self._beat_seq, step, time.time(), os.getpid()), 0)
 
     # --- the training thread's side ---
 
@@ -419,33 +544,35 @@ class FlightLog:
         """A small record (no tensors), written now: ``end``, ``drop``, ``bndl``, ``exit``."""
         if self.on:
             try:
-                self._write(encode_record(kind, header))
+                self._write(record_parts(kind, header))
             except Exception as e:
                 self._fail(f"cannot write a {kind.decode().strip()} record ({e!r})")
 
     # --- internals ---
 
-    def _step_record(self, step: int, batch: Any, tensors: dict[str, Any], rng: Any) -> bytes:
+    def _step_record(self, step: int, batch: Any, tensors: dict[str, Any], rng: Any) -> list[Any]:
+        return _seal(self._step_frame(step, batch, tensors, rng))
+
+    def _step_frame(self, step: int, batch: Any, tensors: dict[str, Any], rng: Any) -> list[Any]:
         from reprokit.rng import encode as encode_rng
 
         rng_tree, rng_tensors = encode_rng(rng)
-        return encode_record(b"step", {"step": step, "batch": batch, "rng": rng_tree}, {**tensors, **rng_tensors})
+        return _frame(b"step", {"step": step, "batch": batch, "rng": rng_tree}, {**tensors, **rng_tensors})
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, parts: list[Any]) -> None:
+        """Append one record (its buffers, :func:`record_parts`) whole: the lock keeps another thread's record from
+        landing inside it."""
         t0 = time.perf_counter()
         try:
             with self._write_lock:
                 fd = self._log_fd
                 if fd is None:
                     return
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
+                size = _writev_all(fd, parts)
         except OSError as e:
             self._fail(f"cannot write the flight log ({e.strerror or e})")
             return
-        self.stats["bytes"] += len(data)
+        self.stats["bytes"] += size
         self.stats["records"] += 1
         self.stats["seconds"] += time.perf_counter() - t0
 
@@ -483,9 +610,13 @@ class FlightLog:
                     self._cond.notify_all()
 
     def _write_async_step(self, step: int, batch: Any, tensors: dict[str, Any], rng: Any, events: list[Any]) -> None:
+        # The record's Python work first, while the device still runs the step (the training thread is then
+        # launching it or waiting for it, GIL released), not once its copy has landed, which is when the training
+        # thread wants the GIL back to start the next step.
+        parts = self._step_frame(step, batch, tensors, rng)
         for e in events:
             e.synchronize()  # this thread only: the training thread never waits here
-        self._write(self._step_record(step, batch, tensors, rng))
+        self._write(_seal(parts))
 
     def _write_snapshot(self, step: int, tree: dict[str, Any], tensors: Any, landed: Callable[[], bool] | None) -> None:
         from reprokit.bundle.tensorfile import WrittenFile, shard, write_safetensors
@@ -511,19 +642,23 @@ class FlightLog:
                 files.append({"name": dst.name, "sha256": sha, "size": size})
         with self._write_lock:
             fd = self._log_fd if self._window == step else None
-        data = encode_record(b"snap", {"step": step, "tree": tree, "files": files})
+        data = record_parts(b"snap", {"step": step, "tree": tree, "files": files})
         if fd is None:  # a newer window started meanwhile: append to this window's own log
             fd = os.open(folder / LOG, os.O_WRONLY | os.O_APPEND)
             try:
-                os.write(fd, data)
+                _writev_all(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
         else:
             self._write(data)
-            with self._write_lock:
-                if self._log_fd is not None:
-                    os.fsync(self._log_fd)
+            with self._write_lock:  # a copy of the descriptor: the fsync runs without the lock, so the training
+                own = os.dup(self._log_fd) if self._log_fd is not None else None  # thread's next record never waits
+            if own is not None:
+                try:
+                    os.fsync(own)
+                finally:
+                    os.close(own)
         _fsync_dir(folder)
         self.stats["fsyncs"] += 1
         self.stats["bytes"] += sum(f["size"] for f in files)
@@ -538,6 +673,20 @@ class FlightLog:
 
     def windows_on_disk(self) -> list[str]:
         return sorted(p.name for p in self.folder.glob("win-*"))
+
+
+def _writev_all(fd: int, parts: list[Any]) -> int:
+    """Write every buffer of ``parts`` in order (``os.writev``, a short write resumed where it stopped); the bytes."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    total = sum(len(v) for v in views)
+    while views:
+        n = os.writev(fd, views[:_IOV_MAX])
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return total
 
 
 def _atomic_json(path: Path, doc: Any) -> None:

@@ -64,6 +64,8 @@ class Attempt:
     same_device: bool = False
     peak_rss_bytes: int | None = None
     timed_out: bool = False
+    triage: dict[str, Any] | None = None
+    """For a triage request (``attempt(triage=True)``): what :func:`reprokit.triage.watched_run` found."""
 
 
 @dataclass
@@ -104,15 +106,16 @@ class IsolatedRunner:
         ('reproduced', {'signal': 'SIGSEGV', 'step': 37, ...})
     """
 
-    def __init__(self, *, empty_cwd: bool = False) -> None:
-        """``empty_cwd``: run the fork server in an empty folder of its own rather than in this process's working
+    def __init__(self, env: dict[str, str] | None = None, *, empty_cwd: bool = False) -> None:
+        """``env``: variables set in the children's environment (``CUDA_VISIBLE_DEVICES=""``: they see no GPU).
+        ``empty_cwd``: run the fork server in an empty folder of its own rather than in this process's working
         directory, so that no module of the caller's folder can be imported there (the folder ``python -m`` puts
         first on ``sys.path``); :meth:`run_command` wants that."""
         from reprokit.code import child_env
 
         self._tmp = Path(tempfile.mkdtemp(prefix="reprokit-isolate-"))
         root = str(Path(__file__).resolve().parent.parent)  # this reprokit, whatever the child's path says
-        env = child_env(self._tmp)  # the children's code copies go there: removed with it, even after a kill
+        env = {**child_env(self._tmp), **(env or {})}  # the children's code copies go to the scratch: removed with it
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         self._env = env
         self.empty_cwd = empty_cwd
@@ -159,15 +162,17 @@ class IsolatedRunner:
                 "startup_seconds": round(self.startup_seconds, 3), "waited_seconds": round(self.waited_seconds, 3)}
 
     def attempt(self, bundle: str | Path, *, recorded: Failure, device: str | None = None,
-                code: str | Path | None = None, timeout: float | None = None) -> Attempt:
+                code: str | Path | None = None, timeout: float | None = None, triage: bool = False) -> Attempt:
         """Replay ``bundle``'s window once in a child; judge a death against ``recorded`` (the bundle's failure).
+        ``triage``: watch the failing step's indexing ops (:func:`reprokit.triage.watched_run`; ``Attempt.triage``).
 
         Raises:
             ReprokitError: the child could not replay the bundle (the error the replay raised there, such as a
                 :class:`~reprokit.errors.CodeLoadError`, of the same class), or could not start at all.
         """
         child = self._ready_child()
-        request = {"bundle": str(bundle), "device": device, "code": str(code) if code is not None else None}
+        request = {"bundle": str(bundle), "device": device, "code": str(code) if code is not None else None,
+                   "triage": triage}
         started: list[int] = []
         finished: dict[int, float | None] = {}
         got: dict[str, dict[str, Any]] = {}  # the attempt's last word: result, error or died; its process's exit
@@ -423,7 +428,7 @@ def _attempt_of(event: dict[str, Any], peak: int | None) -> Attempt:
     failure = Failure.from_json(event["failure"]) if event["failure"] else None
     losses = {int(k): v for k, v in event["losses"]}
     outcome = RunOutcome(failure, event["same"], losses, event["seconds"])
-    return Attempt(outcome, event["device"], event["code"], event["same_device"], peak)
+    return Attempt(outcome, event["device"], event["code"], event["same_device"], peak, triage=event.get("triage"))
 
 
 def _error_of(event: dict[str, Any]) -> errors.ReprokitError:

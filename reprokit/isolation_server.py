@@ -39,8 +39,14 @@ def _attempt(fd: int, req: dict[str, Any]) -> None:
                    "attributes": {k: getattr(e, k) for k in ("problems", "cli_message") if hasattr(e, k)}})
         return
     s.on_step = lambda what, step, loss: _send(fd, {"event": what, "step": step, "loss": loss})
+    found = None
     try:
-        out = s.run(s.inputs())
+        if req.get("triage"):
+            from reprokit.triage import watched_run
+
+            out, found = watched_run(s)
+        else:
+            out = s.run(s.inputs())
     except BaseException as e:  # SystemExit, KeyboardInterrupt from the step: a Python-level death
         _send(fd, {"event": "died", "exc_type": type(e).__qualname__,
                    "message": str(e).splitlines()[0][:500] if str(e) else ""})
@@ -48,7 +54,7 @@ def _attempt(fd: int, req: dict[str, Any]) -> None:
         os._exit(70)
     _send(fd, {"event": "result", "failure": out.failure.to_json() if out.failure else None, "same": out.same,
                "losses": list(out.losses.items()), "seconds": out.seconds, "device": str(s.device),
-               "code": s.code_label, "same_device": s.same_device()})
+               "code": s.code_label, "same_device": s.same_device(), "triage": found})
     s.__exit__(None, None, None)
     s.drop_code_copy()
 

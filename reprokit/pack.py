@@ -10,14 +10,17 @@ Layout inside the archive (one top folder, ``repro-<manifest sha256 prefix>``)::
                   repro.py, README) and a digest of itself: ``reprokit verify`` covers what runs too
 
 Same bundle in, same bytes out: members sorted, mtime/uid/gid/owner fixed,
-modes normalised, gzip header without name or time.
+modes normalised, gzip headers without name or time.
 
 The container is an **uncompressed** POSIX tar (``.tar``) unless the output's name ends in
 ``.tar.gz``/``.tgz``. Why: a bundle is almost all float tensors, which gzip shrinks by a few percent
 at ~20-30 MB/s on one core, so a 1.5 GB state took over a minute to pack and half a minute to open;
 a plain tar is written and read at disk speed, is still one file that ``tar tf`` lists, with a
-``.sha256`` beside it, and is opened by the same reader with the same checks. ``.tar.gz`` archives
-(what earlier versions wrote) still open everywhere.
+``.sha256`` beside it, and is opened by the same reader with the same checks. A ``.tar.gz`` is written
+by :class:`reprokit.gzip_members.GzipMembers`: a gzip member per MiB of the tar stream, compressed on
+every core, and only where deflate saves at least 10% (float32 tensors are stored as they are; JSON,
+code and token ids are deflated at level 6, as before, bfloat16 tensors at level 1); any gzip reader
+reads it as one stream. ``.tar.gz`` archives that earlier versions wrote (one member) open the same way.
 
 Packing reads each bundle file once: its bytes are hashed while they stream into the archive and
 checked against the bundle's manifest (tensor files included), and the archive's own sha256 is
@@ -27,8 +30,8 @@ computed as it is written; a mismatch removes the half-written archive.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
-import gzip
 import hashlib
 import io
 import os
@@ -50,6 +53,7 @@ from reprokit.bundle.reader import _read_manifest
 from reprokit.env import FRAMEWORKS
 from reprokit.errors import BundleError, ReprokitError
 from reprokit.generated import PROBLEM_MARK, accepted, accepting, bundle_problems, digest, mismatch
+from reprokit.gzip_members import GzipMembers
 
 # The archive's own manifest; reprokit.archive checks it.
 PACK_MANIFEST = "pack-manifest.json"
@@ -82,8 +86,12 @@ def _runtime_files(extra_roots: tuple[str, ...]) -> tuple[str, ...]:
         tree = ast.parse((_PACKAGE / rel).read_text())
         body = list(tree.body)
         for node in body:  # module level only: lazy imports inside functions are optional extras
-            if isinstance(node, ast.If):  # `if TYPE_CHECKING:` lists what reprokit/__init__.py loads lazily
-                body += node.body
+            if isinstance(node, ast.If):
+                # `if TYPE_CHECKING:` lists what reprokit/__init__.py loads lazily; elsewhere it names types only
+                # (reprokit.skip's names the torch-heavy proof code, which replay never runs)
+                checking = isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                if rel == "__init__.py" or not checking:
+                    body += node.body + ([] if checking else node.orelse)
             names = []
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "reprokit":
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
@@ -470,15 +478,12 @@ def _pack(b: Bundle, output: Path) -> PackResult:
                 ThreadPoolExecutor(1, thread_name_prefix="reprokit-pack-hash") as hashing, \
                 ThreadPoolExecutor(1, thread_name_prefix="reprokit-pack-check") as checking:
             out = _Behind(raw, writing, hashing)  # the archive's sha256, as it is written
-            gz = gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=6) \
-                if compressed_name(output) else None
-            with tarfile.open(fileobj=gz or out, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            with GzipMembers(out) if compressed_name(output) else contextlib.nullcontext(out) as stream, \
+                    tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tf:
                 tf.copybufsize = COPY_BYTES  # type: ignore[attr-defined]  # (a TarFile attribute since 3.8)
                 tf.addfile(_info(top, 0, directory=True))
                 for name in sorted(dirs | files.keys()):
                     _add(tf, top, name, files.get(name), b, checking)
-            if gz is not None:
-                gz.close()
             out.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, output)

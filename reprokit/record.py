@@ -7,15 +7,21 @@ warn: it never changes training results and never raises its own errors into
 the loop.
 
 Batches: every tensor of a batch is copied at step start, before the step can run, into a
-host buffer reused window after window (for a CUDA tensor: first into a reused device
-buffer on the training stream, so that the step's own kernels and anything that writes
-the batch later are ordered after the copy, then to pinned host memory on a side stream
-once the step function has returned). A recording therefore holds exactly the bytes each step
-consumed, whatever the loader does with its buffers afterwards (refilling them through a
-numpy view or ``.data``, reusing pinned memory): nothing relies on version counters.
-Copying costs a host ``memcpy`` per step (~0.05 ms per MB into a reused buffer on a CPU
-host, ``bench/memory_budget.py``); for CUDA batches one device-to-device copy at step
-start (~30 us of host time for two leaves on an H100 host, timed inside a training loop).
+host buffer reused window after window (for a CUDA tensor: device to pinned host memory on the
+training stream, so that the step's own kernels, and anything that writes the batch later, are
+ordered after the copy). A recording therefore holds exactly the bytes each step consumed,
+whatever the loader does with its buffers afterwards (refilling them through a numpy view or
+``.data``, reusing pinned memory): nothing relies on version counters. Copying costs a host
+``memcpy`` per step (~0.05 ms per MB into a reused buffer on a CPU host,
+``bench/memory_budget.py``); for CUDA batches one asynchronous copy per leaf at step start.
+
+The failures that kill the GPU (a device-side assert: every later CUDA call fails, see
+:mod:`reprokit.device_error`): every byte a bundle needs is in host memory before the step's
+kernels run, and the recorder knows what landed without asking the device. After each step's
+batch copies a marker (:class:`~reprokit.device_error.HostMarker`) is copied into pinned host memory on
+the same stream; the snapshot engine marks each snapshot's copies the same way, and keeps the
+previous snapshot (and the recorder the previous window's batches) until the new one is known
+complete. On a sticky error the bundle is written from host memory alone (:meth:`Recorder._dump`).
 
 Memory: the snapshot, the batch buffers and the window's RNG reads stay within
 ``host_memory_budget`` (early snapshots, else a spill to disk; see :meth:`Recorder.stats`).
@@ -25,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import os
 import shlex
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -40,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprokit import pytree
+from reprokit import device_error, pytree, skip
 from reprokit.bundle import (
     BundleWriter,
     StepRecord,
@@ -56,11 +64,12 @@ from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
 from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
 from reprokit.distributed import abort as fail_fast
+from reprokit.distributed.peers import BEAT_EVERY_S, PEER_TIMEOUT_S, Death, PeerWatch
 from reprokit.env import capture_env, determinism_flags, split_flags
 from reprokit.errors import CaptureError, CodeLoadError, ConfigError, PeerFailure, RecorderWarning, TrainingFailure
 from reprokit.flight import FlightLog
 from reprokit.flight import run_id as flight_run_id
-from reprokit.rng import RNGState, check_generators
+from reprokit.rng import RNGState, check_generators, host_format_matches
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
 from reprokit.signature import Failure, FailureKind
@@ -72,6 +81,9 @@ StepFn = Callable[[TrainState, Any], Any]
 SPILL_DIR = ".reprokit-spill"
 INCIDENT_GRACE_S = 1.0
 """How long a rank's incident watcher waits for its own main thread to report a failure of its own."""
+PEER_EXIT_S = 1.0
+"""How long a rank whose step raised looks for a dead peer on its host (a collective broken by a peer's death can
+arrive while the kernel is still tearing that peer down, before its lock is released)."""
 RNG_STEP_BYTES = 40 << 10
 """Host memory of one step's RNG reads (python's 625-int tuple is most of it), counted against the budget."""
 
@@ -151,8 +163,8 @@ class _Step:
     loss: float | None = None
     grad_norm: float | None = None
 
-    def record(self) -> StepRecord:
-        rng_tree, rng_tensors = encode_rng(self.rng)
+    def record(self, host_only: bool = False) -> StepRecord:
+        rng_tree, rng_tensors = encode_rng(self.rng, host_only=host_only)
         return StepRecord(self.step, self.batch, {**self.tensors, **rng_tensors}, rng_tree, self.loss,
                             self.grad_norm)
 
@@ -165,6 +177,18 @@ class _Snapshot:
     """In host memory, or safetensors files (with their digests) when spilling to disk."""
     referenced: bool = False
     """Only this rank's RNG and detector state: model and optimizer state are rank 0's (replicated_state)."""
+    serial: int = 0
+    """The snapshot engine's number for it (:meth:`SnapshotEngine.complete` says whether its copies landed)."""
+
+
+@dataclass
+class _Kept:
+    """The previous window, kept while the snapshot that replaced it may still be copying (a device error then
+    leaves it the one complete window): its snapshot, its steps, their host bytes outside the batch pool."""
+
+    snapshot: _Snapshot
+    ring: list[_Step]
+    other: int
 
 
 def cuda_devices(devices: Iterable[torch.device], current: int) -> list[int]:
@@ -253,7 +277,34 @@ class Recorder:
             batch: once its asynchronous copy has landed, on a writer thread); snapshots are written by that thread
             and fsynced; at most two windows are on disk. :meth:`close` (or the end of ``with Recorder(...)``, or
             the interpreter's normal exit outside a step) removes the run's flight folder. Under a process group
-            every rank snapshots its own state (``replicated_state`` resolves to False).
+            every rank snapshots its own state (``replicated_state`` resolves to False). Under a process group each
+            rank's incident watcher also checks its peers' flight folders: a peer killed outright (SIGKILL, the OOM
+            killer, a segfault) writes no incident, so the first rank to see it dead declares one for it, every live
+            rank writes its window, and ``on_incident`` applies as for a raised failure (see
+            :mod:`reprokit.distributed.peers`).
+        carry: classes (or module-level functions) of your project that replay must import besides ``build`` and
+            ``train_step``: a model class, a ``Trainer`` or ``LightningModule`` subclass that ``build`` names through
+            ``config``. Each is listed in the bundle under ``refs.objects`` (replay vets the code snapshot for them
+            before importing anything), and its file travels in the code snapshot. Installed code (a stock
+            transformers model) needs nothing: the environment records its version. Framework integrations pass
+            their model and trainer classes here (the docs' "Writing an integration" page).
+        on_failure: ``"raise"`` (the default): a failure writes its bundle and raises. ``"skip"``: after the bundle,
+            the recorder replays the window in this process and, only when it proves that some rows of the failing
+            batch cause the failure (it reproduces, the state passes on healthy data, the step passes without those
+            rows and fails with only them), drops them, puts the state where the step leaves it without them, warns
+            naming their dataset indices, appends the skip to ``out_dir/skips.jsonl`` and returns the step's loss;
+            otherwise it raises as ``"raise"`` does, with a note saying why it did not skip (see
+            :mod:`reprokit.skip`).
+        skip_budget_s: wall-clock seconds one skip attempt may replay for (default 120); past it, the run stops.
+        max_skips / skip_window: at most ``max_skips`` skips within any ``skip_window`` steps (default 3 per 1000);
+            the next failure stops the run.
+        skip_indices: dataset indices to keep out of this run (``reprokit.skip_list(out_dir)`` of an earlier run):
+            each batch that carries a dataset index leaf (``index``, ``indices``, ``idx`` or ``sample_id``, one value
+            per row) has those rows dropped before it is recorded and trained on, as the skipping run had them
+            dropped. A batch without one is used as it is (said once): filter such data in your sampler.
+        peer_timeout_s: with ``durable=True`` under a process group, how old the heartbeat of a peer on *another
+            host* must be, while this rank waits inside one step at least as long, before that peer counts as dead
+            (a peer on this host is checked at once, by its pid and its flight log's lock, with no timeout).
 
     Raises:
         CaptureError: at attach time, naming what cannot be recorded (a lambda as
@@ -291,9 +342,28 @@ class Recorder:
         replicated_state: str | bool = "auto",
         on_incident: str = "abort",
         durable: bool = False,
+        carry: Sequence[Any] = (),
+        on_failure: str = "raise",
+        skip_budget_s: float = 120.0,
+        max_skips: int = 3,
+        skip_window: int = 1000,
+        skip_indices: Iterable[Any] | None = None,
+        peer_timeout_s: float = PEER_TIMEOUT_S,
     ):
         if snapshot_every < 1:
             raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        if not isinstance(peer_timeout_s, (int, float)) or isinstance(peer_timeout_s, bool) or not peer_timeout_s > 0:
+            raise ConfigError.option("peer_timeout_s", f"{{opt}} must be a positive number of seconds, got "
+                                                       f"{peer_timeout_s!r}")
+        self.peer_timeout_s = float(peer_timeout_s)
+        self._peers: PeerWatch | None = None
+        """Under a process group with ``durable=True``: this rank's check of its peers' flight folders."""
+        self._waiting: tuple[int, float] = (-1, 0.0)
+        """(step, monotonic time) at which the watcher first saw this rank inside that step."""
+        self._beat_at = 0.0
+        self._skips = skip.Skipper(skip.SkipSettings(
+            on_failure=on_failure, skip_budget_s=skip_budget_s, max_skips=max_skips, skip_window=skip_window,
+            skip_indices=skip.as_indices(skip_indices)), Path(out_dir))
         self.on_incident = fail_fast.check_on_incident(on_incident)
         self._peer_doc: dict[str, Any] | None = None
         """The incident whose window this rank's watcher wrote as a peer's (this rank had not failed itself)."""
@@ -325,6 +395,7 @@ class Recorder:
         self._refs: dict[str, Any] = {"build": build_ref, "step": step_ref,
                                       "predicates": [self._predicate_ref(fn) for fn in detect]}
         self._scripts = [self._root / r["script"] for r in (build_ref, step_ref) if "script" in r and self._root]
+        self._carry(carry)
         config_tree, config_tensors = pytree.encode(config, "config")
         if config_tensors:
             raise CaptureError(f"config holds tensors ({', '.join(config_tensors)}); pass plain data that build() "
@@ -363,6 +434,8 @@ class Recorder:
         self._tables = model_tables(state.model)  # table sizes for the batch diagnosis (inspect, failure note)
         self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync, limit=self.budget * 3 // 4,
                                       fallback_spill_dir=self.out_dir / SPILL_DIR)
+        self._model_device = next((p.device for p in state.model.parameters() if p.is_cuda), None)
+        self._device_names, self._host_rng = self._read_devices()
         self._engine.others = self._room_for_snapshot
         self._flat_batch: tuple[list[str], dict[str, Any], list[str]] | None = None
         """(keys, encoded tree, tensor keys) of the last batch when it was a flat dict of tensors."""
@@ -370,15 +443,21 @@ class Recorder:
         """Host buffers the batches are copied into, per (position in the window, leaf): reused window after window,
         so that steady state allocates nothing (a fresh large buffer costs its page faults every step)."""
         self._slot = self._leaf = 0
-        self._staged: dict[int, torch.Tensor] = {}
-        """Device buffers (per leaf) that GPU batch tensors are copied into at step start."""
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """(staged device buffer, pinned host buffer) pairs to copy once the step function returns."""
-        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._copied: set[torch.device] = set()
+        """CUDA devices this step's batch tensors were copied from (device to host, on their training streams)."""
+        self._marks: dict[torch.device, device_error.HostMarker] = {}
+        """Per CUDA device: the last step whose start (its batch copies, and everything queued before them on the
+        training stream) has run, in pinned host memory (see :mod:`reprokit.device_error`)."""
         self._landed: dict[torch.device, torch.cuda.Event] = {}
-        """Recorded on the copy stream after the last step's device-to-host batch copies."""
-        self._to_stage: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """(device buffer, batch tensor) pairs to copy at this step's start."""
+        """Durable recording only: recorded on the training stream after the last step's batch copies."""
+        self._kept: _Kept | None = None
+        self._spares: dict[tuple[int, int], torch.Tensor] = {}
+        """Batch buffers swapped out of ``_slots`` while the kept window's steps still use them (see _batch_copy)."""
+        self._dead: str | None = None
+        """The sticky device error after which the recorder touches the GPU no more."""
+        self._dead_bundle: Path | None = None
+        self.dead_write_seconds: float | None = None
+        """Seconds the bundle took to write after a sticky device error (from the failure to the bundle on disk)."""
         self._pool = {"pinned": 0, "pageable": 0}
         """Bytes of the batch buffers in ``_slots``."""
         self._bytes_at: dict[int, int] = {}
@@ -392,6 +471,8 @@ class Recorder:
         self._snapshot: _Snapshot | None = None
         self._ring: list[_Step] = []
         self._window_ok = False
+        self._open: tuple[Any, _Step | None] | None = None
+        """The batch and record of the step :meth:`begin_step` opened, until :meth:`end_step`."""
         self._resnap = False  # take a snapshot at the next synced step (see reprokit.state.accumulation_phase)
         self._warned: set[str] = set()
         self._in_step = False
@@ -428,10 +509,10 @@ class Recorder:
             self.monitor.warm_up()
         except Exception as e:  # the first step then loads the kernels itself
             self._warn("warm", f"reprokit: could not warm up the step checks ({e!r}); the first step will")
-        if self._board is not None:
-            self._board.watch(self._on_incident)
         if self.durable:
             self._start_flight()
+        if self._board is not None:
+            self._board.watch(self._on_incident, tick=self._watch_peers if self._peers is not None else None)
 
     def _start_flight(self) -> None:
         """Open the flight log (``durable=True``): what a bundle needs that does not change is written now."""
@@ -452,6 +533,30 @@ class Recorder:
                                        lambda message: self._warn("flight", message))
         if self._flight is not None:
             self._flight.in_step = lambda: self._in_step
+            if self.rank is not None and self.rank.world_size > 1:
+                self._peers = PeerWatch(self._flight.run_folder, self.rank.rank, self.rank.world_size,
+                                        self.peer_timeout_s)
+
+    def _carry(self, objects: Sequence[Any]) -> None:
+        """List ``objects`` (the ``carry`` option) under ``refs.objects`` and put their files in the code snapshot.
+
+        Raises:
+            CaptureError: an object replay could not import by name, or a project file that cannot be read (said
+                now, at attach time, not when a bundle is written).
+        """
+        refs = self._refs.setdefault("objects", [])
+        for obj in objects:
+            ref, root = ref_of(obj, "carry")
+            if root is None:
+                continue  # installed code: replay imports the installed version, which the environment records
+            if ref not in refs:
+                refs.append(ref)
+            if self._root is None:
+                self._root = root
+            if "script" in ref and root / ref["script"] not in self._scripts:
+                self._scripts.append(root / ref["script"])
+        if objects and self._root is not None:
+            snapshot_files(self._root, self._scripts)
 
     def _refused(self) -> None:
         """Undo what a constructor that raised had attached: the monitor's and the snapshot engine's optimizer hooks,
@@ -512,18 +617,92 @@ class Recorder:
             Exception: the step's own exception, unchanged (a note names the bundle).
             TrainingFailure: when a detector fires; ``.bundle`` is the bundle path.
         """
+        batch = self._skips.filter(batch, self.step_index)
         record = self._begin_step(batch)
         result = self.monitor.run(self.train_step, batch, self.step_index, after=self._locked_after_step)
+        if result.exc is not None and self._peers is not None:
+            self._await_dead_peer(result.exc)
         return self._finish_step(batch, record, result)
 
+    # --- a step driven by a framework ---------------------------------------------------
+
+    def begin_step(self, batch: Any) -> None:
+        """Start a step whose work the caller runs itself: what :meth:`step` does before it calls ``train_step``.
+
+        For a framework that owns its loop (the Hugging Face Trainer, Lightning, your own trainer): call this with
+        the step's batch (everything ``train_step`` will be given on replay) before the step's first forward, run
+        the step, then call :meth:`end_step`. The batch is copied, the random generators are read and, when one is
+        due, the snapshot is taken here. Replay runs the bundle's ``train_step`` on the recorded batch, so that
+        function must do what the framework did (see the docs' "Writing an integration" page).
+
+        Raises:
+            PeerFailure: a peer rank failed and this rank's part of the run was ended (``on_incident="abort"``).
+            ConfigError: a step is already open (:meth:`end_step` was not called for it).
+        """
+        if self._open is not None:
+            raise ConfigError(f"begin_step() called while step {self.step_index} is open: call end_step() first")
+        record = self._begin_step(batch)
+        self._open = (batch, record)
+        self.monitor.begin()
+
+    def end_step(self, loss: Any = None, exc: BaseException | None = None) -> Any:
+        """End the step :meth:`begin_step` opened: run the detectors on ``loss`` (and the gradients the optimizer's
+        hooks checked), and on a failure write the bundle and raise.
+
+        Args:
+            loss: the step's loss (a tensor or a number; ``None`` when the framework gives none).
+            exc: the exception that stopped the step, if one did: it is recorded and re-raised unchanged.
+
+        Returns:
+            ``loss`` (a tensor comes back detached), as :meth:`step` returns it.
+
+        Raises:
+            Exception: ``exc`` itself, with a note that names the bundle (never skipped under
+                ``on_failure="skip"``: it has left the framework's loop; only :meth:`step` can skip an exception).
+            TrainingFailure: when a detector fired (unless ``on_failure="skip"`` proved and skipped its rows);
+                ``.bundle`` is the bundle path.
+            ConfigError: no step is open.
+        """
+        if self._open is None:
+            raise ConfigError("end_step() called with no step open: call begin_step(batch) first")
+        batch, record = self._open
+        self._open = None
+        self._locked_after_step()
+        result = self.monitor.conclude(self.step_index, loss, exc)
+        if result.exc is not None and self._peers is not None:
+            self._await_dead_peer(result.exc)
+        # on_failure="skip" never skips an exception handed in here: it has already left the framework's loop.
+        self._skips.exceptions_end_the_loop = skip.CAUGHT_BY_THE_CALLER if exc is not None else None
+        try:
+            return self._finish_step(batch, record, result)
+        finally:
+            self._skips.exceptions_end_the_loop = None
+
+    def skip_step(self, message: str) -> None:
+        """Count a step that cannot be recorded (a framework's step that ``train_step`` could not replay): the
+        step index moves on as the framework's does, and the window is dropped, so no bundle is written until the
+        next snapshot. ``message`` is warned once."""
+        self._drop_window("skip", message)
+        self.step_index += 1
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a step is running: between :meth:`begin_step` and :meth:`end_step`, or inside :meth:`step`."""
+        return self._in_step
+
+    def request_snapshot(self) -> None:
+        """Take a snapshot at the next step that can start a window (under gradient accumulation, the next
+        update's first micro-batch). For state changes ``train_step`` cannot replay: a learning rate changed outside
+        the step (a scheduler stepped on an epoch boundary, a manual ``param_group["lr"] = ...``), a resumed
+        checkpoint, a model edited between steps. The window restarts from the state as it is then."""
+        self._resnap = True
+
     def _begin_step(self, batch: Any) -> _Step | None:
-        """Step start: copy the batch, read the RNG, snapshot when due (a framework integration that drives the step
-        itself calls this, then ``_finish_step``; see :mod:`reprokit.integrations.transformers`)."""
+        """Step start: copy the batch, read the RNG, snapshot when due."""
         k = self.step_index
         if self._aborted is not None:  # a peer failed and this rank's part of the run was ended (on_incident)
             raise self._peer_failure(self._aborted)
         if self._in_step:  # the last step was interrupted (Ctrl-C): its partial updates are not replayable
-            self._pending.clear()
             self._flight_later = None
             self._drop_window("interrupted", f"reprokit: step {k - 1} was interrupted; no bundle until the next "
                                              f"snapshot (step {self._next_snapshot(k)}).")
@@ -557,7 +736,13 @@ class Recorder:
         if peer_error and self._peer_doc is not None:
             raise self._peer_failure(self._peer_doc) from result.exc
         path = self._dump(result.failure) if self._board is None else self._dump_incident(result.failure)
-        hint = failure_note(batch, self._tables)
+        attempt = self._skips.after_failure(self, result.failure, record, path) if self._skips.on else None
+        if attempt is None:
+            self._skips.decline(self, result.failure)
+        if attempt is not None and attempt.skipped:
+            return attempt.value  # the proven culprit rows are skipped: the run goes on (see reprokit.skip)
+        hint = failure_note(self._note_batch(batch, record), self._tables)
+        why_not = attempt.note if attempt is not None else None
         # What to run next: one process's bundle, or under a process group the incident folder it is in (every rank
         # replayed together) and this rank's bundle alone.
         q = shlex.quote(str(path)) if path else ""
@@ -571,19 +756,39 @@ class Recorder:
                    f"exit 1 while it fails), `reprokit replay {q}` (this rank alone), `reprokit inspect {q}`")
         if result.exc is not None:
             note = f"reprokit: bundle written to {path}" if path else "reprokit: no bundle could be written"
-            for line in (hint, note, nxt):
+            for line in (hint, why_not, note, nxt):
                 if line:
                     _add_note(result.exc, line)
             raise result.exc
         failure = TrainingFailure(result.failure, path)
-        for line in (hint, nxt):
+        for line in (hint, why_not, nxt):
             if line:
                 _add_note(failure, line)
         raise failure
 
     def _record_step_start(self, k: int, batch: Any) -> _Step | None:
         """Copy the batch and read the RNG; take the snapshot when one is due (after the batch copy is queued, so on
-        a GPU the batch's small copy does not wait behind the state's)."""
+        a GPU the batch's small copy does not wait behind the state's). On a GPU, a marker follows the batch copies
+        on the training stream (see :meth:`_mark_start`). Once the device died, nothing (no CUDA call)."""
+        if self._dead is not None:
+            return None
+        self._copied.clear()
+        if self._kept is not None and self._snapshot is not None and self._engine.complete(self._snapshot.serial):
+            self._kept = None  # the snapshot that replaced it has landed (read from host memory)
+        try:
+            rec = self._capture_step_start(k, batch)  # raises only a sticky error (it says its own faults)
+            self._mark_start(k)
+        except Exception as e:
+            if device_error.is_sticky(e):  # a CUDA call of the batch copy, the snapshot or the marker: the device died
+                self._device_died(e)
+                return None
+            # The marker (the capture says its own faults): a device error would then give no bundle.
+            self._drop_window("mark", f"reprokit: cannot mark step {k} ({e!r}); no bundle until the next snapshot "
+                                      f"(step {self._next_snapshot(k)}). Training continues.")
+            return None
+        return rec
+
+    def _capture_step_start(self, k: int, batch: Any) -> _Step | None:
         try:
             torn = self._engine.torn
             boundary, last_batch, n = accumulation_phase(self.state.optimizer)
@@ -638,10 +843,10 @@ class Recorder:
             self._slot, self._leaf = position, 0
             if self._flight is not None:
                 self._flight.reserve(position)  # the record one window ago that reads these buffers is written
+            if due:
+                self._keep_window()
             tree, tensors = self._encode_batch(batch)
-            later = bool(self._to_stage)
-            if self._to_stage:
-                self._stage()
+            later = bool(self._copied)
             rec = _Step(k, tree, tensors, rng, other)
             if due:
                 self._current_other = rec.other_bytes  # this step's own bytes count against the snapshot's room
@@ -657,7 +862,8 @@ class Recorder:
             self._note_peak()
             return rec
         except Exception as e:
-            self._to_stage.clear()
+            if device_error.is_sticky(e):
+                raise  # the device died: the window stays as it is (see _record_step_start)
             self._drop_window("capture", f"reprokit: cannot record step {k} ({e}); no bundle can be written until "
                                          f"the next snapshot (step {self._next_snapshot(k)}). Training continues.")
             return None
@@ -682,15 +888,19 @@ class Recorder:
     def _batch_copy(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of ``t`` as it is now, in a host buffer reused window after window.
 
-        A CPU tensor is copied here. A CUDA tensor is copied here too, device to device on the
-        training stream into a reused device buffer (a plain memcpy launch; the step's kernels and
-        any later refill of the batch are ordered after it), and from there to its pinned host
-        buffer on a side stream queued right after the step function returns (see
-        :meth:`_after_step`), off the host's critical path.
+        A CPU tensor is copied here. A CUDA tensor is copied into its pinned host buffer on the
+        training stream (``non_blocking``: the host goes on), so the step's kernels, and any later
+        refill of the batch, are ordered after the copy: it has landed before any of the step's
+        kernels can fail (:meth:`_mark_start` tells the host when, without asking the device).
+
+        While the previous window is kept (its snapshot's successor may still be copying), a
+        buffer one of its steps holds is not written: a spare one takes its place.
         """
         key = (self._slot, self._leaf)
         self._leaf += 1
         slot = self._slots.get(key)
+        if self._kept is not None and key[0] < len(self._kept.ring) and slot is not None:
+            slot = self._swap_slot(key, slot)
         if slot is None or slot.shape != t.shape or slot.dtype != t.dtype:
             if slot is not None:
                 self._free_slot(key)
@@ -699,61 +909,70 @@ class Recorder:
             t = t.detach()
         if not t.is_cuda:
             return slot.copy_(t)
-        stage = self._staged.get(key[1])
-        if stage is None or stage.shape != t.shape or stage.dtype != t.dtype or stage.device != t.device:
-            stage = self._staged[key[1]] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        self._to_stage.append((stage, t))
-        self._pending.append((stage, slot))
-        return slot
+        self._copied.add(t.device)
+        return slot.copy_(t, non_blocking=True)
 
-    def _stage(self) -> None:
-        """Queue this step's device-to-device batch copies, in one call, on the training stream."""
-        todo, self._to_stage = self._to_stage, []
-        devices = {t.device for _, t in todo}
+    def _swap_slot(self, key: tuple[int, int], held: torch.Tensor) -> torch.Tensor | None:
+        """The buffer at ``key`` is held by a kept step: put the spare of ``key`` in its place (None: there is none,
+        the caller makes one), and keep the held one as the spare (free for the next swap once the kept window is
+        dropped). Spares count as held host memory, not as any position's."""
+        spare = self._spares.pop(key, None)
+        self._spares[key] = held
+        self._count_slot(key, held, -1, pool=False)
+        if spare is None:
+            del self._slots[key]
+            return None
+        self._slots[key] = spare
+        self._count_slot(key, spare, 1, pool=False)
+        return spare
+
+    def _free_spares(self) -> None:
+        """Free the spare batch buffers (none is held once the kept window is dropped)."""
+        self._kept = None
+        for key in list(self._spares):
+            self._count_slot(key, self._spares.pop(key), -1, at=False)
+
+    def _keep_window(self) -> None:
+        """A snapshot is about to be taken: keep the window it replaces while the new one copies (see :class:`_Kept`),
+        where the engine leaves the last snapshot's buffers intact through a take (two sets, ``keep_previous``)."""
+        self._kept = None
+        snap = self._snapshot
+        engine = self._engine
+        if self._window_ok and snap is not None and self._ring and not snap.referenced and \
+                isinstance(snap.tensors, dict) and engine.keeps_last and not engine.sync and engine.spill_dir is None:
+            self._kept = _Kept(snap, list(self._ring), self._ring_other)
+
+    def _mark_start(self, k: int) -> None:
+        """After step ``k``'s batch copies, on each device's training stream: the marker of step ``k`` (on the model's
+        device too, whatever the batch: it tells which step a device error struck in)."""
+        devices = set(self._copied)
+        if self._model_device is not None:
+            devices.add(self._model_device)
         for device in devices:
-            done = self._landed.get(device)
-            if done is not None:
-                torch.cuda.current_stream(device).wait_event(done)  # last step's copies out of the stages have run
-        if len(devices) == 1 and hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_([s for s, _ in todo], [t for _, t in todo])  # one dispatch for every leaf
-        else:
-            for stage, t in todo:
-                stage.copy_(t)
+            mark = self._marks.get(device)
+            if mark is None:
+                mark = self._marks[device] = device_error.HostMarker(device)
+            mark.mark(k)
+        if self._flight is not None and self._copied:
+            for device in self._copied:
+                event = self._landed.get(device)
+                if event is None:
+                    event = self._landed[device] = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
 
     def _after_step(self) -> None:
         """The step function has just returned (or raised); the device is still working through it.
 
-        Queue the device-to-host copies of this step's staged GPU batch on a side stream that
-        starts where the staging copies ended, and when the next step takes a snapshot, walk
-        the state for it now (see :meth:`SnapshotEngine.prepare`).
+        A durable log gets this step's GPU batch once its copies land (on its writer thread); when the next step
+        takes a snapshot, the state is walked for it now (see :meth:`SnapshotEngine.prepare`).
         """
-        if self._pending:
-            try:
-                by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-                for stage, slot in self._pending:
-                    by_device.setdefault(stage.device, []).append((stage, slot))
-                for device, copies in by_device.items():
-                    stream = self._copy_streams.get(device)
-                    if stream is None:
-                        stream = self._copy_streams[device] = torch.cuda.Stream(device=device)
-                        self._landed[device] = torch.cuda.Event()
-                    # Staged at step start on the training stream: the side stream waits for all of it (the wait
-                    # covers the step too, which is harmless: the copy is needed only at dump time).
-                    stream.wait_stream(torch.cuda.current_stream(device))
-                    with torch.cuda.stream(stream):
-                        for stage, slot in copies:
-                            slot.copy_(stage, non_blocking=True)
-                    self._landed[device].record(stream)
-                later, self._flight_later = self._flight_later, None
-                if later is not None and self._flight is not None:
-                    k, position, rec = later
-                    self._flight.step_later(k, position, rec.batch, rec.tensors, rec.rng,
-                                            [self._landed[d] for d in by_device])
-            except Exception as e:
-                self._drop_window("capture", f"reprokit: cannot copy step {self.step_index}'s batch ({e}); no bundle "
-                                             "can be written until the next snapshot. Training continues.")
-            finally:
-                self._pending.clear()
+        if self._dead is not None:
+            return
+        later, self._flight_later = self._flight_later, None
+        if later is not None and self._flight is not None:
+            k, position, rec = later
+            self._flight.step_later(k, position, rec.batch, rec.tensors, rec.rng,
+                                    [self._landed[d] for d in self._copied if d in self._landed])
         if len(self.state.optimizer.state) != self._opt_entries and not self._refer:
             # Optimizer state appeared (AdamW's moments, after the first step): pin its snapshot buffers on a helper
             # thread now, snapshot_every steps before the next snapshot needs them.
@@ -771,8 +990,10 @@ class Recorder:
     # --- the host-memory budget ------------------------------------------------------
 
     def held_bytes(self) -> int:
-        """Host memory the recorder holds now: snapshot, batch-buffer pool, the window's RNG states."""
-        return self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"] + self._ring_other
+        """Host memory the recorder holds now: snapshot, batch-buffer pool, the window's RNG states (and the kept
+        window's, while its successor's snapshot copies)."""
+        kept = self._kept.other if self._kept is not None else 0
+        return self._engine.held_bytes + self._pool["pinned"] + self._pool["pageable"] + self._ring_other + kept
 
     def _fits(self, k: int, position: int, need: int, early: bool = False) -> bool:
         """Whether step ``k``'s ``need`` bytes fit the budget at ``position`` of the window, after freeing buffers the
@@ -782,6 +1003,7 @@ class Recorder:
         else:
             for key in [key for key in self._slots if key[0] > position]:
                 self._free_slot(key)
+            self._free_spares()
             fits = self._projected(position, need) <= self.budget
         if fits and early:
             self._mem["early_snapshots"] += 1
@@ -818,6 +1040,7 @@ class Recorder:
         if make_room:
             for key in [key for key in self._slots if key[0] > 0]:
                 self._free_slot(key)
+            self._free_spares()  # the budget first: a window kept for a device error is a nicety
         return self.budget - self._pool["pinned"] - self._pool["pageable"] - self._current_other
 
     def _new_slot(self, key: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
@@ -829,10 +1052,14 @@ class Recorder:
     def _free_slot(self, key: tuple[int, int]) -> None:
         self._count_slot(key, self._slots.pop(key), -1)
 
-    def _count_slot(self, key: tuple[int, int], slot: torch.Tensor, sign: int) -> None:
+    def _count_slot(self, key: tuple[int, int], slot: torch.Tensor, sign: int, pool: bool = True,
+                    at: bool = True) -> None:
+        """Count a batch buffer in (``sign`` 1) or out of the pool's bytes (``pool``) and its position's (``at``)."""
         n = sign * slot.numel() * slot.element_size()
-        self._pool["pinned" if slot.is_pinned() else "pageable"] += n
-        self._bytes_at[key[0]] = self._bytes_at.get(key[0], 0) + n
+        if pool:
+            self._pool["pinned" if slot.is_pinned() else "pageable"] += n
+        if at:
+            self._bytes_at[key[0]] = self._bytes_at.get(key[0], 0) + n
 
     def _note_peak(self) -> None:
         e = self._engine.stats
@@ -869,6 +1096,7 @@ class Recorder:
         self._window_ok = False
         self._ring.clear()
         self._ring_other = 0
+        self._kept = None
         self._warn(key, message)
 
     def _take_snapshot(self, k: int) -> None:
@@ -883,6 +1111,7 @@ class Recorder:
             self._leave_replication(k, f"rank {replicated.OWNER_RANK} takes early snapshots (its host-memory budget), "
                                        "so its snapshots no longer fall on this rank's")
         if self._refer:  # rank 0 snapshots the state; this rank keeps its own RNG and detector state only
+            self._kept = None
             rng_tree, rng_tensors = encode_rng(capture_rng(self.state.extra))
             self._snapshot = _Snapshot(k, {"rng": rng_tree, **extra}, rng_tensors, referenced=True)
             self._saved = sum(t.numel() * t.element_size()
@@ -893,7 +1122,9 @@ class Recorder:
         if self._flight is not None:
             self._flight.settle()  # the engine is about to reuse the host buffers the last snapshot's record reads
         tree, tensors = self._engine.take(extra)
-        self._snapshot = _Snapshot(k, tree, tensors)
+        self._snapshot = _Snapshot(k, tree, tensors, serial=self._engine.serial)
+        if not self._engine.previous_kept:
+            self._kept = None  # its snapshot's buffers are being written, or the new snapshot is complete already
         self._window_ok = True
         if self._flight is not None:
             cuda = any(t.is_cuda for t in self.state.model.parameters())
@@ -962,8 +1193,10 @@ class Recorder:
         board = self._board
         assert board is not None and self.rank is not None
         # A rank whose own detector fires at the same step (a NaN all-reduced into its gradients) is about to write
-        # its own failure: give its main thread a moment before writing this rank's window as a peer's.
-        time.sleep(INCIDENT_GRACE_S)
+        # its own failure: give its main thread a moment before writing this rank's window as a peer's. (A peer that
+        # died outright is the whole incident: no wait.)
+        if "died" not in doc:
+            time.sleep(INCIDENT_GRACE_S)
         with self._lock:
             if board.seen == doc["incident"] or int(doc["number"]) < board.handled:
                 return
@@ -973,11 +1206,138 @@ class Recorder:
             failure = Failure(kind=FailureKind.PEER, step=int(doc.get("step", step)),
                               message=f"rank {doc.get('rank')} failed: {doc.get('what')}",
                               detail={"incident": doc, "this_rank_step": step})
-            self._incident_bundle = self._dump(failure, incident=doc["incident"], from_watcher=True)
+            self._incident_bundle = self._peer_window(failure, doc)
             board.done(self.rank.rank)
             self._peer_doc, self._peer_step = doc, self.step_index
         if self.on_incident == "abort":
             self._end_after_incident(doc, self._peer_step)
+
+    def _watch_peers(self) -> None:
+        """Watcher thread, before each look for incidents (durable, under a process group): rewrite this rank's
+        heartbeat (every ``BEAT_EVERY_S``), and declare the incident of a peer found dead (its pid gone and its lock
+        released on this host; elsewhere its heartbeat older than ``peer_timeout_s`` while this rank waits); the
+        look that follows handles it as any incident."""
+        flight, board, watch = self._flight, self._board, self._peers
+        if flight is None or board is None or watch is None:
+            return
+        now = time.monotonic()
+        k, in_step = self.step_index, self._in_step
+        if now - self._beat_at >= BEAT_EVERY_S:
+            self._beat_at = now
+            flight.beat(k if in_step else k - 1)
+        if self._waiting[0] != k or not in_step:
+            self._waiting = (k if in_step else -1, now)
+        if self._aborted is not None or board.pending() is not None:
+            return
+        waited = now - self._waiting[1] if in_step else 0.0
+        for death in self._new_deaths(watch.dead(waiting_s=waited)):
+            self._declare_death(death)
+
+    def _new_deaths(self, deaths: list[Death]) -> list[Death]:
+        """``deaths`` without the ranks whose window of the incident this rank is still in is written: a rank that
+        failed itself and then ended (its launcher's SIGTERM, the gloo abort's ``os._exit``) is no new incident."""
+        board = self._board
+        if board is None or board.current is None or self._stepped_since_incident:
+            return deaths
+        return [d for d in deaths if not board.done_path(d.rank).exists()]
+
+    def _declare_death(self, death: Death) -> dict[str, Any] | None:
+        """Rank ``death.rank`` died without writing an incident: declare one for it (or join the one a peer declared
+        first), mark it dead (no rank waits for its window) and say so in the incident folder; ``reprokit recover``
+        writes its window there from its flight log."""
+        board = self._board
+        assert board is not None
+        step = death.last_started if death.last_started is not None else self.step_index
+        try:
+            doc = board.declare(step, death.rank, death.what(), died=death.to_json())
+        except OSError as e:
+            self._warn("", f"reprokit: {death.what()}, but the incident could not be declared under "
+                           f"{board.path.parent} ({e!r})")
+            return None
+        board.mark_dead(death.rank, death.to_json())
+        died: dict[str, Any] = doc["died"] if isinstance(doc.get("died"), dict) else death.to_json()
+        try:
+            folder = self.out_dir / str(doc["incident"])
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"died-rank{death.rank}.json"
+            tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({**died, "incident": doc["incident"], "what": death.what(),
+                                       "recover": f"reprokit recover {self.out_dir}"}, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # the incident file and every rank's bundle say it too
+        print(f"reprokit: rank {death.detected_by}: {death.what()}; incident {self.out_dir / str(doc['incident'])}; "
+              f"its window: `reprokit recover {shlex.quote(str(self.out_dir))}` once the job has ended",
+              file=sys.stderr, flush=True)
+        return doc
+
+    def _await_dead_peer(self, exc: BaseException) -> None:
+        """Main thread, the step raised ``exc`` (durable, under a process group). A collective broken by a peer's
+        death (gloo raises as soon as the peer's sockets close) reaches this rank within moments of it: when a peer on
+        this host is dead (for a ``RuntimeError``, the type collectives raise, looked for up to ``PEER_EXIT_S`` while
+        the peer's process is still torn down) or a death incident is pending, wait (bounded) until the watcher has
+        written this rank's window for it, so that the step raises :class:`PeerFailure` (``on_incident="abort"``),
+        or this rank's error joins that incident (``"wait"``)."""
+        board, watch = self._board, self._peers
+        if board is None or watch is None or self._peer_doc is not None:
+            return
+        deadline = time.monotonic() + (PEER_EXIT_S if isinstance(exc, RuntimeError) else 0.0)
+        doc = None
+        while doc is None:
+            current, pending = board.current, board.pending()
+            if current is not None and "died" in current and not self._stepped_since_incident:
+                doc = current  # the watcher is handling it (or has) since this step began
+                break
+            if pending is not None:
+                if "died" not in pending:
+                    return  # a peer's raised failure: the usual path decides
+                doc = pending
+                break
+            for death in self._new_deaths(watch.dead(remote=False)):
+                doc = self._declare_death(death) or doc
+            if doc is None:
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(0.05)
+        deadline = time.monotonic() + 2 * board.poll_s + 5.0
+        while board.seen != doc["incident"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._lock:  # the watcher writes this rank's window holding it
+            pass
+
+    def _peer_window(self, failure: Failure, doc: dict[str, Any]) -> Path | None:
+        """Watcher thread: this rank's window of a peer's incident. Of a peer that died outright, the window must
+        start where the dead rank's flight log has one (``reprokit recover`` writes the dead rank's from there, and
+        an incident replays only when every rank's window starts at one step): a rank killed just after a snapshot
+        had not yet committed it, so its newest window starts one snapshot earlier. Then this rank's window is
+        written from its own flight log, which keeps that earlier window too (see :mod:`reprokit.flight`)."""
+        died, flight, snap = doc.get("died"), self._flight, self._snapshot
+        incident = str(doc["incident"])
+        if not isinstance(died, dict) or flight is None or snap is None:
+            return self._dump(failure, incident=incident, from_watcher=True)
+        from reprokit.recover import read_rank, window_chain, write_window
+
+        try:
+            theirs = window_chain(read_rank(flight.run_folder / f"rank{died.get('rank')}"))
+            if isinstance(theirs, str) or theirs[0] >= snap.step:
+                return self._dump(failure, incident=incident, from_watcher=True)
+            mine = read_rank(flight.folder)
+            chain = window_chain(mine, theirs[0])
+            if isinstance(chain, str):
+                self._warn("", f"reprokit: rank {died.get('rank')}'s flight log holds a window from step {theirs[0]} "
+                               f"only, and this rank's own log has none from there ({chain}); this rank's window "
+                               f"starts at step {snap.step}, so `reprokit recover` cannot line rank "
+                               f"{died.get('rank')}'s window up with it")
+                return self._dump(failure, incident=incident, from_watcher=True)
+            path = write_window(mine, self.out_dir / incident, chain, failure, incident=incident)
+        except Exception as e:  # never let our bookkeeping stop the run: the window from memory still serves
+            self._warn("", f"reprokit: could not write this rank's window from its flight log ({e!r}); writing the "
+                           "one in memory")
+            return self._dump(failure, incident=incident, from_watcher=True)
+        self.bundles.append(path)
+        flight.record(b"bndl", {"step": failure.step, "path": str(path.absolute()), "incident": incident,
+                                "kind": failure.kind})
+        return path
 
     def _end_after_incident(self, doc: dict[str, Any], at: int) -> None:
         """Watcher thread, ``on_incident="abort"``: this rank's window of a peer's incident is written (it was at
@@ -1066,6 +1426,9 @@ class Recorder:
             fail_fast.abort_interrupts(self.rank.backend)
         missing = doc.get("missing") or []
         lost = f" Ranks {missing} wrote no window in time." if missing else ""
+        if isinstance(doc.get("died"), dict):
+            lost += (f" Rank {doc['died'].get('rank')} could write none (its process died): once the job has ended, "
+                     f"`reprokit recover {shlex.quote(str(self.out_dir))}` writes it from its flight log.")
         how = "reprokit aborted the process group" if aborted else "reprokit ended this rank's part of the run"
         return PeerFailure(f"{how}: rank {doc.get('rank')} failed at step {doc.get('step')} ({doc.get('what')}); "
                            f"incident: {incident}.{lost} Replay every rank: `reprokit replay "
@@ -1073,7 +1436,12 @@ class Recorder:
                            incident=incident, failed_rank=doc.get("rank"), step=doc.get("step"))
 
     def _dump(self, failure: Failure, incident: str | None = None, from_watcher: bool = False) -> Path | None:
-        """Write the window as a bundle; on any fault of ours warn and return None."""
+        """Write the window as a bundle; on any fault of ours warn and return None.
+
+        After a sticky device error (the failure's kind, or a CUDA call here failing so), the bundle is written from
+        host memory alone: see :meth:`_dump_dead`."""
+        if failure.kind == FailureKind.DEVICE_ERROR or self._dead is not None:
+            return self._dump_dead(failure, incident)
         ring = self._ring
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             try:
@@ -1084,24 +1452,37 @@ class Recorder:
                         torch.cuda.synchronize(device)  # copies in flight must land before we read
                     self._engine.check(ordered=True)
             except Exception as e:
+                if device_error.is_sticky(e):  # a later CUDA call failing the same way: the device died in the step
+                    self._device_died(e)
+                    return self._dump_dead(failure, incident)
                 self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
                 return None
         if not self._window_ok or self._snapshot is None or self._engine.broken or self._engine.torn or not ring:
             self._warn("", f"reprokit: {failure.describe()}, but the recorded window is incomplete; no bundle")
             return None
+        return self._write_bundle(failure, self._snapshot, ring, incident)
+
+    def _write_bundle(self, failure: Failure, snap: _Snapshot, ring: list[_Step], incident: str | None,
+                      host_only: bool = False) -> Path | None:
+        """Write ``snap`` and ``ring`` as a bundle of ``failure`` (``host_only``: without a CUDA call)."""
         writer = None
         try:
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
             where = self.out_dir / incident if incident else self.out_dir
             writer = BundleWriter(where, bundle_name(stamp, failure.step, failure.kind,
                                                      self.rank.tag if self.rank is not None else ""))
-            path = self._write(writer, failure, ring, incident)
+            path = self._write(writer, failure, ring, incident, snap=snap, host_only=host_only)
         except BaseException as e:  # Ctrl-C while writing must not leave a half-written folder behind either
             if writer is not None:
                 writer.abort()
             if not isinstance(e, Exception):
                 raise
-            self._warn("", f"reprokit: could not write a bundle to {self.out_dir}: {e!r}. "
+            # Where it came from (the innermost frame, and the innermost of reprokit's own): a report can say it.
+            frames = traceback.extract_tb(e.__traceback__)
+            ours = [f for f in frames if f"{os.sep}reprokit{os.sep}" in f.filename]
+            where_from = "".join(dict.fromkeys(f" (at {Path(f.filename).name}:{f.lineno} in {f.name})"
+                                               for f in [*ours[-1:], *frames[-1:]]))
+            self._warn("", f"reprokit: could not write a bundle to {self.out_dir}: {e!r}{where_from}. "
                                "Training's own error is raised as usual.")
             return None
         self.bundles.append(path)
@@ -1111,32 +1492,129 @@ class Recorder:
         return path
 
     def _devices(self) -> Iterator[torch.device]:
-        """Every device the recorder's copies may be queued on: the state's (model and optimizer), the staged
-        batch tensors', the batch copy streams' and the snapshot engine's stream's."""
+        """Every device the recorder's copies may be queued on: the state's (model and optimizer), the batch
+        tensors' (their copies and markers) and the snapshot engine's stream's."""
         yield from (t.device for t in self.state.model.parameters())
         yield from (t.device for t in self.state.model.buffers())
         for st in self.state.optimizer.state.values():
             yield from (v.device for v in st.values() if isinstance(v, torch.Tensor))
-        yield from (t.device for t in self._staged.values())
-        yield from self._copy_streams
+        yield from self._marks
         stream = self._engine.stream
         if stream is not None:
             yield stream.device
 
     def _landed_window(self) -> list[_Step]:
-        """The window without its last step when that step's GPU batch copies have not landed (they wait behind the
-        step's kernels, which a rank blocked in a collective never finishes); empty when the snapshot copy has
-        not landed either."""
-        if not self._engine.copies_landed():
+        """The window as far as its steps' GPU batch copies have landed (a rank blocked in a collective never runs
+        what it queued after it); empty when the snapshot copy has not landed either. Host memory only: the
+        markers (see :meth:`_mark_start`), no CUDA call from the watcher's thread."""
+        if self._snapshot is None or not self._engine.complete(self._snapshot.serial):
             return []
-        ring = list(self._ring)
-        if ring and any(not e.query() for e in self._landed.values()):
-            ring = ring[:-1]
-        return ring
+        last = self._last_marked()
+        return [r for r in self._ring if last is None or r.step <= last]
+
+    # --- after a sticky device error: host memory only ----------------------------------------
+
+    def _read_devices(self) -> tuple[list[str] | None, bool]:
+        """While the device works (at attach): the GPUs' names for env.json, and whether the CUDA generators' state
+        can be written without a CUDA call (see :func:`reprokit.rng.cuda_state_on_host`). Also makes the model
+        device's step marker. None / False where this process has no CUDA context."""
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return None, False
+        try:
+            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if self._model_device is not None:
+                self._marks[self._model_device] = device_error.HostMarker(self._model_device)
+            return names, host_format_matches(torch.cuda.current_device())
+        except Exception:  # never a reason to refuse the run: a device error then writes what it can
+            return None, False
+
+    def _device_died(self, e: BaseException | str) -> None:
+        """A CUDA call failed with a sticky error: from now on the recorder makes none (its own calls, that is), and
+        its host buffers live to the end of the process (see :func:`reprokit.device_error.keep_to_exit`)."""
+        if self._dead is None:
+            self._dead = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            if self._marks or self._model_device is not None:
+                device_error.keep_to_exit([self._engine.buffers(), list(self._slots.values()),
+                                           list(self._spares.values()), list(self._marks.values())])
+
+    def _last_marked(self) -> int | None:
+        """The last step whose start marker has landed on every device that marks (-1: none has); None where no
+        device marks (no CUDA): every copy was made on the host."""
+        if not self._marks:
+            return None
+        lasts = [m.last() for m in self._marks.values()]
+        return -1 if any(x is None for x in lasts) else min(x for x in lasts if x is not None)
+
+    def _host_window(self, step: int) -> tuple[_Snapshot, list[_Step]] | str:
+        """The window to write after the device died at (or, the host running ahead, before) ``step``: a snapshot
+        whose copies landed and the steps since, up to the last step whose batch landed, read from host memory
+        alone; or why there is none."""
+        last = self._last_marked()
+        end = step if last is None else min(step, last)
+        if last == -1:
+            return "no step's batch reached host memory before the device failed"
+        snap = self._snapshot
+        engine = self._engine
+        current = self._window_ok and snap is not None and not engine.broken and not engine.torn and \
+            engine.complete(snap.serial)
+        kept = self._kept
+        if current and snap is not None and self._ring and self._ring[0].step <= end:
+            chosen, ring = snap, list(self._ring)
+        elif kept is not None and engine.complete(kept.snapshot.serial):
+            chosen, ring = kept.snapshot, [*kept.ring, *(self._ring if self._window_ok else [])]
+        elif snap is not None and not engine.complete(snap.serial):
+            why = "the previous one was not kept" + (
+                " (twice the state does not fit host_memory_budget)" if not engine.keeps_last else "")
+            return f"the snapshot copy of step {snap.step} had not landed when the device failed, and {why}"
+        else:
+            return "the recorded window is incomplete"
+        ring = [r for r in ring if r.step <= end]
+        if not ring or ring[-1].step != end:
+            return f"step {end}'s batch is not in the recorded window"
+        return chosen, ring
+
+    def _dump_dead(self, failure: Failure, incident: str | None) -> Path | None:
+        """The device died (a sticky error): write the bundle from host memory, never calling CUDA again (no
+        synchronize, no event query, no copy off the device; the RNG states read at each step's start), as a
+        ``device_error`` at the step whose kernels failed (the markers say which, where the error surfaced later)."""
+        t0 = time.perf_counter()
+        self._device_died(failure.message or failure.kind)
+        if self._dead_bundle is not None:
+            self._warn("dead", f"reprokit: {failure.describe()}; the device died earlier and its bundle is "
+                               f"{self._dead_bundle}: no other bundle (nothing can be copied off the device)")
+            return None
+        surfaced = failure.step
+        found = self._host_window(failure.step)
+        if isinstance(found, str):
+            self._warn("", f"reprokit: {failure.describe()}, but {found}; no bundle")
+            return None
+        snap, ring = found
+        failure.step = ring[-1].step
+        failure.detail = {**failure.detail, "device_error": {
+            "error": self._dead, "surfaced_at_step": surfaced, "rank": self.rank.rank if self.rank else None,
+            "snapshot": "previous (the snapshot of the failing step had not landed)" if snap is not self._snapshot
+            else "current"}}
+        path = self._write_bundle(failure, snap, ring, incident, host_only=True)
+        if path is not None:
+            self._dead_bundle = path
+            self.dead_write_seconds = time.perf_counter() - t0
+        return path
+
+    def _note_batch(self, batch: Any, record: _Step | None) -> Any:
+        """The batch the failure note diagnoses: ``batch`` itself, or once the device died its host copy (the
+        recorded step, decoded: the live batch's GPU tensors cannot be read any more)."""
+        if self._dead is None:
+            return batch
+        if record is None:
+            return None
+        try:
+            return pytree.decode(record.batch, record.tensors)
+        except Exception:
+            return None
 
     def _write(self, w: BundleWriter, failure: Failure, ring: list[_Step] | None = None,
-               incident: str | None = None) -> Path:
-        snap = self._snapshot
+               incident: str | None = None, snap: _Snapshot | None = None, host_only: bool = False) -> Path:
+        snap = self._snapshot if snap is None else snap
         assert snap is not None
         ring = self._ring if ring is None else ring
         code = [] if self._root is None else [(relative(p, self._root), p)
@@ -1144,13 +1622,16 @@ class Recorder:
         run = self._run_doc(snap, failure, ring)
         if self.rank is not None:
             run["distributed"] = {**self.rank.to_json(), "incident": incident}
+        env = capture_env(self._root, devices=self._device_names or []) if host_only else capture_env(self._root)
+        steps = (r.record(host_only=host_only and self._host_rng) for r in ring)
         if snap.referenced:
-            return self._write_referencing(w, failure, run, snap, ring, code, incident)
-        return write_bundle(w, failure=failure.to_json(), run=run, env=capture_env(self._root),
-                              state=(snap.tree, snap.tensors), steps=(r.record() for r in ring), code=code)
+            return self._write_referencing(w, failure, run, snap, ring, code, incident, env, steps)
+        return write_bundle(w, failure=failure.to_json(), run=run, env=env,
+                              state=(snap.tree, snap.tensors), steps=steps, code=code)
 
     def _write_referencing(self, w: BundleWriter, failure: Failure, run: dict[str, Any], snap: _Snapshot,
-                           ring: list[_Step], code: list[tuple[str, Path]], incident: str | None) -> Path:
+                           ring: list[_Step], code: list[tuple[str, Path]], incident: str | None,
+                           env: dict[str, Any], steps: Iterator[StepRecord]) -> Path:
         """A bundle whose state is rank 0's: wait (bounded) for rank 0's bundle of this incident and reference its
         state files by digest; if there is none, the bundle says why (it cannot replay alone) and so does a warning."""
         assert self.rank is not None and isinstance(snap.tensors, dict)
@@ -1163,9 +1644,9 @@ class Recorder:
             self._warn("", f"reprokit: rank {self.rank.rank}'s bundle references rank {replicated.OWNER_RANK}'s state,"
                            f" but {ref['problem']}. It is written without a state and cannot replay alone; replay "
                            "the incident's other bundles, or record with replicated_state=False.")
-        return write_bundle(w, failure=failure.to_json(), run=run, env=capture_env(self._root),
+        return write_bundle(w, failure=failure.to_json(), run=run, env=env,
                             state=({**snap.tree, "state": owner_tree}, snap.tensors),
-                            steps=(r.record() for r in ring), code=code, reference=ref)
+                            steps=steps, code=code, reference=ref)
 
     def _run_doc(self, snap: _Snapshot, failure: Failure, ring: list[_Step] | None = None) -> dict[str, Any]:
         ring = self._ring if ring is None else ring
@@ -1228,15 +1709,26 @@ class Recorder:
         if self._flight is not None:
             self._flight.close(remove=True)  # a run that ends normally leaves nothing on disk
             self._flight = None
-        self.monitor.close()
-        self._engine.close()
+        if self._dead is not None:
+            self._close_dead()
+        else:
+            self.monitor.close()
+            self._engine.close()
         self._ring.clear()
         self._slots.clear()
-        self._staged.clear()
+        self._spares.clear()
+        self._kept = None
         self._bytes_at.clear()
         self._pool = {"pinned": 0, "pageable": 0}
         self._ring_other = 0
         self._snapshot = None
+
+    def _close_dead(self) -> None:
+        """:meth:`close` after a sticky device error: no CUDA call (the host buffers were kept to the end of the
+        process when the device died: see :meth:`_device_died`)."""
+        with contextlib.suppress(Exception):
+            self.monitor.close()  # its hooks are removed first; its last stream wait fails on the dead context
+        self._engine.abandon()
 
     @property
     def snapshot_stats(self) -> dict[str, Any]:

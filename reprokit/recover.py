@@ -206,6 +206,15 @@ def _json(path: Path) -> Any:
         return None
 
 
+def read_rank(folder: Path) -> RankLog:
+    """One rank folder of a flight log, read (:func:`window_chain` picks a window of it, :func:`write_window` writes
+    it). Takes no lock: the recorder also reads its own live log this way (a peer's death, see
+    :meth:`reprokit.record.Recorder._peer_window`), and a record being appended reads as torn and ends the log."""
+    log = RankLog(Path(folder))
+    _read(log)
+    return log
+
+
 def _read(log: RankLog) -> None:
     """Parse everything the rank folder holds."""
     f = log.folder
@@ -260,7 +269,7 @@ def _text(path: Path) -> str:
         return ""
 
 
-def _chain(log: RankLog, start: int | None = None) -> tuple[int, list[int]] | str:
+def window_chain(log: RankLog, start: int | None = None) -> tuple[int, list[int]] | str:
     """The newest complete snapshot (``start``: that one) from which every step up to the last recorded one is on
     disk with nothing dropped in between: ``(snapshot step, steps)``; else why there is none."""
     if not log.steps:
@@ -347,9 +356,10 @@ def _tag(log: RankLog) -> str:
     return f"-rank{log.rank:0{width}d}of{log.world_size}"
 
 
-def _write(log: RankLog, where: Path, chain: tuple[int, list[int]], failure: Failure,
+def write_window(log: RankLog, where: Path, chain: tuple[int, list[int]], failure: Failure,
            incident: str | None = None) -> Path:
-    """Write and verify the crash bundle of ``log``; an invalid one is removed (never left behind)."""
+    """Write and verify the bundle of ``log`` (a ``crash``, or a live rank's ``peer`` window of a dead rank's incident);
+    an invalid one is removed (never left behind)."""
     from reprokit.bundle.tensorfile import WrittenFile
 
     start, steps = chain
@@ -374,7 +384,8 @@ def _write(log: RankLog, where: Path, chain: tuple[int, list[int]], failure: Fai
     code_dir = log.folder / CODE
     code = sorted((str(p.relative_to(code_dir)), p) for p in code_dir.rglob("*") if p.is_file()) \
         if code_dir.is_dir() else []
-    name = f"bundle-{_stamp(log)}-step{failure.step:08d}-crash{_tag(log)}"
+    stamp = _stamp(log) if failure.kind == "crash" else _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = f"bundle-{stamp}-step{failure.step:08d}-{failure.kind}{_tag(log)}"
     w = BundleWriter(where, name)
     path = write_bundle(w, failure=failure.to_json(), run=run, env=log.env, state=(snap["tree"], files), steps=records(),
                         code=code)
@@ -385,13 +396,30 @@ def _write(log: RankLog, where: Path, chain: tuple[int, list[int]], failure: Fai
     return path
 
 
-def _already(log: RankLog) -> dict[str, Any] | None:
-    """The bundle the recorder wrote itself for the step the process ended in (its failure, before the death)."""
+def _already(log: RankLog, incident: str | None = None) -> dict[str, Any] | None:
+    """The bundle the recorder wrote itself for the step the process ended in (its failure, before the death), or
+    for ``incident`` (the run's last declared one: a peer's bundle names the step the incident is about, not the
+    step this rank had reached)."""
     started = log.last_started
     for b in reversed(log.bundles):
-        if b.get("step") == started and Path(str(b.get("path"))).is_dir():
+        if (b.get("step") == started or (incident and b.get("incident") == incident)) and \
+                Path(str(b.get("path"))).is_dir():
             return b
     return None
+
+
+def _bundles_in(folder: Path) -> dict[int, int]:
+    """``{rank: the step its window starts at}`` of the rank bundles in an incident folder (verified when replayed)."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for p in folder.iterdir():
+            run = _json(p / RUN) if (p / "manifest.json").is_file() else None
+            window = run.get("window") if isinstance(run, dict) else None
+            dist = run.get("distributed") if isinstance(run, dict) else None
+            if isinstance(window, dict) and isinstance(window.get("start"), int) and isinstance(dist, dict) and \
+                    isinstance(dist.get("rank"), int):
+                found[int(dist["rank"])] = int(window["start"])
+    return found
 
 
 def _recover_single(out: Path, run_dir: Path, log: RankLog) -> RunResult:
@@ -404,13 +432,13 @@ def _recover_single(out: Path, run_dir: Path, log: RankLog) -> RunResult:
         return RunResult(run_dir.name, "already_written", f"nothing to recover: the run's failure at step "
                          f"{done['step']} was written as {done['path']} before the process ended; removed the flight "
                          "log", bundle=str(done["path"]), ranks=[info])
-    chain = _chain(log)
+    chain = window_chain(log)
     if isinstance(chain, str):
         return RunResult(run_dir.name, "nothing_to_recover", f"nothing to recover: {chain}; removed the flight log",
                          ranks=[info])
     failure = _failure(log, chain[1][-1])
     try:
-        path = _write(log, out, chain, failure)
+        path = write_window(log, out, chain, failure)
     except Exception as e:
         return RunResult(run_dir.name, "error", f"could not write the bundle ({e}); the flight log is kept",
                          ranks=[info])
@@ -423,11 +451,15 @@ _PRIORITY = {None: 1, "SIGTERM": 2}
 
 def _recover_incident(out: Path, run_dir: Path, logs: list[RankLog], world: int) -> RunResult:
     """The ranks of one job: one incident folder (the one the recorder already started, if a rank wrote its bundle of
-    it before the job died), with a crash bundle for every rank that has none there."""
-    done = {log.rank: b for log in logs if (b := _already(log)) is not None and b.get("incident")}
+    it before the job died, or the one a live rank declared when it found a peer dead), with a crash bundle for every
+    rank that has none there, its window starting where the bundles already there start."""
+    key = str(next((x.owner.get("run_key") for x in logs if x.owner.get("run_key")), run_dir.name))
+    declared = _declared(out, key.removeprefix("run-"))
+    done = {log.rank: b for log in logs if (b := _already(log, declared.get("incident"))) is not None
+            and b.get("incident")}
     need = [log for log in logs if log.rank not in done and log.last_started is not None]
     infos = []
-    key = str(next((x.owner.get("run_key") for x in logs if x.owner.get("run_key")), run_dir.name))
+    present = _bundles_in(out / str(declared["incident"])) if declared.get("incident") else {}
     if done:
         first = next(iter(done.values()))
         name = str(first["incident"])
@@ -441,18 +473,26 @@ def _recover_incident(out: Path, run_dir: Path, logs: list[RankLog], world: int)
         origin = min(need, key=lambda x: (_PRIORITY.get(x.signal, 0), x.last_started, x.rank))
         doc = {"incident": None, "step": origin.last_started, "rank": origin.rank,
                "what": _failure(origin, origin.last_started or 0).message, "world_size": world, "number": 0}
+        if isinstance(declared.get("died"), dict):  # a live rank found it dead and declared the incident for it
+            doc.update({k: declared[k] for k in ("step", "rank", "what", "died") if k in declared})
         # The ranks' windows must start at the same step (their collectives line up in a replay).
-        chains = [_chain(x) for x in need]
+        chains = [window_chain(x) for x in need]
         if any(isinstance(c, str) for c in chains):
             why = "; ".join(f"rank {x.rank}: {c}" for x, c in zip(need, chains) if isinstance(c, str))
             return RunResult(run_dir.name, "nothing_to_recover", f"nothing to recover: {why}; removed the flight log")
         starts = sorted({s for x in need for s in x.snaps}, reverse=True)
-        common = next((s for s in starts if all(not isinstance(_chain(x, s), str) for x in need)), None)
+        if present:  # live ranks wrote their windows of this incident already: the recovered ones start there too
+            starts = sorted(set(present.values()))
+        common = next((s for s in starts if all(not isinstance(window_chain(x, s), str) for x in need)), None)
         if common is None:
-            return RunResult(run_dir.name, "nothing_to_recover", "nothing to recover: the ranks' flight logs hold no "
-                             "snapshot step they all have a whole window from; removed the flight log")
+            if not present:
+                return RunResult(run_dir.name, "nothing_to_recover", "nothing to recover: the ranks' flight logs hold "
+                                 "no snapshot step they all have a whole window from; removed the flight log")
+            why = "; ".join(f"rank {x.rank}: {c}" for x in need if isinstance(c := window_chain(x, starts[0]), str))
+            return RunResult(run_dir.name, "nothing_to_recover", f"nothing to recover: the windows already in "
+                             f"{declared['incident']} start at step {starts[0]}, and the dead ranks' flight logs hold "
+                             f"none from there ({why}); removed the flight log")
         start = common
-        declared = _declared(out, key.removeprefix("run-"))
         name = str(declared.get("incident") or f"incident-{_stamp(origin)}-step{int(origin.last_started or 0):08d}-"
                                                f"{key.removeprefix('run-')[:8]}")
         doc["incident"] = name
@@ -461,9 +501,11 @@ def _recover_incident(out: Path, run_dir: Path, logs: list[RankLog], world: int)
         where = out / name
     for r, b in sorted(done.items()):
         infos.append({"rank": r, "status": "already_written", "bundle": b["path"]})
+    for r in sorted(set(present) - set(done) - {x.rank for x in need}):
+        infos.append({"rank": r, "status": "already_written", "why": f"its window is in {where} (a live rank)"})
     written = []
     for log in need:
-        chain = _chain(log, start)
+        chain = window_chain(log, start)
         info: dict[str, Any] = {"rank": log.rank, "dropped": "; ".join(log.dropped) or None}
         if isinstance(chain, str):
             info.update(status="nothing_to_recover", why=chain)
@@ -471,7 +513,7 @@ def _recover_incident(out: Path, run_dir: Path, logs: list[RankLog], world: int)
             continue
         failure = _failure(log, chain[1][-1], doc)
         try:
-            path = _write(log, where, chain, failure, incident=name)
+            path = write_window(log, where, chain, failure, incident=name)
         except Exception as e:
             info.update(status="error", why=str(e))
             infos.append(info)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprokit import pytree
+from reprokit import device_error, pytree, triage
 from reprokit.bundle import FAILURE, REPLICATED, Bundle, jsonable, open_bundle, schema
 from reprokit.code import check_refs, imported, materialize, resolve
 from reprokit.detect import DetectSettings, Monitor
@@ -135,6 +135,9 @@ class ReplayReport:
     """Set when each run ran in a child process (see :func:`replay_isolated`): the children
     started and what that cost, the peak host memory of a run beside the recorded machine's, and a note on a crash
     that replayed clean."""
+    triage: dict[str, Any] | None = None
+    """For a ``device_error`` bundle (see :mod:`reprokit.triage`): the CPU replay, the culprit it named, the GPU
+    replay, and what the verdict rests on (``reproduced_as``: ``device_error`` or ``cpu_face``)."""
 
     @property
     def failed_runs(self) -> int:
@@ -191,6 +194,7 @@ class ReplayReport:
             "code": self.code,
             "distributed": self.distributed,
             "isolation": self.isolation,
+            "triage": self.triage,
             "per_run": [r.to_json() for r in self.runs],
         })
 
@@ -379,7 +383,7 @@ class Session:
         for inp in steps:
             restore_rng(inp.rng, inp.rng_tensors, self.state.extra if self.state else None)
             # A fresh copy every run: a step that edits its batch in place must not change the next replay.
-            batch = _fresh_batch(inp.batch, self.device)
+            batch = self.fresh_batch(inp.batch)
             if self.on_step is not None:
                 self.on_step("started", inp.step, None)
             result = self.monitor.run(self.step_fn, batch, inp.step)
@@ -391,8 +395,12 @@ class Session:
                 break
         # Reproduced = the recorded signature at the recorded step; the same kind of failure
         # three steps early is another failure (another bug, or the same one under other numerics).
-        return RunOutcome(failure, failure is not None and failure.same_as(self.recorded, step=True), losses,
+        return RunOutcome(failure, device_error.reproduces(self.recorded, failure, self.device.type), losses,
                           time.perf_counter() - t0)
+
+    def fresh_batch(self, batch: Any) -> Any:
+        """A copy of a recorded batch for one run, its tensors on the replay's device."""
+        return _fresh_batch(batch, self.device)
 
     def capture(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """The live state as a snapshot in the bundle's ``state/`` format."""
@@ -475,11 +483,11 @@ def _recorded_check(recorded: Failure) -> dict[str, bool]:
     return {key: True} if key else {}
 
 
-def _fresh_batch(obj: Any, device: torch.device) -> Any:
-    """A copy of a recorded batch for one run: tensors copied to ``device``, numpy arrays copied (decoded, they are
-    views of the stored tensors), containers rebuilt."""
+def _fresh_batch(obj: Any, device: torch.device | None) -> Any:
+    """A copy of a recorded batch for one run: tensors copied to ``device`` (None: each on its own device), numpy
+    arrays copied (decoded, they are views of the stored tensors), containers rebuilt."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, copy=True)
+        return obj.to(device or obj.device, copy=True)
     if isinstance(obj, np.ndarray):
         return obj.copy()
     if isinstance(obj, dict):
@@ -615,6 +623,56 @@ def replay_isolated(bundle: Any, *, times: int = 1, device: str | None = None, c
     return report
 
 
+def replay_device_error(bundle: Bundle, *, times: int = 1, device: str | None = None, code: str | Path | None = None,
+                        progress: Any = None) -> ReplayReport:
+    """:func:`replay` of a ``device_error`` bundle: on the CPU first, the culprit named, then the GPU where there is
+    one (see :mod:`reprokit.triage`).
+
+    ``device``: ``"cpu"`` keeps the whole replay on the CPU (the verdict is the CPU face's); else the GPU confirms
+    where torch sees one. Returns a :class:`ReplayReport` whose ``triage`` says what each part
+    found.
+    """
+    gpu = torch.cuda.is_available() and device != "cpu"
+    if not gpu:
+        report, found = _device_error_on_cpu(bundle, times, code, progress)
+        found["gpu"] = {"checked": False, "why_not": "--device cpu was asked for" if device == "cpu" else
+                        "no CUDA device here"}
+        found["reproduced_as"] = "cpu_face" if report.reproduced else None
+        report.triage = found
+        return report
+    cpu = triage.cpu_in_child(bundle, code)
+    report = replay_isolated(bundle, times=times, device="cuda", code=code, progress=progress)
+    first = next((r for r in report.runs if r.same), report.runs[0] if report.runs else None)
+    report.triage = {**cpu, "gpu": {"checked": True, "verdict": report.verdict,
+                                    "failure": first.failure.summary() if first and first.failure else None}}
+    report.triage["reproduced_as"] = "device_error" if report.reproduced else None
+    return report
+
+
+def _device_error_on_cpu(bundle: Bundle, times: int, code: str | Path | None,
+                         progress: Any) -> tuple[ReplayReport, dict[str, Any]]:
+    """Every run on the CPU, in this process (no GPU here, or ``--device cpu``): the first one watched. Returns the
+    report and the triage so far."""
+    s = Session(bundle, device="cpu", code=code)
+    try:
+        with s:
+            first, found = triage.watched_run(s)
+            runs = [first]
+            if progress:
+                progress(1, times)
+            inputs = s.inputs()
+            for i in range(1, times):
+                runs.append(s.run(inputs))
+                if progress:
+                    progress(i + 1, times)
+            for r in runs:
+                r.fidelity = s.fidelity(r)
+            report = report_of(bundle, runs, "cpu", s.code_label)
+    finally:
+        s.drop_code_copy()
+    return report, {"cpu": triage.cpu_summary(first), **found}
+
+
 def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = None,
            code: str | Path | None = None, progress: Any = None, as_rank: bool = False,
            isolate: bool | None = None,
@@ -653,8 +711,9 @@ def replay(bundle: str | Path | Bundle, *, times: int = 1, device: str | None = 
     bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     if not as_rank:  # one rank of an N-rank incident replay runs a peer's window too: its collectives need it
         _refuse_peer(bundle)
+        if bundle.failure.kind == FailureKind.DEVICE_ERROR and not isolate:
+            return replay_device_error(bundle, times=times, device=device, code=code, progress=progress)
         if isolate or (isolate is None and bundle.failure.kind in DEATHS):
-
             return replay_isolated(bundle, times=times, device=device, code=code, progress=progress)
     s = Session(bundle, device=device, code=code, preload=True)
     s.on_step = on_step
@@ -837,6 +896,7 @@ def format_report(d: dict[str, Any]) -> str:
                          f"this one fired at step {got['step']})")
     elif got:
         lines.append(f"  replayed: {fail_line(got)}")
+    lines += triage.triage_lines(d.get("triage"), rec["step"] if rec else None)
     lines.append(f"  fidelity: {fidelity_line(d['fidelity'], rec['step'] if rec else None)}")
     lines += isolation_lines(d.get("isolation"))
     if d.get("transient"):

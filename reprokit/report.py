@@ -529,13 +529,45 @@ def format_describe_incident(d: dict[str, Any]) -> str:
     inc = d.get("incident") or {}
     origin = d["failing_rank"]
     first = f"rank {origin} failed first" if origin is not None else "no rank failed at the incident's step"
+    died = d.get("died") if isinstance(d.get("died"), dict) else None
+    declared = f"declared by rank {d.get('declared_by')}" + (
+        f", which found rank {died.get('rank')}'s process dead: {died.get('how')}" if died else "")
     lines = [f"incident {inc.get('incident', d['folder'])}: {_n(d['world_size'], 'rank')}, {first} "
-             f"(step {d.get('step')}; declared by rank {d.get('declared_by')})"]
+             f"(step {d.get('step')}; {declared})"]
     for r in d["ranks"]:
         mark = "  <- failed first" if r["rank"] == origin else ""
         lines.append(f"  rank {r['rank']}: {r['what']}{mark}")
         lines.append(f"    bundle {r['bundle']} (steps {r['window']['start']}-{r['window']['end']})")
     lines.append(f"replay all ranks: reprokit replay {d['folder']}; one rank's details: reprokit inspect BUNDLE")
+    return "\n".join(lines)
+
+
+def format_skips(d: dict[str, Any]) -> str:
+    """``reprokit inspect OUT_DIR``'s text for a run that skipped samples (``reprokit.skip_journal.describe_skips()``): each
+    skip with its step, rows, dataset indices, evidence and bundle, then the indices to filter on a resume."""
+    n = d["count"]
+    if not n:
+        return f"no skips in {one_line(d['journal'])}"
+    lines = [f"{_n(n, 'skip')} in {one_line(d['journal'])} ({d['seconds_lost']:.1f} s of replays lost)"]
+    for e in d["skips"]:
+        indices = e.get("dataset_indices")
+        named = f"dataset indices {indices}" if indices is not None else "no dataset index (the batch carries none)"
+        rank = f" on rank {e['rank']}" if e.get("rank") is not None else ""
+        failure = e.get("failure") or {}
+        lines.append(one_line(f"  step {e['step']}{rank}: skipped rows {e.get('rows')}, {named}; "
+                              f"{summary_line(failure, step=False)}; {float(e.get('seconds_lost') or 0):.1f} s"))
+        ev = e.get("evidence") or {}
+        window = ev.get("window") or {}
+        bit_exact = window.get("replayed_bit_exact")
+        exact = "" if bit_exact is None else ", bit-exact" if bit_exact else ", not bit-exact"
+        only = ev.get("only_culprits") or {}
+        lines.append(one_line(f"    evidence: steps {window.get('from_step')}-{window.get('to_step')} replayed{exact}; "
+                              f"{ev.get('reproduced', '')}; without the rows: "
+                              f"{(ev.get('without_culprits') or {}).get('verdict')}; with only them "
+                              f"({only.get('background')}): {only.get('verdict')}"))
+        if e.get("bundle"):
+            lines.append(one_line(f"    bundle {e['bundle']}"))
+    lines.append(f"dataset indices to keep out of a resumed run (reprokit.skip_list): {d['dataset_indices']}")
     return "\n".join(lines)
 
 

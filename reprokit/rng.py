@@ -203,16 +203,20 @@ def _cuda_read(gen: torch.Generator) -> tuple[int, int] | torch.Tensor:
     return gen.get_state()
 
 
-def encode(rs: RNGState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The bundle form: small scalars in a JSON tree, state vectors as tensors (``rng/...``)."""
+def encode(rs: RNGState, host_only: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The bundle form: small scalars in a JSON tree, state vectors as tensors (``rng/...``).
+
+    ``host_only``: make the CUDA generators' state tensors on the host alone (see :func:`cuda_state_on_host`), for
+    a bundle written after a sticky device error, when no CUDA call may run."""
     version, internal, gauss = rs.python
     name, keys, pos, has_gauss, cached = rs.numpy
     tree: dict[str, Any] = {"python": [version, gauss], "numpy": [name, int(pos), int(has_gauss), float(cached)]}
-    tensors = {"rng/python": torch.tensor(internal, dtype=torch.int64),
+    tensors = {"rng/python": torch.from_numpy(np.array(internal, dtype=np.int64)),  # torch.tensor(tuple): 10x slower
                "rng/numpy": torch.from_numpy(np.asarray(keys).astype(np.int64)),
                "rng/torch": rs.torch_cpu}
     for i, st in enumerate(rs.cuda):
-        tensors[f"rng/cuda/{i}"] = st if isinstance(st, torch.Tensor) else _cuda_state_tensor(i, st)
+        tensors[f"rng/cuda/{i}"] = st if isinstance(st, torch.Tensor) else \
+            cuda_state_on_host(st) if host_only else _cuda_state_tensor(i, st)
     owned = []
     for n, (path, kind, device, st) in enumerate(rs.owned):
         entry: dict[str, Any] = {"path": list(path), "kind": kind, "device": device}
@@ -225,6 +229,24 @@ def encode(rs: RNGState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if owned:
         tree["owned"] = owned
     return tree, tensors
+
+
+def cuda_state_on_host(seed_offset: tuple[int, int]) -> torch.Tensor:
+    """``torch.cuda.get_rng_state()`` for a generator at (seed, offset), made without a CUDA call: the 16 bytes
+    torch's CUDA generator writes (the seed as uint64, then the Philox offset as int64, native byte order).
+    The recorder checks once, while the device works, that this is the format of the torch it runs
+    (:func:`host_format_matches`)."""
+    seed, offset = seed_offset
+    raw = np.array([seed], dtype=np.uint64).tobytes() + np.array([offset], dtype=np.int64).tobytes()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def host_format_matches(device: int = 0) -> bool:
+    """Is :func:`cuda_state_on_host` what this torch's CUDA generator says? (Asks the device: call while it works.)"""
+    try:
+        return torch.equal(cuda_state_on_host((12345, 64)), _cuda_state_tensor(device, (12345, 64)))
+    except Exception:
+        return False
 
 
 def _cuda_state_tensor(device: int, seed_offset: tuple[int, int]) -> torch.Tensor:

@@ -232,8 +232,12 @@ def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
 
 
 def from_exception(exc: BaseException, step: int) -> Failure:
+    """The failure of a step that raised ``exc``: an ``exception``, or a ``device_error`` for a sticky device error
+    (see :func:`reprokit.device_error.is_sticky`: the process's CUDA context is gone)."""
+    from reprokit.device_error import is_sticky
+
     return Failure(
-        kind=FailureKind.EXCEPTION,
+        kind=FailureKind.DEVICE_ERROR if is_sticky(exc) else FailureKind.EXCEPTION,
         step=step,
         exc_type=type(exc).__qualname__,
         message=str(exc).splitlines()[0][:500] if str(exc) else "",

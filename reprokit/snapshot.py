@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from reprokit.bundle.tensorfile import WrittenFile, parallelism, shard, write_safetensors
+from reprokit.device_error import is_sticky
 from reprokit.errors import RecorderWarning
 from reprokit.state import TrainState, capture_rng, capture_state
 
@@ -61,8 +62,21 @@ class SnapshotEngine:
 
     def __init__(self, state: TrainState, spill_dir: str | Path | None = None, staging_bytes: int = 256 << 20,
                  chunk_bytes: int = 32 << 20, chunks_in_flight: int = 4, stage_on_device: bool = False,
-                 sync: bool = False, limit: int | None = None, fallback_spill_dir: str | Path | None = None):
+                 sync: bool = False, limit: int | None = None, fallback_spill_dir: str | Path | None = None,
+                 keep_previous: bool = True):
         self.state = state
+        self.keep_previous = keep_previous
+        """Copy CUDA state into two sets of host buffers, in turn, where twice the state fits the budget: the last
+        complete snapshot stays intact while the next one copies (a device error that strikes then leaves it
+        usable). Otherwise one set, overwritten by each snapshot."""
+        self.previous_kept = False
+        """The last :meth:`take` copied into the other set of buffers: the snapshot before it is still intact."""
+        self.serial = 0
+        """Counts :meth:`take`; a snapshot's number, for :meth:`complete`."""
+        self._async: set[int] = set()
+        """Serials whose CUDA copies were queued asynchronously: complete once their marker has landed."""
+        self._marker: Any = None
+        """A :class:`reprokit.device_error.HostMarker` written on the copy stream after each snapshot's last copy."""
         self.limit = limit
         """Host bytes an in-memory snapshot may hold; a bigger state spills to ``fallback_spill_dir``."""
         self.fallback_spill_dir = Path(fallback_spill_dir) if fallback_spill_dir else None
@@ -78,7 +92,11 @@ class SnapshotEngine:
         self.chunk_bytes = chunk_bytes
         self.chunks_in_flight = chunks_in_flight
         self.stage_on_device = stage_on_device
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._banks: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+        """Host buffers per state key, two sets (see ``keep_previous``); ``_buffers`` is the one the next take uses."""
+        self._cur = 0
+        self._swapped = False
+        """The last take turned to the other set: the snapshot it took stays intact through the next take."""
         self._stream: Any = None
         self._done: Any = None
         self._staging: torch.Tensor | None = None
@@ -90,7 +108,7 @@ class SnapshotEngine:
         self._plan: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         self._prepared: tuple[tuple, tuple[dict[str, Any], list[tuple[str, torch.Tensor, Any]]]] | None = None
         self._pinning: threading.Thread | None = None  # allocates missing pinned buffers off the training thread
-        self._pinned: dict[str, torch.Tensor] = {}  # what it allocated, adopted once it is done
+        self._pinned: dict[tuple[int, str], torch.Tensor] = {}  # what it allocated (per set), adopted once done
         self._pin_error: BaseException | None = None
         self._reserved = 0
         """Bytes the pinning thread is allocating: counted as pinned from its start (the budget sees them at once)."""
@@ -112,6 +130,11 @@ class SnapshotEngine:
                                       "host_seconds": 0.0,
                                       "spill_seconds": 0.0, "staged_bytes": 0, "waited_for_copy": False,
                                       "prepared": False}
+
+    @property
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The set of host buffers the next snapshot copies into."""
+        return self._banks[self._cur]
 
     @property
     def stream(self) -> Any:
@@ -145,8 +168,9 @@ class SnapshotEngine:
         except Exception as e:  # never break the user's optimizer step
             self.broken = True
             self._plan = []
-            warnings.warn(f"reprokit: snapshot failed ({e}); no bundle until the next snapshot", RecorderWarning,
-                          stacklevel=2)
+            if not is_sticky(e):  # a dead device: the step fails with that error itself, and the bundle says it
+                warnings.warn(f"reprokit: snapshot failed ({e}); no bundle until the next snapshot", RecorderWarning,
+                              stacklevel=2)
 
     def _finish(self, rest: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
         """Copy what the helper thread had not issued yet, from device clones when memory allows."""
@@ -168,6 +192,7 @@ class SnapshotEngine:
                 buf.copy_(src, non_blocking=True)
                 if owned:
                     src.record_stream(self._stream)
+            self._mark_complete()
             self._done.record(self._stream)
         if not staged:
             self._issued_event = self._done
@@ -183,9 +208,44 @@ class SnapshotEngine:
         self.check(ordered=True)
 
     def copies_landed(self) -> bool:
-        """Whether the last snapshot's copies are all in host memory, asked without waiting (a thread other than the
-        training one may ask while the training stream is stuck)."""
-        return self._thread is None and (self._done is None or self._done.query())
+        """Whether the last snapshot's copies are all in host memory, asked without waiting and without a CUDA call (a
+        thread other than the training one may ask while the training stream is stuck, or the context is dead)."""
+        return self.complete(self.serial)
+
+    def complete(self, serial: int) -> bool:
+        """Whether snapshot ``serial``'s copies are all in host memory: taken synchronously (CPU state, spilled,
+        ``sync`` after its wait), or its marker has landed. Reads host memory only (see
+        :class:`reprokit.device_error.HostMarker`): safe after a sticky device error."""
+        if serial not in self._async:
+            return True
+        return self._marker is not None and self._marker.landed(serial)
+
+    def _two_banks(self, need: int) -> bool:
+        """Whether snapshots of ``need`` bytes go into two sets of buffers in turn (see ``keep_previous``)."""
+        return self.keep_previous and not self.sync and self.spill_dir is None and 2 * need <= self._room()
+
+    def _turn_banks(self, two: bool) -> None:
+        """After a take: the next one copies into the other set of buffers (``two``), leaving this one intact; or
+        into this set again, and the other set is freed (a snapshot still using it keeps its own references)."""
+        self._swapped = two
+        if two:
+            self._cur = 1 - self._cur
+            return
+        other = self._banks[1 - self._cur]
+        for key in list(other):
+            self._account(other.pop(key), -1)
+
+    def _ensure_marker(self) -> None:
+        """Make the marker on the training thread (its table is ready for the copy stream: see HostMarker)."""
+        if self._marker is None:
+            from reprokit.device_error import HostMarker
+
+            self._marker = HostMarker(torch.device("cuda", torch.cuda.current_device()))
+
+    def _mark_complete(self) -> None:
+        """On the stream of the snapshot's copies, after the last one: its marker (see :meth:`complete`)."""
+        self._ensure_marker()
+        self._marker.mark(self.serial)
 
     def check(self, ordered: bool = False) -> None:
         """Was a tensor copied asynchronously written in place since the snapshot was taken?
@@ -216,8 +276,33 @@ class SnapshotEngine:
             return
         thread = self._thread
         if ordered or (thread is not None and not thread.is_alive() and self._issued == len(self._plan)
-                       and self._done is not None and self._done.query()):
+                       and self.complete(self.serial)):
             self._watched = []  # ``done`` is recorded only once every copy is issued: before that, query() says nothing
+
+    @property
+    def keeps_last(self) -> bool:
+        """The last take turned to the other set of buffers: the next take leaves that snapshot intact."""
+        return self._swapped
+
+    @property
+    def last_buffers(self) -> dict[str, torch.Tensor]:
+        """The set of host buffers the last take copied into (``_buffers`` is the next one's)."""
+        return self._banks[1 - self._cur] if self._swapped else self._buffers
+
+    def buffers(self) -> list[Any]:
+        """Everything the engine holds that a CUDA copy used: both sets of host buffers, the spill staging buffer, the
+        marker, the device clones of a copy in flight (see :func:`reprokit.device_error.keep_to_exit`)."""
+        return [dict(self._banks[0]), dict(self._banks[1]), self._staging, self._marker, list(self._plan),
+                dict(self._pinned)]
+
+    def abandon(self) -> None:
+        """The CUDA context is dead (a sticky device error): stop without a CUDA call (the optimizer hook removed, no
+        wait for a copy); the caller keeps :meth:`buffers` alive."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._stop.set()
+        self._plan, self._prepared = [], None
 
     def detach(self) -> None:
         """Remove the optimizer hook; a snapshot in flight is finished first (the hook guards it)."""
@@ -238,7 +323,8 @@ class SnapshotEngine:
         self.detach()
         self.wait()
         self._collect_pinned()
-        self._buffers.clear()
+        for bank in self._banks:
+            bank.clear()
         self._staging = None
         self.stats["pinned_bytes"] = self.stats["pageable_bytes"] = 0
         if self._spilled is not None:
@@ -249,6 +335,8 @@ class SnapshotEngine:
 
     def take(self, extra_tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | list[WrittenFile]]:
         t0 = time.perf_counter()
+        self.serial += 1
+        self.previous_kept = False
         if self.spill_dir is not None:
             out: tuple[dict[str, Any], dict[str, torch.Tensor] | list[WrittenFile]] = self._spill(extra_tree)
         else:
@@ -315,7 +403,7 @@ class SnapshotEngine:
         self._collect_pinned()
         missing = self._pin_plan()
         if missing:
-            self._reserved = sum(t.numel() * t.element_size() for _, t in missing)
+            self._reserved = sum(t.numel() * t.element_size() for _, _, t in missing)
             self.stats["pinned_bytes"] += self._reserved
             self._pinning = threading.Thread(target=self._pin, args=(missing,), name="reprokit-pin", daemon=True)
             self._pinning.start()
@@ -327,47 +415,54 @@ class SnapshotEngine:
             self._pinning = None
             self._adopt_pinned()
 
-    def _pin_plan(self) -> list[tuple[str, torch.Tensor]]:
-        """The CUDA tensors of the state that lack a pinned buffer; none where pinning ahead does not apply (no CUDA,
-        spilling, synchronous copies, a state larger than the budget's room, a walk that fails: take() handles
-        those as before)."""
+    def _pin_plan(self) -> list[tuple[int, str, torch.Tensor]]:
+        """``(set, key, tensor)`` of the state's CUDA tensors that lack a pinned buffer, in the set the next take
+        uses and, where snapshots alternate between two (``keep_previous``), in the other; none where pinning ahead
+        does not apply (no CUDA, spilling, synchronous copies, a state larger than the budget's room, a walk that
+        fails: take() handles those as before)."""
         if self.spill_dir is not None or self.sync or not torch.cuda.is_available():
             return []
         try:
             walked = self._walk(allocate=False)
         except Exception:
             return []  # take() walks again and reports the error
-        if self.limit is not None and _need(walked[1]) > self._room():
+        need = _need(walked[1])
+        if self.limit is not None and need > self._room():
             return []  # take() makes room or spills, as before
-        return self._missing(walked[1])
+        banks = [self._cur, 1 - self._cur] if self._two_banks(need) else [self._cur]
+        return [(bank, key, t) for bank in banks for key, t in self._missing(walked[1], self._banks[bank])]
 
     @staticmethod
-    def _missing(layout: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor]]:
-        """The tensors without a buffer yet, tied ones once (the walk after pinning lists the others as "same")."""
+    def _missing(layout: list[tuple[str, torch.Tensor, Any]],
+                 bank: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The CUDA tensors without a buffer in ``bank`` yet, tied ones once (the walk lists the others as "same")."""
         out, seen = [], set()
         for key, t, how in layout:
+            if how in ("cpu", "same"):
+                continue
             ident = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-            if how is None and ident not in seen:
-                seen.add(ident)
+            buf = bank.get(key)
+            if ident not in seen and (buf is None or buf.shape != t.shape or buf.dtype != t.dtype):
                 out.append((key, t))
+            seen.add(ident)
         return out
 
-    def _pin(self, missing: list[tuple[str, torch.Tensor]]) -> None:
+    def _pin(self, missing: list[tuple[int, str, torch.Tensor]]) -> None:
         """Allocate pinned buffers like ``missing``'s tensors (run on a helper thread; torch.empty releases the GIL)."""
         try:
-            for key, t in missing:
-                self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            for bank, key, t in missing:
+                self._pinned[(bank, key)] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         except Exception as e:  # said when adopted: take() then allocates what is still missing
             self._pin_error = e
 
     def _adopt_pinned(self) -> None:
         self.stats["pinned_bytes"] -= self._reserved  # the buffers themselves are counted instead
         self._reserved = 0
-        for key, buf in self._pinned.items():
-            old = self._buffers.get(key)
+        for (bank, key), buf in self._pinned.items():
+            old = self._banks[bank].get(key)
             if old is not None:
                 self._account(old, -1)
-            self._buffers[key] = buf
+            self._banks[bank][key] = buf
             self._account(buf, 1)
         self._pinned = {}
         error, self._pin_error = self._pin_error, None
@@ -412,6 +507,8 @@ class SnapshotEngine:
         """
         self.wait()  # the buffers are about to be reused
         self._collect_pinned()  # buffers being pinned aside (an early snapshot came first): wait for them
+        self._async.intersection_update({self.serial - 1})  # complete once waited for: only the last one matters
+        self.previous_kept = self._swapped and bool(self._banks[1 - self._cur])
         self.broken = False
         self.torn = None
         prepared, self._prepared = self._prepared, None
@@ -443,9 +540,13 @@ class SnapshotEngine:
                 cuda = True
         for key in [key for key in self._buffers if key not in tensors]:  # state that is gone (grads, say)
             self._account(self._buffers.pop(key), -1)
+        if cuda:
+            self._async.add(self.serial)
+            self._ensure_marker()
         if cuda and self.sync:
             for buf, src, _ in plan:
                 buf.copy_(src, non_blocking=True)  # on the training stream: ordered before every later write
+            self._mark_complete()
             self._done = torch.cuda.Event()
             self._done.record(torch.cuda.current_stream())
             self._watched = []
@@ -462,6 +563,7 @@ class SnapshotEngine:
             self._thread = threading.Thread(target=self._issue, args=(plan, ready, self._done, device),
                                             name="reprokit-snapshot", daemon=True)
             self._thread.start()
+        self._turn_banks(cuda and self._two_banks(need))
         self.stats["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
         return {"state": tree, "rng": rng_tree, **extra_tree}, {**tensors, **rng_tensors}
 
@@ -488,11 +590,15 @@ class SnapshotEngine:
                     if len(in_flight) > self.chunks_in_flight:
                         in_flight.pop(0).synchronize()  # releases the GIL; about one chunk's copy time
                 if i == len(plan):
+                    self._mark_complete()
                     done.record(self._stream)
         except Exception as e:  # surfaced by wait()/the hook, never lost
             self._thread_error = e
             self._issued = len(plan)
-            done.record(torch.cuda.current_stream(device))
+            try:
+                done.record(torch.cuda.current_stream(device))
+            except Exception:  # a dead context (a sticky device error): the hook's own calls fail the same way
+                pass
 
     def _protected(self) -> set[int]:
         """Data pointers that only ``optimizer.step()`` writes to: parameters and optimizer state."""
@@ -541,7 +647,8 @@ class SnapshotEngine:
         self.spilled_for_memory = (f"the state ({mib(need)}) does not fit the recorder's host-memory budget "
                                    f"for snapshots ({mib(self._room())}); snapshots are written to "
                                    f"{self.spill_dir} instead (a synchronous copy at every snapshot)")
-        self._buffers.clear()
+        for bank in self._banks:
+            bank.clear()
         self.stats["pinned_bytes"] = self.stats["pageable_bytes"] = 0
         self.staging_bytes = max(64 << 10, min(self.staging_bytes, self._room() // 4))
 

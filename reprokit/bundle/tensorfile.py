@@ -127,6 +127,36 @@ def _pieces(items: list[tuple[str, torch.Tensor]], staging: Staging | None, chun
             yield memoryview(cast(Any, part.numpy())).cast("B")
 
 
+def safetensors_parts(tensors: dict[str, torch.Tensor]) -> list[memoryview]:
+    """The bytes of a safetensors file of these host tensors (header, then each tensor in key order), as buffers
+    over the tensors' own memory: nothing is copied but a non-contiguous tensor. For ``os.writev`` and an
+    incremental hash; ``b"".join`` of them is what ``safetensors.torch.save`` would load back.
+
+    Raises:
+        TypeError: for a dtype safetensors cannot store.
+    """
+    head, items = _header(tensors)
+    parts = [memoryview(head)]
+    for key, t in items:
+        view = _host_bytes(t)
+        if view is None:
+            parts.extend(_pieces([(key, t)], None, CHUNK))
+        elif len(view):
+            parts.append(view)
+    return parts
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview | None:
+    """The bytes of a contiguous host tensor of a dtype numpy has, through one numpy view (a record is written per
+    training step: the general path costs several tensor operations per tensor); None otherwise."""
+    if t.device.type != "cpu" or t.dim() == 0 or not t.is_contiguous() or t.requires_grad:
+        return None
+    try:
+        return memoryview(cast(Any, t.numpy())).cast("B")
+    except (TypeError, RuntimeError, ValueError):  # bfloat16, float8 (no numpy dtype), a conjugate view
+        return None
+
+
 def _write_all(f: BinaryIO, data: memoryview) -> None:
     while data:
         n = f.write(data)

@@ -153,14 +153,16 @@ class IncidentBoard:
     def incident_path(self, number: int) -> Path:
         return self.path.with_name(f"{self.info.run_key}.{number}.json")
 
-    def declare(self, step: int, rank: int, what: str) -> dict[str, Any]:
-        """This rank failed: create the next incident (or join it, when another rank created it first) and return
-        it. The incident's name carries this run's key, so two runs writing into one ``out_dir`` never share an
-        incident folder."""
+    def declare(self, step: int, rank: int, what: str, died: dict[str, Any] | None = None) -> dict[str, Any]:
+        """This rank failed (or found rank ``rank`` dead: ``died`` says how, :mod:`reprokit.distributed.peers`):
+        create the next incident (or join it, when another rank created it first) and return it. The incident's name
+        carries this run's key, so two runs writing into one ``out_dir`` never share an incident folder."""
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         number = self.handled
         doc = {"incident": f"{INCIDENT_PREFIX}{stamp}-step{step:08d}-{self.info.run_key[:8]}", "step": step, "rank": rank,
                "what": what, "world_size": self.info.world_size, "number": number}
+        if died is not None:
+            doc["died"] = died
         path = self.incident_path(number)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{rank}.tmp")
@@ -180,6 +182,33 @@ class IncidentBoard:
             return None
         ok = isinstance(doc, dict) and isinstance(doc.get("incident"), str) and doc.get("number") == number
         return doc if ok else None
+
+    def pending(self) -> dict[str, Any] | None:
+        """The next incident, when one is declared that this rank has not handled yet."""
+        number = self.handled
+        return self.read(number) if self.incident_path(number).exists() else None
+
+    def mark_dead(self, rank: int, death: dict[str, Any]) -> None:
+        """Say that ``rank``'s process died (no rank waits for its window any more). The first mark stays."""
+        path = self._dead_path(rank)
+        tmp = path.with_name(f".{path.name}.{self.info.rank}.tmp")
+        try:
+            tmp.write_text(json.dumps(death))
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def dead(self) -> set[int]:
+        """The ranks marked dead (:meth:`mark_dead`)."""
+        return {r for r in range(self.info.world_size) if self._dead_path(r).exists()}
+
+    def _dead_path(self, rank: int) -> Path:
+        return self.path.with_name(f"{self.info.run_key}.rank{rank}.dead")
 
     def handle(self, doc: dict[str, Any]) -> None:
         """This rank writes (or has given up writing) its window for incident ``doc``: the next one is the one after."""
@@ -208,7 +237,8 @@ class IncidentBoard:
         the ranks still missing."""
         deadline = time.monotonic() + timeout_s
         while True:
-            missing = [r for r in range(self.info.world_size) if not self.done_path(r).exists() and (
+            dead = self.dead()
+            missing = [r for r in range(self.info.world_size) if not self.done_path(r).exists() and r not in dead and (
                 r == self.info.rank or self._attached_path(r).exists())]
             if not missing or time.monotonic() >= deadline:
                 return missing
@@ -231,8 +261,10 @@ class IncidentBoard:
             return None
 
     def recording_ranks(self) -> list[int]:
-        """The ranks that record here (attached), this one included."""
-        return [r for r in range(self.info.world_size) if r == self.info.rank or self._attached_path(r).exists()]
+        """The ranks that record here (attached, not dead), this one included."""
+        dead = self.dead()
+        return [r for r in range(self.info.world_size) if r == self.info.rank or (
+            self._attached_path(r).exists() and r not in dead)]
 
     def _attached_path(self, rank: int) -> Path:
         return self.path.with_name(f"{self.info.run_key}.rank{rank}.attached")
@@ -242,8 +274,9 @@ class IncidentBoard:
         number = int(self.current["number"]) if self.current else 0
         return self.path.with_name(f"{self.info.run_key}.{number}.rank{rank}.done")
 
-    def watch(self, on_incident: Callable[[dict[str, Any]], None]) -> None:
-        """Call ``on_incident(doc)`` from a daemon thread when an incident this rank has not written appears.
+    def watch(self, on_incident: Callable[[dict[str, Any]], None], tick: Callable[[], None] | None = None) -> None:
+        """Call ``on_incident(doc)`` from a daemon thread when an incident this rank has not written appears; ``tick()``
+        before each look (the recorder's heartbeat and its check of the peers, :mod:`reprokit.distributed.peers`).
 
         At interpreter exit (a script that ends without closing its Recorder) the watcher is not cut off: the window
         it is writing is finished, and an incident that appeared since its last poll is written from the exiting
@@ -253,6 +286,11 @@ class IncidentBoard:
 
         def loop() -> None:
             while not self._stop.wait(self.poll_s):
+                if tick is not None:
+                    try:
+                        tick()
+                    except Exception:  # never let the watcher die loudly inside a training job
+                        pass
                 self._poll()
 
         self._thread = threading.Thread(target=loop, name="reprokit-incidents", daemon=True)

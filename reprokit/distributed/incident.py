@@ -138,7 +138,7 @@ class IncidentReport:
     def to_json(self) -> dict[str, Any]:
         return {"incident": self.incident, "folder": str(self.folder), "world_size": len(self.ranks),
                 "failing_rank": self.failing_rank, "failing_what": self.failing_what,
-                "declared_by": self.incident.get("rank"), "verdict": self.verdict,
+                "declared_by": declared_by(self.incident), "verdict": self.verdict,
                 "exit_code": self.exit_code,
                 "reproduced": self.verdict in ("deterministic", "flaky"),
                 "determinism_checked": bool(self.ranks) and all((r.get("runs") or 0) > 1 for r in self.ranks),
@@ -222,8 +222,15 @@ def describe_incident(folder: str | Path) -> dict[str, Any]:
                       "what": f.describe(), "window": {"start": b.run["window"]["start"],
                                                        "end": b.run["window"]["end"]}})
     return {"folder": str(folder), "incident": incident, "world_size": len(bundles),
-            "failing_rank": origin_rank(bundles, incident), "declared_by": incident.get("rank"),
-            "step": incident.get("step"), "ranks": ranks}
+            "failing_rank": origin_rank(bundles, incident), "declared_by": declared_by(incident),
+            "died": incident.get("died"), "step": incident.get("step"), "ranks": ranks}
+
+
+def declared_by(incident: dict[str, Any]) -> Any:
+    """The rank that declared the incident: the failing rank itself, or for a rank killed outright (``died``, see
+    :mod:`reprokit.distributed.peers`) the live rank that found it dead."""
+    died = incident.get("died")
+    return died.get("detected_by") if isinstance(died, dict) else incident.get("rank")
 
 
 _FIRST_IN_A_STEP = (FailureKind.CRASH, FailureKind.EXCEPTION, FailureKind.NONFINITE_LOSS, FailureKind.LOSS_SPIKE,

@@ -58,6 +58,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from reprokit.code import ref_of, resolve_project
 from reprokit.errors import CaptureError, CodeLoadError
 from reprokit.record import Recorder
+from reprokit.skip import refuse_skip
 from reprokit.state import TrainState
 
 BATCH = "batch"
@@ -86,6 +87,7 @@ class ReprokitCallback(Callback):
             if key in recorder_options:
                 raise CaptureError(f"ReprokitCallback({key}=...): the callback makes {key} itself from the "
                                    "LightningModule and the Trainer; drop it")
+        refuse_skip(recorder_options, "Lightning")
         self.out_dir = out_dir
         self.options = recorder_options
         self.recorder: Recorder | None = None
@@ -95,9 +97,12 @@ class ReprokitCallback(Callback):
         self._lrs_at_validation: list[float] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        state, config, cls_ref, root = _describe(trainer, pl_module)
+        state, config = _describe(trainer, pl_module)
         try:
-            rec = Recorder(state, train_step, build=build, config=config, out_dir=self.out_dir, **self.options)
+            # build and step are reprokit's: the code snapshot is the LightningModule's project (carry).
+            carry = (type(pl_module), *self.options.get("carry", ()))
+            rec = Recorder(state, train_step, build=build, config=config, out_dir=self.out_dir,
+                           **{**self.options, "carry": carry})
         except CaptureError as e:
             if "config/hparams/" not in str(e):
                 raise
@@ -107,9 +112,6 @@ class ReprokitCallback(Callback):
                                "and give them defaults") from None
         # Replay runs reprokit's train_step on a headless trainer; while recording, the step is the live one.
         rec.train_step = self._run_live
-        rec._refs["objects"] = [cls_ref]
-        rec._root = root  # build and step are reprokit's: the code snapshot is the LightningModule's project
-        rec._scripts = [root / cls_ref["script"]] if "script" in cls_ref else []
         # Steps are the fit's batches: a fit resumed from a checkpoint (ckpt_path=) counts on from its batches.
         rec.step_index = int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
         self.recorder = rec
@@ -136,14 +138,14 @@ class ReprokitCallback(Callback):
             meta.update(epoch_end=True, epoch=int(trainer.current_epoch))
         if self._lrs_at_validation is not None:
             if _lrs(trainer) != self._lrs_at_validation:
-                self.recorder._resnap = True
+                self.recorder.request_snapshot()
             self._lrs_at_validation = None
         self._live, self._output = (run, args), None
         self.recorder.step({BATCH: kwargs[BATCH], META: meta})
         if meta.get("epoch_end") and any(cfg.reduce_on_plateau for cfg in trainer.lr_scheduler_configs):
             # ReduceLROnPlateau steps on a metric after this batch, which replay cannot recompute: the next
             # batch starts a window of its own (a snapshot holds the scheduler as the metric left it).
-            self.recorder._resnap = True
+            self.recorder.request_snapshot()
         return self._output
 
     def _run_live(self, state: TrainState, batch: Any) -> Any:
@@ -172,8 +174,8 @@ class ReprokitCallback(Callback):
         self._restore = ()
 
 
-def _describe(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[TrainState, dict[str, Any], dict, Any]:
-    """The TrainState, the config ``build`` takes, the module class's ref and its project root."""
+def _describe(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[TrainState, dict[str, Any]]:
+    """The TrainState and the config ``build`` takes (whose ``module`` is the class's ref)."""
     if len(trainer.optimizers) != 1 or len(trainer.lr_scheduler_configs) > 1:
         raise CaptureError(f"reprokit's Lightning callback records one optimizer and at most one LR scheduler; "
                            f"configure_optimizers gave {len(trainer.optimizers)} optimizer(s) and "
@@ -202,7 +204,7 @@ def _describe(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[TrainSta
               "trainer": {k: getattr(trainer, k) for k in TRAINER_FLAGS},
               "automatic_optimization": module.automatic_optimization,
               "accelerator": "gpu" if module.device.type == "cuda" else "cpu"}
-    return state, config, cls_ref, root
+    return state, config
 
 
 def _lrs(trainer: pl.Trainer) -> list[float]:

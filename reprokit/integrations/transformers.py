@@ -44,7 +44,7 @@ import transformers
 from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import IntervalStrategy
 
-from reprokit.code import ref_label, ref_of, resolve_project, snapshot_files
+from reprokit.code import ref_label, ref_of, resolve_project
 from reprokit.errors import BundleError, CaptureError, CodeLoadError, StateMismatchError
 from reprokit.record import Recorder
 from reprokit.state import TrainState
@@ -102,7 +102,12 @@ def build(config: dict[str, Any]) -> HFTrainState:
     model = model_cls(model_config).to(dtype)
     scratch = tempfile.mkdtemp(prefix="reprokit-trainer-")  # the Trainer makes its output_dir; replay writes nothing
     try:
-        args = TrainingArguments(**{**_args_for_replay(config["args"]), "output_dir": scratch})
+        replay_args = {**_args_for_replay(config["args"]), "output_dir": scratch}
+        if config.get(N_GPU) and not torch.cuda.is_available():
+            # Recorded on a GPU, replayed where torch sees none (a CPU machine, or the CPU part of a device error's
+            # triage, which hides the GPUs): the Trainer must be told, or bf16 / fp16 arguments refuse the CPU.
+            replay_args["use_cpu"] = True
+        args = TrainingArguments(**replay_args)
         # Replay never evaluates; set after the arguments' own checks, which want an eval strategy for a scheduler
         # that steps on eval metrics (reduce_lr_on_plateau), and before the Trainer's, which want an eval_dataset.
         args.eval_strategy = IntervalStrategy.NO
@@ -249,39 +254,6 @@ _HOOKED = ("get_batch_samples", "training_step", "_run_epoch", "_prepare_for_tra
 
 # --- recording ----------------------------------------------------------------------------
 
-class _UpdateRecorder(Recorder):
-    """A Recorder whose step is driven by the Trainer's events: :meth:`begin` before an update's first
-    micro-batch, :meth:`end` after its ``zero_grad`` (or with the exception that stopped it)."""
-
-    _batch: Any = None
-    _current: Any = None
-
-    def begin(self, batch: Any) -> None:
-        self._batch = batch
-        self._current = self._begin_step(batch)
-        self.monitor.begin()
-
-    def skip(self, message: str) -> None:
-        """An update that cannot be recorded: it still counts (steps stay the Trainer's), the window is dropped."""
-        self._drop_window("skip", message)
-        self.step_index += 1
-
-    @property
-    def active(self) -> bool:
-        return self._in_step
-
-    def end(self, loss: Any, exc: BaseException | None = None) -> None:
-        """Read the update's loss and gradient norm, run the detectors, write a bundle on failure.
-
-        Raises:
-            ``exc`` itself (a note names the bundle), or TrainingFailure when a detector fired.
-        """
-        self._locked_after_step()
-        result = self.monitor.conclude(self.step_index, loss, exc)
-        batch, self._batch = self._batch, None
-        self._finish_step(batch, self._current, result)
-
-
 class _IndexedBatches:
     """Stands in for a DataLoader's batch sampler: yields what it yields and queues each batch's indices."""
 
@@ -314,6 +286,11 @@ class ReprokitCallback(TrainerCallback):
     path as a note, or :class:`reprokit.TrainingFailure` is raised (``.bundle``). Steps are
     optimizer updates (``state.global_step`` counts the same way).
 
+    With ``on_failure="skip"``, a detector's failure (a non-finite loss or gradient norm) whose cause is proven to be
+    rows of the update's micro-batches is skipped: the update is replayed on the live Trainer without those rows
+    and training goes on (see :mod:`reprokit.skip`). An exception inside an update is never skipped here: it has
+    left the Trainer's loop by the time the callback sees it.
+
     Example:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds,            # doctest: +SKIP
         ...                   callbacks=[ReprokitCallback(out_dir="repros")])
@@ -325,7 +302,7 @@ class ReprokitCallback(TrainerCallback):
                 raise CaptureError(f"ReprokitCallback makes {key} itself (the Trainer's own); drop {key}=")
         self.out_dir = Path(out_dir)
         self.options = recorder_options
-        self.recorder: _UpdateRecorder | None = None
+        self.recorder: Recorder | None = None
         self._trainer: Trainer | None = None
         self._batch: dict[str, Any] | None = None
         self._loss: torch.Tensor | None = None
@@ -359,9 +336,13 @@ class ReprokitCallback(TrainerCallback):
         if self.recorder is not None:
             self.recorder.close()
         self._trainer = trainer
-        rec = _UpdateRecorder(_state_of(trainer), train_step, build=build, config=self._config(trainer, state),
-                              out_dir=self.out_dir, **self.options)
-        self._snapshot_project(rec, trainer)
+        # The Trainer's events drive each update (begin_step before its first micro-batch, end_step after its
+        # zero_grad or with the exception that stopped it); a model, config or Trainer class of the user's project
+        # travels in the code snapshot (carry), so replay can rebuild them.
+        model: Any = trainer.model
+        carry = (type(model), type(trainer), type(model.config), *self.options.get("carry", ()))
+        rec = Recorder(_state_of(trainer), train_step, build=build, config=self._config(trainer, state),
+                       out_dir=self.out_dir, **{**self.options, "carry": carry})
         rec.step_index = int(state.global_step)  # bundle steps are the Trainer's (a resumed run starts past 0)
         self.recorder = rec
         self._wrap(trainer, kwargs.get("train_dataloader"))
@@ -375,23 +356,23 @@ class ReprokitCallback(TrainerCallback):
             return
         self._loss = None
         batch, self._batch = self._batch, None
-        if self._lrs_after is not None and not rec._resnap and _lrs_differ(self._lrs(), self._lrs_after):
+        if self._lrs_after is not None and _lrs_differ(self._lrs(), self._lrs_after):
             # The LR changed between updates (a scheduler stepped on eval metrics, reduce_lr_on_plateau, or a
             # callback): replay runs updates only, so this one starts a window of its own (a fresh snapshot).
-            rec._resnap = True
+            rec.request_snapshot()
         if batch is None:  # the update's micro-batches were not seen: it cannot be replayed, nor the window
-            rec.skip(f"reprokit: update {rec.step_index}'s micro-batches were not captured; no bundle until the "
-                     "next snapshot")
+            rec.skip_step(f"reprokit: update {rec.step_index}'s micro-batches were not captured; no bundle until the "
+                          "next snapshot")
             return
-        rec.begin(batch)
+        rec.begin_step(batch)
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         rec = self.recorder
-        if rec is None or not rec.active:
+        if rec is None or not rec.in_step:
             return
         loss, self._loss = self._loss, None
         self._lrs_after = self._lrs(copy=True)
-        rec.end(loss)
+        rec.end_step(loss)
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recorder is not None:
@@ -461,21 +442,6 @@ class ReprokitCallback(TrainerCallback):
             N_GPU: int(trainer.args.n_gpu),  # replay refuses another count where DataParallel is in play
         }
 
-    def _snapshot_project(self, rec: _UpdateRecorder, trainer: Any) -> None:
-        """A model, config or Trainer class of the user's project travels in the bundle's code snapshot (listed
-        under ``refs.objects``, so replay vets it before importing anything)."""
-        for cls in (type(trainer.model), type(trainer), type(trainer.model.config)):
-            ref, root = ref_of(cls, "class")
-            if root is None:
-                continue
-            rec._refs.setdefault("objects", []).append(ref)
-            if rec._root is None:
-                rec._root = root
-            if "script" in ref:
-                rec._scripts.append(root / ref["script"])
-        if rec._root is not None:
-            snapshot_files(rec._root, rec._scripts)  # fail at attach time, not at dump time, if it cannot be read
-
     # --- wrapping the Trainer instance -------------------------------------------------------
 
     def _wrap(self, trainer: Trainer, loader: Any) -> None:
@@ -501,8 +467,8 @@ class ReprokitCallback(TrainerCallback):
                 return run_epoch(*a, **kw)
             except Exception as e:
                 rec = self.recorder
-                if rec is not None and rec.active:
-                    rec.end(None, exc=e)  # writes the bundle, then raises e with a note naming it
+                if rec is not None and rec.in_step:
+                    rec.end_step(None, exc=e)  # writes the bundle, then raises e with a note naming it
                 raise
 
         trainer.get_batch_samples = batch_samples  # type: ignore[method-assign]

@@ -198,3 +198,53 @@ def dataset_indices(batch: Any, rows: tuple[int, ...] | None) -> list[Any] | Non
             if isinstance(values, list) and rows and max(rows) < len(values):
                 return [values[i] for i in rows]
     return None
+
+
+def mix_rows(batch: Any, donor: Any, n: int, rows: list[int]) -> Any | None:
+    """``batch``'s rows ``rows`` at their positions and ``donor``'s rows everywhere else: a batch of ``batch``'s
+    shapes in which only those rows are its own. ``donor`` has ``batch``'s structure and shapes (another step's
+    batch); leaves without a row dimension are ``batch``'s. None when the two do not fit together.
+
+    Example:
+        >>> mix_rows({"x": torch.tensor([1, 2, 3])}, {"x": torch.tensor([7, 8, 9])}, 3, [1])
+        {'x': tensor([7, 2, 9])}
+    """
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] != n:
+            return batch
+        if not isinstance(donor, torch.Tensor) or donor.shape != batch.shape or donor.dtype != batch.dtype:
+            return None
+        out = donor.to(batch.device, copy=True)
+        if rows:
+            at = torch.tensor(rows, dtype=torch.long, device=batch.device)
+            out[at] = batch[at]
+        return out
+    if isinstance(batch, Mapping):
+        if not isinstance(donor, Mapping) or set(batch) != set(donor):
+            return None
+        out_map = {k: mix_rows(v, donor[k], n, rows) for k, v in batch.items()}
+        return None if any(v is None and batch[k] is not None for k, v in out_map.items()) else out_map
+    if isinstance(batch, (list, tuple)):
+        if not isinstance(donor, (list, tuple)) or len(donor) != len(batch):
+            return None
+        if len(batch) == n and (all(isinstance(v, (str, int, float, bool)) or v is None for v in batch)
+                                or _per_sample(batch, n)):
+            keep = set(rows)
+            return type(batch)(batch[i] if i in keep else donor[i] for i in range(n))
+        parts = [mix_rows(x, y, n, rows) for x, y in zip(batch, donor)]
+        return None if any(p is None and x is not None for p, x in zip(parts, batch)) else type(batch)(parts)
+    return batch
+
+
+def mask_rows(batch: Any, n: int, rows: list[int], pad_id: int) -> Any:
+    """``batch`` with every value outside rows ``rows`` set to its neutral value (0, or ``pad_id`` for integers), in
+    each tensor leaf with ``n`` rows that :func:`neutralise` would touch (dataset indices and boolean masks are kept):
+    the batch's shapes, only those rows' values."""
+    keep: set[tuple[str, int]] = set()
+    for path, leaf in leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == n and _eligible(path, leaf):
+            per_row = leaf[0].numel()
+            keep.update((path, r * per_row + i) for r in rows for i in range(per_row))
+        elif _eligible(path, leaf):
+            keep.update((path, i) for i in range(leaf.numel()))  # not per row: left as it is
+    return neutralise(batch, keep, pad_id)

@@ -30,7 +30,7 @@ from reprokit.code import git_info, snapshot_files
 from reprokit.errors import ConfigError, DidNotReproduce, ReprokitError
 from reprokit.isolation import IsolatedRunner
 from reprokit.origin import Origin, same_origin, watch_step
-from reprokit.replayer import RunOutcome, Session, StepInput, alone_hint
+from reprokit.replayer import RunOutcome, Session, StepInput, alone_hint, default_device
 from reprokit.shrink import micro
 from reprokit.shrink.batch import concat_rows, dataset_indices, select_rows, select_seq, seq_len, token_positions
 from reprokit.shrink.case import Case, Snapshot, failed, failure_of, rows_and_seq, what_happened
@@ -205,6 +205,23 @@ class Shrinker:
         elif not interesting and failed(out):
             self.different_failures += 1
         return interesting, out
+
+    def arm(self, original: Case, n: int | None) -> None:
+        """Set what judges a candidate beside its signature, from ``original`` (the failing case, already found to
+        fail the same way; ``n``: its failing batch's row count): the origin of a non-finite failure (checked once
+        here, then for every candidate that fails with the same signature), the rise of a loss spike, the message
+        template of an exception."""
+        kind = self.session.recorded.kind
+        first = original.last.batch
+        if kind in NONFINITE:
+            self.origin, self.reference = self.find_origin(original), (first, n or 0)
+        elif kind == FailureKind.LOSS_SPIKE:
+            self.spike, self.reference = True, (first, n or 0)
+            detail = failure_of(self.outcome(original)).detail
+            if isinstance(detail.get("loss"), float) and isinstance(detail.get("median"), float):
+                self.spike_rise = detail["loss"], detail["median"]
+        elif kind == FailureKind.EXCEPTION:
+            self.message = message_template(failure_of(self.outcome(original)).message)
 
     def confirm(self, case: Case, times: int) -> str | None:
         """Replay ``case``, already found interesting, ``times`` more times; None when it failed the same way each
@@ -440,8 +457,10 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
     if output.exists() and any(output.iterdir()):
         raise ReprokitError(f"{output} already exists and is not empty; pick another -o or remove it")
     src = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
-    # A step that can kill the process is judged in child processes, whatever --isolate says.
-    isolate = isolate or src.failure.kind in DEATHS
+    # A step that can kill the process is judged in child processes, whatever --isolate says; a device error
+    # replayed on the CPU is a clean exception there (its CPU face), and needs none.
+    on_cpu = (device or default_device(src)) == "cpu"
+    isolate = isolate or (src.failure.kind in DEATHS and not (src.failure.kind == FailureKind.DEVICE_ERROR and on_cpu))
     with claimed_output(output), Session(src, device=device, code=code) as session, \
             (IsolatedRunner() if isolate else contextlib.nullcontext()) as runner:
         inputs = tuple(session.inputs())
@@ -460,16 +479,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                 f"{src.path} does not reproduce ({got} on replay; recorded: {src.failure.describe()}), so there is "
                 f"nothing to shrink. {alone_hint(src)}"
             )
-        if src.failure.kind in NONFINITE:
-            # Checked once here, then for every candidate that fails with the same signature.
-            sh.origin, sh.reference = sh.find_origin(original), (first, n or 0)
-        elif src.failure.kind == FailureKind.LOSS_SPIKE:
-            sh.spike, sh.reference = True, (first, n or 0)
-            detail = failure_of(sh.outcome(original)).detail
-            if isinstance(detail.get("loss"), float) and isinstance(detail.get("median"), float):
-                sh.spike_rise = detail["loss"], detail["median"]
-        elif src.failure.kind == FailureKind.EXCEPTION:
-            sh.message = message_template(failure_of(sh.outcome(original)).message)
+        sh.arm(original, n)
         missed = sh.confirm(original, 1)
         if missed:
             raise FlakyFailure(f"{src.path} failed the same way on one replay but not on the next ({missed}), so "
@@ -490,7 +500,7 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
             raise FlakyFailure(f"the smallest case shrinking found in {src.path} ({size}) did not fail the same way on "
                                f"each of {CONFIRM_TIMES} more replays ({missed}); nothing was written. {FLAKY_HINT}")
         out = sh.outcome(best)
-        failure = failure_of(out)
+        failure = _recorded_kind(src.failure, failure_of(out))
         blamed = checked.verdict != STATE
         kept = list(best.rows) if blamed and best.rows is not None and n and len(best.rows) < n else None
         indices = None if not blamed else micro.indices(first, lay, best.rows) \
@@ -527,6 +537,16 @@ def shrink(bundle: str | Path | Bundle, output: str | Path, *, budget: int = 300
                             sh.origin_checks, sh.origin_changed, sh.confirm_runs, provenance.get("code"), disk,
                             state_check=checked.to_json(), rows_ambiguous=ambiguity,
                             isolation=runner.summary() if runner is not None else None)
+
+
+def _recorded_kind(recorded: Failure, got: Failure) -> Failure:
+    """The failure the shrunk bundle records: ``got``, or for a device error shrunk on the CPU, the recorded device
+    error at ``got``'s step (``detail.cpu_face`` says what the CPU raised), so that the result replays as one: its
+    GPU face on a GPU, its CPU face on the CPU."""
+    if recorded.kind != FailureKind.DEVICE_ERROR or got.kind == FailureKind.DEVICE_ERROR:
+        return got
+    return Failure(recorded.kind, got.step, recorded.exc_type, recorded.message, recorded.frame, recorded.traceback,
+                   {**recorded.detail, "cpu_face": got.summary()}, recorded.frame_qualname)
 
 
 def _disk_bytes(manifest: dict[str, Any], when: str) -> dict[str, Any]:

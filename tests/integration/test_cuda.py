@@ -65,7 +65,7 @@ def test_cuda_batches_are_copied_to_pinned_memory(projects, tmp_path):
     ring = rec._ring
     assert len(ring) == 3 and all(r.tensors["batch/x"].is_pinned() for r in ring)
     torch.cuda.synchronize()
-    for r, b in zip(ring, batches):  # copied after the step function returned, behind its kernels
+    for r, b in zip(ring, batches):  # copied at step start, before its kernels
         assert torch.equal(r.tensors["batch/x"], b["x"].cpu()) and torch.equal(r.tensors["batch/y"], b["y"].cpu())
     assert rec._snapshot is not None and rec._snapshot.tensors["model/0.weight"].is_pinned()
 
@@ -246,7 +246,10 @@ def test_snapshot_buffers_are_pinned_when_the_recorder_is_made(projects, tmp_pat
     assert rec._engine.held_bytes >= params and all(b.is_pinned() for b in buffers.values()), rec._engine.held_bytes
     rec.step(next(iter(gpu.batches(1, None, "cuda"))))
     assert rec._snapshot.step == 0
-    assert all(rec._engine._buffers[k] is b for k, b in buffers.items()), "step 0 reused the buffers pinned ahead"
+    assert all(rec._engine.last_buffers[k] is b for k, b in buffers.items()), "step 0 reused the buffers pinned ahead"
+    other = rec._engine._buffers  # the next snapshot's set, pinned ahead too (the last one stays intact through it)
+    assert other is not rec._engine.last_buffers and set(other) >= set(buffers)
+    assert all(b.is_pinned() for b in other.values())
     rec.close()
 
 
@@ -273,15 +276,16 @@ def test_state_that_appears_later_is_pinned_aside_before_its_snapshot(projects, 
     params = sum(p.numel() * p.element_size() for p in state.model.parameters())
     rec.step(next(batches))
     assert rec._engine._pinning is not None, "step 0 made the moments: their buffers are pinned aside"
-    # What the thread pins counts against the budget from its start: parameters + two moments per parameter.
-    assert rec._engine.held_bytes >= 3 * params and rec.stats()["peak_pinned_bytes"] >= 3 * params, rec.stats()
+    # What the thread pins counts against the budget from its start: parameters + two moments per parameter, in both
+    # sets of snapshot buffers (the last snapshot stays intact while the next one copies).
+    assert rec._engine.held_bytes >= 6 * params and rec.stats()["peak_pinned_bytes"] >= 6 * params, rec.stats()
     rec._engine._pinning.join()
     for _ in range(3):
         rec.step(next(batches))
     # The moments live on the GPU and get pinned buffers; AdamW's `step` counters are CPU tensors (pageable copies).
-    moments = {k: b for k, b in rec._engine._buffers.items()
+    moments = {k: b for k, b in rec._engine.last_buffers.items()
                if k.startswith("optimizer/state/") and k.endswith(("/exp_avg", "/exp_avg_sq"))}
-    assert len(moments) == 2 * len(list(state.model.parameters())), sorted(rec._engine._buffers)
+    assert len(moments) == 2 * len(list(state.model.parameters())), sorted(rec._engine.last_buffers)
     assert all(b.is_pinned() for b in moments.values()) and rec._snapshot.step == 3
     assert all(rec._snapshot.tensors[k] is b for k, b in moments.items()), "the snapshot copied into them"
     fails_and_replays_bit_exact(rec, batches)

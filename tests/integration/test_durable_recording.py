@@ -95,6 +95,35 @@ def test_a_run_that_sigkills_itself_in_step_37_recovers_to_a_bundle_ending_at_st
     assert again["written"] == [] and "no flight log" in again["nothing_to_recover"]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+def test_a_cuda_run_killed_in_step_37_recovers_every_batch_its_writer_thread_wrote_bit_for_bit(forked, tmp_path):
+    """CUDA batches reach the host after their step's kernels: the flight log's writer thread frames each step's
+    record while the step runs and hashes and writes it once the copy has landed. Step 37 dies before its copy is
+    even queued, so the recovered window ends before it (step 37 named as started, its batch lost), and every batch
+    in it is the one the run fed, read after its copy landed (a record read too early would not match its own
+    digest, or would hold stale data)."""
+    proc = _train(forked, tmp_path, 37, DIE_HOW="kill", DEVICE="cuda")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    [run] = _recover(tmp_path)["runs"]
+    assert run["status"] == "recovered", run
+    b = open_bundle(run["bundle"])
+    assert verify(b.path) == []
+    # Step 36's record is written once its copy lands, on the writer thread, racing step 37's death: at most that
+    # step is lost with it.
+    end = b.run["window"]["end"]
+    assert end in (35, 36) and b.run["window"] == {"start": 30, "end": end, "steps": list(range(30, end + 1))}
+    assert (b.failure.kind, b.failure.step, b.failure.detail["last_started"]) == ("crash", end, 37)
+    assert "asynchronous GPU copy" in b.failure.detail["dropped"], b.failure.detail
+    g = torch.Generator().manual_seed(1)  # the script's batches, made again
+    fed = {}
+    for step in range(37):
+        fed[step] = (torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    for step in range(30, end + 1):
+        batch, _, _ = b.step(step)
+        assert torch.equal(batch["x"].cpu(), fed[step][0]) and torch.equal(batch["y"].cpu(), fed[step][1]), step
+
+
 @pytest.mark.parametrize(("how", "signame", "code"), [("segv", "SIGSEGV", -signal.SIGSEGV),
                                                       ("abort", "SIGABRT", -signal.SIGABRT)])
 def test_a_segfault_or_an_abort_in_step_37_is_named_from_the_fault_log(forked, tmp_path, how, signame, code):

@@ -78,6 +78,15 @@ def test_recorder_overhead_bench_quick_runs(bench_json):
 
 
 @pytest.mark.slow
+def test_flight_overhead_bench_quick_times_every_record_kind(bench_json):
+    report = bench_json("flight_overhead")
+    assert report["batch_bytes"] == 2 * 8 * 1024 * 8
+    assert all(t["median_us"] > 0 for t in report["records"].values()), report["records"]
+    assert {"step record (CPU batch, training thread)", "end record (training thread)"} <= report["records"].keys()
+    assert report["steps"]["durable_step_us"] > 0
+
+
+@pytest.mark.slow
 def test_memory_budget_bench_quick_runs_and_stays_under_its_budget(bench_json):
     report = bench_json("memory_budget")
     small = report["variants"]["recorder (budget 2 MiB)"]

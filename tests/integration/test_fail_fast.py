@@ -31,16 +31,17 @@ BOUND_S = 30.0
 pytestmark = pytest.mark.slow
 
 
-def _start(out: Path, on_incident: str, exit_path: str, device: str = "cpu") -> tuple[subprocess.Popen, Path]:
+def _start(out: Path, on_incident: str, exit_path: str, device: str = "cpu", failure: str = "raise",
+           launcher: tuple[str, ...] = (), step: int = 17) -> tuple[subprocess.Popen, Path]:
     """torchrun in a session of its own (a test that stops it kills every worker, never an orphan left blocked)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{on_incident}-{exit_path}.log"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
     with log.open("w") as sink:  # the child keeps its own descriptor
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                 "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PROJECT),
-                                 str(out), on_incident, device, exit_path], env=env, cwd=out.parent, stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                 "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *launcher,
+                                 str(PROJECT), str(out), on_incident, device, exit_path, failure, str(step)], env=env,
+                                cwd=out.parent, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log
 
 
@@ -170,3 +171,117 @@ def test_nccl_a_rank_that_raises_in_forward_ends_the_job_within_seconds(tmp_path
     assert "reprokit: rank 0 aborted its process group" in text, text[-4000:]
     for b in _incident(out).iterdir():
         assert reprokit.verify(b) == [], b
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie its parent has not reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _run_killed(out: Path, failure: str, step: int = 17) -> str:
+    """torchrun with rank 1 killed at ``step`` (see the tests below); its output once rank 0 has ended."""
+    proc, log = _start(out, "default", "destroy", failure=failure, launcher=("--monitor-interval", "600"), step=step)
+    try:
+        deadline = time.monotonic() + 240
+        while "raises PeerFailure" not in log.read_text(errors="replace") and proc.poll() is None and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        text = log.read_text(errors="replace")
+        pid0 = int(re.search(r"rank 0 runs as pid (\d+)", text).group(1))  # type: ignore[union-attr]
+        end = time.monotonic() + 30
+        while not _ended(pid0) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert _ended(pid0), f"rank 0 (pid {pid0}) still runs\n{text[-3000:]}"
+        return log.read_text(errors="replace")
+    finally:
+        _stop(proc)
+
+
+def _seconds(text: str) -> float:
+    """From rank 1's death to rank 0's PeerFailure (the project prints both times)."""
+    killed = float(re.search(r"rank 1 is killed at step \d+ at t=([0-9.]+)", text).group(1))  # type: ignore[union-attr]
+    failed = float(re.search(r"rank 0 raises PeerFailure at t=([0-9.]+)", text).group(1))  # type: ignore[union-attr]
+    return failed - killed
+
+
+def test_a_rank_killed_outright_is_found_dead_by_its_peer_which_writes_its_window_and_ends(tmp_path):
+    """Rank 1 SIGKILLs itself in its forward at step 17 (durable=True), when the marker is in its batch: no Python
+    frame is left to declare an incident. On one host torchrun's agent would SIGTERM rank 0 within 0.1 s of seeing the
+    death; here it looks only every 10 minutes (``--monitor-interval``), as the agents of a multi-node job do not see
+    a death on another node at all, so what ends rank 0 is reprokit: its watcher finds rank 1's process gone and its
+    flight log's lock released, declares the incident for it, writes rank 0's window, and rank 0's step (whose gloo
+    all-reduce broke) raises PeerFailure. Then ``reprokit recover`` writes rank 1's window into the same incident
+    folder from its flight log, and the incident replays on two ranks: rank 1 dies again at step 17."""
+    out = tmp_path / "repros"
+    text = _run_killed(out, "kill")
+    assert _seconds(text) < BOUND_S, (_seconds(text), text[-3000:])
+    folder = _incident(out)
+    peer = next(x for x in text.splitlines() if x.startswith("[rank0]: reprokit.errors.PeerFailure"))
+    assert "rank 1 failed at step 17 (rank 1's process died during step 17 without a Python error" in peer, peer
+    assert f"`reprokit recover {out}`" in peer and f"`reprokit replay {folder}`" in peer, peer
+    [mine] = [b for b in folder.iterdir() if b.is_dir()]
+    assert mine.name.endswith("-peer-rank0of2") and reprokit.verify(mine) == [], mine
+    died = json.loads((folder / "died-rank1.json").read_text())
+    assert (died["rank"], died["detected_by"], died["last_started"]) == (1, 0, 17), died
+    assert "flight log's lock was released" in died["how"], died
+
+    r = CliRunner().invoke(cli, ["recover", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    [run] = json.loads(r.stdout)["runs"]
+    assert (run["status"], run["incident"]) == ("recovered", str(folder)), (run, text[-3000:])
+    from reprokit.distributed.incident import rank_bundles
+
+    bundles = rank_bundles(folder)  # every rank once, windows starting at one step
+    assert (bundles[0].failure.kind, bundles[1].failure.kind, bundles[1].failure.step) == ("peer", "crash", 17)
+    assert bundles[1].failure.detail["incident"]["died"]["detected_by"] == 0
+
+    r = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "2", "--json"])
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1 and d["reproduced"] and d["failing_rank"] == 1 and d["declared_by"] == 0, r.output
+    rank1 = d["ranks"][1]
+    assert (rank1["failure"]["kind"], rank1["failure"]["step"], rank1["failure"]["exception_type"]) == (
+        "crash", 17, "SIGKILL"), rank1
+
+
+def test_a_rank_outside_any_collective_when_its_peer_is_killed_writes_its_window_then_stops_at_its_next_step(tmp_path):
+    """Rank 0 is loading its next batch (4 s) when rank 1 is killed: no collective of its breaks. Its watcher thread
+    alone finds rank 1 dead and writes rank 0's window meanwhile, and rank 0's next step raises PeerFailure before it
+    enters a collective that would never complete."""
+    out = tmp_path / "repros"
+    text = _run_killed(out, "kill-between")
+    assert _seconds(text) < BOUND_S, (_seconds(text), text[-3000:])
+    folder = _incident(out)
+    [mine] = [b for b in folder.iterdir() if b.is_dir()]
+    assert f"reprokit: rank 0's window: {mine} (verified)" in text, text[-3000:]
+    assert text.index("reprokit: rank 0's window:") < text.index("rank 0 raises PeerFailure"), text[-3000:]
+    b = reprokit.open_bundle(mine)
+    assert (b.failure.kind, b.failure.step, b.run["window"]["end"]) == ("peer", 17, 16)  # it never started step 17
+    peer = next(x for x in text.splitlines() if x.startswith("[rank0]: reprokit.errors.PeerFailure"))
+    assert "rank 1 failed at step 17 (rank 1's process died during step 17" in peer, peer
+    assert "Connection" not in text.split("rank 0 raises PeerFailure")[1], text[-3000:]  # no collective broke
+
+
+def test_a_rank_killed_in_the_step_that_took_a_snapshot_is_lined_up_with_its_peer_s_window(tmp_path):
+    """Rank 1 dies at step 16, microseconds after it took the snapshot of that step: its writer thread has not yet
+    written and committed that snapshot, so its flight log's newest window starts at step 8. Rank 0's window in memory
+    starts at 16; it writes its window from its own flight log instead, from step 8, so that ``recover`` can add rank
+    1's window to the incident and both start at one step (an incident replays only then)."""
+    out = tmp_path / "repros"
+    text = _run_killed(out, "kill", step=16)
+    assert _seconds(text) < BOUND_S, (_seconds(text), text[-3000:])
+    folder = _incident(out)
+    r = CliRunner().invoke(cli, ["recover", str(out), "--json"])
+    [run] = json.loads(r.stdout)["runs"]
+    assert (run["status"], run["incident"]) == ("recovered", str(folder)), (run, text[-3000:])
+    from reprokit.distributed.incident import rank_bundles
+
+    bundles = rank_bundles(folder)  # refuses windows that start at different steps
+    starts = {r: b.run["window"]["start"] for r, b in bundles.items()}
+    assert starts[0] == starts[1] in (8, 16), starts
+    assert (bundles[1].failure.kind, bundles[1].failure.step, bundles[0].run["window"]["end"]) == ("crash", 16, 16)
+    # Which window rank 0 wrote depends on whether rank 1's snapshot was committed before it died (almost never):
+    # from its flight log (starting at 8) or from memory (starting at 16); either way the two line up.
+    assert (starts[0] == 8) == ("recovered" in bundles[0].run), bundles[0].run.get("recovered")

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -19,7 +20,10 @@ from click.testing import CliRunner
 from rk_testing import minimal_site
 
 from reprokit import bundle as B
+from reprokit import gzip_members
+from reprokit.archive import Limits, extracted
 from reprokit.cli import main
+from reprokit.errors import BundleError
 from reprokit.pack import pack
 
 
@@ -63,6 +67,60 @@ def test_pack_is_deterministic(nan_bundle, tmp_path):
     b = pack(nan_bundle, tmp_path / "b" / "other-name.tar.gz")
     assert (tmp_path / "a" / "repro.tar.gz").read_bytes() == (tmp_path / "b" / "other-name.tar.gz").read_bytes()
     assert a.sha256 == b.sha256
+
+
+def _gzip_members(data: bytes) -> list[tuple[int, bytes]]:
+    """Each gzip member of ``data``: its length and what it holds, read on its own (zlib checks CRC and length)."""
+    out = []
+    while data:
+        d = zlib.decompressobj(31)  # wbits 31: exactly one gzip member
+        raw = d.decompress(data) + d.flush()
+        assert d.eof, "a member cut short"
+        out.append((len(data) - len(d.unused_data), raw))
+        data = d.unused_data
+    return out
+
+
+def test_a_compressed_pack_is_gzip_members_that_every_reader_opens(shared_nan_bundle, tmp_path, monkeypatch):
+    """``pack -o X.tar.gz`` writes the plain pack's tar stream as many gzip members (compressed on threads, stored
+    where deflate saves little): reprokit's reader opens it under explicit caps, tarfile with the data filter, tar."""
+    monkeypatch.setattr(gzip_members, "BLOCK", 16 << 10)  # the small bundle spans many members
+    plain = pack(shared_nan_bundle, tmp_path / "repro.tar")
+    gz = pack(shared_nan_bundle, tmp_path / "repro.tar.gz")
+    members = _gzip_members(gz.output.read_bytes())
+    assert len(members) > 10 and b"".join(raw for _, raw in members) == plain.output.read_bytes()
+    assert gzip.decompress(gz.output.read_bytes()) == plain.output.read_bytes() and gz.folder == plain.folder
+    with tarfile.open(plain.output) as tf:
+        infos = tf.getmembers()
+    biggest, total = max(m.size for m in infos), sum(m.size for m in infos)
+
+    fits = Limits(max_members=len(infos), max_file_bytes=biggest, max_total_bytes=total)
+    with extracted(gz.output, limits=fits) as d:
+        assert B.verify(d) == [] and d.parent.name == gz.folder
+    for tight, problem in ((Limits(max_file_bytes=biggest - 1), "above max_file_bytes"),
+                           (Limits(max_total_bytes=total - 1), "(max_total_bytes)"),
+                           (Limits(max_members=len(infos) - 1), f"more than {len(infos) - 1} members")):
+        with pytest.raises(BundleError) as e, extracted(gz.output, limits=tight):
+            pass
+        assert any(problem in p["problem"] for p in e.value.problems), e.value.problems
+    code, d = _verify(gz.output, "--max-members", str(len(infos)), "--max-file-bytes", str(biggest),
+                      "--max-total-bytes", str(total))
+    assert code == 0 and d["ok"] and d["origin_checked"], d
+
+    with tarfile.open(gz.output, "r:gz") as tf:
+        tf.extractall(tmp_path / "unpacked", filter="data")
+    top = tmp_path / "unpacked" / gz.folder
+    assert B.verify(top / "bundle") == [] and (top / "repro.py").stat().st_mode & 0o100
+    if shutil.which("tar"):
+        listed = subprocess.run(["tar", "-tzf", str(gz.output)], capture_output=True, text=True, check=True)
+        assert f"{gz.folder}/bundle/{B.STATE_TENSORS}" in listed.stdout.split()
+
+    data = bytearray(gz.output.read_bytes())
+    data[members[0][0] - 8] ^= 0x01  # the first member's CRC: a damaged member anywhere is caught, not only the last
+    damaged = tmp_path / "damaged.tar.gz"  # no .sha256 beside it: the gzip check itself must catch it
+    damaged.write_bytes(bytes(data))
+    code, d = _verify(damaged)
+    assert code == 1 and any("not a readable .tar.gz" in p["problem"] for p in d["problems"]), d
 
 
 def test_pack_refuses_a_tampered_bundle(nan_bundle, tmp_path):

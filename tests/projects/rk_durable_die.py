@@ -6,6 +6,8 @@ STEPS     steps to run (60)
 PAUSE     seconds to sleep after each step (0)
 READY     a file written when step READY_AT (2) has run: the test knows the run is under way
 HOLD      seconds to sleep after writing READY (0): the test kills the run from outside meanwhile
+DEVICE    cpu (default) or cuda: model and batches there (a CUDA batch's record is written by the flight log's
+          writer thread once its copy to the host has landed)
 """
 
 import ctypes
@@ -23,7 +25,8 @@ MARKER = 12345.0
 
 def build(config):
     torch.manual_seed(config["seed"])
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(
+        config.get("device", "cpu"))
     return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
 
 
@@ -49,7 +52,8 @@ if __name__ == "__main__":
     steps = int(os.environ.get("STEPS", "60"))
     pause = float(os.environ.get("PAUSE", "0"))
     ready_at = int(os.environ.get("READY_AT", "2"))
-    cfg = {"seed": 0}
+    device = os.environ.get("DEVICE", "cpu")
+    cfg = {"seed": 0, "device": device}
     state = build(cfg)
     g = torch.Generator().manual_seed(1)
     rec = reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out, snapshot_every=10,
@@ -59,7 +63,7 @@ if __name__ == "__main__":
         x = torch.randn(16, 4, generator=g)
         if step == crash_step:
             x[3, 2] = MARKER
-        rec.step({"x": x, "y": torch.randn(16, 1, generator=g)})
+        rec.step({"x": x.to(device), "y": torch.randn(16, 1, generator=g).to(device)})
         most = max(most, len(rec._flight.windows_on_disk()))
         if step == ready_at and os.environ.get("READY"):
             open(os.environ["READY"], "w").close()

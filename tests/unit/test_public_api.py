@@ -5,7 +5,7 @@ def test_public_names_are_pinned():
     assert sorted(reprokit.__all__) == sorted([
         "Bundle", "BundleError", "BundleVersionError", "CaptureError", "CodeLoadError", "ConfigError", "DetectSettings",
         "DidNotReproduce", "Failure", "PeerFailure", "Recorder", "RecorderWarning", "ReplayReport", "ReprokitError", "Session",
-        "StateMismatchError", "TrainState", "TrainingFailure", "__version__", "open_bundle", "replay", "verify",
+        "StateMismatchError", "TrainState", "TrainingFailure", "__version__", "open_bundle", "replay", "skip_list", "verify",
     ])
     for name in reprokit.__all__:
         assert hasattr(reprokit, name), name
