@@ -221,10 +221,14 @@ class IsolatedRunner:
         process started there would run it, less the seconds of importing torch: ``cwd`` first on ``sys.path`` (in
         place of the server's folder), stdin empty, stdout and stderr captured, its exit status returned. Nothing of
         what the command imports (user code) stays: the server never imports it, and the process goes at the end.
-        Past ``timeout`` seconds the process is killed (``returncode`` None), as ``subprocess.run`` would.
+        Where ``cwd`` holds a module the server imported (its own ``reprokit``, say: a checkout of a project that
+        vendors it, or of reprokit itself), a fresh interpreter would import that one: the forked process then execs
+        a fresh ``python -m reprokit``, so the command runs the folder's code either way. Past ``timeout`` seconds the
+        command is killed with every process it started (its process group; ``returncode`` None); so it is when the
+        call is interrupted, and a command whose server is killed dies with it.
 
         Example:
-            >>> with IsolatedRunner() as runner:                                                   # doctest: +SKIP
+            >>> with IsolatedRunner(empty_cwd=True) as runner:                                     # doctest: +SKIP
             ...     run = runner.run_command(["replay", "bundle-x", "--json"], cwd="/tmp/checkout", timeout=600)
             >>> run.returncode, run.stdout                                                          # doctest: +SKIP
             (1, '{"verdict": "deterministic", ...}')
@@ -244,26 +248,32 @@ class IsolatedRunner:
         except OSError:
             pass  # the server died since it said it was ready: the events pipe says so next
         returncode: int | None
-        while True:
-            event = self._next_event(child, deadline)
-            if event is None:  # the server itself died (killed from outside): so did the command
-                rc, _ = self._reap(child)
-                self._child = None
-                returncode = rc if rc < 0 else -signal.SIGKILL
-                break
-            if event["event"] == "timeout" and "forked" not in got:  # the server goes; the next call starts another
-                self._killed(child)  # counts the death
-                returncode = None
-                break
-            if event["event"] == "timeout":
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(got["forked"]["pid"], signal.SIGKILL)  # the server reports its exit next
-                got["timeout"], deadline = event, None
-            elif event["event"] == "exit":
-                returncode = None if "timeout" in got else event["returncode"]
-                break
-            else:
-                got[event["event"]] = event
+        try:
+            while True:
+                event = self._next_event(child, deadline)
+                if event is None:  # the server itself died (killed from outside): so did the command
+                    rc, _ = self._reap(child)
+                    self._child = None
+                    returncode = rc if rc < 0 else -signal.SIGKILL
+                    break
+                if event["event"] == "timeout" and "forked" not in got:  # the server goes; the next call starts another
+                    self._killed(child)  # counts the death; the kernel kills a command already forked with it
+                    returncode = None
+                    break
+                if event["event"] == "timeout":
+                    _kill_group(got["forked"]["pid"])  # the server reports its exit next
+                    got["timeout"], deadline = event, None
+                elif event["event"] == "exit":
+                    returncode = None if "timeout" in got else event["returncode"]
+                    break
+                else:
+                    got[event["event"]] = event
+        except BaseException:  # interrupted (Ctrl-C): nothing of the command's may outlive the call
+            if "forked" in got:
+                _kill_group(got["forked"]["pid"])
+            if self._child is child:
+                self._killed(child)
+            raise
         if event is None or (event["event"] == "exit" and (returncode is None or returncode < 0)):
             self.deaths += 1
         texts = []
@@ -373,6 +383,13 @@ class IsolatedRunner:
         pid = got["forked"]["pid"] if "forked" in got else child.proc.pid
         failure = death_failure(rc, got.get("died"), started, finished, tail, pid)
         return died(failure, recorded, finished, seconds, peak)
+
+
+def _kill_group(pid: int) -> None:
+    """Kill the process group that the command process ``pid`` leads: the command and what it started (a replay's
+    own fork server, a data loader's workers), unless they left the group."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def died(failure: Failure, recorded: Failure, finished: dict[int, float | None], seconds: float,

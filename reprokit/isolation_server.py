@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import importlib.machinery
 import json
 import os
 import runpy
+import signal
 import sys
 from typing import IO, Any
 
@@ -67,13 +69,17 @@ def _command(fd: int, req: dict[str, Any]) -> None:
     """Run ``python -m reprokit ARGV`` from the folder ``cwd`` in this (forked) process, as a fresh process started
     there would, less the imports: the folder first on ``sys.path`` in place of the server's own, standard output and
     error to the files named, nothing to read on standard input, no ``faulthandler`` unless asked for
-    (``PYTHONFAULTHANDLER``), ``atexit`` handlers run at the end. Never returns: the process exits with the command's
-    status."""
-    _send(fd, {"event": "forked", "pid": os.getpid()})
+    (``PYTHONFAULTHANDLER``), ``atexit`` handlers run at the end. Where the folder holds a module the server has
+    imported (its own ``reprokit``, a ``profile.py``), a fresh process would import the folder's: this process then
+    becomes a fresh ``python -m reprokit`` (exec), so the command always runs the folder's code. The process leads a
+    process group of its own (the parent kills the group at its time limit: what the command started goes with it)
+    and is killed when the server goes. Never returns: the process exits with the command's status."""
     code = 1
     try:
-        if not os.environ.get("PYTHONFAULTHANDLER"):
-            faulthandler.disable()
+        _die_with_parent(req["server"])
+        os.setpgid(0, 0)
+        _send(fd, {"event": "forked", "pid": os.getpid()})
+        os.close(fd)  # the server's end of the events pipe: the parent reads end of file once the server is gone
         for target, path, flags in ((0, os.devnull, os.O_RDONLY),
                                     (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                                     (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
@@ -83,6 +89,10 @@ def _command(fd: int, req: dict[str, Any]) -> None:
         os.chdir(req["cwd"])
         if _CWD_ENTRY is not None and sys.path and sys.path[0] == _CWD_ENTRY:
             sys.path[0] = os.getcwd()  # what ``python -m`` puts first when started in this folder
+            if _shadowed(sys.path[0]):
+                os.execv(sys.executable, [sys.executable, "-m", "reprokit", *req["argv"]])
+        if not os.environ.get("PYTHONFAULTHANDLER"):
+            faulthandler.disable()
         sys.argv = ["-m", *req["argv"]]  # run_module sets argv[0] to reprokit's __main__.py, as ``python -m`` does
         try:
             runpy.run_module("reprokit", run_name="__main__", alter_sys=True)
@@ -105,6 +115,47 @@ def _command(fd: int, req: dict[str, Any]) -> None:
         os._exit(code & 0xFF)
 
 
+def _shadowed(folder: str) -> list[str]:
+    """The modules this process has imported (top-level names) of which ``folder`` holds its own: a module file,
+    an extension or a folder of that name. A fresh interpreter with ``folder`` first on ``sys.path`` would import
+    those from there. Built-in and frozen modules never come from a folder."""
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    names = set()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name.endswith(suffixes):
+            names.add(entry.name.split(".", 1)[0])
+        elif entry.is_dir() and entry.name.isidentifier():
+            names.add(entry.name)
+    out = []
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        if module is None or name in sys.builtin_module_names:
+            continue
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.origin in ("built-in", "frozen"):
+            continue
+        out.append(name)
+    return out
+
+
+def _die_with_parent(server: int) -> None:
+    """Have the kernel kill this process when the server (pid ``server``) goes (Linux; elsewhere nothing), so no
+    command outlives a server that was killed while it ran."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != server:  # the server went before the request took
+        os._exit(1)
+
+
 def _serve(fd: int, requests: IO[str]) -> None:
     """The fork server: one forked process per request, waited for; its exit status and peak memory reported."""
     _send(fd, {"event": "ready", "pid": os.getpid()})
@@ -114,6 +165,7 @@ def _serve(fd: int, requests: IO[str]) -> None:
             import reprokit.cli  # noqa: F401 - once here rather than in each command's process (no user code)
         sys.stdout.flush()  # nothing of the server's own buffered output may end in a forked process's files
         sys.stderr.flush()
+        req["server"] = os.getpid()
         pid = os.fork()
         if pid == 0 and "argv" in req:
             _command(fd, req)

@@ -234,23 +234,43 @@ HANGING_STEP = '''
 _real_step = train_step
 
 
-def train_step(state, batch):  # noqa: F811 - a deadlock, as far as the bisect can tell
+def train_step(state, batch):  # noqa: F811 - a deadlock, as far as the bisect can tell (a worker process waiting too)
+    import pathlib
+    import subprocess
     import time
+    pathlib.Path({pid_file!r}).write_text(str(subprocess.Popen(["sleep", "600"]).pid))
     time.sleep(600)
     return _real_step(state, batch)
 '''
 
 
+def _gone(pid, within_s=10.0):
+    """Whether process ``pid`` has ended (a zombie counts) within ``within_s`` seconds."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 @pytest.mark.slow
 def test_a_commit_whose_replay_hangs_is_skipped_at_its_time_limit_and_the_next_probe_runs(tmp_path, monkeypatch):
-    """Commit 2's step never returns: its replay is killed at --timeout and the commit skipped with that reason; the
-    probes after it still run (the bad end, commit 3, is where the bug came in), and no process is left behind."""
+    """Commit 2's step never returns (and has started a process of its own): its replay is killed at --timeout with
+    that process, and the commit skipped with that reason; the probes after it still run (the bad end, commit 3, is
+    where the bug came in), and no process is left behind (an orphan would have left the tree: its pid is checked)."""
     proj = tmp_path / "proj"
     proj.mkdir()
     repo = git.Repo.init(proj)
     shas = []
     for k in range(1, 5):
-        _write(proj, k < 3, f"change {k}\n", extra=HANGING_STEP if k == 2 else "")
+        _write(proj, k < 3, f"change {k}\n",
+               extra=HANGING_STEP.format(pid_file=str(tmp_path / "worker.pid")) if k == 2 else "")
         shas.append(_commit(repo, f"commit {k}").hexsha)
     bundle = _record(proj, tmp_path / "r", monkeypatch)
     before = _reprokit_processes_below(os.getpid())  # other tests' fork servers, shared by this process
@@ -261,4 +281,35 @@ def test_a_commit_whose_replay_hangs_is_skipped_at_its_time_limit_and_the_next_p
     assert r.first_bad is None and r.candidates == shas[1:3] and r.skipped == [shas[1]], verdicts
     left = {pid: cmd for pid, cmd in _reprokit_processes_below(os.getpid()).items() if pid not in before}
     assert left == {}, "a replay's process or the fork server outlived the bisect"
+    assert _gone(int((tmp_path / "worker.pid").read_text())), "the hung replay's own process outlived its time limit"
     assert len(repo.git.worktree("list").splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_commit_of_a_vendored_reprokit_is_probed_with_that_reprokit(tmp_path, monkeypatch, bisect_runner):
+    """The project carries its own copy of reprokit (as reprokit's own repository does); commit 3 changes only that
+    copy, and that change is the bug. Every probe must run the commit's reprokit, as ``python -m reprokit`` started
+    in its checkout would, not the one the fork server imported: the bisect names commit 3."""
+    import shutil
+
+    import reprokit
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    shutil.copytree(Path(reprokit.__file__).parent, proj / "reprokit", ignore=shutil.ignore_patterns("__pycache__"))
+    init = proj / "reprokit" / "__init__.py"
+    clean = init.read_text()
+    repo = git.Repo.init(proj)
+    shas = []
+    for k in range(1, 5):
+        _write(proj, True, f"change {k}\n", extra="\nSANITIZE = not getattr(reprokit, 'RAW_INPUTS', False)\n")
+        init.write_text(clean + ("\nRAW_INPUTS = True  # the vendored copy's bug\n" if k >= 3 else ""))
+        repo.git.add("-A")
+        shas.append(repo.index.commit(f"commit {k}", author=ACTOR, committer=ACTOR).hexsha)
+    monkeypatch.setattr(reprokit, "RAW_INPUTS", True, raising=False)  # recorded with HEAD's copy
+    bundle = _record(proj, tmp_path / "r", monkeypatch)
+    monkeypatch.delattr(reprokit, "RAW_INPUTS")
+    r = bisect_commits(bundle, good=shas[0], bad=shas[-1], runner=bisect_runner)
+    verdicts = {shas.index(p.sha) + 1: (p.verdict, p.reason) for p in r.probes}
+    assert r.first_bad == shas[2], verdicts
+    assert not hasattr(reprokit, "RAW_INPUTS")  # the caller's reprokit was never the copy
