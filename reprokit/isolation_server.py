@@ -187,8 +187,10 @@ def _serve(fd: int, requests: IO[str]) -> None:
 
 def _preload() -> None:
     """Import what every replay imports lazily, once in the server rather than in each attempt: setting the
-    determinism flags imports torch._dynamo and torch._inductor (seconds). The server still has one thread afterwards
-    (torch 2.13 on Linux), which keeps forking safe: with more, a fork could copy a lock another thread holds."""
+    determinism flags imports torch._dynamo and torch._inductor (seconds). The server runs no torch op, so torch's
+    intra-op pool (OpenMP) never starts here: a fork copies no lock one of its threads holds. (numpy's OpenBLAS may
+    start a pool at import, where more than one thread is allowed; it shuts that pool down itself before each fork.)
+    tests/integration/test_isolated_commands.py checks the server has one thread after its forks."""
     import torch._dynamo  # noqa: F401
     import torch._inductor  # noqa: F401
 

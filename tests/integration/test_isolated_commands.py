@@ -110,7 +110,9 @@ def test_an_interrupted_call_kills_the_command_and_what_it_started(tmp_path):
 
 def test_the_fork_server_has_one_thread_after_replays_and_commands(tmp_path, nan_bundle):
     """Forking a process with other threads copies whatever locks they hold (an OpenMP pool's: a child that uses it
-    can hang). The server runs no torch op of its own, so it has one thread, even where torch may use four."""
+    can hang). The server runs no torch op of its own, so torch's pool never starts there, even where it may use four
+    threads: after its forks the server has one thread (numpy's OpenBLAS pool, started at import, is shut down by
+    OpenBLAS itself before each fork; torch's would stay)."""
     from reprokit.bundle import open_bundle
 
     b = open_bundle(nan_bundle)
