@@ -12,8 +12,8 @@ bundle kills one per interesting candidate). So the child started by ``python -m
 server*, as multiprocessing's "forkserver" context is: it imports torch and reprokit, runs nothing of the user's, never
 touches a GPU, and forks one process per attempt, which it waits for and whose end (exit status, peak memory) it
 reports. The attempt's process is the one that may die; the fork server and reprokit go on. Forking is safe there
-because the server runs no torch op (torch's thread pool never starts there) and has no device context: the attempt starts as a fresh process would, less the
-imports. Should the server itself die, the next attempt starts another.
+because the server runs no torch op (torch's thread pool never starts there) and has no device context: the attempt
+starts as a fresh process would, less the imports. Should the server itself die, the next attempt starts another.
 """
 
 from __future__ import annotations

@@ -225,7 +225,8 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
     Each commit's replay runs in a process forked from a fork server that imported torch (see the module
     docstring); the bisection starts one and stops it at the end. ``runner``: an
     ``IsolatedRunner(empty_cwd=True)`` of the caller's, whose server the probes of several bisections share (each
-    probe is still a process of its own that starts from the server's clean state, with the environment the server was started with); the caller closes it.
+    probe is still a process of its own that starts from the server's clean state, with the environment the server
+    was started with); the caller closes it.
 
     Raises:
         BisectError: when an end is wrong (bad passes, good fails) or a revision is unknown.
