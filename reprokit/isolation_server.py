@@ -109,6 +109,9 @@ def _command(fd: int, req: dict[str, Any]) -> None:
             sys.excepthook(*sys.exc_info())
             code = 1
         atexit._run_exitfuncs()
+    except BaseException:  # reprokit's own fault before the command ran (the folder gone, say): said, exit status 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -68,6 +68,8 @@ def test_a_folder_holding_its_own_reprokit_runs_that_one_and_a_plain_folder_the_
         assert run.returncode == 0 and "the folder's own" not in run.stdout and "reprokit" in run.stdout, run
         run = runner.run_command(["--version"], cwd=vendoring, timeout=120)  # nothing of one folder stays
         assert run.stdout.startswith("the folder's own reprokit"), run
+        run = runner.run_command(["--version"], cwd=tmp_path / "gone", timeout=120)  # no such folder: said why
+        assert run.returncode == 1 and "FileNotFoundError" in run.stderr and "gone" in run.stderr, run
         assert runner.starts == 1
 
 
