@@ -12,8 +12,8 @@ bundle kills one per interesting candidate). So the child started by ``python -m
 server*, as multiprocessing's "forkserver" context is: it imports torch and reprokit, runs nothing of the user's, never
 touches a GPU, and forks one process per attempt, which it waits for and whose end (exit status, peak memory) it
 reports. The attempt's process is the one that may die; the fork server and reprokit go on. Forking is safe there
-because the server has one thread and no device context: the attempt starts as a fresh process would, less the
-imports. Should the server itself die, the next attempt starts another.
+because the server runs no torch op (torch's thread pool never starts there) and has no device context: the attempt
+starts as a fresh process would, less the imports. Should the server itself die, the next attempt starts another.
 """
 
 from __future__ import annotations
@@ -69,6 +69,21 @@ class Attempt:
 
 
 @dataclass
+class CommandRun:
+    """A ``python -m reprokit ARGS`` command run in a process forked by the server
+    (:meth:`IsolatedRunner.run_command`): its exit status (negative: killed by that signal; None: killed past its time
+    limit) and what it wrote on its standard output and error."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+@dataclass
 class _Child:
     proc: subprocess.Popen
     events: int
@@ -91,8 +106,11 @@ class IsolatedRunner:
         ('reproduced', {'signal': 'SIGSEGV', 'step': 37, ...})
     """
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        """``env``: variables set in the children's environment (``CUDA_VISIBLE_DEVICES=""``: they see no GPU)."""
+    def __init__(self, env: dict[str, str] | None = None, *, empty_cwd: bool = False) -> None:
+        """``env``: variables set in the children's environment (``CUDA_VISIBLE_DEVICES=""``: they see no GPU).
+        ``empty_cwd``: run the fork server in an empty folder of its own rather than in this process's working
+        directory, so that no module of the caller's folder can be imported there (the folder ``python -m`` puts
+        first on ``sys.path``); :meth:`run_command` wants that."""
         from reprokit.code import child_env
 
         self._tmp = Path(tempfile.mkdtemp(prefix="reprokit-isolate-"))
@@ -100,6 +118,11 @@ class IsolatedRunner:
         env = {**child_env(self._tmp), **(env or {})}  # the children's code copies go to the scratch: removed with it
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         self._env = env
+        self.empty_cwd = empty_cwd
+        self._cwd: Path | None = None
+        if empty_cwd:
+            self._cwd = self._tmp / "cwd"
+            self._cwd.mkdir()
         self._child: _Child | None = None
         self.starts = 0
         """Fork servers started (one, unless one died)."""
@@ -193,6 +216,75 @@ class IsolatedRunner:
         failure = death_failure(end["returncode"], got.get("died"), started, finished, tail, pid)
         return died(failure, recorded, finished, time.perf_counter() - t0, end["peak_rss_bytes"])
 
+    def run_command(self, argv: list[str], *, cwd: str | Path, timeout: float | None = None) -> CommandRun:
+        """Run ``python -m reprokit ARGV`` from the folder ``cwd`` in a process forked by the server, as a fresh
+        process started there would run it, less the seconds of importing torch: ``cwd`` first on ``sys.path`` (in
+        place of the server's folder), stdin empty, stdout and stderr captured, its exit status returned. Nothing of
+        what the command imports (user code) stays: the server never imports it, and the process goes at the end.
+        Where ``cwd`` holds a module the server imported (its own ``reprokit``, say: a checkout of a project that
+        vendors it, or of reprokit itself), a fresh interpreter would import that one: the forked process then execs
+        a fresh ``python -m reprokit``, so the command runs the folder's code either way. Past ``timeout`` seconds the
+        command is killed with every process it started (its process group; ``returncode`` None); so it is when the
+        call is interrupted, and a command whose server is killed dies with it.
+
+        Example:
+            >>> with IsolatedRunner(empty_cwd=True) as runner:                                     # doctest: +SKIP
+            ...     run = runner.run_command(["replay", "bundle-x", "--json"], cwd="/tmp/checkout", timeout=600)
+            >>> run.returncode, run.stdout                                                          # doctest: +SKIP
+            (1, '{"verdict": "deterministic", ...}')
+        """
+        child = self._ready_child()
+        n = self.attempts
+        out, err = self._tmp / f"command-{n}.out", self._tmp / f"command-{n}.err"
+        request = {"argv": [str(a) for a in argv], "cwd": str(Path(cwd).resolve()), "stdout": str(out),
+                   "stderr": str(err)}
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        self.attempts += 1
+        got: dict[str, dict[str, Any]] = {}
+        try:
+            assert child.proc.stdin is not None
+            child.proc.stdin.write(json.dumps(request) + "\n")
+            child.proc.stdin.flush()
+        except OSError:
+            pass  # the server died since it said it was ready: the events pipe says so next
+        returncode: int | None
+        try:
+            while True:
+                event = self._next_event(child, deadline)
+                if event is None:  # the server itself died (killed from outside): so did the command
+                    rc, _ = self._reap(child)
+                    self._child = None
+                    returncode = rc if rc < 0 else -signal.SIGKILL
+                    break
+                if event["event"] == "timeout" and "forked" not in got:  # the server goes; the next call starts another
+                    self._killed(child)  # counts the death; the kernel kills a command already forked with it
+                    returncode = None
+                    break
+                if event["event"] == "timeout":
+                    _kill_group(got["forked"]["pid"])  # the server reports its exit next
+                    got["timeout"], deadline = event, None
+                elif event["event"] == "exit":
+                    returncode = None if "timeout" in got else event["returncode"]
+                    break
+                else:
+                    got[event["event"]] = event
+        except BaseException:  # interrupted (Ctrl-C): nothing of the command's may outlive the call
+            if "forked" in got:
+                _kill_group(got["forked"]["pid"])
+            if self._child is child:
+                self._killed(child)
+            raise
+        if event is None or (event["event"] == "exit" and (returncode is None or returncode < 0)):
+            self.deaths += 1
+        texts = []
+        for f in (out, err):
+            try:
+                texts.append(f.read_text(errors="replace"))
+                f.unlink()
+            except OSError:
+                texts.append("")
+        return CommandRun(returncode, texts[0], texts[1])
+
     # -- children ------------------------------------------------------------------------------------------------
 
     def _spawn(self) -> _Child:
@@ -202,7 +294,7 @@ class IsolatedRunner:
             with open(log, "wb") as out:
                 proc = subprocess.Popen([sys.executable, "-m", "reprokit.isolation_server", str(write)], stdin=subprocess.PIPE,
                                         stdout=out, stderr=subprocess.STDOUT, pass_fds=(write,), env=self._env,
-                                        text=True)
+                                        text=True, cwd=self._cwd)
         except BaseException:
             os.close(read)
             raise
@@ -291,6 +383,13 @@ class IsolatedRunner:
         pid = got["forked"]["pid"] if "forked" in got else child.proc.pid
         failure = death_failure(rc, got.get("died"), started, finished, tail, pid)
         return died(failure, recorded, finished, seconds, peak)
+
+
+def _kill_group(pid: int) -> None:
+    """Kill the process group that the command process ``pid`` leads: the command and what it started (a replay's
+    own fork server, a data loader's workers), unless they left the group."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def died(failure: Failure, recorded: Failure, finished: dict[int, float | None], seconds: float,
@@ -419,5 +518,5 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-__all__ = ["FROM_OUTSIDE", "KILLED_FROM_OUTSIDE", "STOPPED_FROM_OUTSIDE", "Attempt", "IsolatedRunner", "death_failure",
-           "died"]
+__all__ = ["FROM_OUTSIDE", "KILLED_FROM_OUTSIDE", "STOPPED_FROM_OUTSIDE", "Attempt", "CommandRun", "IsolatedRunner",
+           "death_failure", "died"]

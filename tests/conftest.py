@@ -68,6 +68,29 @@ def nan_bundle(shared_nan_bundle: Path, tmp_path: Path) -> Path:
     return copy_bundle(shared_nan_bundle, tmp_path / "repros")
 
 
+@pytest.fixture(scope="session")
+def fork_server() -> object:
+    """This test process's fork server (each xdist worker has one), shared: :func:`rk_forked.shared`, a
+    :class:`rk_forked.ForkedRuns` started with this process's environment (this checkout first on ``PYTHONPATH``). A
+    test that runs an example script or a ``python -m reprokit`` command in a process of its own, where the fresh
+    interpreter's start-up is not what it tests, forks it from there (``fork_server.capture(...)``,
+    ``fork_server.reprokit(...)``) instead of paying a torch import per process."""
+    from rk_forked import shared
+
+    return shared()
+
+
+@pytest.fixture(scope="session")
+def bisect_runner() -> Iterator[object]:
+    """One ``IsolatedRunner(empty_cwd=True)`` per test process, passed as ``bisect_commits(runner=...)``: the
+    bisections of the tests that take it fork their probes from one server (torch imported once). Tests of what a
+    bisection does on its own (it starts and stops its server, no process outlives it) leave it out."""
+    from reprokit.isolation import IsolatedRunner
+
+    with IsolatedRunner(empty_cwd=True) as runner:
+        yield runner
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state():
     import torch

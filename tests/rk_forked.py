@@ -1,20 +1,29 @@
-"""Training scripts run as real processes without a torch import each: forked from a server that imported torch once.
+"""Training scripts (and ``python -m reprokit`` commands) run as real processes without a torch import each: forked
+from a server that imported torch once.
 
 Importing torch costs seconds (tens on a loaded 2-core CI machine), and the durable-recording tests start a training
 process per case (20 for the random kill points alone). :class:`ForkedRuns` starts ``python tests/rk_forked.py``
 once: it imports torch and reprokit, starts no thread (checked) and forks one process per run, which chdirs, sets
 its environment and ``sys.argv`` and runs the script as ``__main__`` (``runpy.run_path``, as ``python train.py``
-does). The run is a real process: it records, dies by its own signal or is SIGKILLed from the test by its pid; the
-server waits for it and reports its exit status as ``subprocess`` would (``-9`` for SIGKILL). This is what
-``reprokit.isolation`` does for replays.
+does) or a module as ``python -m`` does (``runpy.run_module``, the working directory first on ``sys.path``). The run
+is a real process: it records, dies by its own signal or is SIGKILLed from the test by its pid; the server waits for
+it and reports its exit status as ``subprocess`` would (``-9`` for SIGKILL). This is what ``reprokit.isolation`` does
+for replays. Nothing a run imports (an example's modules, a bundle's code) is ever in the server: each run starts from
+the same clean state. What a fork cannot give is a fresh interpreter's start-up (``PYTHONPATH`` read at start, the
+imports of a process that never imported torch): tests about those keep ``subprocess``.
+
+The ``forked`` fixture (tests/conftest.py) is one server per test process, shared by every test that takes it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import IO, Any
@@ -81,31 +90,123 @@ class ForkedRuns:
         self.start(script, argv, cwd=cwd, env=env)
         return self.wait()
 
+    def capture(self, argv: list[Any], *, cwd: Path | str, script: Path | None = None, module: str | None = None,
+                env: dict[str, str] | None = None, replace_env: bool = False,
+                timeout: float = 600) -> subprocess.CompletedProcess:
+        """Run ``python SCRIPT ARGV`` or ``python -m MODULE ARGV`` from ``cwd`` in a forked process, stdin empty,
+        and return what ``subprocess.run(..., capture_output=True, text=True)`` would: ``returncode``, ``stdout``,
+        ``stderr``. ``env``: variables set on top of the server's environment, or the whole environment with
+        ``replace_env`` (as ``subprocess.run(env=...)``; what the process starts gets exactly that). Past ``timeout``
+        seconds the process is killed (``returncode`` -9, and its stderr says so)."""
+        assert (script is None) != (module is None), "a script or a module"
+        assert self._proc.stdin is not None
+        out = Path(tempfile.mkdtemp(prefix="rk-forked-"))
+        try:
+            req = {"script": str(script) if script else None, "module": module, "argv": [str(a) for a in argv],
+                   "cwd": str(cwd), "env": env or {}, "replace_env": replace_env, "stdout": str(out / "stdout"),
+                   "stderr": str(out / "stderr")}
+            self._proc.stdin.write(json.dumps(req) + "\n")
+            self._proc.stdin.flush()
+            pid, fired = int(self._read()["pid"]), []
+
+            def kill() -> None:
+                fired.append(True)
+                os.kill(pid, signal.SIGKILL)
+
+            killer = threading.Timer(timeout, kill)
+            killer.start()
+            try:
+                code = self.wait()
+            finally:
+                killer.cancel()
+            cmd = [sys.executable, *([str(script)] if script else ["-m", str(module)]), *req["argv"]]
+            stdout, stderr = (_text(out / name) for name in ("stdout", "stderr"))
+            if fired:
+                stderr += f"\n(killed after {timeout:g}s)"
+            return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    def reprokit(self, *args: Any, cwd: Path | str = "/", env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess:
+        """``python -m reprokit ARGS`` from ``cwd``, forked (see :meth:`capture`)."""
+        return self.capture(list(args), cwd=cwd, module="reprokit", env=env)
+
+
+_SHARED: ForkedRuns | None = None
+
+
+def shared() -> ForkedRuns:
+    """This test process's fork server, started at the first call (this process's environment, this checkout first
+    on ``PYTHONPATH``) and stopped when the process exits; the ``fork_server`` fixture and ``rk_testing.torchrun``
+    use it."""
+    global _SHARED
+    if _SHARED is None or _SHARED._proc.poll() is not None:
+        import atexit
+
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        _SHARED = ForkedRuns(env=env)
+        atexit.register(_SHARED.close)
+    return _SHARED
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:  # the process died before it opened its output
+        return ""
+
 
 def _child(req: dict[str, Any]) -> None:
+    import atexit
     import runpy
-    import traceback
+    import tempfile
 
     code = 0
     try:
-        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
+        fd = os.open(os.devnull, os.O_RDONLY)  # never the server's requests
+        os.dup2(fd, 0)
         os.close(fd)
+        for target, path in ((1, req.get("stdout") or req["log"]), (2, req.get("stderr") or req["log"])):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, target)
+            os.close(fd)
         os.chdir(req["cwd"])
+        if req.get("replace_env"):
+            os.environ.clear()
         os.environ.update(req["env"])
-        sys.argv = [req["script"], *req["argv"]]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(req["script"])))
-        runpy.run_path(req["script"], run_name="__main__")
+        # What a fresh interpreter reads from its environment at start-up, read again: the temporary folder, the
+        # thread count (torch is imported, its thread pool not yet started), the fault handler.
+        tempfile.tempdir = None
+        if "OMP_NUM_THREADS" in req["env"]:
+            import torch
+
+            torch.set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
+        if os.environ.get("PYTHONFAULTHANDLER"):
+            import faulthandler
+
+            faulthandler.enable()
+        if req.get("module"):
+            sys.argv = ["-m", *req["argv"]]  # run_module puts the module's file there, as ``python -m`` does
+            sys.path[0] = os.getcwd()  # in place of the server's script folder: what ``python -m`` puts first
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [req["script"], *req["argv"]]
+            sys.path[0] = os.path.dirname(os.path.abspath(req["script"]))  # as ``python SCRIPT`` puts it first
+            runpy.run_path(req["script"], run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as the interpreter reports an uncaught exception (notes included)
         code = 1
+    try:
+        atexit._run_exitfuncs()  # what the interpreter runs at a normal exit (a recorder's flight log closes there)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        os._exit(code & 0xFF)
 
 
 def _serve(requests: IO[str]) -> None:
@@ -126,5 +227,7 @@ if __name__ == "__main__":
     import torch._dynamo  # noqa: F401 - imported lazily by the recorder's determinism flags
 
     import reprokit  # noqa: F401
+    import reprokit.cli  # noqa: F401 - what ``python -m reprokit`` imports first
+    import reprokit.replayer  # noqa: F401
 
     _serve(sys.stdin)

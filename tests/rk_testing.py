@@ -117,13 +117,18 @@ def torchrun(script: Path, *args: Any, cwd: Path, launcher: Sequence[str] = (),
              timeout: float = 240) -> subprocess.CompletedProcess:
     """Run ``script ARGS`` on two CPU ranks under ``python -m torch.distributed.run`` (gloo; the scripts pick it) on a
     free local port, one thread per rank, the test projects importable and faulthandler on (a hung rank dumps its
-    stack). ``launcher`` adds torchrun options (``["--max-restarts", "1"]``). Text output captured."""
+    stack). ``launcher`` adds torchrun options (``["--max-restarts", "1"]``). Text output captured. The launcher is
+    forked from this process's fork server (``rk_forked.shared``: no torch import of its own); it starts each rank
+    as a fresh process, as torchrun does. Past ``timeout`` the launcher is killed (exit -9)."""
+    from rk_forked import shared
+
     from reprokit.distributed.incident import free_port
 
     env = env_with_checkout(PROJECTS, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *launcher, "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    argv = ["--nproc_per_node", "2", *launcher, "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+            str(script), *map(str, args)]
+    return shared().capture(argv, module="torch.distributed.run", cwd=cwd, env=env, replace_env=True,
+                            timeout=timeout)
 
 
 def minimal_site(dest: Path) -> Path:

@@ -2,8 +2,10 @@
 
 Each probe checks the commit out into a temporary ``git worktree`` (the user's
 working tree, index, branch and stash are never touched) and replays the
-bundle in a subprocess with ``--code`` pointing there, so no module state
-leaks between commits. Verdicts: same failure = bad, passes = good; the code
+bundle with ``python -m reprokit replay --code <worktree>`` run from there, in a
+process of its own forked from a server that imported torch once and never
+imports user code (:meth:`reprokit.isolation.IsolatedRunner.run_command`), so no
+module state leaks between commits. Verdicts: same failure = bad, passes = good; the code
 does not import, ``build`` fails, the state does not fit, a different failure
 or a timeout = skip, with the reason (like ``git bisect run``'s exit 125).
 The search follows ancestry, not one ordering of the range (see :func:`_search`), so
@@ -17,8 +19,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,6 +29,7 @@ from typing import Any
 from reprokit.bundle import Bundle, open_bundle
 from reprokit.code import entry_args
 from reprokit.errors import ReprokitError
+from reprokit.isolation import IsolatedRunner
 from reprokit.signature import summary_line
 
 Progress = Callable[["Probe", int], None]
@@ -126,12 +127,24 @@ def _elsewhere_note(repo: Any, git_env: dict[str, Any]) -> str:
 class _Prober:
     """Checks commits out into throwaway worktrees and replays the bundle against them."""
 
-    def __init__(self, repo: Any, bundle: Bundle, subdir: str, timeout: float, device: str | None):
+    def __init__(self, repo: Any, bundle: Bundle, subdir: str, timeout: float, device: str | None,
+                 runner: IsolatedRunner | None = None):
         self.repo, self.bundle, self.subdir, self.timeout, self.device = repo, bundle, subdir, timeout, device
         self.cache: dict[str, Probe] = {}
         self.times = 1
         """Replays of the commit being probed (the bad end's are checked for flakiness)."""
         self.probes: list[Probe] = []
+        self._runner = runner  # the caller's; else one of our own, started at the first replay
+        self._own = runner is None
+
+    def __enter__(self) -> _Prober:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop the fork server the replays ran from (if this bisection started one)."""
+        if self._own and self._runner is not None:
+            self._runner.close()
+            self._runner = None
 
     def probe(self, sha: str, role: str = "search", times: int = 1) -> Probe:
         if sha in self.cache:
@@ -162,16 +175,18 @@ class _Prober:
     def _replay(self, code: Path) -> tuple[str, str]:
         if not code.is_dir():
             return "skip", f"the project folder {self.subdir!r} does not exist at this commit"
-        cmd = [sys.executable, "-m", "reprokit", "replay", str(self.bundle.path.resolve()), "--code", str(code),
-               *entry_args(self.bundle.run["refs"]), "--json", "--times", str(self.times)]
+        args = ["replay", str(self.bundle.path.resolve()), "--code", str(code), *entry_args(self.bundle.run["refs"]),
+                "--json", "--times", str(self.times)]
         if self.device:
-            cmd += ["--device", self.device]
-        try:
-            # Run from the checked-out tree: ``python -m`` puts the working directory first on sys.path, and the
-            # caller's (their own checkout, with files this commit lacks, such as one never committed) would let
-            # a commit that does not build import them and be judged on code it does not have.
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout, cwd=code)
-        except subprocess.TimeoutExpired:
+            args += ["--device", self.device]
+        if self._runner is None:
+            self._runner = IsolatedRunner(empty_cwd=True)
+        # Run from the checked-out tree: ``python -m`` puts the working directory first on sys.path, and the caller's
+        # (their own checkout, with files this commit lacks, such as one never committed) would let a commit that does
+        # not build import them and be judged on code it does not have. The fork server itself runs in an empty
+        # folder and imports no user code, so nothing of one commit is there when the next one is probed.
+        proc = self._runner.run_command(args, cwd=code, timeout=self.timeout)
+        if proc.timed_out:
             return "skip", f"replay timed out after {self.timeout:g}s"
         err = proc.stderr
         # The CLI's own message ("Error: ...", possibly over several lines), else the last line printed.
@@ -204,8 +219,14 @@ def _describe(f: dict[str, Any] | None) -> str:
 
 def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: str | Path | None = None,
                    first_parent: bool = False, timeout: float = 600.0, device: str | None = None,
-                   progress: Progress | None = None) -> CommitBisectResult:
+                   progress: Progress | None = None, runner: IsolatedRunner | None = None) -> CommitBisectResult:
     """Find the first commit in ``good..bad`` at which the bundle fails the same way.
+
+    Each commit's replay runs in a process forked from a fork server that imported torch (see the module
+    docstring); the bisection starts one and stops it at the end. ``runner``: an
+    ``IsolatedRunner(empty_cwd=True)`` of the caller's, whose server the probes of several bisections share (each
+    probe is still a process of its own that starts from the server's clean state, with the environment the server
+    was started with); the caller closes it.
 
     Raises:
         BisectError: when an end is wrong (bad passes, good fails) or a revision is unknown.
@@ -214,6 +235,9 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
         >>> r = bisect_commits("repros/bundle-...", good="v1.2", bad="HEAD")   # doctest: +SKIP
         >>> r.first_bad                                                          # doctest: +SKIP
     """
+    if runner is not None and not runner.empty_cwd:
+        raise ValueError("bisect_commits(runner=...) needs an IsolatedRunner(empty_cwd=True): a fork server in the "
+                         "caller's folder could import the caller's files where a commit lacks them")
     b = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     git_env = b.env.get("git") or {}
     # The bundle's git.root is where the sender's repository was: information, never the repository to run.
@@ -225,31 +249,31 @@ def bisect_commits(bundle: str | Path | Bundle, *, good: str, bad: str, repo: st
     commits, parents = _range(r, good_sha, bad_sha, first_parent)
     if not commits:
         raise BisectError(f"no commits between --good {good} and --bad {bad}")
-    prober = _Prober(r, b, subdir, timeout, device)
+    with _Prober(r, b, subdir, timeout, device, runner) as prober:
 
-    def step(p: Probe) -> Probe:
-        if progress:
-            progress(p, len(commits))
-        return p
+        def step(p: Probe) -> Probe:
+            if progress:
+                progress(p, len(commits))
+            return p
 
-    # Sanity checks first: the bad end must fail the same way and the good end must pass.
-    end = step(prober.probe(bad_sha, "bad end", times=END_REPLAYS))
-    if end.verdict == "flaky":
-        raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) {end.reason}: a failure that does not recur on every "
-                          "replay would let a lucky pass call a bad commit good. Make it deterministic first "
-                          "(`reprokit replay BUNDLE --times 5`; a random generator outside state.extra, or state kept "
-                          "outside train_step, are the usual causes)")
-    if end.verdict != "bad":
-        raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) does not fail the same way ({end.verdict}: "
-                          f"{end.reason}); check --bad, or that this bundle reproduces at all{_dirty_note(git_env)}"
-                          f"{_elsewhere_note(r, git_env)}")
-    start = step(prober.probe(good_sha, "good end"))
-    if start.verdict != "good":
-        raise BisectError(f"the good end {good} ({good_sha[:10]}) does not pass ({start.verdict}: {start.reason}); "
-                          "pick an older --good")
-    first, candidates, skipped = _search(commits, parents, lambda sha: step(prober.probe(sha)).verdict)
-    return CommitBisectResult(first, candidates, prober.probes, len(commits), _info(r, first) if first else None,
-                              skipped)
+        # Sanity checks first: the bad end must fail the same way and the good end must pass.
+        end = step(prober.probe(bad_sha, "bad end", times=END_REPLAYS))
+        if end.verdict == "flaky":
+            raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) {end.reason}: a failure that does not recur on "
+                              "every replay would let a lucky pass call a bad commit good. Make it deterministic first "
+                              "(`reprokit replay BUNDLE --times 5`; a random generator outside state.extra, or state "
+                              "kept outside train_step, are the usual causes)")
+        if end.verdict != "bad":
+            raise BisectError(f"the bad end {bad} ({bad_sha[:10]}) does not fail the same way ({end.verdict}: "
+                              f"{end.reason}); check --bad, or that this bundle reproduces at all"
+                              f"{_dirty_note(git_env)}{_elsewhere_note(r, git_env)}")
+        start = step(prober.probe(good_sha, "good end"))
+        if start.verdict != "good":
+            raise BisectError(f"the good end {good} ({good_sha[:10]}) does not pass ({start.verdict}: "
+                              f"{start.reason}); pick an older --good")
+        first, candidates, skipped = _search(commits, parents, lambda sha: step(prober.probe(sha)).verdict)
+        return CommitBisectResult(first, candidates, prober.probes, len(commits),
+                                  _info(r, first) if first else None, skipped)
 
 
 def _range(repo: Any, good: str, bad: str, first_parent: bool) -> tuple[list[str], list[list[int]]]:

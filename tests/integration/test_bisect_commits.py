@@ -112,9 +112,9 @@ def recorded(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_finds_commit_19_of_32_within_the_bound(recorded):
+def test_finds_commit_19_of_32_within_the_bound(recorded, bisect_runner):
     repo, shas, bundle = recorded()
-    r = bisect_commits(bundle, good=shas[0], bad=shas[-1])
+    r = bisect_commits(bundle, good=shas[0], bad=shas[-1], runner=bisect_runner)
     assert r.first_bad == shas[18] and r.candidates == [shas[18]]
     assert r.first_bad_info["subject"] == "commit 19" and r.first_bad_info["files"] == ["CHANGES", "trainer.py"]
     assert r.first_bad_info["author"] == "Dev <dev@example.com>"
@@ -128,9 +128,9 @@ def test_finds_commit_19_of_32_within_the_bound(recorded):
 
 
 @pytest.mark.slow
-def test_skips_unimportable_and_unloadable_commits_and_still_answers(recorded):
+def test_skips_unimportable_and_unloadable_commits_and_still_answers(recorded, bisect_runner):
     repo, shas, bundle = recorded(syntax_error=(16, 24), renamed=(25,))
-    r = bisect_commits(bundle, good=shas[0], bad=shas[-1])
+    r = bisect_commits(bundle, good=shas[0], bad=shas[-1], runner=bisect_runner)
     assert r.first_bad == shas[18], [(shas.index(p.sha) + 1, p.verdict, p.reason) for p in r.probes]
     reasons = {shas.index(p.sha) + 1: p.reason for p in r.probes if p.verdict == "skip"}
     assert "SyntaxError" in reasons[16] and "SyntaxError" in reasons[24]
@@ -150,14 +150,14 @@ def test_ambiguous_answer_lists_the_candidates(recorded):
 
 
 @pytest.mark.slow
-def test_wrong_ends_are_refused_with_a_clear_message(recorded):
+def test_wrong_ends_are_refused_with_a_clear_message(recorded, bisect_runner):
     repo, shas, bundle = recorded(n=8, bug_at=5)
     with pytest.raises(BisectError, match="the bad end .* does not fail the same way"):
-        bisect_commits(bundle, good=shas[0], bad=shas[2])
+        bisect_commits(bundle, good=shas[0], bad=shas[2], runner=bisect_runner)
     with pytest.raises(BisectError, match="the good end .* does not pass"):
-        bisect_commits(bundle, good=shas[5], bad=shas[-1])
+        bisect_commits(bundle, good=shas[5], bad=shas[-1], runner=bisect_runner)
     with pytest.raises(BisectError, match="not a revision"):
-        bisect_commits(bundle, good="no-such-tag", bad=shas[-1])
+        bisect_commits(bundle, good="no-such-tag", bad=shas[-1], runner=bisect_runner)
 
 
 @pytest.mark.slow
@@ -184,7 +184,7 @@ def test_users_working_tree_is_untouched(recorded, tmp_path):
 
 
 @pytest.mark.slow
-def test_plain_git_bisect_run_gives_the_same_answer(recorded, tmp_path):
+def test_plain_git_bisect_run_gives_the_same_answer(recorded, tmp_path, bisect_runner):
     """The README's recipe: `git bisect run reprokit replay BUNDLE --code .` (exit codes 1/0/125 fit)."""
     repo, shas, bundle = recorded(n=8, bug_at=5, syntax_error=(3,))
     repo.git.bisect("start", shas[-1], shas[0])
@@ -194,7 +194,7 @@ def test_plain_git_bisect_run_gives_the_same_answer(recorded, tmp_path):
     finally:
         repo.git.bisect("reset")
     assert f"{shas[4]} is the first bad commit" in out
-    assert bisect_commits(bundle, good=shas[0], bad=shas[-1]).first_bad == shas[4]
+    assert bisect_commits(bundle, good=shas[0], bad=shas[-1], runner=bisect_runner).first_bad == shas[4]
 
 
 def test_ctrl_c_leaves_no_worktree_behind(recorded, monkeypatch):
@@ -211,3 +211,13 @@ def test_ctrl_c_leaves_no_worktree_behind(recorded, monkeypatch):
         bisect_commits(bundle, good=shas[0], bad=shas[-1])
     assert len(repo.git.worktree("list").splitlines()) == 1
     assert repo.head.commit.hexsha == shas[-1] and not repo.is_dirty(untracked_files=True)
+
+
+def test_a_runner_of_the_callers_must_run_its_server_in_an_empty_folder(tmp_path):
+    """A shared fork server started in the caller's folder would have that folder first on its sys.path: refused
+    before anything runs."""
+    from reprokit.isolation import IsolatedRunner
+
+    with IsolatedRunner() as runner, pytest.raises(ValueError, match="empty_cwd=True"):
+        bisect_commits(tmp_path / "no-bundle-needed", good="HEAD~1", bad="HEAD", runner=runner)
+    assert runner.starts == 0

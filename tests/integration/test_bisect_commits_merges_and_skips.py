@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import git
 import pytest
 
 from reprokit.bisect import BisectError, bisect_commits
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))
 from test_bisect_commits import ACTOR, TRAINER, record_at  # noqa: E402
 
 sys.path.pop(0)
@@ -60,7 +62,7 @@ def _merge_repo(path, bug_branch_len, other_branch_len, bug_on_side):
 
 
 @pytest.mark.slow
-def test_culprit_on_one_side_of_a_merge_is_found_not_the_merge(tmp_path, monkeypatch):
+def test_culprit_on_one_side_of_a_merge_is_found_not_the_merge(tmp_path, monkeypatch, bisect_runner):
     """A short branch brought the bug, a long one did not: probing the long one's commits (good) must not clear
     the short one's. The first bad commit is the branch commit, never the merge (one of whose parents is bad).
     (Every other shape of history: test_search_over_every_culprit_of_a_history_with_merges, without git.)"""
@@ -68,7 +70,7 @@ def test_culprit_on_one_side_of_a_merge_is_found_not_the_merge(tmp_path, monkeyp
     proj.mkdir()
     repo, root, culprit, merge = _merge_repo(proj, 1, 5, bug_on_side=False)
     bundle = _record(proj, tmp_path / "r", monkeypatch)
-    r = bisect_commits(bundle, good=root.hexsha, bad=merge.hexsha)
+    r = bisect_commits(bundle, good=root.hexsha, bad=merge.hexsha, runner=bisect_runner)
     seen = [(repo.commit(p.sha).summary, p.verdict) for p in r.probes]
     assert r.first_bad == culprit.hexsha, seen
     assert all(p.verdict == "bad" for p in r.probes if repo.is_ancestor(culprit.hexsha, p.sha)), seen
@@ -176,7 +178,7 @@ def train_step(state, batch):  # noqa: F811 - the NaN gets through on 2 runs in 
 
 
 @pytest.mark.slow
-def test_a_failure_that_does_not_recur_on_every_replay_is_refused_at_the_bad_end(tmp_path, monkeypatch):
+def test_a_failure_that_does_not_recur_on_every_replay_is_refused_at_the_bad_end(tmp_path, monkeypatch, bisect_runner):
     """Every commit is judged on one replay, so a flaky failure would let a lucky pass call a bad commit good (here
     commit 3, the culprit, passes on the third run overall). The bad end is replayed three times first."""
     proj = tmp_path / "proj"
@@ -188,12 +190,12 @@ def test_a_failure_that_does_not_recur_on_every_replay_is_refused_at_the_bad_end
         shas.append(_commit(repo, f"commit {k}").hexsha)
     bundle = _record(proj, tmp_path / "r", monkeypatch)
     with pytest.raises(BisectError, match=r"bad end .* failed the same way in 2 of 3 replays.*deterministic"):
-        bisect_commits(bundle, good=shas[0], bad=shas[-1])
+        bisect_commits(bundle, good=shas[0], bad=shas[-1], runner=bisect_runner)
     assert len(repo.git.worktree("list").splitlines()) == 1
 
 
 @pytest.mark.slow
-def test_a_bug_in_uncommitted_changes_is_named_when_the_bad_end_passes(tmp_path, monkeypatch):
+def test_a_bug_in_uncommitted_changes_is_named_when_the_bad_end_passes(tmp_path, monkeypatch, bisect_runner):
     """Recorded from a dirty tree whose uncommitted edit is the bug: HEAD passes, and the error says why."""
     proj = tmp_path / "proj"
     proj.mkdir()
@@ -206,4 +208,108 @@ def test_a_bug_in_uncommitted_changes_is_named_when_the_bad_end_passes(tmp_path,
     bundle = _record(proj, tmp_path / "r", monkeypatch)
     with pytest.raises(BisectError, match=r"bad end .* does not fail the same way \(good.*uncommitted changes "
                                           r"\(trainer.py\): no commit holds them"):
-        bisect_commits(bundle, good=shas[0], bad="HEAD", repo=proj)
+        bisect_commits(bundle, good=shas[0], bad="HEAD", repo=proj, runner=bisect_runner)
+
+
+def _reprokit_processes_below(pid):
+    """The live processes below ``pid`` that run reprokit, as {pid: command line} (from /proc: each process's
+    parent; gitpython's own ``git cat-file`` helpers are left out)."""
+    parent, cmdline = {}, {}
+    for d in Path("/proc").iterdir():
+        try:
+            parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+    out, todo = {}, [pid]
+    while todo:
+        ppid = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == ppid]
+        out.update({k: cmdline[k] for k in kids if "reprokit" in cmdline[k]})
+        todo += kids
+    return out
+
+
+HANGING_STEP = '''
+_real_step = train_step
+
+
+def train_step(state, batch):  # noqa: F811 - a deadlock, as far as the bisect can tell (a worker process waiting too)
+    import pathlib
+    import subprocess
+    import time
+    pathlib.Path({pid_file!r}).write_text(str(subprocess.Popen(["sleep", "600"]).pid))
+    time.sleep(600)
+    return _real_step(state, batch)
+'''
+
+
+def _gone(pid, within_s=10.0):
+    """Whether process ``pid`` has ended (a zombie counts) within ``within_s`` seconds."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+def test_a_commit_whose_replay_hangs_is_skipped_at_its_time_limit_and_the_next_probe_runs(tmp_path, monkeypatch):
+    """Commit 2's step never returns (and has started a process of its own): its replay is killed at --timeout with
+    that process, and the commit skipped with that reason; the probes after it still run (the bad end, commit 3, is
+    where the bug came in), and no process is left behind (an orphan would have left the tree: its pid is checked)."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    repo = git.Repo.init(proj)
+    shas = []
+    for k in range(1, 5):
+        _write(proj, k < 3, f"change {k}\n",
+               extra=HANGING_STEP.format(pid_file=str(tmp_path / "worker.pid")) if k == 2 else "")
+        shas.append(_commit(repo, f"commit {k}").hexsha)
+    bundle = _record(proj, tmp_path / "r", monkeypatch)
+    before = _reprokit_processes_below(os.getpid())  # other tests' fork servers, shared by this process
+    r = bisect_commits(bundle, good=shas[0], bad=shas[-1], timeout=30)
+    verdicts = {shas.index(p.sha) + 1: (p.verdict, p.reason) for p in r.probes}
+    assert verdicts[2] == ("skip", "replay timed out after 30s"), verdicts
+    assert verdicts[3][0] == "bad" and verdicts[4][0] == "bad", verdicts
+    assert r.first_bad is None and r.candidates == shas[1:3] and r.skipped == [shas[1]], verdicts
+    left = {pid: cmd for pid, cmd in _reprokit_processes_below(os.getpid()).items() if pid not in before}
+    assert left == {}, "a replay's process or the fork server outlived the bisect"
+    assert _gone(int((tmp_path / "worker.pid").read_text())), "the hung replay's own process outlived its time limit"
+    assert len(repo.git.worktree("list").splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_commit_of_a_vendored_reprokit_is_probed_with_that_reprokit(tmp_path, monkeypatch, bisect_runner):
+    """The project carries its own copy of reprokit (as reprokit's own repository does); commit 3 changes only that
+    copy, and that change is the bug. Every probe must run the commit's reprokit, as ``python -m reprokit`` started
+    in its checkout would, not the one the fork server imported: the bisect names commit 3."""
+    import shutil
+
+    import reprokit
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    shutil.copytree(Path(reprokit.__file__).parent, proj / "reprokit", ignore=shutil.ignore_patterns("__pycache__"))
+    init = proj / "reprokit" / "__init__.py"
+    clean = init.read_text()
+    repo = git.Repo.init(proj)
+    shas = []
+    for k in range(1, 5):
+        _write(proj, True, f"change {k}\n", extra="\nSANITIZE = not getattr(reprokit, 'RAW_INPUTS', False)\n")
+        init.write_text(clean + ("\nRAW_INPUTS = True  # the vendored copy's bug\n" if k >= 3 else ""))
+        repo.git.add("-A")
+        shas.append(repo.index.commit(f"commit {k}", author=ACTOR, committer=ACTOR).hexsha)
+    monkeypatch.setattr(reprokit, "RAW_INPUTS", True, raising=False)  # recorded with HEAD's copy
+    bundle = _record(proj, tmp_path / "r", monkeypatch)
+    monkeypatch.delattr(reprokit, "RAW_INPUTS")
+    r = bisect_commits(bundle, good=shas[0], bad=shas[-1], runner=bisect_runner)
+    verdicts = {shas.index(p.sha) + 1: (p.verdict, p.reason) for p in r.probes}
+    assert r.first_bad == shas[2], verdicts
+    assert not hasattr(reprokit, "RAW_INPUTS")  # the caller's reprokit was never the copy

@@ -82,7 +82,7 @@ def test_a_bundle_naming_another_repository_does_not_choose_what_is_bisected(tmp
 
 
 @pytest.mark.slow
-def test_no_hook_of_the_users_own_repository_runs(tmp_path, monkeypatch):
+def test_no_hook_of_the_users_own_repository_runs(tmp_path, monkeypatch, bisect_runner):
     proj = tmp_path / "proj"
     proj.mkdir()
     repo, shas = make_repo(proj, n=2, bug_at=2)
@@ -90,7 +90,7 @@ def test_no_hook_of_the_users_own_repository_runs(tmp_path, monkeypatch):
     hook(repo, ran)
     bundle = record(proj, tmp_path / "r", monkeypatch)
     monkeypatch.chdir(proj / ".git")  # anywhere inside the repository: its top level is bisected
-    r = bisect_commits(bundle, good=shas[0], bad="HEAD")
+    r = bisect_commits(bundle, good=shas[0], bad="HEAD", runner=bisect_runner)
     assert r.first_bad == shas[1] and [p.role for p in r.probes] == ["bad end", "good end"]
     assert not ran.exists(), f"a hook ran during bisection: {ran.read_text()}"
     # The hook is live: plain git runs it on the same command reprokit used.

@@ -8,7 +8,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 import warnings
@@ -31,24 +30,20 @@ MARKER = 12345.0
 SCRIPT = (ROOT / "tests" / "projects" / "rk_durable_die.py").read_text()
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", **extra}
-    return env
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
-def forked():
-    """One server that imported torch forks every training run of this module (a real process each)."""
-    with ForkedRuns(env=_env()) as runs:
-        yield runs
+def forked(fork_server):
+    """The server that imported torch forks every training run (a real process each, one thread: ``ONE_THREAD``)."""
+    return fork_server
 
 
 def _train(forked: ForkedRuns, tmp_path: Path, crash_step: int, **extra: str) -> subprocess.CompletedProcess[str]:
     """Run the training script (forked, see tests/rk_forked.py) in ``tmp_path``; its output in stdout and stderr."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    code = forked.run(script, [str(tmp_path / "out"), str(crash_step)], cwd=tmp_path, env=extra)
+    code = forked.run(script, [str(tmp_path / "out"), str(crash_step)], cwd=tmp_path, env={**ONE_THREAD, **extra})
     log = (tmp_path / "run.log").read_text()
     return subprocess.CompletedProcess([str(script)], code, log, log)
 
@@ -200,7 +195,7 @@ def test_kills_from_outside_at_random_moments_give_valid_bundles_or_nothing_to_r
             (case / "train.py").write_text(SCRIPT)
             ready = case / "ready"
             pid = forked.start(case / "train.py", [str(case / "out"), "-1"], cwd=case,
-                               env={"STEPS": "100000", "PAUSE": "0.002", "READY": str(ready)})
+                               env={**ONE_THREAD, "STEPS": "100000", "PAUSE": "0.002", "READY": str(ready)})
             deadline = time.monotonic() + 120
             while not ready.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -333,12 +328,12 @@ DDP_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.slow
 def test_two_ranks_under_torchrun_rank1_killed_in_step_17_recover_to_one_incident_folder(tmp_path):
-    from reprokit.distributed.incident import describe_incident, free_port, rank_bundles
+    from rk_testing import torchrun
+
+    from reprokit.distributed.incident import describe_incident, rank_bundles
 
     (tmp_path / "train_ddp.py").write_text(DDP_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(free_port()), "train_ddp.py", str(tmp_path / "out")],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = torchrun(tmp_path / "train_ddp.py", tmp_path / "out", cwd=tmp_path, timeout=300)
     assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-3000:]
     d = _recover(tmp_path)
     [run] = d["runs"]

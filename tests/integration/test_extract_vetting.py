@@ -25,6 +25,7 @@ import json, sys
 from click.testing import CliRunner
 from reprokit.cli import main
 watch = set(sys.argv[1].split(","))
+assert not watch & set(sys.modules), sorted(watch & set(sys.modules))  # none imported before the replays
 for bundle in sys.argv[2:]:
     r = CliRunner().invoke(main, ["replay", bundle, "--json"])
     print(json.dumps({"exit": r.exit_code, "output": r.output, "imported": sorted(watch & set(sys.modules))}))
@@ -64,23 +65,31 @@ def _copy(extracts, level, dest, edit=None):
     return dest
 
 
-def _replay(tmp_path, bundles, watch=("this",)) -> list[dict]:
-    """Replay each bundle in turn in one fresh interpreter (``sys.modules`` says what the replays imported)."""
-    proc = subprocess.run([sys.executable, "-c", _REPLAY, ",".join(watch), *map(str, bundles)], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(bundles):]]
+@pytest.fixture
+def replay_each(fork_server, tmp_path):
+    """``replay_each(BUNDLES, watch=("this",))``: replay each bundle in turn in one process of its own, forked from
+    the shared fork server (torch and reprokit imported, none of the watched modules: checked), where
+    ``sys.modules`` says what the replays imported."""
+
+    def run(bundles, watch=("this",)) -> list[dict]:
+        script = tmp_path / "replay_each.py"
+        script.write_text(_REPLAY)
+        proc = fork_server.capture([",".join(watch), *bundles], script=script, cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(bundles):]]
+
+    return run
 
 
 @pytest.mark.slow
-def test_a_config_naming_a_class_outside_the_snapshot_and_torch_layers_is_refused(extracts, tmp_path):
+def test_a_config_naming_a_class_outside_the_snapshot_and_torch_layers_is_refused(extracts, tmp_path, replay_each):
     child = {"class": _REFS["stdlib"][0], "attrs": {}, "params": {}, "buffers": {}, "children": {}}
     tampered = {case: _copy(extracts, "module", tmp_path / case, lambda spec, ref=ref: spec.__setitem__("class", ref))
                 for case, (ref, _) in _REFS.items()}
     tampered["child"] = _copy(extracts, "module", tmp_path / "child",
                               lambda spec: spec["children"].__setitem__("evil", child))
     # Last: a module the genuine extract imports anyway must not hide one a tampered one imported.
-    got = dict(zip([*tampered, "genuine"], _replay(tmp_path, [*tampered.values(), extracts["module"]])))
+    got = dict(zip([*tampered, "genuine"], replay_each([*tampered.values(), extracts["module"]])))
     assert got.pop("genuine")["exit"] == 1, "the genuine extract reproduces"
     for case, (_, why) in [*_REFS.items(), ("child", (None, "is not among the classes the bundle lists under refs.objects"))]:
         field = "config.module.children.evil.class" if case == "child" else "config.module.class"
@@ -90,7 +99,7 @@ def test_a_config_naming_a_class_outside_the_snapshot_and_torch_layers_is_refuse
 
 
 @pytest.mark.slow
-def test_a_standard_library_class_listed_under_refs_objects_too_is_refused_before_any_import(extracts, tmp_path):
+def test_a_standard_library_class_listed_under_refs_objects_too_is_refused_before_any_import(extracts, tmp_path, replay_each):
     # The tamperer lists its class under refs.objects as well: the refs' own vetting refuses it, before any import.
     dest = tmp_path / "listed"
     shutil.copytree(extracts["module"], dest)
@@ -99,18 +108,18 @@ def test_a_standard_library_class_listed_under_refs_objects_too_is_refused_befor
     run["refs"]["objects"] = [*run["refs"].get("objects", []), _REFS["stdlib"][0]]
     (dest / "run.json").write_text(json.dumps(run))
     reseal(dest)
-    (got,) = _replay(tmp_path, [dest])
+    (got,) = replay_each([dest])
     assert got["exit"] == 3 and "standard library" in got["output"], got
     assert got["imported"] == [], "the module the bundle names was never imported"
 
 
 @pytest.mark.slow
-def test_an_op_extract_naming_a_file_touching_op_is_refused_and_runs_nothing(extracts, tmp_path):
+def test_an_op_extract_naming_a_file_touching_op_is_refused_and_runs_nothing(extracts, tmp_path, replay_each):
     target = tmp_path / "outside.bin"
     call = json.dumps({"args": [str(target), True, 1 << 20], "kwargs": {}})
     evil = _copy(extracts, "op", tmp_path / "evil",
                  lambda spec: spec["attrs"].update(op="aten.from_file.default", call=call))
-    got, genuine = _replay(tmp_path, [evil, extracts["op"]])
+    got, genuine = replay_each([evil, extracts["op"]])
     assert genuine["exit"] == 1, "the genuine op-level extract reproduces"
     assert got["exit"] == 3 and "config.module.attrs.op" in got["output"], got
     assert "aten.from_file.default is not a pure tensor op" in got["output"] and "filename" in got["output"], got

@@ -12,10 +12,8 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tarfile
 import warnings
@@ -36,15 +34,13 @@ def _error(result) -> dict:
 
 
 @pytest.mark.slow
-def test_the_readmes_python_api_block_runs_as_printed(tmp_path):
+def test_the_readmes_python_api_block_runs_as_printed(tmp_path, fork_server):
     text = (ROOT / "README.md").read_text()
     section = text[text.index("\n## Python API\n"):]
     code = re.search(r"```python\n(.*?)```", section, re.S)
     assert code, "no python block under ## Python API"
     (tmp_path / "train.py").write_text(code.group(1))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = fork_server.capture([], script=tmp_path / "train.py", cwd=tmp_path, timeout=300)  # python train.py
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "deterministic True", proc.stdout
     (written,) = (tmp_path / "repros").iterdir()
@@ -135,11 +131,9 @@ for step in range(6):
 
 
 @pytest.mark.slow
-def test_a_script_that_trains_when_imported_is_told_to_guard_its_loop(tmp_path, monkeypatch):
+def test_a_script_that_trains_when_imported_is_told_to_guard_its_loop(tmp_path, monkeypatch, fork_server):
     (tmp_path / "train.py").write_text(UNGUARDED)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = fork_server.capture([], script=tmp_path / "train.py", cwd=tmp_path, timeout=120)  # python train.py
     assert proc.returncode == 0, proc.stderr
     (recorded,) = (tmp_path / "repros").iterdir()
     monkeypatch.chdir(tmp_path)  # where the script's out_dir "repros" resolves, as when a user replays
@@ -189,15 +183,13 @@ def test_verify_folds_many_unexpected_files_of_one_folder_into_one_line(shared_n
 
 
 @pytest.mark.slow
-def test_a_failure_in_training_names_the_commands_to_run_next(tmp_path, monkeypatch):
+def test_a_failure_in_training_names_the_commands_to_run_next(tmp_path, monkeypatch, fork_server):
     # the same script, letting TrainingFailure end it with a traceback, as a first script does
     script = UNGUARDED.replace("    except reprokit.TrainingFailure as e:\n        print(e.bundle)\n        break\n",
                                "    finally:\n        pass\n")
     assert script != UNGUARDED
     (tmp_path / "train.py").write_text(script)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = fork_server.capture([], script=tmp_path / "train.py", cwd=tmp_path, timeout=120)  # python train.py
     assert proc.returncode == 1 and "TrainingFailure" in proc.stderr, proc.stderr
     (recorded,) = (tmp_path / "repros").iterdir()
     rel = f"repros/{recorded.name}"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rk_testing import PROJECTS, bundle_of, cli_process, entries, env_with_checkout, record
+from rk_testing import PROJECTS, bundle_of, entries, env_with_checkout, record
 
 
 @pytest.mark.slow
-def test_only_replay_imports_the_bundle_code(projects, tmp_path, monkeypatch):
+def test_only_replay_imports_the_bundle_code(projects, tmp_path, monkeypatch, fork_server):
     marker = tmp_path / "imports.log"
     monkeypatch.setenv("RK_IMPORT_MARKER", str(marker))
     proj = projects("rk_marker")
@@ -22,10 +22,11 @@ def test_only_replay_imports_the_bundle_code(projects, tmp_path, monkeypatch):
     for args in (["verify", str(bundle)], ["inspect", str(bundle)], ["inspect", str(bundle), "--json"],
                  ["pack", str(bundle), "-o", str(tmp_path / "r.tar.gz")], ["verify", str(tmp_path / "r.tar.gz")],
                  ["inspect", str(tmp_path / "r.tar.gz")]):
-        proc = cli_process(*args, cwd=tmp_path, env=env)
+        # each command a process of its own, forked from the shared fork server (which never imported the project)
+        proc = fork_server.capture(args, module="reprokit", cwd=tmp_path, env=env, replace_env=True)
         assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
         assert not marker.exists(), f"reprokit {' '.join(args)} imported the bundle's code"
-    proc = cli_process("replay", bundle, cwd=tmp_path, env=env)
+    proc = fork_server.capture(["replay", bundle], module="reprokit", cwd=tmp_path, env=env, replace_env=True)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert marker.read_text() == "imported code\n", "replay imports the code snapshot, and only that copy"
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import git
 import pytest
-from rk_testing import cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,9 +57,10 @@ def _docs_bisect_block() -> str:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
+def project(tmp_path_factory, fork_server):
     """A git repo: a good commit, then the commit that drops the fix, then an unrelated one; the bundle recorded by
-    running the buggy script as `python train.py`."""
+    running the buggy script as `python train.py` (forked from the shared fork server: a process of its own without
+    a torch import)."""
     tmp = tmp_path_factory.mktemp("newbie")
     repo_dir = tmp / "proj"
     repo_dir.mkdir()
@@ -71,26 +71,25 @@ def project(tmp_path_factory):
         (repo_dir / "train.py").write_text(text)
         repo.index.add(["train.py"])
         shas.append(repo.index.commit(msg, author=actor, committer=actor).hexsha)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "train.py", str(tmp / "repros")], cwd=repo_dir, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = fork_server.capture([tmp / "repros"], script=repo_dir / "train.py", cwd=repo_dir, timeout=120)
     assert proc.returncode == 7, proc.stderr
-    return repo, shas, Path(proc.stdout.strip().splitlines()[-1]), env
+    return repo, shas, Path(proc.stdout.strip().splitlines()[-1]), fork_server
 
 
-def _replay(bundle: Path, cwd: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
-    return cli_process("replay", bundle, "--code", ".", *args, cwd=cwd, env=env, timeout=120)
+def _replay(bundle: Path, cwd: Path, fork_server, *args: str) -> subprocess.CompletedProcess:
+    """``python -m reprokit replay BUNDLE --code . ARGS`` from ``cwd``, forked from the shared fork server."""
+    return fork_server.reprokit("replay", bundle, "--code", ".", *args, cwd=cwd)
 
 
 @pytest.mark.slow
 def test_docs_entry_fits_a_script_and_a_module_form_entry_is_named_in_the_error(project):
-    repo, _, bundle, env = project
+    repo, _, bundle, fork_server = project
     cwd = Path(repo.working_tree_dir)
     entry = re.search(r"--entry (\S+)", _docs_bisect_block()).group(1)
-    assert _replay(bundle, cwd, env, "--entry", entry).returncode == 1
+    assert _replay(bundle, cwd, fork_server, "--entry", entry).returncode == 1
     # The mix-up a newcomer makes: the module form for a script's functions. The error says what was passed,
     # why it does not match and the --entry to pass.
-    proc = _replay(bundle, cwd, env, "--entry", "build=train:build,step=train:train_step")
+    proc = _replay(bundle, cwd, fork_server, "--entry", "build=train:build,step=train:train_step")
     assert proc.returncode == 2, proc.stderr
     assert "you passed build = train:build, step = train:train_step" in proc.stderr
     assert "named by its file: train.py:build" in proc.stderr

@@ -1,7 +1,8 @@
 """A hard crash from end to end: a durable run dies (by its own SIGKILL, a segfault, an abort; or killed from
 outside), `reprokit recover` turns its flight log into a bundle, `reprokit replay` runs it in a child process and
 judges the child's death, `reprokit shrink` cuts it down to the marker row. Real processes throughout: the training
-run (forked from a server that imported torch, see tests/rk_forked.py), the reprokit commands and their children."""
+run and the reprokit commands (each forked from a server that imported torch, see tests/rk_forked.py) and their
+children."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,22 +27,20 @@ MARKER_ROW = 3  # the script puts its marker at x[3, 2] of step CRASH_STEP's bat
 CRASH_STEP = 37
 
 
-def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "OMP_NUM_THREADS": "1", **extra}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
-def forked():
-    with ForkedRuns(env=_env()) as runs:
-        yield runs
+def forked(fork_server):
+    """The server that imported torch forks the training runs and the reprokit commands (one thread each:
+    ``ONE_THREAD``, which their children inherit)."""
+    return fork_server
 
 
-def _reprokit(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    """``reprokit ARGS`` as its own process: a child it starts may die, reprokit must not. ``env``: the script's
-    own variables (DIE_HOW: how its step dies, as in training)."""
-    return subprocess.run([sys.executable, "-m", "reprokit", *args], cwd=cwd, env=_env(**env), capture_output=True,
-                          text=True, timeout=600)
+def _reprokit(forked: ForkedRuns, *args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m reprokit ARGS`` as its own process (forked): a child it starts may die, reprokit must not.
+    ``env``: the script's own variables (DIE_HOW: how its step dies, as in training)."""
+    return forked.capture(list(args), module="reprokit", cwd=cwd, env={**ONE_THREAD, **env})
 
 
 def _recovered_bundle(tmp_path: Path) -> Path:
@@ -57,7 +55,8 @@ def _recovered_bundle(tmp_path: Path) -> Path:
 
 def _start(forked: ForkedRuns, tmp_path: Path, crash_step: int, **env: str) -> int:
     (tmp_path / "train.py").write_text(SCRIPT)
-    return forked.start(tmp_path / "train.py", [str(tmp_path / "out"), str(crash_step)], cwd=tmp_path, env=env)
+    return forked.start(tmp_path / "train.py", [str(tmp_path / "out"), str(crash_step)], cwd=tmp_path,
+                        env={**ONE_THREAD, **env})
 
 
 def _log(tmp_path: Path) -> str:
@@ -76,7 +75,7 @@ def test_a_run_that_dies_in_step_37_recovers_replays_its_death_and_shrinks_to_th
     assert (recorded.kind, recorded.step, recorded.exc_type) == ("crash", CRASH_STEP,
                                                                  None if how == "kill" else signame)
 
-    r = _reprokit("replay", str(bundle), "--json", cwd=tmp_path, DIE_HOW=how)
+    r = _reprokit(forked, "replay", str(bundle), "--json", cwd=tmp_path, DIE_HOW=how)
     assert r.returncode == 1, r.stdout + r.stderr  # reproduced; reprokit itself exited normally
     d = json.loads(r.stdout)
     assert d["verdict"] == "deterministic" and d["reproduced"], d
@@ -90,7 +89,7 @@ def test_a_run_that_dies_in_step_37_recovers_replays_its_death_and_shrinks_to_th
     assert run["death"]["returncode"] == -signal.Signals[signame]
     assert run["fidelity"]["bit_exact"], run  # the steps before the death replayed as recorded
 
-    r = _reprokit("shrink", str(bundle), "-o", str(tmp_path / "small"), "--json", cwd=tmp_path, DIE_HOW=how)
+    r = _reprokit(forked, "shrink", str(bundle), "-o", str(tmp_path / "small"), "--json", cwd=tmp_path, DIE_HOW=how)
     assert r.returncode == 0, r.stdout + r.stderr
     s = json.loads(r.stdout)
     assert s["kept_rows"] == [MARKER_ROW], s
@@ -123,7 +122,7 @@ def test_a_run_killed_from_outside_replays_clean_and_says_it_was_killed_from_out
     assert (f.kind, f.step, f.exc_type) == ("crash", 23, None)
     assert "after step 23 finished" in f.message and "SIGKILL from outside" in f.message
 
-    r = _reprokit("replay", str(bundle), "--json", cwd=tmp_path)
+    r = _reprokit(forked, "replay", str(bundle), "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(r.stdout)
     assert d["verdict"] == "not_reproduced" and not d["reproduced"] and d["failure"] is None, d
@@ -139,7 +138,7 @@ def test_a_run_stopped_with_sigterm_replays_clean_and_says_it_was_stopped_from_o
     f = open_bundle(bundle).failure
     assert (f.kind, f.step, f.exc_type) == ("crash", 23, "SIGTERM")
 
-    r = _reprokit("replay", str(bundle), "--json", cwd=tmp_path)
+    r = _reprokit(forked, "replay", str(bundle), "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(r.stdout)
     assert d["verdict"] == "not_reproduced" and d["failure"] is None, d

@@ -1,6 +1,10 @@
 """Replays that survive a step that kills the process: each run of a crash bundle (or any, with --isolate) goes in a
 child process, and a child that dies is judged by how (the signal) and where (the step it started last).
 
+Each replay starts a fork server that imports torch (seconds on a 2-core machine), so the quick run (``-m "not
+slow"``) keeps one test per path: a crash that reproduces, an error raised in the child, an attempt past its time
+limit; the other kinds of death run in the full suite.
+
 The crash bundles are made as a user's would be until `reprokit recover` writes them: a real seeded run of rk_die
 whose step raises at the marker is recorded, and its bundle is written again through the bundle writer with a crash
 failure. Replay then imports a copy of rk_die (`--code`) whose step dies at the marker instead of raising.
@@ -9,9 +13,7 @@ failure. Replay then imports a copy of rk_die (`--code`) whose step dies at the 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -73,10 +75,11 @@ def test_crash_bundles_are_valid_bundles(made):
         assert B.open_bundle(made[name]).failure.kind == "crash"
 
 
-def test_a_segfault_at_the_recorded_step_reproduces_and_reprokit_exits_normally(made):
-    proc = subprocess.run([sys.executable, "-m", "reprokit", "replay", str(made["segv"]), "--code",
-                           str(made["code-segv"]), *entries(made["segv"])],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+@pytest.mark.slow
+def test_a_segfault_at_the_recorded_step_reproduces_and_reprokit_exits_normally(made, fork_server):
+    # `python -m reprokit replay` as a process of its own (forked: the fork server's torch import saved)
+    proc = fork_server.reprokit("replay", made["segv"], "--code", made["code-segv"], *entries(made["segv"]),
+                                env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 1, proc.stdout + proc.stderr  # reprokit's own exit: not -11
     assert f"replayed: the process died with SIGSEGV at step {MARKER_STEP}" in proc.stdout
     assert "died in rk_die.py:" in proc.stdout and "in _at_marker" in proc.stdout
@@ -97,6 +100,7 @@ def test_segfault_json_carries_signal_and_step(made):
     assert d["fidelity"]["bit_exact"] and d["fidelity"]["steps_compared"] == 2
 
 
+@pytest.mark.slow
 def test_an_abort_reproduces_as_sigabrt(made):
     rc, d = replay_json(made["abort"], made["code-abort"])
     assert rc == 1 and d["verdict"] == "deterministic"
@@ -114,12 +118,14 @@ def test_times_n_replays_each_run_in_its_own_process_from_one_server(made):
     assert (iso["child_starts"], iso["attempts"], iso["child_deaths"]) == (1, 2, 2)  # torch imported once
 
 
+@pytest.mark.slow
 def test_another_signal_is_a_different_failure(made):
     rc, d = replay_json(made["segv"], made["code-abort"])
     assert rc == 125 and d["verdict"] == "different_failure"
     assert d["failure"]["exception_type"] == "SIGABRT" and d["recorded_failure"]["exception_type"] == "SIGSEGV"
 
 
+@pytest.mark.slow
 def test_no_recorded_signal_and_a_child_killed_at_the_step_reproduces(made):
     rc, d = replay_json(made["unknown"], made["code-kill"])
     assert rc == 1 and d["verdict"] == "deterministic"
@@ -127,6 +133,7 @@ def test_no_recorded_signal_and_a_child_killed_at_the_step_reproduces(made):
     assert d["isolation"]["note"] is None
 
 
+@pytest.mark.slow
 def test_a_python_level_death_reproduces_by_its_exception_class(made):
     rc, d = replay_json(made["exit"], made["code-exit"])
     assert rc == 1 and d["verdict"] == "deterministic"
@@ -135,6 +142,7 @@ def test_a_python_level_death_reproduces_by_its_exception_class(made):
     assert d["failure"]["exception_type"] == "SystemExit" and d["failure"]["step"] == MARKER_STEP
 
 
+@pytest.mark.slow
 def test_a_crash_that_replays_clean_was_killed_from_outside(made):
     rc, d = replay_json(made["unknown"], made["code-clean"])
     text = format_report(d)  # what `reprokit replay` prints without --json
@@ -162,11 +170,10 @@ def test_isolate_gives_an_ordinary_bundle_the_same_verdict(made):
     assert a["isolation"] is None and (b["isolation"]["attempts"], b["isolation"]["child_deaths"]) == (1, 0)
 
 
-def test_isolate_on_a_nan_bundle_matches_in_process(projects, tmp_path):
-    mlp = projects("rk_mlp")
-    _, exc = record(mlp, {}, mlp.batches({}, 9, poison_step=7), tmp_path / "repros", snapshot_every=4)
-    plain = CliRunner().invoke(main, ["replay", str(exc.bundle), "--json"])
-    isolated = CliRunner().invoke(main, ["replay", str(exc.bundle), "--json", "--isolate"])
+@pytest.mark.slow
+def test_isolate_on_a_nan_bundle_matches_in_process(shared_nan_bundle):
+    plain = CliRunner().invoke(main, ["replay", str(shared_nan_bundle), "--json"])
+    isolated = CliRunner().invoke(main, ["replay", str(shared_nan_bundle), "--json", "--isolate"])
     a, b = json.loads(plain.output), json.loads(isolated.output)
     assert plain.exit_code == isolated.exit_code == 1
     assert (a["verdict"], a["failure"], a["fidelity"]) == (b["verdict"], b["failure"], b["fidelity"])

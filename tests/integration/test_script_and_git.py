@@ -1,19 +1,16 @@
-"""A user's script run as __main__ inside a git repository, recorded and replayed from elsewhere."""
+"""A user's script run as __main__ inside a git repository, recorded and replayed from elsewhere.
+
+The script and the replay run as processes of their own forked from one server that imported torch and nothing of
+the script (the ``fork_server`` fixture, tests/rk_forked.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import git
 import pytest
-from rk_testing import cli_process
-
-ROOT = Path(__file__).resolve().parents[2]
 
 HELPERS = textwrap.dedent('''
     import torch
@@ -58,7 +55,7 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-def test_script_in_a_dirty_git_repo(tmp_path):
+def test_script_in_a_dirty_git_repo(tmp_path, fork_server):
     repo_dir = tmp_path / "proj"
     repo_dir.mkdir()
     (repo_dir / "helpers.py").write_text(HELPERS)
@@ -68,9 +65,7 @@ def test_script_in_a_dirty_git_repo(tmp_path):
     actor = git.Actor("t", "t@example.com")
     commit = repo.index.commit("initial", author=actor, committer=actor)
     (repo_dir / "train.py").write_text(SCRIPT.replace("lr=config[\"lr\"]", "lr=config[\"lr\"] * 1"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "train.py", str(tmp_path / "repros")], cwd=repo_dir, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = fork_server.capture([tmp_path / "repros"], script=repo_dir / "train.py", cwd=repo_dir, timeout=300)
     assert proc.returncode == 7, proc.stderr
     bundle = Path(proc.stdout.strip().splitlines()[-1])
     assert sorted(p.name for p in (bundle / "code").iterdir()) == ["helpers.py", "train.py"]
@@ -82,7 +77,7 @@ def test_script_in_a_dirty_git_repo(tmp_path):
 
     # Replay from an unrelated directory, with the repo moved out of the way.
     (repo_dir / "helpers.py").unlink()
-    proc = cli_process("replay", bundle, "--json", env=env)
+    proc = fork_server.reprokit("replay", bundle, "--json", cwd="/")
     assert proc.returncode == 1, proc.stderr
     d = json.loads(proc.stdout)
     assert d["failure"]["step"] == 17 and d["fidelity"]["bit_exact"]

@@ -2,13 +2,14 @@
 
 The bug: a batch whose labels are all ignore_index makes a mean cross-entropy 0/0. The fix
 (applied here to a copy of the example): sum the loss and divide by max(1, labelled tokens).
+
+The example and each ``python -m pytest`` run as processes of their own forked from one server that imported torch
+(the ``fork_server`` fixture, tests/rk_forked.py).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,19 +18,18 @@ from reprokit.pack import pack
 from reprokit.testing import DifferentFailure, StillFails, assert_fixed, find_bundles
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 BUGGY = 'loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)'
 FIXED = ('labels = batch["labels"].flatten()\n    loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels, '
          'ignore_index=-100, reduction="sum") / (labels != -100).sum().clamp(min=1)')
 
 
 @pytest.fixture(scope="module")
-def regression(tmp_path_factory):
+def regression(tmp_path_factory, fork_server):
     """A folder holding the bad_batch bundle and its packed tarball, plus fixed and broken checkouts."""
     tmp = tmp_path_factory.mktemp("plugin")
     out = tmp / "regressions"
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "bad_batch.py"), "--quick", "--out", str(out)],
-                          cwd=tmp, env=ENV, capture_output=True, text=True, timeout=300)
+    proc = fork_server.capture(["--quick", "--out", out], script=ROOT / "examples" / "bad_batch.py", cwd=tmp,
+                               timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (bundle,) = out.glob("bundle-*")
     pack(bundle, out / "bad_batch.tar.gz")
@@ -59,24 +59,30 @@ def test_assert_fixed_passes_fails_and_errors(regression):
     assert find_bundles(out) == [out / "bad_batch.tar", out / "bad_batch.tar.gz", bundle]
 
 
-def _pytest(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "reprokit.testing", "-p", "no:cacheprovider",
-                           "-q", "-rA", *args], cwd=tmp, env=ENV, capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def run_pytest(fork_server):
+    """``run_pytest(FOLDER, ARGS...)``: ``python -m pytest -p reprokit.testing ARGS`` run from FOLDER."""
+
+    def run(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+        return fork_server.capture(["-p", "reprokit.testing", "-p", "no:cacheprovider", "-q", "-rA", *args],
+                                   module="pytest", cwd=tmp, timeout=300)
+
+    return run
 
 
 @pytest.mark.slow
-def test_plugin_each_bundle_is_a_test_item(regression, tmp_path):
+def test_plugin_each_bundle_is_a_test_item(regression, run_pytest, tmp_path):
     out, _, code = regression
-    fixed = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["fixed"]))
+    fixed = run_pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["fixed"]))
     assert fixed.returncode == 0 and "3 passed" in fixed.stdout, fixed.stdout + fixed.stderr
     # Each item is named by its bundle's path, as a test file names its tests; the bundles found are counted.
     assert "regressions/bad_batch.tar::reprokit\n" in fixed.stdout, fixed.stdout
     assert f"reprokit: 3 bundles from {out}, one test each" in fixed.stdout, fixed.stdout
-    buggy = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["buggy"]),
+    buggy = run_pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["buggy"]),
                     "-k", "tar")
     assert buggy.returncode == 1 and "2 failed, 1 deselected" in buggy.stdout, buggy.stdout + buggy.stderr
     assert "still fails" in buggy.stdout
-    broken = _pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["broken"]),
+    broken = run_pytest(tmp_path, "--reprokit-bundles", str(out), "--reprokit-code", str(code["broken"]),
                      "-m", "reprokit_bundle", "-k", "not tar")
     assert broken.returncode == 1 and "1 error" in broken.stdout and "fails differently" in broken.stdout, \
         broken.stdout + broken.stderr
@@ -85,10 +91,10 @@ def test_plugin_each_bundle_is_a_test_item(regression, tmp_path):
 
 
 @pytest.mark.slow
-def test_plugin_is_inert_without_bundles_and_refuses_a_missing_folder(tmp_path):
+def test_plugin_is_inert_without_bundles_and_refuses_a_missing_folder(run_pytest, tmp_path):
     (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
-    assert "1 passed" in _pytest(tmp_path).stdout
-    missing = _pytest(tmp_path, "--reprokit-bundles", str(tmp_path / "nope"))
+    assert "1 passed" in run_pytest(tmp_path).stdout
+    missing = run_pytest(tmp_path, "--reprokit-bundles", str(tmp_path / "nope"))
     assert missing.returncode == 4 and "no such folder" in missing.stderr, missing.stdout + missing.stderr
 
 

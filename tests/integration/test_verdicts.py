@@ -170,7 +170,7 @@ def train_step(state, batch):
 
 
 @pytest.mark.slow
-def test_bisect_commits_skips_a_commit_that_fails_earlier(tmp_path, monkeypatch):
+def test_bisect_commits_skips_a_commit_that_fails_earlier(tmp_path, monkeypatch, bisect_runner):
     proj = tmp_path / "proj"
     proj.mkdir()
     repo = git.Repo.init(proj)
@@ -196,7 +196,7 @@ def test_bisect_commits_skips_a_commit_that_fails_earlier(tmp_path, monkeypatch)
     monkeypatch.delitem(sys.modules, "trainer", raising=False)
     assert info.value.failure.step == 9
 
-    r = bisect_commits(info.value.bundle, good=shas[0], bad=shas[-1], repo=proj)
+    r = bisect_commits(info.value.bundle, good=shas[0], bad=shas[-1], repo=proj, runner=bisect_runner)
     verdicts = {shas.index(p.sha) + 1: (p.verdict, p.reason) for p in r.probes}
     assert verdicts[3][0] == "skip", verdicts
     assert "different failure: nonfinite_loss (loss = nan) at step 8 (recorded: nonfinite_loss (loss = nan) at step 9)" \

@@ -5,21 +5,21 @@ Every example is run as a script (``--quick``): it records the bundle and replay
 Then each goes on to the step that makes its diagnosis (shrink and the right bisect axis for the
 data faults; bisect steps for the silent ones, whose steps before the trigger are the diagnosis, so
 they are not shrunk), and every one but the non-deterministic example is packed and replayed from
-the tarball in a fresh process, which must fail the same way.
+the tarball in a process of its own, which must fail the same way.
+
+The scripts and the packed replays run as processes forked from one server that imported torch (the
+``fork_server`` fixture, tests/rk_forked.py): each is a process of its own that starts from a state where
+nothing of the example was imported, without a torch import each (seconds apiece).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from rk_testing import cli_process
 from zoo_cases import STEPS, check_output
 
 import reprokit
@@ -29,17 +29,27 @@ from reprokit.extract import extract
 from reprokit.pack import pack
 from reprokit.shrink import shrink
 
-pytestmark = pytest.mark.slow  # every case runs an example script to its failure in a fresh process, then shrinks and bisects it
+pytestmark = pytest.mark.slow  # every case runs an example script to its failure, then shrinks and bisects it
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def record(script: str, tmp_path: Path) -> Path:
-    """Run ``examples/SCRIPT --quick`` (train until it fails, replay twice); return the bundle it wrote."""
+@pytest.fixture
+def record(fork_server, tmp_path):
+    """``record(SCRIPT)``: run ``examples/SCRIPT --quick`` (train until it fails, replay 3 times) in a process of
+    its own; return the bundle it wrote."""
+    return lambda script: _record(fork_server, script, tmp_path)
+
+
+@pytest.fixture
+def packed_replay(fork_server, tmp_path):
+    """``packed_replay(BUNDLE)``: pack it and replay the tarball in a process of its own (see below)."""
+    return lambda small: _packed_replay(fork_server, small, tmp_path)
+
+
+def _record(fork_server, script: str, tmp_path: Path) -> Path:
     out = tmp_path / "repros"
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--quick", "--out", str(out)],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    proc = fork_server.capture(["--quick", "--out", out], script=ROOT / "examples" / script, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check_output(script, proc.stdout)
     bundles = sorted(out.glob("bundle-*"))
@@ -47,11 +57,11 @@ def record(script: str, tmp_path: Path) -> Path:
     return bundles[0]
 
 
-def packed_replay(small: Path, tmp_path: Path) -> dict:
-    """Pack the shrunk bundle and replay the tarball in a fresh process: it must still fail the same way."""
+def _packed_replay(fork_server, small: Path, tmp_path: Path) -> dict:
+    """Pack the shrunk bundle and replay the tarball in a process of its own: it must still fail the same way."""
     tar = tmp_path / "repro.tar"
     pack(small, tar)
-    proc = cli_process("replay", tar, "--json", "--trust", cwd=tmp_path, env=ENV)
+    proc = fork_server.reprokit("replay", tar, "--json", "--trust", cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     d = json.loads(proc.stdout)
     assert d["verdict"] == "deterministic", d
@@ -76,20 +86,20 @@ def batch_of(bundle: Path) -> dict[str, torch.Tensor]:
 
 # --- full journeys --------------------------------------------------------------------------------
 
-def test_oov_token_shrinks_to_one_row_keeping_the_offending_token(tmp_path):
-    bundle = record("oov_token.py", tmp_path)
+def test_oov_token_shrinks_to_one_row_keeping_the_offending_token(record, packed_replay, tmp_path):
+    bundle = record("oov_token.py")
     r = shrink(bundle, tmp_path / "small", budget=60, passes=["steps", "rows", "sequence"])
     assert (r.after["steps"], r.after["rows"]) == (1, 1) and r.kept_rows == [2]
     ids = batch_of(r.output)["input_ids"]
     assert ids.shape[0] == 1 and (ids >= 64).sum() == 1 and int(ids.max()) == 65  # the new special token
     layers = bisect_layers(open_bundle(r.output))
     assert layers["raised_in"]["module"] == "tok" and layers["raised_in"]["class"] == "Embedding"
-    d = packed_replay(r.output, tmp_path)
+    d = packed_replay(r.output)
     assert d["failure"]["exception_type"] == "IndexError"
 
 
-def test_long_sample_shrinks_to_table_size_plus_one(tmp_path):
-    bundle = record("long_sample.py", tmp_path)
+def test_long_sample_shrinks_to_table_size_plus_one(record, packed_replay, tmp_path):
+    bundle = record("long_sample.py")
     r = shrink(bundle, tmp_path / "small", budget=60, passes=["steps", "rows", "sequence"])
     ids = batch_of(r.output)["input_ids"]
     assert ids.shape == (1, 33)  # one row; the position table has 32 entries
@@ -97,21 +107,21 @@ def test_long_sample_shrinks_to_table_size_plus_one(tmp_path):
     assert r.dataset_indices[0] in range(31 * 8, 32 * 8)
     layers = bisect_layers(open_bundle(r.output))
     assert layers["raised_in"]["module"] == "pos"
-    packed_replay(r.output, tmp_path)
+    packed_replay(r.output)
 
 
-def test_fp16_overflow_passes_in_fp32_and_bf16(tmp_path):
-    bundle = record("fp16_overflow.py", tmp_path)
+def test_fp16_overflow_passes_in_fp32_and_bf16(record, packed_replay, tmp_path):
+    bundle = record("fp16_overflow.py")
     r = shrink(bundle, tmp_path / "small", budget=40, passes=["steps", "rows"])
     assert r.after["steps"] == 1 and r.after["rows"] < r.before["rows"]
     d = bisect_precision(open_bundle(r.output), variants=["recorded", "fp32", "bf16", "fp16"])
     assert d["variants"] == {"recorded": "fail", "fp32": "pass", "bf16": "pass", "fp16": "fail"}
     assert d["smallest_fix"] == "fp32"
-    packed_replay(r.output, tmp_path)
+    packed_replay(r.output)
 
 
-def test_lr_no_warmup_steps_finds_the_explosion_before_the_nan(tmp_path):
-    bundle = record("lr_no_warmup.py", tmp_path)
+def test_lr_no_warmup_steps_finds_the_explosion_before_the_nan(record, packed_replay, tmp_path):
+    bundle = record("lr_no_warmup.py")
     d = bisect_steps(open_bundle(bundle))
     assert d["failure_step"] == 16 and d["first_bad_step"] <= 12, d["reason"]  # the geometric blow-up, before the NaN
     assert "spike" in d["reason"] or "exploded" in d["reason"], d["reason"]
@@ -119,39 +129,39 @@ def test_lr_no_warmup_steps_finds_the_explosion_before_the_nan(tmp_path):
     norms = [row["grad_norm"] for row in d["per_step"] if row["step"] in range(10, 15)]
     assert all(b > 2 * a for a, b in zip(norms, norms[1:])), norms  # more than doubling every step
     shrunk_too(bundle, tmp_path)
-    packed_replay(bundle, tmp_path)
+    packed_replay(bundle)
 
 
 # --- the decisive step for the others -------------------------------------------------------------
 
-def test_bad_batch_shrinks_to_one_sample_with_its_dataset_index(tmp_path):
-    bundle = record("bad_batch.py", tmp_path)
+def test_bad_batch_shrinks_to_one_sample_with_its_dataset_index(record, packed_replay, tmp_path):
+    bundle = record("bad_batch.py")
     r = shrink(bundle, tmp_path / "small", budget=40, passes=["steps", "rows"])
     assert (r.after["steps"], r.after["rows"]) == (1, 1)
     assert r.dataset_indices[0] in range(45 * 16, 46 * 16)  # a sample of the poisoned batch
     assert (batch_of(r.output)["labels"] == -100).all()
-    packed_replay(r.output, tmp_path)
+    packed_replay(r.output)
 
 
-def test_empty_document_shrink_keeps_the_empty_document(tmp_path):
-    bundle = record("empty_document.py", tmp_path)
+def test_empty_document_shrink_keeps_the_empty_document(record, packed_replay, tmp_path):
+    bundle = record("empty_document.py")
     r = shrink(bundle, tmp_path / "small", budget=40, passes=["steps", "rows"])
     assert r.kept_rows == [3] and r.dataset_indices == [29 * 8 + 3]
     assert int(batch_of(r.output)["mask"].sum()) == 0
     assert r.origin is not None and r.origin.op.startswith("aten.div")
-    packed_replay(r.output, tmp_path)
+    packed_replay(r.output)
 
 
-def test_collate_dtype_shrinks_to_one_row_of_int32_labels(tmp_path):
-    bundle = record("collate_dtype.py", tmp_path)
+def test_collate_dtype_shrinks_to_one_row_of_int32_labels(record, packed_replay, tmp_path):
+    bundle = record("collate_dtype.py")
     r = shrink(bundle, tmp_path / "small", budget=30, passes=["steps", "rows"])
     assert (r.after["steps"], r.after["rows"]) == (1, 1)
     assert batch_of(r.output)["y"].dtype == torch.int32
-    packed_replay(r.output, tmp_path)
+    packed_replay(r.output)
 
 
-def test_naive_softmax_layers_names_the_module_and_the_op(tmp_path):
-    bundle = record("naive_softmax.py", tmp_path)
+def test_naive_softmax_layers_names_the_module_and_the_op(record, packed_replay, tmp_path):
+    bundle = record("naive_softmax.py")
     d = bisect_layers(open_bundle(bundle))
     first = d["first_nonfinite"]
     assert first["class"] == "NaiveSoftmax" and first["module"].endswith(".softmax"), first
@@ -172,39 +182,39 @@ def test_naive_softmax_layers_names_the_module_and_the_op(tmp_path):
     assert rep.verdict == "deterministic" and "NaN" in rep.to_json()["failure"]["message"], \
         rep.to_json()
     shrunk_too(bundle, tmp_path)
-    packed_replay(bundle, tmp_path)
+    packed_replay(bundle)
 
 
-def test_nondeterministic_failure_is_never_called_deterministic(tmp_path):
-    bundle = record("nondeterministic.py", tmp_path)
+def test_nondeterministic_failure_is_never_called_deterministic(record, tmp_path):
+    bundle = record("nondeterministic.py")
     report = reprokit.replay(bundle, times=3)  # once more, beside the example's own 3
     # The fault may strike earlier in the window (different_failure): anything but "deterministic".
     assert report.verdict in ("not_reproduced", "flaky", "different_failure"), report.to_json()
 
 
-def test_shuffled_labels_steps_shows_a_flat_loss_and_healthy_gradients(tmp_path):
-    bundle = record("shuffled_labels.py", tmp_path)
+def test_shuffled_labels_steps_shows_a_flat_loss_and_healthy_gradients(record, packed_replay, tmp_path):
+    bundle = record("shuffled_labels.py")
     d = bisect_steps(open_bundle(bundle))
     assert d["first_bad_step"] == d["failure_step"] == 39  # nothing blew up before the predicate
     assert all(abs(row["loss"] - math.log(4)) < 0.15 * math.log(4) for row in d["per_step"])  # chance, throughout
     assert all(0 < row["grad_norm"] < 10 for row in d["per_step"])
     shrunk_too(bundle, tmp_path)
-    packed_replay(bundle, tmp_path)
+    packed_replay(bundle)
 
 
-def test_lr_x100_steps_shows_the_lr_jump_before_the_spike(tmp_path):
-    bundle = record("lr_x100.py", tmp_path)
+def test_lr_x100_steps_shows_the_lr_jump_before_the_spike(record, packed_replay, tmp_path):
+    bundle = record("lr_x100.py")
     d = bisect_steps(open_bundle(bundle))
     lrs = {row["step"]: row["lr"][0] for row in d["per_step"]}
     assert lrs[59] == pytest.approx(1e-3) and lrs[60] == pytest.approx(0.1)
     assert d["first_bad_step"] in range(61, 65), d["reason"]  # the grads explode, then the loss spikes at 64
     assert d["failure_step"] == 64
     shrunk_too(bundle, tmp_path)
-    packed_replay(bundle, tmp_path)
+    packed_replay(bundle)
 
 
-def test_missing_zero_grad_steps_shows_grad_norms_growing(tmp_path):
-    bundle = record("missing_zero_grad.py", tmp_path)
+def test_missing_zero_grad_steps_shows_grad_norms_growing(record, packed_replay, tmp_path):
+    bundle = record("missing_zero_grad.py")
     d = bisect_steps(open_bundle(bundle))
     norms = [row["grad_norm"] for row in d["per_step"]]
     half = len(norms) // 2  # the accumulated gradient grows: a trend, not every step (which a CPU's last bits decide)
@@ -212,11 +222,11 @@ def test_missing_zero_grad_steps_shows_grad_norms_growing(tmp_path):
     assert d["first_bad_step"] in STEPS["missing_zero_grad.py"] and "gradient norm exploded" in d["reason"], d
     assert d["failure_step"] - 10 <= d["first_bad_step"] <= d["failure_step"], d  # just before the spike fired
     shrunk_too(bundle, tmp_path)
-    packed_replay(bundle, tmp_path)
+    packed_replay(bundle)
 
 
-def test_sum_reduction_steps_shows_the_grad_norm_jump_at_the_batch_size_change(tmp_path):
-    bundle = record("sum_reduction.py", tmp_path)
+def test_sum_reduction_steps_shows_the_grad_norm_jump_at_the_batch_size_change(record, packed_replay, tmp_path):
+    bundle = record("sum_reduction.py")
     d = bisect_steps(open_bundle(bundle))
     rows = {row["step"]: row for row in d["per_step"]}
     before = sorted(rows[s]["grad_norm"] for s in rows if s < 40)
@@ -224,12 +234,12 @@ def test_sum_reduction_steps_shows_the_grad_norm_jump_at_the_batch_size_change(t
     assert len({tuple(row["lr"]) for row in d["per_step"]}) == 1  # the LR did not change: the batch did
     assert d["first_bad_step"] == 40
     shrunk_too(bundle, tmp_path)
-    packed_replay(bundle, tmp_path)
+    packed_replay(bundle)
 
 
-def test_autocast_no_scaler_passes_in_fp32_and_bf16(tmp_path):
-    bundle = record("autocast_no_scaler.py", tmp_path)
+def test_autocast_no_scaler_passes_in_fp32_and_bf16(record, packed_replay, tmp_path):
+    bundle = record("autocast_no_scaler.py")
     d = bisect_precision(open_bundle(bundle), variants=["recorded", "fp32", "bf16", "fp16"])
     assert d["variants"] == {"recorded": "fail", "fp32": "pass", "bf16": "pass", "fp16": "fail"}
     shrunk_too(bundle, tmp_path)
-    packed_replay(bundle, tmp_path)
+    packed_replay(bundle)

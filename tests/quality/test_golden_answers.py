@@ -21,9 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import os
 import runpy
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -260,13 +258,11 @@ def accelerate_loop(tmp: Path) -> Recorded:
 def torchrun_gloo(tmp: Path) -> Recorded:
     """torchrun, 2 CPU ranks over gloo (DDP): rank 1 feeds a NaN at step 6; rank 0 gets NaN gradients through the
     all-reduce."""
-    from reprokit.distributed.incident import free_port
+    with on_path(ROOT / "tests"):
+        from rk_testing import torchrun
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(PROJECTS)]), "OMP_NUM_THREADS": "1"}
     out = tmp / "repros"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), str(PROJECTS / "rk_ddp.py"), str(out),
-                           "nan", "cpu"], env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
+    proc = torchrun(PROJECTS / "rk_ddp.py", out, "nan", "cpu", cwd=tmp, timeout=300)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     (incident,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
     return Recorded(incident)
