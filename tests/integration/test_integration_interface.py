@@ -31,6 +31,7 @@ def fit(projects, tmp_path: Path, n: int, poison_step: int | None, **kw) -> tupl
     return trainer, None
 
 
+@pytest.mark.slow
 def test_an_integration_on_the_public_interface_writes_a_bundle_that_carries_its_model_class(projects, tmp_path):
     _, exc = fit(projects, tmp_path, 12, poison_step=9)
     assert isinstance(exc, reprokit.TrainingFailure)

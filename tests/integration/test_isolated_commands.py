@@ -14,6 +14,8 @@ import pytest
 
 from reprokit.isolation import IsolatedRunner
 
+pytestmark = pytest.mark.slow  # each test forks a server and waits out time limits: 6-18 s
+
 # A folder's own ``reprokit`` (a checkout of reprokit itself, or of a project that vendors it): its ``python -m
 # reprokit`` says which copy ran, and with ``sleep`` starts a process of its own that never ends, then never ends.
 VENDORED_MAIN = '''\

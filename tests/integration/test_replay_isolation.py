@@ -2,8 +2,8 @@
 child process, and a child that dies is judged by how (the signal) and where (the step it started last).
 
 Each replay starts a fork server that imports torch (seconds on a 2-core machine), so the quick run (``-m "not
-slow"``) keeps one test per path: a crash that reproduces, an error raised in the child, an attempt past its time
-limit; the other kinds of death run in the full suite.
+slow"``) keeps the bundles' validity only; every kind of death, an error raised in the child and an attempt past its
+time limit run in the full suite.
 
 The crash bundles are made as a user's would be until `reprokit recover` writes them: a real seeded run of rk_die
 whose step raises at the marker is recorded, and its bundle is written again through the bundle writer with a crash
@@ -86,6 +86,7 @@ def test_a_segfault_at_the_recorded_step_reproduces_and_reprokit_exits_normally(
     assert "isolation: each run in a process of its own (1 of 1 died)" in proc.stdout
 
 
+@pytest.mark.slow
 def test_segfault_json_carries_signal_and_step(made):
     rc, d = replay_json(made["segv"], made["code-segv"])
     assert rc == 1 and d["verdict"] == "deterministic" and d["reproduced"]
@@ -180,6 +181,7 @@ def test_isolate_on_a_nan_bundle_matches_in_process(shared_nan_bundle):
     assert b["failure"]["kind"] == "nonfinite_loss"
 
 
+@pytest.mark.slow
 def test_a_code_error_in_the_child_is_the_same_error_here(made, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -206,6 +208,7 @@ def test_shrink_of_a_segfault_bundle_ends_at_the_marker_row(made, tmp_path):
     assert again.exit_code == 1 and json.loads(again.output)["isolation"]["signal"] == "SIGSEGV"
 
 
+@pytest.mark.slow
 def test_an_attempt_past_its_time_limit_is_killed_and_the_next_one_runs(made):
     """A hang costs the attempt (no verdict), not the runner: its server forks the next attempt at once."""
     from reprokit.isolation import IsolatedRunner
