@@ -180,12 +180,7 @@ class IsolatedRunner:
         deadline = None if timeout is None else t0 + timeout
         offset = child.log.stat().st_size  # this attempt's output starts here
         self.attempts += 1
-        try:
-            assert child.proc.stdin is not None
-            child.proc.stdin.write(json.dumps(request) + "\n")
-            child.proc.stdin.flush()
-        except OSError:
-            pass  # the server died since it said it was ready: the events pipe says so next
+        _send(child, request)
         while "exit" not in got:
             event = self._next_event(child, deadline)
             if event is None:  # the server itself died (killed from outside): so did the attempt
@@ -241,12 +236,7 @@ class IsolatedRunner:
         deadline = None if timeout is None else time.perf_counter() + timeout
         self.attempts += 1
         got: dict[str, dict[str, Any]] = {}
-        try:
-            assert child.proc.stdin is not None
-            child.proc.stdin.write(json.dumps(request) + "\n")
-            child.proc.stdin.flush()
-        except OSError:
-            pass  # the server died since it said it was ready: the events pipe says so next
+        _send(child, request)
         returncode: int | None
         try:
             while True:
@@ -383,6 +373,17 @@ class IsolatedRunner:
         pid = got["forked"]["pid"] if "forked" in got else child.proc.pid
         failure = death_failure(rc, got.get("died"), started, finished, tail, pid)
         return died(failure, recorded, finished, seconds, peak)
+
+
+def _send(child: _Child, request: dict[str, Any]) -> None:
+    """One request line to the fork server (a server that died since it said it was ready: the events pipe says so
+    next, so nothing is raised here)."""
+    try:
+        assert child.proc.stdin is not None
+        child.proc.stdin.write(json.dumps(request) + "\n")
+        child.proc.stdin.flush()
+    except OSError:
+        pass
 
 
 def _kill_group(pid: int) -> None:

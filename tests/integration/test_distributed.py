@@ -44,7 +44,9 @@ def raise_run(tmp_path_factory):
 def _incident(out: Path) -> tuple[Path, list[Path]]:
     folders = [p for p in out.iterdir() if p.is_dir() and p.name.startswith("incident-")]
     assert len(folders) == 1, list(out.iterdir())
-    return folders[0], sorted(p for p in folders[0].iterdir() if p.name.startswith("bundle-"))
+    # in rank order (the name ends with rankKofN; it starts with the second it was written, which differs by rank)
+    return folders[0], sorted((p for p in folders[0].iterdir() if p.name.startswith("bundle-")),
+                              key=lambda p: p.name.rsplit("-", 1)[-1])
 
 
 @pytest.mark.slow

@@ -152,12 +152,12 @@ def test_under_torchrun_every_rank_records_into_one_incident(tmp_path):
     assert proc.returncode != 0, "training failed"
     folders = [p for p in out.iterdir() if p.name.startswith("incident-")]
     assert len(folders) == 1, proc.stderr[-3000:]
-    bundles = sorted(p for p in folders[0].iterdir() if p.name.startswith("bundle-"))
-    kinds = {open_bundle(b).run["distributed"]["rank"]: (open_bundle(b).failure.kind, open_bundle(b).failure.step)
-             for b in bundles}
+    # by rank, not by name: a bundle's name starts with the second it was written, which either rank may reach first
+    by_rank = {open_bundle(p).run["distributed"]["rank"]: p for p in folders[0].iterdir() if p.name.startswith("bundle-")}
+    kinds = {r: (open_bundle(b).failure.kind, open_bundle(b).failure.step) for r, b in by_rank.items()}
     assert kinds == {0: ("nonfinite_grad", 5), 1: ("nonfinite_loss", 5)}, kinds
     # Rank 1 fed the NaN itself: alone, in one process (no all-reduce, so not bit-exact), it still fails there.
-    alone = CliRunner().invoke(main, ["replay", str(bundles[1])])
+    alone = CliRunner().invoke(main, ["replay", str(by_rank[1])])
     assert alone.exit_code == 1 and "recorded on rank 1 of 2, replayed alone" in alone.stdout, alone.output
     # On its two ranks again (replay's build puts the module behind Lightning's DDP strategy): bit-exact on both.
     both = CliRunner().invoke(main, ["replay", str(folders[0]), "--nproc", "2", "--json"])

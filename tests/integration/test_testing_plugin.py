@@ -64,7 +64,10 @@ def run_pytest(fork_server):
     """``run_pytest(FOLDER, ARGS...)``: ``python -m pytest -p reprokit.testing ARGS`` run from FOLDER."""
 
     def run(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-        return fork_server.capture(["-p", "reprokit.testing", "-p", "no:cacheprovider", "-q", "-rA", *args],
+        # Forked from a server that imported reprokit, pytest cannot rewrite the plugin's package and warns so (its
+        # own frames then appear in the output); a fresh `python -m pytest` imports reprokit with the plugin.
+        return fork_server.capture(["-p", "reprokit.testing", "-p", "no:cacheprovider", "-q", "-rA",
+                                    "-W", "ignore::pytest.PytestAssertRewriteWarning", *args],
                                    module="pytest", cwd=tmp, timeout=300)
 
     return run
