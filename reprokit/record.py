@@ -456,8 +456,6 @@ class Recorder:
         self._engine = SnapshotEngine(state, spill_dir, sync=snapshot_sync, limit=self.budget * 3 // 4,
                                       fallback_spill_dir=self.out_dir / SPILL_DIR)
         self._model_device = next((p.device for p in state.model.parameters() if p.is_cuda), None)
-        self._device_names, self._host_rng_why = self._read_devices()
-        self._host_rng = self._host_rng_why is None
         self._engine.others = self._room_for_snapshot
         self._pool = BatchPool()
         """The host buffers each step's batch is copied into (see :mod:`reprokit.batch_pool`)."""
@@ -466,6 +464,11 @@ class Recorder:
         training stream) has run, in pinned host memory (see :mod:`reprokit.device_error`)."""
         self._landed: dict[torch.device, torch.cuda.Event] = {}
         """Durable recording only: recorded on the training stream after the last step's batch copies."""
+        self._warned: set[str] = set()
+        # After the markers' dict and the warnings' set, which it fills (an AttributeError here once made every GPU
+        # run's host-made CUDA RNG count as unchecked: see _read_devices).
+        self._device_names, self._host_rng_why = self._read_devices()
+        self._host_rng = self._host_rng_why is None
         self._kept: _Kept | None = None
         self._dead: str | None = None
         """The sticky device error after which the recorder touches the GPU no more."""
@@ -487,7 +490,6 @@ class Recorder:
         self._open: tuple[Any, _Step | None] | None = None
         """The batch and record of the step :meth:`begin_step` opened, until :meth:`end_step`."""
         self._resnap = False  # take a snapshot at the next synced step (see reprokit.state.accumulation_phase)
-        self._warned: set[str] = set()
         self._in_step = False
         self._current_other = RNG_STEP_BYTES
         self._mention_leftovers()

@@ -88,8 +88,10 @@ def check_shrink(bundle: str, tmp: Path, *extra: str) -> dict:
 
 # Seen on an H200 with torch 2.11: the host-only write raised at rng.py's _cuda_state_tensor (a CUDA generator made
 # after the error, because the recorder's check of the host-made CUDA RNG format had not held), so no bundle was
-# written. The host-only write now never calls CUDA (where the format is unchecked it leaves the CUDA RNG out and the
-# bundle says so), but that has not run on a GPU yet: until it has, these four are expected to fail, not strictly.
+# written. The likely root cause, found since: Recorder._read_devices ran before the recorder's marker dict existed,
+# so its AttributeError (swallowed) marked every GPU run's format check as failed; it now runs after. And the
+# host-only write no longer calls CUDA at all (where the format is unchecked it leaves the CUDA RNG out and the
+# bundle says so). None of this has run on a GPU yet: until it has, these four are expected to fail, not strictly.
 # Whoever runs them on a GPU: drop this marker if they pass, else fix what they show.
 HOST_RNG_ON_GPU = pytest.mark.xfail(strict=False, reason="not yet run on a GPU since the host-only write stopped "
                                     "calling CUDA (on an H200/torch 2.11 these wrote no bundle before)")
