@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +84,8 @@ def _inspect_skips(where: Path, plot: Path | None, show_batch: bool, as_json: bo
     from reprokit.report import format_skips
     from reprokit.skip_journal import describe_skips
 
-    if plot is not None or show_batch:
-        raise click.UsageError(f"--plot and --batch show one bundle; {where} holds a run's skips: pass one of the "
-                               "bundles it lists")
-    d = describe_skips(where)
-    if as_json:
-        _emit(d)
-    else:
-        _echo(format_skips(d))
+    _one_of_several(plot, show_batch, f"{where} holds a run's skips: pass one of the bundles it lists")
+    _show(describe_skips(where), format_skips, as_json)
 
 
 def _inspect_incident(folder: Path, plot: Path | None, show_batch: bool, as_json: bool) -> None:
@@ -98,11 +93,18 @@ def _inspect_incident(folder: Path, plot: Path | None, show_batch: bool, as_json
     from reprokit.distributed.incident import describe_incident
     from reprokit.report import format_describe_incident
 
+    _one_of_several(plot, show_batch, f"{folder} is an incident folder: pass one rank's bundle in it")
+    _show(describe_incident(folder), format_describe_incident, as_json)
+
+
+def _one_of_several(plot: Path | None, show_batch: bool, what: str) -> None:
+    """--plot and --batch show one bundle: refused for a folder of several (``what`` says which to pass)."""
     if plot is not None or show_batch:
-        raise click.UsageError(f"--plot and --batch show one bundle; {folder} is an incident folder: pass one "
-                               "rank's bundle in it")
-    d = describe_incident(folder)
+        raise click.UsageError(f"--plot and --batch show one bundle; {what}")
+
+
+def _show(d: dict[str, Any], fmt: Callable[[dict[str, Any]], str], as_json: bool) -> None:
     if as_json:
         _emit(d)
     else:
-        _echo(format_describe_incident(d))
+        _echo(fmt(d))

@@ -17,6 +17,7 @@ rank 0's key: rank 0 must create a Recorder whenever another rank does, as SPMD 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime as _dt
 import itertools
 import json
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from reprokit.bundle.layout import INCIDENT_PREFIX, rank_tag
+from reprokit.distributed.team import write_first
 
 INCIDENTS_DIR = ".reprokit-incidents"
 EXIT_WAIT_S = 300.0
@@ -190,18 +192,8 @@ class IncidentBoard:
 
     def mark_dead(self, rank: int, death: dict[str, Any]) -> None:
         """Say that ``rank``'s process died (no rank waits for its window any more). The first mark stays."""
-        path = self._dead_path(rank)
-        tmp = path.with_name(f".{path.name}.{self.info.rank}.tmp")
-        try:
-            tmp.write_text(json.dumps(death))
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            write_first(self._dead_path(rank), json.dumps(death), self.info.rank)
 
     def dead(self) -> set[int]:
         """The ranks marked dead (:meth:`mark_dead`)."""

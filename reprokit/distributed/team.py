@@ -29,6 +29,23 @@ from typing import Any
 POLL_S = 0.002
 
 
+def write_first(path: Path, text: str, writer: int) -> None:
+    """Write ``text`` at ``path`` unless a file is there already: of several processes writing it at once, the first
+    wins whole (written aside, then ``os.link``, which fails on an existing name) and the others change nothing.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    tmp = path.with_name(f".{path.name}.{writer}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class TeamLost(Exception):
     """A rank did not answer within the team's timeout: the attempt ends on this rank."""
 
@@ -104,14 +121,7 @@ class Team:
         decided. ``ready`` is what this rank gathered before (None: it timed out waiting), for the record."""
         self._seq += 1
         path = self._name(tag, "decision")
-        tmp = path.with_name(f".{path.name}.{self.rank}.tmp")
-        tmp.write_text(json.dumps({"value": proposal, "by": self.rank, "gathered": ready}))
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_first(path, json.dumps({"value": proposal, "by": self.rank, "gathered": ready}), self.rank)
         return json.loads(path.read_text())["value"]
 
     def gather(self, tag: str, value: Any) -> dict[int, Any] | None:
