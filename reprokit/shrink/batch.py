@@ -14,7 +14,31 @@ import torch
 from reprokit.pytree import leaves
 
 INDEX_NAMES = frozenset({"index", "indices", "idx", "sample_id"})
-"""Names of a leaf holding each row's dataset index (never neutralised; read by :func:`dataset_indices`)."""
+"""Names of a leaf that may hold each row's dataset index (see :func:`index_paths`)."""
+
+
+def index_paths(batch: Any) -> frozenset[str]:
+    """Paths of the leaves that hold dataset indices (never neutralised; read by :func:`dataset_indices`): a leaf
+    of an index name holding integers that is 1-D (one per row) or 2-D ``[accum, B]`` beside a leaf that
+    starts with those two dimensions (stacked micro-batches). The name alone is no proof: nanoGPT names its token
+    ids ``idx`` (``[B, T]``, beside ``targets: [B, T]``); those are data.
+
+    Example:
+        >>> sorted(index_paths({"idx": torch.zeros(2, 5, dtype=torch.long), "index": torch.arange(2)}))
+        ['index']
+    """
+    found = leaves(batch)
+    out = set()
+    for path, leaf in found:
+        if path.rsplit("/", 1)[-1] not in INDEX_NAMES:
+            continue
+        if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex() \
+                and leaf.dtype != torch.bool:
+            if leaf.dim() <= 1 or (leaf.dim() == 2 and any(
+                    isinstance(o, torch.Tensor) and o.dim() >= 3 and tuple(o.shape[:2]) == tuple(leaf.shape)
+                    for _, o in found)):
+                out.add(path)
+    return frozenset(out)
 
 
 def tensor_leaves(batch: Any) -> list[torch.Tensor]:
@@ -150,9 +174,9 @@ def concat_rows(a: Any, n: int, b: Any) -> Any:
     return a
 
 
-def _eligible(path: str, leaf: Any) -> bool:
+def _eligible(path: str, leaf: Any, index: frozenset[str]) -> bool:
     return (isinstance(leaf, torch.Tensor) and leaf.dtype != torch.bool and leaf.numel() > 0
-            and not leaf.is_complex() and path.rsplit("/", 1)[-1] not in INDEX_NAMES)
+            and not leaf.is_complex() and path not in index)
 
 
 def _neutral(t: torch.Tensor, pad_id: int) -> float | int:
@@ -162,22 +186,29 @@ def _neutral(t: torch.Tensor, pad_id: int) -> float | int:
 def token_positions(batch: Any, pad_id: int) -> list[tuple[str, int]]:
     """``(leaf path, flat index)`` of every value that is not already neutral."""
     out: list[tuple[str, int]] = []
+    index = index_paths(batch)
     for path, leaf in leaves(batch):
-        if _eligible(path, leaf):
+        if _eligible(path, leaf, index):
             flat = leaf.detach().reshape(-1)
             idx = torch.nonzero(flat != _neutral(leaf, pad_id)).reshape(-1).tolist()
             out.extend((path, i) for i in idx)
     return out
 
 
-def neutralise(batch: Any, keep: set[tuple[str, int]], pad_id: int, path: str = "") -> Any:
-    """Set every eligible value not in ``keep`` to its neutral value (0, or ``pad_id`` for integers)."""
+def neutralise(batch: Any, keep: set[tuple[str, int]], pad_id: int) -> Any:
+    """Set every eligible value not in ``keep`` to its neutral value (0, or ``pad_id`` for integers); dataset
+    indices (:func:`index_paths`) and boolean masks are kept."""
+    return _neutralise(batch, keep, pad_id, "", index_paths(batch))
+
+
+def _neutralise(batch: Any, keep: set[tuple[str, int]], pad_id: int, path: str, index: frozenset[str]) -> Any:
     if isinstance(batch, Mapping):
-        return {k: neutralise(v, keep, pad_id, f"{path}/{k}" if path else str(k)) for k, v in batch.items()}
+        return {k: _neutralise(v, keep, pad_id, f"{path}/{k}" if path else str(k), index) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(neutralise(v, keep, pad_id, f"{path}/{i}" if path else str(i)) for i, v in enumerate(batch))
+        return type(batch)(_neutralise(v, keep, pad_id, f"{path}/{i}" if path else str(i), index)
+                           for i, v in enumerate(batch))
     leaf_path = path or "<root>"
-    if not _eligible(leaf_path, batch):
+    if not _eligible(leaf_path, batch, index):
         return batch
     flat = batch.detach().clone().reshape(-1)
     mask = torch.ones(flat.numel(), dtype=torch.bool)
@@ -192,9 +223,10 @@ def dataset_indices(batch: Any, rows: tuple[int, ...] | None) -> list[Any] | Non
     """Values of an ``index``-like leaf at the kept rows, when the batch carries one."""
     if rows is None:
         return None
+    index = index_paths(batch)
     for path, leaf in leaves(batch):
-        if path.rsplit("/", 1)[-1] in INDEX_NAMES:
-            values = leaf.tolist() if isinstance(leaf, torch.Tensor) else leaf
+        if path in index and leaf.dim() == 1:
+            values = leaf.tolist()
             if isinstance(values, list) and rows and max(rows) < len(values):
                 return [values[i] for i in rows]
     return None
@@ -241,10 +273,11 @@ def mask_rows(batch: Any, n: int, rows: list[int], pad_id: int) -> Any:
     each tensor leaf with ``n`` rows that :func:`neutralise` would touch (dataset indices and boolean masks are kept):
     the batch's shapes, only those rows' values."""
     keep: set[tuple[str, int]] = set()
+    index = index_paths(batch)
     for path, leaf in leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == n and _eligible(path, leaf):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == n and _eligible(path, leaf, index):
             per_row = leaf[0].numel()
             keep.update((path, r * per_row + i) for r in rows for i in range(per_row))
-        elif _eligible(path, leaf):
+        elif _eligible(path, leaf, index):
             keep.update((path, i) for i in range(leaf.numel()))  # not per row: left as it is
     return neutralise(batch, keep, pad_id)

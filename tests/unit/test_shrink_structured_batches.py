@@ -109,3 +109,22 @@ def test_a_2d_leaf_named_like_an_index_is_no_micro_batch_layout_without_a_stacke
     stacked = {"index": torch.arange(8).reshape(2, 4), "x": torch.zeros(2, 4, 8, dtype=torch.long)}
     lay = micro.layout(stacked)
     assert lay is not None and lay.kind == "stacked" and lay.paths == {"index", "x"}
+
+
+def test_token_ids_named_idx_are_data_and_the_index_leaf_beside_them_names_the_samples():
+    """A GPT batch ``{"idx": [B, T], "targets": [B, T], "index": [B]}``: the dataset indices are ``index``'s values,
+    never a row of token ids, and the token pass may neutralise ids in ``idx`` (it kept them all before)."""
+    import torch
+
+    from reprokit.shrink.batch import dataset_indices, index_paths, neutralise, token_positions
+
+    ids = torch.arange(1, 33).reshape(4, 8)
+    batch = {"idx": ids, "targets": ids.clone(), "index": torch.tensor([40, 41, 42, 43])}
+    assert index_paths(batch) == {"index"}
+    assert dataset_indices(batch, (1, 3)) == [41, 43]
+    assert {p for p, _ in token_positions(batch, pad_id=0)} == {"idx", "targets"}
+    cut = neutralise(batch, {("idx", 0)}, pad_id=0)
+    assert cut["idx"].reshape(-1).tolist() == [1] + [0] * 31 and cut["index"].tolist() == [40, 41, 42, 43]
+    # a 1-D integer leaf named idx is an index (rk_pair's batches); a float one named index is data
+    assert index_paths({"x": torch.zeros(4, 2), "idx": torch.arange(4)}) == {"idx"}
+    assert index_paths({"x": torch.zeros(4, 2), "index": torch.zeros(4)}) == frozenset()
