@@ -103,50 +103,65 @@ LOOPS = {"loop/50": 50, "loop/10": 10, "loop/1": 1}
 """Loop shapes: the loss is read (``.item()``, the loop's only sync) every this many steps."""
 
 
-def loop_shapes(names: list[str], rec, state, cfg: dict, g, device: str, args) -> dict:
+def loop_shapes(names: list[str], rec, state, cfg: dict, g, device: str, args, judged=None) -> dict:
     """Bare loop vs ``rec`` in loops that let the host run ahead: per shape, ms/step over blocks with one synchronize
-    at each block's end and the loss read every N steps; the ratio with a 95% interval over paired rounds."""
+    at each block's end and the loss read every N steps; the ratio with a 95% interval over paired rounds. With
+    ``judged`` (a recorder with ``max_lag=0``: every step's checks waited for at its own end, as the recorder did
+    before lagged checks), a third arm in each round, its ratio printed beside."""
     if not names:
         return {}
     n = args.loop_block or (4 if args.quick else 100)
     rounds = args.loop_rounds or (1 if args.quick else 6)
 
-    def block(recorded: bool, every: int) -> float:
-        if recorded:
-            rec.attach()
+    arms = {"bare": None, "recorder": rec, **({"max_lag=0": judged} if judged is not None else {})}
+
+    def block(arm: str, every: int) -> float:
+        r = arms[arm]
+        if r is not None:
+            r.attach()
         try:
             batches = [make_batch(cfg, g) for _ in range(n)]  # made before the clock starts, as a loader's are
             sync(device)
             t0 = time.perf_counter()
             for i, batch in enumerate(batches):
-                loss = rec.step(batch) if recorded else train_step(state, batch)
+                loss = r.step(batch) if r is not None else train_step(state, batch)
                 if (i + 1) % every == 0:
                     loss.item()
             sync(device)
             return (time.perf_counter() - t0) / n
         finally:
-            if recorded:
-                rec.detach()
+            if r is not None:
+                r.detach()
+
+    def ratio(rows: list[dict], arm: str) -> dict:
+        bare = statistics.mean(t["bare"] for t in rows)
+        mean = statistics.mean(t[arm] for t in rows)
+        out = {"ms": mean * 1e3, "ratio": mean / bare}
+        r = [t[arm] / t["bare"] for t in rows]
+        if len(r) > 1:
+            half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
+            out["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
+        return out
 
     before = rec.monitor.checks.stats()
     table: dict = {}
     for name in names:
         every = LOOPS[name]
-        block(False, every)  # warm-up: this shape's pace, both ways
-        block(True, every)
-        pairs = []
+        for arm in arms:  # warm-up: this shape's pace, every way
+            block(arm, every)
+        rows = []
+        order = list(arms)
         for i in range(rounds):
-            order = (False, True) if i % 2 == 0 else (True, False)
-            t = {recorded: block(recorded, every) for recorded in order}
-            pairs.append((t[False], t[True]))
-        bare = statistics.mean(b for b, _ in pairs)
-        recorded = statistics.mean(r for _, r in pairs)
-        row = {"every": every, "bare_ms": bare * 1e3, "recorder_ms": recorded * 1e3, "ratio": recorded / bare,
+            turn = order[i % len(order):] + order[:i % len(order)]  # rotate: no arm always follows another
+            rows.append({arm: block(arm, every) for arm in turn})
+        bare = statistics.mean(t["bare"] for t in rows)
+        main = ratio(rows, "recorder")
+        row = {"every": every, "bare_ms": bare * 1e3, "recorder_ms": main["ms"], "ratio": main["ratio"],
                "steps": n * rounds}
-        r = [b / a for a, b in pairs]
-        if len(r) > 1:
-            half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
-            row["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
+        if "ratio_ci95" in main:
+            row["ratio_ci95"] = main["ratio_ci95"]
+        if judged is not None:
+            row["max_lag=0"] = ratio(rows, "max_lag=0")
         table[name] = row
     after = rec.monitor.checks.stats()
     lag = {"lag_max": after["lag_max"], "lag_mean": after["lag_mean"],
@@ -161,7 +176,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds of one block per variant, order rotated each round (default 80, quick 2)")
     ap.add_argument("--only", default=None, help="comma-separated variants to time (default: all); the loop shapes "
-                    "are loop/50, loop/10, loop/1")
+                    "are loop/50, loop/10, loop/1, and loop:max_lag=0 adds a recorder judging every step at its end "
+                    "to them")
     ap.add_argument("--loop-block", type=int, default=None,
                     help="steps per block of the loop-shape table (default 100, quick 4)")
     ap.add_argument("--loop-rounds", type=int, default=None,
@@ -191,6 +207,8 @@ def main() -> None:
             "recorder-no-grad-check": recorder(check_grads=False),
             "recorder-no-snapshot": recorder(snapshot_every=10**9), "detection-only": recorder(snapshot_every=10**9),
             "experiment:fused-finite-check": recorder(check_grads=False), "instrumented": recorder()}
+    if args.only and "loop:max_lag=0" in args.only.split(","):
+        recs["loop:max_lag=0"] = recorder(max_lag=0)
     for r in recs.values():
         r.detach()
     # Ablation: the detectors alone (no batch, RNG or snapshot recording), to split the cost.
@@ -249,7 +267,7 @@ def main() -> None:
     if args.only:
         variants = ["bare"] + [v for v in args.only.split(",") if v in variants and v != "bare"]
         loops = [v for v in args.only.split(",") if v in LOOPS]
-    warm = [name for name in recs if name in variants or name in ("recorder", "instrumented")]
+    warm = [name for name in recs if name in variants or name in ("recorder", "instrumented", "loop:max_lag=0")]
     warm_start = time.perf_counter()
     for name in warm:
         run_block(name, 102)
@@ -277,7 +295,7 @@ def main() -> None:
         warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
         results["detect_anomaly"] = run_block("detect_anomaly", slow_steps)
 
-    loop_table = loop_shapes(loops, recs["recorder"], state, cfg, g, device, args)
+    loop_table = loop_shapes(loops, recs["recorder"], state, cfg, g, device, args, judged=recs.get("loop:max_lag=0"))
 
     # Snapshot cost against the copy limit measured now.
     rec = recs["recorder"]
@@ -383,6 +401,10 @@ def main() -> None:
         for name, r in loop_table["shapes"].items():
             ci = "[{:.3f}, {:.3f}]".format(*r["ratio_ci95"]) if "ratio_ci95" in r else ""
             print(f"{name:<26}{r['bare_ms']:>10.2f}{r['recorder_ms']:>10.2f}{r['ratio']:>8.3f}{ci:>24}{r['steps']:>7}")
+            if "max_lag=0" in r:
+                j = r["max_lag=0"]
+                ci = "[{:.3f}, {:.3f}]".format(*j["ratio_ci95"]) if "ratio_ci95" in j else ""
+                print(f"{'  recorder max_lag=0':<26}{'':>10}{j['ms']:>10.2f}{j['ratio']:>8.3f}{ci:>24}")
         lag = loop_table["detection_lag"]
         print(f"detection lag in the loop shapes: max {lag['lag_max']} steps, mean {lag['lag_mean']:.2f}; the recorder "
               f"waited {lag['lag_waits']} times (postponed snapshots, checks max_lag old)")
