@@ -79,7 +79,7 @@ from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
 from reprokit.signature import Failure, FailureKind
 from reprokit.snapshot import SnapshotEngine, mib
-from reprokit.state import TrainState, accumulation_phase, capture_state
+from reprokit.state import TrainState, accumulation_phase, capture_state, check_scaler_layout
 
 StepFn = Callable[[TrainState, Any], Any]
 
@@ -1293,7 +1293,8 @@ class Recorder:
     def _read_devices(self) -> tuple[list[str] | None, str | None]:
         """While the device works (at attach): the GPUs' names for env.json, and why the CUDA generators' state
         cannot be written without a CUDA call (None: it can, see :func:`reprokit.rng.cuda_state_on_host`). Also
-        makes the model device's step marker. Each part on its own: one failing never costs the others, and never
+        makes the model device's step marker and checks how a GradScaler there can be read without a sync
+        (:func:`reprokit.state.check_scaler_layout`, which never raises). Each part on its own: one failing never costs the others, and never
         refuses the run (a device error then writes what it can)."""
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             return None, "this process had no CUDA context when the Recorder attached"
@@ -1308,6 +1309,8 @@ class Recorder:
             except Exception as e:
                 self._warn("marker", f"reprokit: cannot place step markers on {self._model_device} ({e!r}); after a "
                                      "device error the bundle cannot say which step's kernels failed")
+        if self._model_device is not None and self.state.scaler_enabled():
+            check_scaler_layout(self._model_device.type)  # snapshots read its scale without a sync (once it passes)
         try:
             return names, host_format_problem(torch.cuda.current_device())
         except Exception as e:

@@ -162,7 +162,7 @@ def capture_state(state: TrainState, copy: pytree.TensorCopy | None = None) -> t
         MODEL: state.model.state_dict(),
         OPTIMIZER: state.optimizer.state_dict(),
         SCHEDULER: state.scheduler.state_dict() if state.scheduler is not None else None,
-        SCALER: state.scaler.state_dict() if state.scaler is not None else None,
+        SCALER: scaler_state(state.scaler) if state.scaler is not None else None,
         EXTRA: rng.marked(state.extra),
     }
     if grads:
@@ -252,7 +252,8 @@ def restore_state(state: TrainState, tree: dict, tensors: dict[str, torch.Tensor
                 f"the bundle {'has no' if recorded is None else 'has a'} {name} state but build() {have} {name}"
             )
         if obj is not None:
-            obj.load_state_dict(pytree.decode(recorded, tensors))
+            decoded = pytree.decode(recorded, tensors)
+            obj.load_state_dict(_scaler_numbers(decoded) if name == SCALER else decoded)
     _reset_scaler_step(state.scaler)
     grads = pytree.decode(tree.get(GRADS, {}), tensors)
     _restore_grads(state.model, _ddp_prefix(grads, dict(state.model.named_parameters()).keys(), some=True), device)
@@ -305,6 +306,80 @@ def _into_live(recorded: Any, live: Any, device: torch.device) -> Any:
             return live
         return items
     return recorded
+
+
+_SCALER_LAYOUT: dict[str, bool] = {}
+"""Per device type: whether :func:`scaler_state`'s reads were checked against ``GradScaler.state_dict()`` on a
+probe scaler of that device (:func:`check_scaler_layout`), and matched."""
+
+_SCALER_NUMBERS = (("scale", float), ("_growth_tracker", int))
+"""The two entries of a GradScaler's ``state_dict()`` it reads from the device (each an ``.item()``)."""
+
+_SCALER_METHODS = ("state_dict", "get_scale", "_get_scale_async", "_get_growth_tracker")
+
+
+def scaler_state(scaler: Any) -> dict[str, Any]:
+    """A GradScaler's ``state_dict()``, with the scale and the growth tracker as the device tensors they live in.
+
+    ``GradScaler.state_dict()`` reads both with ``.item()``: two host-device syncs per snapshot, which would make the
+    host wait for every step it has queued. Here, for a scaler on a GPU, they are taken as 0-dim tensors, copied with
+    the rest of the snapshot (no wait; the bundle holds them as tensors), and turned back into numbers on restore
+    (:func:`_scaler_numbers`). That reads private attributes (``_scale``, ``_growth_tracker`` and the three factors),
+    so it is used only where :func:`check_scaler_layout` has confirmed, on this torch and device type, that they are
+    what ``state_dict()`` returns, and for a scaler whose ``state_dict`` and the methods it reads through are
+    ``torch.amp.GradScaler``'s own; any other scaler gets its ``state_dict()``.
+    """
+    base = getattr(torch.amp, "GradScaler", None)
+    if base is None or any(getattr(type(scaler), m, None) is not getattr(base, m, None) for m in _SCALER_METHODS) \
+            or not bool(getattr(scaler, "is_enabled", lambda: False)()):
+        return scaler.state_dict()
+    fast = _scaler_reads(scaler)
+    if fast is None or not _SCALER_LAYOUT.get(fast["scale"].device.type):
+        return scaler.state_dict()  # on the CPU, before the first scaled step, or unchecked: no read to avoid
+    return fast
+
+
+def _scaler_reads(scaler: Any, cpu: bool = False) -> dict[str, Any] | None:
+    """``state_dict()``'s entries read without a sync (scale and growth tracker as 0-dim device tensors), or None
+    where they are not both one-element tensors off the CPU (``cpu``: or on it)."""
+    scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+    if not all(isinstance(t, torch.Tensor) and t.numel() == 1 and (cpu or t.device.type != "cpu")
+               for t in (scale, tracker)):
+        return None
+    return {"scale": scale.detach().reshape(()), "growth_factor": getattr(scaler, "_growth_factor", None),
+            "backoff_factor": getattr(scaler, "_backoff_factor", None),
+            "growth_interval": getattr(scaler, "_growth_interval", None),
+            "_growth_tracker": tracker.detach().reshape(())}
+
+
+def check_scaler_layout(device_type: str) -> bool:
+    """Whether :func:`scaler_state` may read a GradScaler on ``device_type`` without ``state_dict()``: a probe
+    scaler there, given known values through the public ``load_state_dict``, must read back through
+    :func:`_scaler_reads` exactly as its ``state_dict()`` returns them. Done once per device type (it synchronizes:
+    call it when a Recorder is set up, never in a step); any error counts as a mismatch."""
+    if device_type not in _SCALER_LAYOUT:
+        try:
+            probe = torch.amp.GradScaler(device_type, init_scale=3.0, growth_factor=4.0, backoff_factor=0.25,
+                                         growth_interval=7)
+            probe.scale(torch.ones((), device=device_type))  # makes its device tensors
+            probe.load_state_dict({"scale": 96.0, "growth_factor": 4.0, "backoff_factor": 0.25,
+                                   "growth_interval": 7, "_growth_tracker": 5})
+            fast, plain = _scaler_reads(probe, cpu=True), probe.state_dict()
+            _SCALER_LAYOUT[device_type] = fast is not None and list(fast) == list(plain) and \
+                _scaler_numbers(fast) == plain
+        except Exception:
+            _SCALER_LAYOUT[device_type] = False
+    return _SCALER_LAYOUT[device_type]
+
+
+def _scaler_numbers(sd: dict[str, Any]) -> dict[str, Any]:
+    """A recorded GradScaler state as ``load_state_dict`` takes it: the scale and growth tracker as Python numbers
+    (:func:`scaler_state` records them as tensors)."""
+    out = dict(sd)
+    for key, kind in _SCALER_NUMBERS:
+        if isinstance(out.get(key), torch.Tensor):
+            out[key] = kind(out[key].item())
+    return out
 
 
 def _reset_scaler_step(scaler: Any) -> None:
