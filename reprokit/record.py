@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprokit import device_error, pytree, skip
+from reprokit import device_error, late_device_errors, pytree, skip
 from reprokit.batch_pool import BatchPool
 from reprokit.bundle import (
     BundleWriter,
@@ -77,7 +77,7 @@ from reprokit.flight import run_id as flight_run_id
 from reprokit.rng import RNGState, check_generators, host_format_problem
 from reprokit.rng import capture as capture_rng
 from reprokit.rng import encode as encode_rng
-from reprokit.signature import Failure, FailureKind
+from reprokit.signature import Failure, FailureKind, from_exception
 from reprokit.snapshot import SnapshotEngine, mib
 from reprokit.state import TrainState, accumulation_phase, capture_state, check_scaler_layout
 
@@ -444,6 +444,8 @@ class Recorder:
         if exc is None:
             self.close()
             return
+        if device_error.is_sticky(exc):
+            self.report_device_error(exc)  # surfaced outside step(): the bundle is written from host memory
         try:
             self.close()
         except TrainingFailure as seen:  # the block's own exception stays the one raised; it says what was seen too
@@ -475,6 +477,10 @@ class Recorder:
         self._dead_bundle: Path | None = None
         self.dead_write_seconds: float | None = None
         """Seconds the bundle took to write after a sticky device error (from the failure to the bundle on disk)."""
+        self._late_reported = False
+        """Whether :meth:`report_device_error` has tried to write a bundle (once per recorder)."""
+        if self._model_device is not None:
+            late_device_errors.watch(self)  # a device error that surfaces outside step() still writes the bundle
         self._ring_other = 0
         """Bytes the window holds outside the pool: RNG states, numpy leaves of batches."""
         self._mem = {"peak_pinned_bytes": 0, "peak_pageable_bytes": 0, "early_snapshots": 0, "unrecorded_steps": 0}
@@ -1520,7 +1526,53 @@ class Recorder:
         if seen is not None:
             raise seen
 
+    def report_device_error(self, exc: BaseException) -> Path | None:
+        """Write the bundle of a sticky device error that surfaced outside the recorder's calls.
+
+        The kernels of a step run after :meth:`step` returns, so a device-side assert (an index out of range in an
+        embedding or ``cross_entropy``, an illegal memory access) usually reaches the host at the loop's next
+        synchronizing call: the next batch's ``.to(device)``, a ``.item()``. The bundle is written from host memory
+        alone, as when the error surfaces inside :meth:`step`, at the step whose kernels failed (the step markers
+        say which). This runs by itself for an exception that ends the process uncaught, for the exception of a
+        ``with Recorder(...)`` block, and at exit when the device died (see :mod:`reprokit.late_device_errors`);
+        call it where your code catches such an error and goes on.
+
+        Returns:
+            The bundle's path (also added to ``exc`` as a note), or None: ``exc`` is no sticky device error, the
+            recorder was closed, or no window could be written (the note says so; tried once per recorder).
+        """
+        if not device_error.is_sticky(exc) or self._model_device is None:
+            return None
+        if self._dead_bundle is not None:  # written when the error surfaced in a step, or on an earlier report
+            note = f"reprokit: bundle written to {self._dead_bundle}"
+            if note not in getattr(exc, "__notes__", []):
+                _add_note(exc, note)
+            return self._dead_bundle
+        if self._late_reported or self.step_index == 0:
+            return None
+        self._late_reported = True
+        k = self.step_index if self._in_step else self.step_index - 1  # the last step started (or the markers')
+        path = self._dump(from_exception(exc, k))
+        _add_note(exc, f"reprokit: bundle written to {path}" if path else
+                  "reprokit: the device failed after the last recorded step, and no bundle could be written")
+        return path
+
+    def _exit_probe(self) -> None:
+        """At exit (:mod:`reprokit.late_device_errors`): where the model's device died and no bundle says so yet,
+        write it. One stream query, which never waits (a rank blocked in a collective exits as it would have)."""
+        if self._dead_bundle is not None or self._late_reported or self._model_device is None:
+            return
+        try:
+            torch.cuda.current_stream(self._model_device).query()
+        except Exception as e:
+            if device_error.is_sticky(e):
+                path = self.report_device_error(e)
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                print(f"reprokit: at exit the device had failed ({first}); " +
+                      (f"bundle written to {path}" if path else "no bundle could be written"), file=sys.stderr)
+
     def _close(self) -> None:
+        late_device_errors.forget(self)
         if self._board is not None:
             self._board.close()
         if self._flight is not None:

@@ -13,6 +13,7 @@ import torch
 from rk_testing import record
 
 import reprokit
+from reprokit import pytree
 from reprokit.bundle import open_bundle
 
 pytestmark = [pytest.mark.cuda,
@@ -30,7 +31,10 @@ def test_cuda_run_records_and_replays_bit_exact_on_gpu(projects, tmp_path, amp):
     _, _, rng = b.step(b.steps[0])  # the snapshot due at 30 may wait for earlier checks (lagged): a step or more
     assert "rng/cuda/0" in rng, "CUDA generator state is recorded per step"
     if amp:
-        assert b.state()[0]["state"]["scaler"]["scale"] > 0
+        tree, tensors = b.state()
+        scaler = pytree.decode(tree["state"]["scaler"], tensors)  # on a GPU: the scale as recorded, a 0-dim tensor
+        assert float(scaler["scale"]) > 0 and set(scaler) == {"scale", "growth_factor", "backoff_factor",
+                                                              "growth_interval", "_growth_tracker"}, scaler
     report = reprokit.replay(b, times=3)
     assert report.device == "cuda"
     assert report.verdict == "deterministic"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -87,20 +87,23 @@ def batches(steps, bad_step=None, bad_row=5, bad_pos=3, task="lm", device="cpu")
 
 
 def main(out_dir, device="cuda", task="lm", steps=12, bad_step=6, snapshot_every=4, pad_mb=0):
-    """Record a run until its bad step; print ``{"bundle", "error", "failed_step_seconds", "write_seconds"}``."""
+    """Record a run until its bad step, as a plain loop: the device error surfaces wherever the host next waits for
+    the device (often the next batch's ``.to(device)``, outside ``rec.step``) and ends the process uncaught. The
+    process's own exception hook, made before the Recorder (as a job's logging would), prints
+    ``{"bundle", "error", "write_seconds"}`` after reprokit's hook has written the bundle and noted it."""
     config = {"task": task, "device": device, "pad_mb": pad_mb}
     state = build(config)
+
+    def last_word(exc_type, e, tb):
+        notes = [n for n in getattr(e, "__notes__", []) if n.startswith("reprokit: bundle written to ")]
+        print(json.dumps({"bundle": notes[-1].removeprefix("reprokit: bundle written to ") if notes else None,
+                          "error": f"{type(e).__name__}: {str(e).splitlines()[0]}",
+                          "write_seconds": rec.dead_write_seconds}), flush=True)
+        sys.__excepthook__(exc_type, e, tb)
+
+    sys.excepthook = last_word
     rec = reprokit.Recorder(state, train_step, build=build, config=config, out_dir=out_dir,
                             snapshot_every=snapshot_every)
     for batch in batches(steps, bad_step, task=task, device=device):
-        t0 = time.perf_counter()
-        try:
-            rec.step(batch)
-        except Exception as e:  # noqa: BLE001 - what the run ended with is the report
-            notes = [n for n in getattr(e, "__notes__", []) if n.startswith("reprokit: bundle written to ")]
-            print(json.dumps({"bundle": notes[-1].removeprefix("reprokit: bundle written to ") if notes else None,
-                              "error": f"{type(e).__name__}: {str(e).splitlines()[0]}",
-                              "failed_step_seconds": time.perf_counter() - t0,
-                              "write_seconds": rec.dead_write_seconds}), flush=True)
-            return
+        rec.step(batch)
     print(json.dumps({"bundle": None, "error": None}), flush=True)
