@@ -72,10 +72,30 @@ def watched_run(session: Any) -> tuple[RunOutcome, dict[str, Any]]:
     return out, {"culprit": culprit, "batch_findings": checks}
 
 
+NO_GPU_TEXTS = ("No CUDA GPUs are available", "Found no NVIDIA driver", "no CUDA-capable device",
+                "Torch not compiled with CUDA", "CUDA driver initialization failed")
+"""What a run's code raises when it asks for a GPU in a process that sees none (``build`` with ``device="cuda"``)."""
+
+
 def cpu_in_child(bundle: Bundle, code: str | Path | None) -> dict[str, Any]:
-    """The CPU part on a machine with GPUs: one watched run in a child process that sees none."""
+    """The CPU part on a machine with GPUs: one watched run in a child process that sees none. Where the run's code
+    cannot start without a GPU (its ``build`` puts the model on ``cuda``, as a config that names the device does),
+    again in a child that sees them: the replay still moves the state and batches to the CPU (``device="cpu"``),
+    and the result says so (``gpus_visible``)."""
+    first = _cpu_attempt(bundle, code, HIDE_GPUS)
+    error = first["cpu"]["error"] or ""
+    if not any(text in error for text in NO_GPU_TEXTS):
+        return first
+    second = _cpu_attempt(bundle, code, {})
+    second["cpu"]["gpus_visible"] = (f"the run's code needs a GPU to start ({error.splitlines()[0][:200]}), so the "
+                                     "CPU replay ran in a child that sees the GPUs, with the state and batches on "
+                                     "the CPU")
+    return second
+
+
+def _cpu_attempt(bundle: Bundle, code: str | Path | None, env: dict[str, str]) -> dict[str, Any]:
     try:
-        with IsolatedRunner(env=HIDE_GPUS) as runner:
+        with IsolatedRunner(env=env) as runner:
             attempt = runner.attempt(bundle.path, recorded=bundle.failure, device="cpu", code=code, triage=True)
     except ReprokitError as e:
         return {"cpu": {"verdict": "error", "failure": None, "cpu_face": False, "error": str(e)}, "culprit": None,
@@ -127,4 +147,4 @@ def triage_lines(t: dict[str, Any] | None, recorded_step: int | None) -> list[st
     return out
 
 
-__all__ = ["HIDE_GPUS", "cpu_in_child", "cpu_summary", "triage_lines", "watched_run"]
+__all__ = ["HIDE_GPUS", "NO_GPU_TEXTS", "cpu_in_child", "cpu_summary", "triage_lines", "watched_run"]

@@ -195,3 +195,19 @@ def test_a_trainer_update_names_the_micro_batch_and_the_dataset_index(tmp_path):
     reseal(gpu)
     code, d = replay(gpu)
     assert code == 1 and d["triage"]["culprit"]["message"] == c["message"], d
+
+
+def test_the_cpu_triage_of_code_that_needs_a_gpu_to_start_runs_again_in_a_child_that_sees_the_gpus(lm, monkeypatch):
+    """On a machine with GPUs the CPU triage runs in a child that sees none; a ``build`` that puts the model on
+    ``cuda`` fails there ("No CUDA GPUs are available", made here by rk_vocab when RK_BUILD_NEEDS_GPU is set and the
+    child's CUDA_VISIBLE_DEVICES is empty). Then it runs again in a child that sees them, still on the CPU, and
+    says so."""
+    from reprokit import triage
+
+    monkeypatch.setenv("RK_BUILD_NEEDS_GPU", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(PROJECTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    t = triage.cpu_in_child(B.open_bundle(lm), None)
+    assert t["cpu"]["error"] is None and t["cpu"]["cpu_face"], t["cpu"]
+    assert "No CUDA GPUs are available" in t["cpu"]["gpus_visible"], t["cpu"]
+    assert t["culprit"]["message"].startswith(f"step {BAD_STEP}, input_ids row {BAD_ROW}"), t["culprit"]

@@ -46,6 +46,8 @@ class TinyLM(torch.nn.Module):
 
 
 def build(config):
+    if os.environ.get("RK_BUILD_NEEDS_GPU") and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        raise RuntimeError("No CUDA GPUs are available")  # what .to("cuda") says in a process that sees no GPU
     torch.manual_seed(0)
     model = TinyLM(config.get("task", "lm"), int(config.get("pad_mb", 0))).to(config.get("device", "cpu"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
