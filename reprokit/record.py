@@ -1300,8 +1300,8 @@ class Recorder:
         """While the device works (at attach): the GPUs' names for env.json, and why the CUDA generators' state
         cannot be written without a CUDA call (None: it can, see :func:`reprokit.rng.cuda_state_on_host`). Also
         makes the model device's step marker and checks how a GradScaler there can be read without a sync
-        (:func:`reprokit.state.check_scaler_layout`, which never raises). Each part on its own: one failing never costs the others, and never
-        refuses the run (a device error then writes what it can)."""
+        (:func:`reprokit.state.check_scaler_layout`, which never raises). Each part on its own: one failing never
+        costs the others, and never refuses the run (a device error then writes what it can)."""
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             return None, "this process had no CUDA context when the Recorder attached"
         names = None

@@ -343,8 +343,8 @@ def _scaler_reads(scaler: Any, cpu: bool = False) -> dict[str, Any] | None:
     """``state_dict()``'s entries read without a sync (scale and growth tracker as 0-dim device tensors), or None
     where they are not both one-element tensors off the CPU (``cpu``: or on it)."""
     scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
-    if not all(isinstance(t, torch.Tensor) and t.numel() == 1 and (cpu or t.device.type != "cpu")
-               for t in (scale, tracker)):
+    if not isinstance(scale, torch.Tensor) or not isinstance(tracker, torch.Tensor) or \
+            not all(t.numel() == 1 and (cpu or t.device.type != "cpu") for t in (scale, tracker)):
         return None
     return {"scale": scale.detach().reshape(()), "growth_factor": getattr(scaler, "_growth_factor", None),
             "backoff_factor": getattr(scaler, "_backoff_factor", None),
