@@ -156,3 +156,12 @@ def test_soak_bench_quick_runs_without_leaking_file_handles(bench_json):
     assert report["fds_last"] <= report["fds_first"], report  # nothing the recorder opens piles up
     assert report["rss_growth_bytes"] < 64 << 20, report
     assert report["out_dir_entries"] == [], "a healthy run writes no bundle"
+
+
+@pytest.mark.slow
+def test_skip_cost_bench_quick_skips_the_poisoned_sample_and_prices_a_restart(bench_json):
+    report = bench_json("skip_cost")
+    skip, restart = report["skip"], report["restart"]
+    assert skip["dataset_indices"] == [13 * 4 + 3] and skip["steps_replayed_since_snapshot"] == 5, skip
+    assert skip["step_s"] > 0 and skip["journal_seconds_lost"] > 0 and restart["total_s"] > 0, report
+    assert report["skip_over_restart"] == skip["lost_s"] / restart["total_s"], report
