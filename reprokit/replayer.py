@@ -402,10 +402,11 @@ class Session:
         """A copy of a recorded batch for one run, its tensors on the replay's device."""
         return _fresh_batch(batch, self.device)
 
-    def capture(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        """The live state as a snapshot in the bundle's ``state/`` format."""
+    def capture(self, copy: pytree.TensorCopy | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The live state as a snapshot in the bundle's ``state/`` format (``copy``: how each tensor is copied;
+        by default into host memory)."""
         assert self.state is not None, "use Session as a context manager"
-        tree, tensors = capture_state(self.state)
+        tree, tensors = capture_state(self.state, copy)
         buffers = volatile_buffers(self.state.model)
         if buffers:
             tree[BUFFERS], _ = pytree.encode(buffers, BUFFERS, tensors=tensors)

@@ -128,6 +128,13 @@ class LiveSession(Session):
     def fresh_batch(self, batch: Any) -> Any:
         return _fresh_batch(batch, None)
 
+    def capture(self, copy: Any = None) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The live state as a snapshot (the state before the failing step, which every replay of that step
+        restores). Where the model is on a GPU with room for another copy of its state, the copy stays there: a
+        restore is then a device-to-device copy instead of the whole state from pageable host memory (about 1.5 s
+        a replay on GPT-2 124M; a skip runs a dozen or more). Else in host memory, as a bundle's replay keeps it."""
+        return super().capture(copy if copy is not None else _on_device_copy(self.state, self.device))
+
     def run(self, steps: Sequence[StepInput], snapshot: tuple[dict, dict] | None = None,
             restore: bool = True) -> RunOutcome:
         if self.mirror is not None:
@@ -142,6 +149,27 @@ class LiveSession(Session):
 
     def close(self) -> None:
         self.monitor.close()
+
+
+ROOM_MARGIN = 1 << 30
+"""GPU memory left free beyond a device copy of the state, for the replays' own activations."""
+
+
+def _on_device_copy(state: Any, device: torch.device) -> Any:
+    """A copy function that clones each tensor where it is (``device``'s stay on the GPU), or None (host copies)
+    where ``device`` is no GPU or its free memory is short of the state's bytes plus :data:`ROOM_MARGIN`."""
+    if device.type != "cuda":
+        return None
+    tensors = [t for t in state.model.state_dict().values() if isinstance(t, torch.Tensor)]
+    tensors += [v for st in state.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    need = sum(t.numel() * t.element_size() for t in tensors if t.device == device)
+    try:
+        free, _ = torch.cuda.mem_get_info(device)
+    except Exception:
+        return None
+    if free < need + ROOM_MARGIN:
+        return None
+    return lambda t: t.detach().clone(memory_format=torch.contiguous_format)
 
 
 def window_inputs(ring: Sequence[Any], device: torch.device) -> list[StepInput]:
