@@ -38,7 +38,7 @@ import reprokit
 from reprokit.skip_journal import read_journal
 
 sys.path.insert(0, str(Path(__file__).parent))
-from io_bench import _commit, save_and_print  # noqa: E402
+from io_bench import _commit, drop_cache, save_and_print  # noqa: E402
 from recorder_overhead import build  # noqa: E402
 
 from gpt import GPT2  # noqa: E402
@@ -78,24 +78,11 @@ def sync(cfg: dict) -> None:
         torch.cuda.synchronize()
 
 
-def drop_pages(path: Path) -> bool:
-    """Drop ``path``'s pages from the page cache (after an fsync) so that the read below comes from the disk."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return True
-
-
 def checkpoint_load_s(state, cfg: dict, folder: Path) -> dict[str, Any]:
     """Save the state as a checkpoint, drop its pages, and time loading it back into the model and optimizer."""
     path = folder / "checkpoint.pt"
     torch.save({"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}, path)
-    dropped = drop_pages(path)
+    dropped = drop_cache([path])
     sync(cfg)
     t0 = time.perf_counter()
     ckpt = torch.load(path, map_location=cfg["device"], weights_only=True)
