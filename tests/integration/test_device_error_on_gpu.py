@@ -4,9 +4,9 @@ names the culprit and confirms the device error in a child, and shrink ends at t
 A device-side assert poisons the CUDA context of the process it happens in, so every recording here runs in a
 process of its own (``python -c "import rk_vocab; rk_vocab.main(...)"``), and so do replay and shrink (``python -m
 reprokit ...``, as a user runs them); the test process only reads what they leave in ``out_dir`` and print. Each
-recording prints the time from the error to the bundle on disk (run with ``-s`` to see it).
+recording prints the time from the error to the bundle on disk (``-rP`` shows it, under ``-n`` too).
 
-Run on the GPU machine: ``python -m pytest -m cuda tests/integration/test_device_error_on_gpu.py -s``.
+Run on the GPU machine: ``python -m pytest -rP -m cuda tests/integration/test_device_error_on_gpu.py``.
 """
 
 from __future__ import annotations
