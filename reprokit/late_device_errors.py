@@ -12,7 +12,7 @@ Recorder that watches a GPU, so that it writes its ``device_error`` bundle from 
 - ``with Recorder(...)``: the block's exception (``Recorder.__exit__``);
 - the process ending after its code caught the error: at exit, one non-blocking query of the model device's stream
   (it raises the sticky error where the device died; it never waits, so a rank stuck in a collective exits as it
-  would have).
+  would have), for every Recorder still alive then (one held only by a function that has returned is gone).
 
 A program that catches the error and goes on can call ``rec.report_device_error(e)`` itself.
 """
@@ -43,8 +43,10 @@ def watch(rec: Recorder) -> None:
             previous = sys.excepthook
 
             def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-                _report_all(exc)
-                previous(exc_type, exc, tb)
+                try:
+                    _report_all(exc)
+                finally:  # even interrupted while writing, the installed hook still reports the exception
+                    previous(exc_type, exc, tb)
 
             sys.excepthook = hook
             atexit.register(_at_exit)

@@ -479,8 +479,7 @@ class Recorder:
         """Seconds the bundle took to write after a sticky device error (from the failure to the bundle on disk)."""
         self._late_reported = False
         """Whether :meth:`report_device_error` has tried to write a bundle (once per recorder)."""
-        if self._model_device is not None:
-            late_device_errors.watch(self)  # a device error that surfaces outside step() still writes the bundle
+        self._closed = False
         self._ring_other = 0
         """Bytes the window holds outside the pool: RNG states, numpy leaves of batches."""
         self._mem = {"peak_pinned_bytes": 0, "peak_pageable_bytes": 0, "early_snapshots": 0, "unrecorded_steps": 0}
@@ -532,6 +531,8 @@ class Recorder:
         if self._board is not None and self._incidents is not None:
             inc = self._incidents
             self._board.watch(inc.on_incident, tick=inc.watch_peers if inc.peers is not None else None)
+        if self._model_device is not None:
+            late_device_errors.watch(self)  # a device error that surfaces outside step() still writes the bundle
 
     def _start_flight(self) -> None:
         """Open the flight log (``durable=True``): what a bundle needs that does not change is written now."""
@@ -580,6 +581,7 @@ class Recorder:
     def _refused(self) -> None:
         """Undo what a constructor that raised had attached: the monitor's and the snapshot engine's optimizer hooks,
         the incident watcher. Errors here must not hide the refusal itself."""
+        late_device_errors.forget(self)
         engine = getattr(self, "_engine", None)
         flight = getattr(self, "_flight", None)
         for undo in (getattr(self._board, "close", None), self.monitor.close, getattr(engine, "close", None),
@@ -1316,7 +1318,7 @@ class Recorder:
                 self._warn("marker", f"reprokit: cannot place step markers on {self._model_device} ({e!r}); after a "
                                      "device error the bundle cannot say which step's kernels failed")
         if self._model_device is not None and self.state.scaler_enabled():
-            check_scaler_layout(self._model_device.type)  # snapshots read its scale without a sync (once it passes)
+            check_scaler_layout(self._model_device)  # snapshots read its scale without a sync (once it passes)
         try:
             return names, host_format_problem(torch.cuda.current_device())
         except Exception as e:
@@ -1517,7 +1519,8 @@ class Recorder:
         """
         seen: TrainingFailure | None = None
         try:
-            self.wait_for_checks()
+            if self._dead is None:  # once the device died no check can be read (and its bundle is written)
+                self.wait_for_checks()
         except TrainingFailure as e:
             seen = e
         except Exception as e:  # never let a fault of ours stop the close
@@ -1539,7 +1542,8 @@ class Recorder:
 
         Returns:
             The bundle's path (also added to ``exc`` as a note), or None: ``exc`` is no sticky device error, the
-            recorder was closed, or no window could be written (the note says so; tried once per recorder).
+            recorder was closed or ran no step, or no window could be written (the note says so; tried once per
+            recorder).
         """
         if not device_error.is_sticky(exc) or self._model_device is None:
             return None
@@ -1548,11 +1552,18 @@ class Recorder:
             if note not in getattr(exc, "__notes__", []):
                 _add_note(exc, note)
             return self._dead_bundle
-        if self._late_reported or self.step_index == 0:
+        if self._late_reported or self._closed or (self.step_index == 0 and not self._in_step):
             return None
         self._late_reported = True
         k = self.step_index if self._in_step else self.step_index - 1  # the last step started (or the markers')
-        path = self._dump(from_exception(exc, k))
+        failure = from_exception(exc, k)
+        inc = self._incidents
+        if inc is not None:  # under a process group: the incident machinery, as for an error inside a step
+            inc.failed_at = k
+            path = inc.dump(failure)
+        else:
+            with self._lock:  # the incident watcher's thread may write the same window
+                path = self._dump(failure)
         _add_note(exc, f"reprokit: bundle written to {path}" if path else
                   "reprokit: the device failed after the last recorded step, and no bundle could be written")
         return path
@@ -1572,6 +1583,7 @@ class Recorder:
                       (f"bundle written to {path}" if path else "no bundle could be written"), file=sys.stderr)
 
     def _close(self) -> None:
+        self._closed = True
         late_device_errors.forget(self)
         if self._board is not None:
             self._board.close()

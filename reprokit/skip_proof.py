@@ -160,9 +160,12 @@ def _on_device_copy(state: Any, device: torch.device) -> Any:
     where ``device`` is no GPU or its free memory is short of the state's bytes plus :data:`ROOM_MARGIN`."""
     if device.type != "cuda":
         return None
-    tensors = [t for t in state.model.state_dict().values() if isinstance(t, torch.Tensor)]
-    tensors += [v for st in state.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    need = sum(t.numel() * t.element_size() for t in tensors if t.device == device)
+    def size(ts: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor) and t.device == device)
+
+    # The copy holds the model, the optimizer state and any gradients; a restore clones the optimizer state again.
+    opt = size(v for st in state.optimizer.state.values() for v in st.values())
+    need = size(state.model.state_dict().values()) + 2 * opt + size(p.grad for p in state.model.parameters())
     try:
         free, _ = torch.cuda.mem_get_info(device)
     except Exception:

@@ -352,16 +352,19 @@ def _scaler_reads(scaler: Any, cpu: bool = False) -> dict[str, Any] | None:
             "_growth_tracker": tracker.detach().reshape(())}
 
 
-def check_scaler_layout(device_type: str) -> bool:
-    """Whether :func:`scaler_state` may read a GradScaler on ``device_type`` without ``state_dict()``: a probe
-    scaler there, given known values through the public ``load_state_dict``, must read back through
-    :func:`_scaler_reads` exactly as its ``state_dict()`` returns them. Done once per device type (it synchronizes:
-    call it when a Recorder is set up, never in a step); any error counts as a mismatch."""
+def check_scaler_layout(device: torch.device | str) -> bool:
+    """Whether :func:`scaler_state` may read a GradScaler on ``device``'s type without ``state_dict()``: a probe
+    scaler on ``device`` (the model's: no context is made on another GPU), given known values through the public
+    ``load_state_dict``, must read back through :func:`_scaler_reads` exactly as its ``state_dict()`` returns them.
+    Done once per device type (it synchronizes: call it when a Recorder is set up, never in a step); any error
+    counts as a mismatch."""
+    device = torch.device(device)
+    device_type = device.type
     if device_type not in _SCALER_LAYOUT:
         try:
             probe = torch.amp.GradScaler(device_type, init_scale=3.0, growth_factor=4.0, backoff_factor=0.25,
                                          growth_interval=7)
-            probe.scale(torch.ones((), device=device_type))  # makes its device tensors
+            probe.scale(torch.ones((), device=device))  # makes its device tensors, on that device
             probe.load_state_dict({"scale": 96.0, "growth_factor": 4.0, "backoff_factor": 0.25,
                                    "growth_interval": 7, "_growth_tracker": 5})
             fast, plain = _scaler_reads(probe, cpu=True), probe.state_dict()

@@ -87,6 +87,8 @@ def cpu_in_child(bundle: Bundle, code: str | Path | None) -> dict[str, Any]:
     if not any(text in error for text in NO_GPU_TEXTS):
         return first
     second = _cpu_attempt(bundle, code, {})
+    if second["cpu"]["error"]:
+        return first  # the retry did not start either: the first attempt's error says why
     second["cpu"]["gpus_visible"] = (f"the run's code needs a GPU to start ({error.splitlines()[0][:200]}), so the "
                                      "CPU replay ran in a child that sees the GPUs, with the state and batches on "
                                      "the CPU")

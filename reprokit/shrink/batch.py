@@ -19,9 +19,10 @@ INDEX_NAMES = frozenset({"index", "indices", "idx", "sample_id"})
 
 def index_paths(batch: Any) -> frozenset[str]:
     """Paths of the leaves that hold dataset indices (never neutralised; read by :func:`dataset_indices`): a leaf
-    of an index name holding integers that is 1-D (one per row) or 2-D ``[accum, B]`` beside a leaf that
-    starts with those two dimensions (stacked micro-batches). The name alone is no proof: nanoGPT names its token
-    ids ``idx`` (``[B, T]``, beside ``targets: [B, T]``); those are data.
+    of an index name holding integers that is 1-D (one per row) or, named other than ``idx``, 2-D ``[accum, B]``
+    beside a leaf that starts with those two dimensions (stacked micro-batches). The name alone is no proof: nanoGPT
+    names its token ids ``idx`` (``[B, T]``, beside ``targets: [B, T]`` and maybe a ``[B, T, T]`` mask); those are
+    data.
 
     Example:
         >>> sorted(index_paths({"idx": torch.zeros(2, 5, dtype=torch.long), "index": torch.arange(2)}))
@@ -34,7 +35,7 @@ def index_paths(batch: Any) -> frozenset[str]:
             continue
         if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex() \
                 and leaf.dtype != torch.bool:
-            if leaf.dim() <= 1 or (leaf.dim() == 2 and any(
+            if leaf.dim() <= 1 or (leaf.dim() == 2 and path.rsplit("/", 1)[-1] != "idx" and any(
                     isinstance(o, torch.Tensor) and o.dim() >= 3 and tuple(o.shape[:2]) == tuple(leaf.shape)
                     for _, o in found)):
                 out.add(path)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from reprokit import pytree
-from reprokit.shrink.batch import INDEX_NAMES, TOKEN_DTYPES, batch_size, dataset_indices, select_rows, select_seq, seq_len
+from reprokit.shrink.batch import TOKEN_DTYPES, batch_size, dataset_indices, index_paths, select_rows, select_seq, seq_len
 
 MICRO = "micro"
 """The key of the micro-batch list (``reprokit.integrations.transformers.MICRO``)."""
@@ -57,8 +57,8 @@ def ambiguous(batch: Any) -> str | None:
     if layout(batch) is not None:
         return None
     found = pytree.leaves(batch)
-    if any(path.rsplit("/", 1)[-1] in INDEX_NAMES and isinstance(leaf, torch.Tensor) and leaf.dim() == 1
-           for path, leaf in found):
+    index = index_paths(batch)
+    if any(path in index and leaf.dim() == 1 for path, leaf in found):
         return None  # a [B] index: rows are dim 0
     for path, leaf in found:
         # exactly 3-D: a 4-D integer leaf is a position-by-position mask [B, heads, T, T]; masks are not ids
@@ -75,15 +75,8 @@ def stacked_index(batch: Any) -> torch.Tensor | None:
     """The dataset index leaf when it is 2-D (``[accum, B]``) and another leaf of 3 or more dimensions starts with
     ``[accum, B]`` (``x: [accum, B, T]``): the batch is stacked micro-batches. A 2-D leaf of an index name alone is
     no proof: nanoGPT names its token ids ``idx`` (``[B, T]``, beside ``targets: [B, T]``), an ordinary batch."""
-    found = pytree.leaves(batch)
-    for path, leaf in found:
-        if path.rsplit("/", 1)[-1] in INDEX_NAMES and isinstance(leaf, torch.Tensor) and leaf.dim() == 2 \
-                and not leaf.is_floating_point():
-            lead = tuple(leaf.shape)
-            if any(isinstance(other, torch.Tensor) and other.dim() >= 3 and tuple(other.shape[:2]) == lead
-                   for _, other in found):
-                return leaf
-    return None
+    index = index_paths(batch)  # a 2-D one there has such a sibling (and is not nanoGPT's token ids, ``idx``)
+    return next((leaf for path, leaf in pytree.leaves(batch) if path in index and leaf.dim() == 2), None)
 
 
 def split(batch: Any, lay: Layout) -> list[Any]:
