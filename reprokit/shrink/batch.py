@@ -31,14 +31,14 @@ def index_paths(batch: Any) -> frozenset[str]:
     found = leaves(batch)
     out = set()
     for path, leaf in found:
-        if path.rsplit("/", 1)[-1] not in INDEX_NAMES:
+        name = path.rsplit("/", 1)[-1]
+        if name not in INDEX_NAMES or not isinstance(leaf, torch.Tensor) or leaf.is_floating_point() \
+                or leaf.is_complex() or leaf.dtype == torch.bool:
             continue
-        if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex() \
-                and leaf.dtype != torch.bool:
-            if leaf.dim() <= 1 or (leaf.dim() == 2 and path.rsplit("/", 1)[-1] != "idx" and any(
-                    isinstance(o, torch.Tensor) and o.dim() >= 3 and tuple(o.shape[:2]) == tuple(leaf.shape)
-                    for _, o in found)):
-                out.add(path)
+        if leaf.dim() <= 1 or (leaf.dim() == 2 and name != "idx" and any(
+                isinstance(o, torch.Tensor) and o.dim() >= 3 and tuple(o.shape[:2]) == tuple(leaf.shape)
+                for _, o in found)):
+            out.add(path)
     return frozenset(out)
 
 
@@ -226,10 +226,9 @@ def dataset_indices(batch: Any, rows: tuple[int, ...] | None) -> list[Any] | Non
         return None
     index = index_paths(batch)
     for path, leaf in leaves(batch):
-        if path in index and leaf.dim() == 1:
+        if path in index and leaf.dim() == 1 and rows and max(rows) < leaf.shape[0]:
             values = leaf.tolist()
-            if isinstance(values, list) and rows and max(rows) < len(values):
-                return [values[i] for i in rows]
+            return [values[i] for i in rows]
     return None
 
 
