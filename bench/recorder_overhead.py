@@ -103,17 +103,17 @@ LOOPS = {"loop/50": 50, "loop/10": 10, "loop/1": 1}
 """Loop shapes: the loss is read (``.item()``, the loop's only sync) every this many steps."""
 
 
-def loop_shapes(names: list[str], rec, state, cfg: dict, g, device: str, args, judged=None) -> dict:
+def loop_shapes(names: list[str], rec, state, cfg: dict, g, device: str, args, extra=None) -> dict:
     """Bare loop vs ``rec`` in loops that let the host run ahead: per shape, ms/step over blocks with one synchronize
-    at each block's end and the loss read every N steps; the ratio with a 95% interval over paired rounds. With
-    ``judged`` (a recorder with ``max_lag=0``: every step's checks waited for at its own end, as the recorder did
-    before lagged checks), a third arm in each round, its ratio printed beside."""
+    at each block's end and the loss read every N steps; the ratio with a 95% interval over paired rounds. ``extra``
+    (name -> recorder: ``max_lag=0``, a recorder judging every step at its own end as before lagged checks, or one of
+    the ablation variants) adds an arm per entry to each round, its ratio printed beside."""
     if not names:
         return {}
     n = args.loop_block or (4 if args.quick else 100)
     rounds = args.loop_rounds or (1 if args.quick else 6)
 
-    arms = {"bare": None, "recorder": rec, **({"max_lag=0": judged} if judged is not None else {})}
+    arms = {"bare": None, "recorder": rec, **(extra or {})}
 
     def block(arm: str, every: int) -> float:
         r = arms[arm]
@@ -160,8 +160,8 @@ def loop_shapes(names: list[str], rec, state, cfg: dict, g, device: str, args, j
                "steps": n * rounds}
         if "ratio_ci95" in main:
             row["ratio_ci95"] = main["ratio_ci95"]
-        if judged is not None:
-            row["max_lag=0"] = ratio(rows, "max_lag=0")
+        for arm in extra or {}:
+            row[arm] = ratio(rows, arm)
         table[name] = row
     after = rec.monitor.checks.stats()
     lag = {"lag_max": after["lag_max"], "lag_mean": after["lag_mean"],
@@ -176,8 +176,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds of one block per variant, order rotated each round (default 80, quick 2)")
     ap.add_argument("--only", default=None, help="comma-separated variants to time (default: all); the loop shapes "
-                    "are loop/50, loop/10, loop/1, and loop:max_lag=0 adds a recorder judging every step at its end "
-                    "to them")
+                    "are loop/50, loop/10, loop/1; loop:max_lag=0 adds a recorder judging every step at its end "
+                    "to them, loop:VARIANT (e.g. loop:recorder-no-snapshot) one of the variants above")
     ap.add_argument("--loop-block", type=int, default=None,
                     help="steps per block of the loop-shape table (default 100, quick 4)")
     ap.add_argument("--loop-rounds", type=int, default=None,
@@ -207,8 +207,12 @@ def main() -> None:
             "recorder-no-grad-check": recorder(check_grads=False),
             "recorder-no-snapshot": recorder(snapshot_every=10**9), "detection-only": recorder(snapshot_every=10**9),
             "experiment:fused-finite-check": recorder(check_grads=False), "instrumented": recorder()}
-    if args.only and "loop:max_lag=0" in args.only.split(","):
+    loop_arms = [v.split(":", 1)[1] for v in (args.only or "").split(",") if v.startswith("loop:")]
+    if "max_lag=0" in loop_arms:
         recs["loop:max_lag=0"] = recorder(max_lag=0)
+    unknown = [a for a in loop_arms if a != "max_lag=0" and a not in recs]
+    if unknown:
+        raise SystemExit(f"unknown loop arm(s) {unknown}: loop:max_lag=0 or loop:<one of {sorted(recs)}>")
     for r in recs.values():
         r.detach()
     # Ablation: the detectors alone (no batch, RNG or snapshot recording), to split the cost.
@@ -267,7 +271,8 @@ def main() -> None:
     if args.only:
         variants = ["bare"] + [v for v in args.only.split(",") if v in variants and v != "bare"]
         loops = [v for v in args.only.split(",") if v in LOOPS]
-    warm = [name for name in recs if name in variants or name in ("recorder", "instrumented", "loop:max_lag=0")]
+    warm = [name for name in recs if name in variants or name in ("recorder", "instrumented", "loop:max_lag=0")
+            or name in loop_arms]
     warm_start = time.perf_counter()
     for name in warm:
         run_block(name, 102)
@@ -295,7 +300,8 @@ def main() -> None:
         warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
         results["detect_anomaly"] = run_block("detect_anomaly", slow_steps)
 
-    loop_table = loop_shapes(loops, recs["recorder"], state, cfg, g, device, args, judged=recs.get("loop:max_lag=0"))
+    loop_table = loop_shapes(loops, recs["recorder"], state, cfg, g, device, args,
+                             extra={a: recs["loop:max_lag=0" if a == "max_lag=0" else a] for a in loop_arms})
 
     # Snapshot cost against the copy limit measured now.
     rec = recs["recorder"]
@@ -401,10 +407,11 @@ def main() -> None:
         for name, r in loop_table["shapes"].items():
             ci = "[{:.3f}, {:.3f}]".format(*r["ratio_ci95"]) if "ratio_ci95" in r else ""
             print(f"{name:<26}{r['bare_ms']:>10.2f}{r['recorder_ms']:>10.2f}{r['ratio']:>8.3f}{ci:>24}{r['steps']:>7}")
-            if "max_lag=0" in r:
-                j = r["max_lag=0"]
+            for arm in loop_arms:
+                j = r[arm]
                 ci = "[{:.3f}, {:.3f}]".format(*j["ratio_ci95"]) if "ratio_ci95" in j else ""
-                print(f"{'  recorder max_lag=0':<26}{'':>10}{j['ms']:>10.2f}{j['ratio']:>8.3f}{ci:>24}")
+                label = "  recorder " + arm if arm == "max_lag=0" else "  " + arm
+                print(f"{label:<26}{'':>10}{j['ms']:>10.2f}{j['ratio']:>8.3f}{ci:>24}")
         lag = loop_table["detection_lag"]
         print(f"detection lag in the loop shapes: max {lag['lag_max']} steps, mean {lag['lag_mean']:.2f}; the recorder "
               f"waited {lag['lag_waits']} times (postponed snapshots, checks max_lag old)")
