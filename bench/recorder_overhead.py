@@ -257,7 +257,8 @@ def main() -> None:
     spent: dict[str, float] = {}
     inst = recs["instrumented"]
     for obj, name in ((inst, "_record_step_start"), (inst, "_take_snapshot"), (inst, "_after_step"),
-                      (inst.monitor, "_measure"), (inst.monitor, "_check"), (inst.monitor, "_on_optimizer_step")):
+                      (inst.monitor, "_measure"), (inst.monitor, "_check"), (inst.monitor, "_on_optimizer_step"),
+                      (inst.monitor, "_after_optimizer_step")):
         timed(spent, obj, name)
 
     # Warm up: kernels, the caching allocators, and each recorder's pinned snapshot buffers.
