@@ -597,8 +597,8 @@ class _Aside:
     """The one helper thread of this process that queues gradient norms (see :meth:`Monitor._norm_aside`).
 
     Made on first use and again in a forked child (a thread does not survive ``fork``: a child submitting to its
-    parent's executor would wait forever). The work it gets is a few hundred kernel launches: it releases the GIL
-    inside each torch call, so the training thread runs on meanwhile.
+    parent's executor would wait forever). The work it gets is a few torch calls whose host time is mostly spent
+    per gradient inside torch, which releases the GIL there: the training thread runs on meanwhile.
     """
 
     _lock = threading.Lock()
@@ -613,6 +613,16 @@ class _Aside:
                 if pool is None or pool[0] != os.getpid():
                     pool = cls._pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="reprokit-norm"))
         return pool[1].submit(fn, *args)
+
+    @classmethod
+    def _forked(cls) -> None:
+        """In a forked child: the parent's lock may have been held by another thread at the fork."""
+        cls._lock = threading.Lock()
+        cls._pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Aside._forked)
 
 
 def _amp_adjusted(norm: torch.Tensor, scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> torch.Tensor:

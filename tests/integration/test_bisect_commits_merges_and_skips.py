@@ -274,9 +274,9 @@ def test_a_commit_whose_replay_hangs_is_skipped_at_its_time_limit_and_the_next_p
         shas.append(_commit(repo, f"commit {k}").hexsha)
     bundle = _record(proj, tmp_path / "r", monkeypatch)
     before = _reprokit_processes_below(os.getpid())  # other tests' fork servers, shared by this process
-    r = bisect_commits(bundle, good=shas[0], bad=shas[-1], timeout=30)
+    r = bisect_commits(bundle, good=shas[0], bad=shas[-1], timeout=20)
     verdicts = {shas.index(p.sha) + 1: (p.verdict, p.reason) for p in r.probes}
-    assert verdicts[2] == ("skip", "replay timed out after 30s"), verdicts
+    assert verdicts[2] == ("skip", "replay timed out after 20s"), verdicts
     assert verdicts[3][0] == "bad" and verdicts[4][0] == "bad", verdicts
     assert r.first_bad is None and r.candidates == shas[1:3] and r.skipped == [shas[1]], verdicts
     left = {pid: cmd for pid, cmd in _reprokit_processes_below(os.getpid()).items() if pid not in before}

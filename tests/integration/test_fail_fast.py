@@ -139,7 +139,8 @@ def test_a_failing_rank_whose_exit_path_waits_in_a_barrier_no_longer_holds_the_j
 
 def test_with_on_incident_wait_a_blocked_rank_still_waits_past_the_abort_path_s_time(tmp_path):
     """Today's behaviour kept: both windows are written, then both ranks wait (rank 0 in its all-reduce, rank 1 in
-    its barrier) until the process group's timeout; the test stops it well past the time the abort path needs."""
+    its barrier) until the process group's timeout; the test stops it 20 s after the error, twice the time the abort
+    path takes here (the default mode ends the same job in about 10 s)."""
     out = tmp_path / "repros"
     proc, log = _start(out, "wait", "barrier")
     try:
@@ -147,7 +148,7 @@ def test_with_on_incident_wait_a_blocked_rank_still_waits_past_the_abort_path_s_
         while (raised := _error_time(log)) is None and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert raised is not None, log.read_text()[-3000:]
-        while time.time() < raised + BOUND_S + 10 and proc.poll() is None:
+        while time.time() < raised + 20 and proc.poll() is None:
             time.sleep(0.5)
         assert proc.poll() is None, f"torchrun ended by itself (exit {proc.returncode}):\n{log.read_text()[-3000:]}"
         text = log.read_text(errors="replace")
