@@ -13,10 +13,7 @@ is about to step, and the training stream waits for it only when the optimizer
 step has been queued: the norm (a memory-bound read of every gradient, ~0.2-0.3 ms
 for GPT-2-124M on an H200) runs beside the optimizer's kernels instead of before
 them. Measured on GPT-2-124M (H200): the norm in line cost 1.010x the bare step, on the
-side stream 0.999x. Queuing it costs the host more than the device: ~1 ms for GPT-2's
-148 gradients (``torch._foreach_norm`` makes one output per tensor), as much as a tenth of
-what the host needs to queue the whole step, so a helper thread queues it while the
-training thread queues the optimizer step (see :class:`_Aside`).
+side stream 0.999x.
 """
 
 from __future__ import annotations
@@ -24,11 +21,9 @@ from __future__ import annotations
 import numbers
 import os
 import statistics
-import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -139,12 +134,12 @@ class Monitor:
         self._groups: tuple[int, list[list[torch.Tensor]]] | None = None
         self._sharded = False
         self._side: dict[torch.device, torch.cuda.Stream] = {}
-        self._unjoined: list[Future[_Queued]] = []
-        """Norms handed to the helper thread that the training stream has not waited for yet (see _norm_aside)."""
+        self._unjoined: list[torch.cuda.Stream] = []
         self._dead: BaseException | None = None
         """The sticky device error a lagged read met (see :meth:`_judge`): the failure's exception."""
         self._held: list[Any] = []
         """What the norms queued aside read, kept alive until the training stream waits for them (see _norm_aside)."""
+        """Side streams with a norm queued that the training stream has not waited for yet."""
         self._hooks: tuple[Any, Any] | None = None
         self._hook_warned = False
         self._loss_warned = False
@@ -216,11 +211,9 @@ class Monitor:
                 # The step writes the gradients (or may: a grad_scaler argument): in line.
                 self._norms.append(_amp_adjusted(_norm_of_groups(grads), scale, found_inf))
             else:
-                norm = self._norm_aside(grads, found_inf)
-                if norm is not None:
-                    self._norms.append(norm)
+                self._norms.append(self._norm_aside(grads, found_inf))
         except Exception as e:  # never break the user's optimizer step
-            if not self._hook_warned and not is_sticky(e):  # a dead device: the step fails with that error itself
+            if not self._hook_warned:
                 self._hook_warned = True
                 warnings.warn(f"reprokit: gradient-norm check disabled: {e!r}", RecorderWarning, stacklevel=2)
 
@@ -234,27 +227,23 @@ class Monitor:
                     self._norms.append(_norm_of_groups(grads))
             self._join()
         except Exception as e:  # never break the user's optimizer step
-            if not self._hook_warned and not is_sticky(e):  # a dead device: the step fails with that error itself
+            if not self._hook_warned:
                 self._hook_warned = True
                 warnings.warn(f"reprokit: gradient-norm check failed: {e!r}", RecorderWarning, stacklevel=2)
 
-    def _norm_aside(self, grads: list[list[torch.Tensor]],
-                    found_inf: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The gradients' global norm; on one CUDA device, queued on a side stream by a helper thread (``None``:
-        :meth:`_join` adds it to the step's norms).
+    def _norm_aside(self, grads: list[list[torch.Tensor]], found_inf: torch.Tensor | None = None) -> torch.Tensor:
+        """The gradients' global norm; on one CUDA device, queued on a side stream.
 
         The side stream starts after everything queued so far (backward, clipping,
-        unscaling: an event recorded here, on the training thread); the training stream goes on to queue the
-        optimizer step, which reads the gradients too, and waits for the side stream in the optimizer's post-hook,
-        before anything after the step could write or free them. The helper thread queues the norm's kernels
-        meanwhile (their host time, ~1 ms for GPT-2, is spent beside the optimizer step's instead of before it);
-        the post-hook waits for the helper only if it is not done yet. The gradients (and the overflow flag) are
-        held here until the training stream waits, which covers an optimizer that frees gradients inside its own
-        step: their memory cannot go back to the training stream's pool before the training stream waits for the
-        norm. (``record_stream`` did this before, at a host cost per gradient and per later allocation: it makes
-        the caching allocator record an event for every gradient freed and poll them on each allocation until the
-        side stream passes.) CPU gradients, gradients on several devices and steps under CUDA-graph capture take
-        the norm in line. A GradScaler's overflow flag is applied on the side stream too (the training stream
+        unscaling); the training stream goes on to queue the optimizer step, which reads the
+        gradients too, and waits for the side stream in the optimizer's post-hook, before
+        anything after the step could write or free them. The gradients (and the overflow flag) are held here until
+        that wait, which covers an optimizer that frees gradients inside its own step: their memory cannot go back to
+        the training stream's pool before the training stream waits for the norm. (``record_stream`` did this before,
+        at a host cost per gradient and per later allocation: it makes the caching allocator record an event for
+        every gradient freed and poll them on each allocation until the side stream passes.) CPU gradients, gradients on
+        several devices and steps under CUDA-graph capture take the norm in line. A
+        GradScaler's overflow flag is applied on the side stream too (the training stream
         must not read the norm before the post-hook's wait).
         """
         dev = grads[0][0].device
@@ -264,11 +253,12 @@ class Monitor:
         side = self._side.get(dev)
         if side is None:
             side = self._side[dev] = torch.cuda.Stream(device=dev)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(dev))
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            norm = _amp_adjusted(_norm_of_groups(grads), None, found_inf)
         self._held.append((grads, found_inf))
-        self._unjoined.append(_Aside.submit(_queue_norm, side, ready, grads, found_inf))
-        return None
+        self._unjoined.append(side)
+        return norm
 
     def warm_up(self) -> None:
         """Run the step-end checks' device work once, on the parameters themselves (nothing is kept or changed).
@@ -291,28 +281,12 @@ class Monitor:
             self.checks.values(Reading(-1, host, (True, True, False, False), event=event, device=values.device))
 
     def _join(self) -> None:
-        """Make the training stream wait for the norms queued aside (a device-side wait, not a sync: the host waits
-        only for the helper thread to have queued them); the tensors they read may be freed from then on (their
-        memory is reused in stream order, after the wait).
-
-        Raises:
-            Exception: what queuing a norm raised (the step's norms then lack it); the training stream has waited
-                for whatever the helper had queued by then.
-        """
-        error: BaseException | None = None
-        try:
-            for fut in self._unjoined:
-                norm, done, e = fut.result()
-                if done is not None:
-                    torch.cuda.current_stream(done.device).wait_event(done)
-                if norm is not None:
-                    self._norms.append(norm)
-                error = error or e
-        finally:
-            self._unjoined.clear()
-            self._held.clear()
-        if error is not None:
-            raise error
+        """Make the training stream wait for the norms queued aside (a device-side wait, not a sync); the tensors they
+        read may be freed from then on (their memory is reused in stream order, after the wait)."""
+        for side in self._unjoined:
+            torch.cuda.current_stream(side.device).wait_stream(side)
+        self._unjoined.clear()
+        self._held.clear()
 
     def run(self, step_fn: Callable[[TrainState, Any], Any], batch: Any, step: int,
             after: Callable[[], None] | None = None) -> StepResult:
@@ -568,61 +542,6 @@ class Monitor:
                 return Failure(FailureKind.PREDICATE, step, frame=name,
                                message=verdict if isinstance(verdict, str) else f"{name} returned {verdict!r}")
         return None
-
-
-_Queued = tuple["torch.Tensor | None", "torch.cuda.Event | None", "BaseException | None"]
-"""What the helper thread did with a norm: the norm, the event after its kernels, what queuing it raised."""
-
-
-def _queue_norm(side: torch.cuda.Stream, ready: torch.cuda.Event, grads: list[list[torch.Tensor]],
-                found_inf: torch.Tensor | None) -> _Queued:
-    """On the helper thread: the norm queued on ``side`` after ``ready``; an event after it (also when queuing
-    failed part way: the training stream must wait for what was queued); what queuing raised."""
-    norm, done, error = None, None, None
-    try:
-        with torch.cuda.stream(side):  # the side stream's device too
-            side.wait_event(ready)
-            try:
-                norm = _amp_adjusted(_norm_of_groups(grads), None, found_inf)
-            except BaseException as e:  # handed to the training thread, which says it
-                error = e
-            done = torch.cuda.Event()
-            done.record(side)
-    except BaseException as e:  # a dead device: nothing more can be queued
-        error = error or e
-    return norm, done, error
-
-
-class _Aside:
-    """The one helper thread of this process that queues gradient norms (see :meth:`Monitor._norm_aside`).
-
-    Made on first use and again in a forked child (a thread does not survive ``fork``: a child submitting to its
-    parent's executor would wait forever). The work it gets is a few torch calls whose host time is mostly spent
-    per gradient inside torch, which releases the GIL there: the training thread runs on meanwhile.
-    """
-
-    _lock = threading.Lock()
-    _pool: tuple[int, ThreadPoolExecutor] | None = None
-
-    @classmethod
-    def submit(cls, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        pool = cls._pool
-        if pool is None or pool[0] != os.getpid():
-            with cls._lock:
-                pool = cls._pool
-                if pool is None or pool[0] != os.getpid():
-                    pool = cls._pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="reprokit-norm"))
-        return pool[1].submit(fn, *args)
-
-    @classmethod
-    def _forked(cls) -> None:
-        """In a forked child: the parent's lock may have been held by another thread at the fork."""
-        cls._lock = threading.Lock()
-        cls._pool = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_Aside._forked)
 
 
 def _amp_adjusted(norm: torch.Tensor, scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> torch.Tensor:

@@ -541,39 +541,6 @@ def test_grad_check_aside_still_sees_a_nan_gradient():
     assert result.failure is not None and result.failure.kind == "nonfinite_grad" and result.failure.step == 5
 
 
-def test_grad_norm_is_queued_by_the_helper_thread_and_its_failure_is_a_warning(monkeypatch):
-    """The training thread only hands the gradients over; the helper thread queues the norm. When queuing fails,
-    the step goes on without a grad norm and the recorder says so once."""
-    import threading
-
-    from reprokit import detect
-    from reprokit.detect import DetectSettings, Monitor
-
-    threads: list[str] = []
-    norm_of_groups = detect._norm_of_groups
-
-    def watched(groups):
-        threads.append(threading.current_thread().name)
-        return norm_of_groups(groups)
-
-    monkeypatch.setattr(detect, "_norm_of_groups", watched)
-    state = _linear_state()
-    monitor = Monitor(state, DetectSettings())
-    result = monitor.run(_step_zeroing_in_place, torch.randn(8, 256, device="cuda"), 0)
-    assert result.failure is None and result.grad_norm is not None and result.grad_norm > 0
-    assert threads and all(t.startswith("reprokit-norm") for t in threads), threads
-
-    def broken(groups):
-        raise RuntimeError("cannot queue the norm")
-
-    monkeypatch.setattr(detect, "_norm_of_groups", broken)
-    with pytest.warns(reprokit.RecorderWarning, match="gradient-norm check failed.*cannot queue the norm"):
-        result = monitor.run(_step_zeroing_in_place, torch.randn(8, 256, device="cuda"), 1)
-    assert result.failure is None and result.grad_norm is None
-    monitor.close()
-    assert all(p.grad is not None and not p.grad.any() for p in state.model.parameters())
-
-
 def test_gpu_batch_copies_land_before_a_loader_refills_its_buffer(projects, tmp_path):
     """Batch copies are queued on the training stream at step start: a refill queued before the next step
     (held back behind a 100 ms GPU sleep) runs after them."""

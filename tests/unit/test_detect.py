@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -36,21 +35,3 @@ def test_bad_detector_settings_raise_reprokit_s_config_error(bad):
     with pytest.raises(reprokit.ConfigError, match=next(iter(bad))) as e:
         reprokit.DetectSettings(**bad)
     assert isinstance(e.value, reprokit.ReprokitError) and isinstance(e.value, ValueError)
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_the_norm_helper_thread_is_made_again_in_a_forked_child():
-    """A thread does not survive fork: a child handing work to its parent's executor would wait forever."""
-    from reprokit.detect import _Aside
-
-    assert _Aside.submit(os.getpid).result(timeout=10) == os.getpid()
-    pid = os.fork()
-    if pid == 0:  # the child: exit 0 only when its own helper thread ran the work
-        try:
-            ok = _Aside.submit(os.getpid).result(timeout=10) == os.getpid()
-        except BaseException:
-            ok = False
-        os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert _Aside.submit(os.getpid).result(timeout=10) == os.getpid()  # the parent's thread still works
