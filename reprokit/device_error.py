@@ -25,7 +25,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -108,6 +110,36 @@ def reproduces(recorded: Failure, failure: Failure | None, device_type: str) -> 
         cpu_face(failure)
 
 
+def behind(failure: Failure, probe: Callable[[], Any]) -> Failure:
+    """The device error behind a step's exception, where there is one; else ``failure`` itself.
+
+    A kernel's assert reaches the host at the next call that waits for the device, and a library call in between
+    may fail first, for that reason alone: cuBLAS creating its handle on a context an embedding's assert just
+    killed raises ``CUBLAS_STATUS_INTERNAL_ERROR`` (seen replaying a one-step window on an H200, the step's first
+    matmul right after the bad lookup). ``probe`` waits for the device once (replay: the replaying stream's
+    ``synchronize()``); where it raises a sticky error, the step's failure is that device error, at the same step
+    and frame, and ``detail.device_error.surfaced_as`` keeps the exception it surfaced as.
+
+    Example:
+        >>> from reprokit.signature import Failure
+        >>> def dead(): raise RuntimeError("CUDA error: device-side assert triggered")
+        >>> f = behind(Failure("exception", 8, exc_type="RuntimeError", message="CUBLAS_STATUS_INTERNAL_ERROR"), dead)
+        >>> (f.kind, f.step, f.detail["device_error"]["surfaced_as"])
+        ('device_error', 8, 'RuntimeError: CUBLAS_STATUS_INTERNAL_ERROR')
+    """
+    if failure.kind != "exception":
+        return failure
+    try:
+        probe()
+    except Exception as e:
+        if not is_sticky(e):
+            return failure
+        return dataclasses.replace(
+            failure, kind="device_error", exc_type=type(e).__qualname__, message=str(e).splitlines()[0][:500],
+            detail={**failure.detail, "device_error": {"surfaced_as": f"{failure.exc_type}: {failure.message}"}})
+    return failure
+
+
 def keep_to_exit(obj: Any) -> None:
     """Never free ``obj`` (nor what it holds): its reference count is raised for good, and the OS takes the memory
     back at exit.
@@ -171,4 +203,4 @@ class HostMarker:
         return last is not None and last >= value
 
 
-__all__ = ["STICKY_TEXTS", "HostMarker", "cpu_face", "is_sticky", "keep_to_exit", "reproduces", "sticky_text"]
+__all__ = ["STICKY_TEXTS", "HostMarker", "behind", "cpu_face", "is_sticky", "keep_to_exit", "reproduces", "sticky_text"]

@@ -507,6 +507,14 @@ class Recorder:
                            "a failure on one rank will not make the others write their windows, and a rank blocked "
                            "in a collective writes none. Give every rank the same out_dir on a filesystem they all "
                            "see.")
+        if self.rank is not None and self.rank.rank == 0 and "nccl" in self.rank.backend and \
+                os.environ.get("TORCH_NCCL_RETHROW_CUDA_ERRORS", "1").strip().lower() not in ("0", "false", "no", "n"):
+            self._warn("nccl-rethrow", "reprokit: under NCCL, a device error on a rank (a device-side assert, an illegal "
+                       "memory access) makes NCCL's watchdog thread abort that process within a fraction of a second, "
+                       "before reprokit can write its bundle, and torchrun then stops the other ranks. Set "
+                       "TORCH_NCCL_RETHROW_CUDA_ERRORS=0 in the job's environment (NCCL reads it when the process "
+                       "group is created): the error then reaches the loop as an exception and every rank writes its "
+                       "window. With durable=True the window is on disk either way: `reprokit recover OUT_DIR`.")
         self._lock: Any = contextlib.nullcontext()
         if self.rank is not None:
             self._lock = threading.RLock()  # the incident watcher writes the window from another thread

@@ -51,6 +51,16 @@ from reprokit.state import (
 )
 
 
+def _world() -> int:
+    """The size of this process's process group (1 without one)."""
+    return torch.distributed.get_world_size() if torch.distributed.is_available() and \
+        torch.distributed.is_initialized() else 1
+
+
+def _in_a_group() -> bool:
+    return _world() > 1
+
+
 @dataclass
 class StepInput:
     """One step to run: its number, batch and the RNG state at its start."""
@@ -392,6 +402,9 @@ class Session:
                 self.on_step("finished", inp.step, result.loss)
             if result.failure is not None:
                 failure = result.failure
+                if self.device.type == "cuda" and not _in_a_group():
+                    # Alone on its device (no peer's collective to wait for): the device error behind it, if any.
+                    failure = device_error.behind(failure, torch.cuda.current_stream(self.device).synchronize)
                 break
         # Reproduced = the recorded signature at the recorded step; the same kind of failure
         # three steps early is another failure (another bug, or the same one under other numerics).
@@ -867,7 +880,7 @@ def _refuse_shards_alone(bundle: Bundle) -> None:
     ranks = 1
     for n in mesh:
         ranks *= n if isinstance(n, int) else 1
-    world = torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
+    world = _world()
     if world != ranks:
         dist = bundle.run.get("distributed") or {}
         where = bundle.path.parent if dist else "the incident folder"

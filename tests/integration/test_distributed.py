@@ -257,6 +257,58 @@ def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
+@two_gpus
+@pytest.mark.parametrize("mode", ["assert", "assert_with"])
+@pytest.mark.slow
+def test_nccl_a_device_side_assert_on_one_rank_gives_every_rank_s_bundle(tmp_path, mode, monkeypatch):
+    """Rank 1 indexes past a tensor's end at step 6: a device-side assert that poisons its CUDA context and surfaces
+    later (at a copy in the loop's own code, outside the recorder: the late path, through the excepthook or
+    ``with Recorder``), while rank 0 waits in an NCCL all-reduce. With NCCL's watchdog told not to abort the process
+    on a CUDA error, rank 1 writes its window from host memory and rank 0 its own, in one incident."""
+    monkeypatch.setenv("TORCH_NCCL_RETHROW_CUDA_ERRORS", "0")
+    out = tmp_path / "repros"
+    proc, seconds = _torchrun(out, mode, "cuda")
+    assert proc.returncode != 0 and seconds < 60, (seconds, proc.stderr[-3000:])
+    assert "TORCH_NCCL_RETHROW_CUDA_ERRORS" not in proc.stderr, "the warning is for jobs that leave it on"
+    folder, bundles = _incident(out)
+    assert len(bundles) == 2, (bundles, proc.stderr[-3000:])
+    by_rank = {open_bundle(b).run["distributed"]["rank"]: (b, open_bundle(b)) for b in bundles}
+    path1, one = by_rank[1]
+    assert one.failure.kind == "device_error" and one.failure.step == 6, (one.failure, proc.stderr[-3000:])
+    assert "device-side assert" in one.failure.message, one.failure.message
+    assert one.steps[-1] == 6 and one.step(6)[0]["idx"].tolist() == [99], one.steps
+    assert by_rank[0][1].failure.kind == "peer", by_rank[0][1].failure
+    print(f"\n{mode}: torchrun ended {seconds:.1f} s after it started; rank 1's error surfaced at step "
+          f"{one.failure.detail['device_error'].get('surfaced_at_step')}")
+    # Rank 1 alone: on the CPU the same index is an IndexError at step 6, and the GPU confirms it in a child process.
+    r = CliRunner().invoke(cli, ["replay", str(path1), "--json"])
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1 and d["triage"]["reproduced_as"] == "device_error", (r.exit_code, d)
+    assert d["triage"]["cpu"]["cpu_face"] and d["triage"]["gpu"]["checked"], d["triage"]
+
+
+@pytest.mark.cuda
+@two_gpus
+@pytest.mark.slow
+def test_nccl_s_watchdog_aborts_a_rank_on_a_device_error_and_the_durable_window_recovers_it(tmp_path, monkeypatch):
+    """NCCL's default: its watchdog thread aborts rank 1 as soon as it sees the CUDA error, before any bundle can be
+    written, and torchrun stops rank 0. Rank 0's Recorder warned of it at the start, naming the setting; with
+    ``durable=True`` both windows are on disk, and ``reprokit recover`` makes them bundles."""
+    monkeypatch.delenv("TORCH_NCCL_RETHROW_CUDA_ERRORS", raising=False)
+    out = tmp_path / "repros"
+    proc, seconds = _torchrun(out, "assert_durable", "cuda")
+    assert proc.returncode != 0 and seconds < 60, (seconds, proc.stderr[-3000:])
+    assert "Set TORCH_NCCL_RETHROW_CUDA_ERRORS=0" in proc.stderr, proc.stderr[-3000:]
+    assert "watchdog thread terminated with exception" in proc.stderr, proc.stderr[-3000:]
+    r = CliRunner().invoke(cli, ["recover", str(out), "--json"])
+    print(f"\ntorchrun ended after {seconds:.1f} s; recover exit {r.exit_code}: {r.stdout[:3000]}")
+    written = sorted(out.rglob("bundle-*-crash*"))
+    ranks = {open_bundle(b).run["distributed"]["rank"]: open_bundle(b) for b in written}
+    assert 1 in ranks, (written, r.stdout)
+    assert 6 in ranks[1].steps and ranks[1].step(6)[0]["idx"].tolist() == [99], ranks[1].steps
+
+
 def test_inspect_json_names_rank_world_and_incident(nan_run):
     out = nan_run[0]
     folder, bundles = _incident(out)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reprokit.device_error import STICKY_TEXTS, cpu_face, is_sticky, reproduces
+from reprokit.device_error import STICKY_TEXTS, behind, cpu_face, is_sticky, reproduces
 from reprokit.signature import Failure, from_exception
 
 # What torch raises for them: "CUDA error: <the runtime's text>" plus its advice lines.
@@ -97,3 +97,34 @@ def test_a_device_error_is_reproduced_by_its_cpu_face_only_on_the_cpu_and_at_its
     assert not reproduces(recorded, None, "cpu")
     # A recorded exception is judged as always: the CPU-face rule is for device errors alone.
     assert not reproduces(face, Failure("exception", 6, exc_type="KeyError", message="x"), "cpu")
+
+
+def _cublas(step: int = 8) -> Failure:
+    return Failure("exception", step, exc_type="RuntimeError", frame="rk_vocab.py:forward",
+                   message="CUDA error: CUBLAS_STATUS_INTERNAL_ERROR when calling `cublasCreate(handle)`")
+
+
+def test_the_device_error_behind_a_library_s_exception_is_the_step_s_failure():
+    """cuBLAS creating its handle on a context that an embedding's assert had just killed: the wait after it
+    raises the assert itself, which is the step's failure (same step and frame, the first exception kept)."""
+    def dead():
+        raise torch.AcceleratorError(TORCH_CUDA.format("device-side assert triggered"))
+
+    f = behind(_cublas(), dead)
+    assert (f.kind, f.step, f.exc_type, f.frame) == ("device_error", 8, "AcceleratorError", "rk_vocab.py:forward")
+    assert f.message == "CUDA error: device-side assert triggered"
+    assert f.detail["device_error"]["surfaced_as"].startswith("RuntimeError: CUDA error: CUBLAS_STATUS_INTERNAL")
+    recorded = Failure("device_error", 8, exc_type="AcceleratorError", message=f.message)
+    assert reproduces(recorded, f, "cuda") and not reproduces(recorded, _cublas(), "cuda")
+
+
+def test_an_exception_with_a_working_device_or_a_non_sticky_wait_error_stays_itself():
+    waited = []
+    assert behind(_cublas(), lambda: waited.append(1)) == _cublas() and waited == [1]
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert behind(_cublas(), oom) == _cublas()
+    nan = Failure("nonfinite_loss", 3)
+    assert behind(nan, lambda: pytest.fail("a failure that is not an exception needs no wait")) is nan
