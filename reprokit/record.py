@@ -508,7 +508,7 @@ class Recorder:
                            "in a collective writes none. Give every rank the same out_dir on a filesystem they all "
                            "see.")
         if self.rank is not None and self.rank.rank == 0 and "nccl" in self.rank.backend and \
-                os.environ.get("TORCH_NCCL_RETHROW_CUDA_ERRORS", "1").strip().lower() not in ("0", "false", "no", "n"):
+                os.environ.get("TORCH_NCCL_RETHROW_CUDA_ERRORS", "1").lower() not in ("0", "false", "no", "n"):
             self._warn("nccl-rethrow", "reprokit: under NCCL, a device error on a rank (a device-side assert, an illegal "
                        "memory access) makes NCCL's watchdog thread abort that process within a fraction of a second, "
                        "before reprokit can write its bundle, and torchrun then stops the other ranks. Set "

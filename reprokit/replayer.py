@@ -402,9 +402,11 @@ class Session:
                 self.on_step("finished", inp.step, result.loss)
             if result.failure is not None:
                 failure = result.failure
-                if self.device.type == "cuda" and not _in_a_group():
-                    # Alone on its device (no peer's collective to wait for): the device error behind it, if any.
-                    failure = device_error.behind(failure, torch.cuda.current_stream(self.device).synchronize)
+                if self.recorded.kind == FailureKind.DEVICE_ERROR and self.device.type == "cuda" and \
+                        not _in_a_group():
+                    # No process group of more ranks (no peer's collective to wait for): the device error behind
+                    # the exception, if any. Other bundles keep the exception as it was raised (their recorded one).
+                    failure = device_error.behind(failure, lambda: torch.cuda.synchronize(self.device))
                 break
         # Reproduced = the recorded signature at the recorded step; the same kind of failure
         # three steps early is another failure (another bug, or the same one under other numerics).

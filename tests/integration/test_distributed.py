@@ -228,10 +228,11 @@ fsdp2_on_cpu = pytest.mark.skipif(not _public_fsdp2(), reason="FSDP2 on the CPU 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=fsdp2_on_cpu),
                                     pytest.param("cuda", marks=[pytest.mark.cuda, two_gpus])])
 @pytest.mark.slow
-def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp_path, device):
+def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp_path, device, monkeypatch):
     """FSDP2 (fully_shard, gloo): every rank holds half of each parameter and of AdamW's state. Each bundle carries
     its rank's shards and their layout; replayed on two ranks (build() shards the model again), both reproduce
     bit-exactly. Replayed alone, the shards mean nothing: refused before build(), pointing at the incident."""
+    monkeypatch.setenv("TORCH_NCCL_RETHROW_CUDA_ERRORS", "0")  # under NCCL: else the Recorder warns of its watchdog
     out = tmp_path / "repros"
     proc = torchrun(PROJECTS / "rk_fsdp.py", out, device, cwd=tmp_path)
     # the run ends in reprokit's TrainingFailure, and the recorder itself had no trouble with DTensors
@@ -256,7 +257,6 @@ def test_an_fsdp2_incident_keeps_each_rank_s_shards_and_replays_on_two_ranks(tmp
     assert "shards of a sharded (FSDP2) state" in alone.output and "--nproc 2" in alone.output
 
 
-@pytest.mark.slow
 @pytest.mark.cuda
 @two_gpus
 @pytest.mark.parametrize("mode", ["assert", "assert_with"])
@@ -303,12 +303,16 @@ def test_nccl_s_watchdog_aborts_a_rank_on_a_device_error_and_the_durable_window_
     assert "watchdog thread terminated with exception" in proc.stderr, proc.stderr[-3000:]
     r = CliRunner().invoke(cli, ["recover", str(out), "--json"])
     print(f"\ntorchrun ended after {seconds:.1f} s; recover exit {r.exit_code}: {r.stdout[:3000]}")
+    assert r.exit_code == 0, r.output
     written = sorted(out.rglob("bundle-*-crash*"))
     ranks = {open_bundle(b).run["distributed"]["rank"]: open_bundle(b) for b in written}
-    assert 1 in ranks, (written, r.stdout)
+    assert set(ranks) == {0, 1}, (written, r.stdout)
+    assert (ranks[1].failure.kind, ranks[1].failure.exc_type) == ("crash", "SIGABRT"), ranks[1].failure
+    assert (ranks[0].failure.kind, ranks[0].failure.exc_type) == ("crash", "SIGTERM"), ranks[0].failure
     assert 6 in ranks[1].steps and ranks[1].step(6)[0]["idx"].tolist() == [99], ranks[1].steps
 
 
+@pytest.mark.slow
 def test_inspect_json_names_rank_world_and_incident(nan_run):
     out = nan_run[0]
     folder, bundles = _incident(out)
