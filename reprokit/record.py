@@ -66,7 +66,7 @@ from reprokit.bundle.tensorfile import WrittenFile
 from reprokit.code import importing_for_replay, ref_of, relative, snapshot_files
 from reprokit.detect import DetectSettings, Monitor, Predicate, StepResult
 from reprokit.diagnose import failure_note, model_tables
-from reprokit.distributed import IncidentBoard, rank_info, replicated, sees_rank0
+from reprokit.distributed import IncidentBoard, nccl_aborts_on_device_errors, rank_info, replicated, sees_rank0
 from reprokit.distributed import abort as fail_fast
 from reprokit.distributed.peers import PEER_TIMEOUT_S, PeerWatch
 from reprokit.distributed.rank_incidents import RankIncidents
@@ -507,8 +507,7 @@ class Recorder:
                            "a failure on one rank will not make the others write their windows, and a rank blocked "
                            "in a collective writes none. Give every rank the same out_dir on a filesystem they all "
                            "see.")
-        if self.rank is not None and self.rank.rank == 0 and "nccl" in self.rank.backend and \
-                os.environ.get("TORCH_NCCL_RETHROW_CUDA_ERRORS", "1").lower() not in ("0", "false", "no", "n"):
+        if self.rank is not None and self.rank.rank == 0 and nccl_aborts_on_device_errors(self.rank.backend):
             self._warn("nccl-rethrow", "reprokit: under NCCL, a device error on a rank (a device-side assert, an illegal "
                        "memory access) makes NCCL's watchdog thread abort that process within a fraction of a second, "
                        "before reprokit can write its bundle, and torchrun then stops the other ranks. Set "

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,21 @@ def rank_info(out_dir: Path | None = None) -> RankInfo | None:
                                "(or on rank 0 too), in the same order.") from None
     return RankInfo(rank, dist.get_world_size(), int(os.environ.get("LOCAL_RANK", rank)), str(dist.get_backend()),
                     key, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+
+
+def nccl_aborts_on_device_errors(backend: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Does NCCL's watchdog end this process on a CUDA error (``backend`` holds ``nccl`` and
+    ``TORCH_NCCL_RETHROW_CUDA_ERRORS`` is not off in ``environ``, by default ``os.environ``)? The watchdog then throws
+    from its own thread (``terminate called after throwing an instance of 'c10::DistBackendError'``) well before a
+    bundle can be written. Off: ``0``, ``false``, ``n`` or ``no`` (any case); unset is on, NCCL's default.
+
+    Example:
+        >>> off = {"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}
+        >>> nccl_aborts_on_device_errors("nccl", {}), nccl_aborts_on_device_errors("nccl", off)
+        (True, False)
+    """
+    value = (os.environ if environ is None else environ).get("TORCH_NCCL_RETHROW_CUDA_ERRORS", "1")
+    return "nccl" in backend and value.lower() not in ("0", "false", "no", "n")
 
 
 def _run_mark(out_dir: Path, run_key: str) -> Path:
