@@ -116,8 +116,8 @@ def behind(failure: Failure, probe: Callable[[], Any]) -> Failure:
     A kernel's assert reaches the host at the next call that waits for the device, and a library call in between
     may fail first, for that reason alone: cuBLAS creating its handle on a context an embedding's assert just
     killed raises ``CUBLAS_STATUS_INTERNAL_ERROR`` (seen replaying a one-step window on an H200, the step's first
-    matmul right after the bad lookup). ``probe`` waits for the device once (replay: the replaying stream's
-    ``synchronize()``); where it raises a sticky error, the step's failure is that device error, at the same step
+    matmul right after the bad lookup). ``probe`` waits for the device once (replay: ``torch.cuda.synchronize`` of its
+    device); where it raises a sticky error, the step's failure is that device error, at the same step
     and frame, and ``detail.device_error.surfaced_as`` keeps the exception it surfaced as.
 
     Example:

@@ -31,6 +31,7 @@ from reprokit import device_error, pytree, triage
 from reprokit.bundle import FAILURE, REPLICATED, Bundle, jsonable, open_bundle, schema
 from reprokit.code import check_refs, imported, materialize, resolve
 from reprokit.detect import DetectSettings, Monitor
+from reprokit.distributed import world_size
 from reprokit.env import apply_determinism_flags
 from reprokit.errors import BundleError, CodeLoadError, ConfigError, ReprokitError, StateMismatchError
 from reprokit.isolation import IsolatedRunner, isolation_lines, isolation_summary
@@ -49,16 +50,6 @@ from reprokit.state import (
     restore_state,
     volatile_buffers,
 )
-
-
-def _world() -> int:
-    """The size of this process's process group (1 without one)."""
-    return torch.distributed.get_world_size() if torch.distributed.is_available() and \
-        torch.distributed.is_initialized() else 1
-
-
-def _in_a_group() -> bool:
-    return _world() > 1
 
 
 @dataclass
@@ -403,7 +394,7 @@ class Session:
             if result.failure is not None:
                 failure = result.failure
                 if self.recorded.kind == FailureKind.DEVICE_ERROR and self.device.type == "cuda" and \
-                        not _in_a_group():
+                        world_size() == 1:
                     # No process group of more ranks (no peer's collective to wait for): the device error behind
                     # the exception, if any. Other bundles keep the exception as it was raised (their recorded one).
                     failure = device_error.behind(failure, lambda: torch.cuda.synchronize(self.device))
@@ -882,7 +873,7 @@ def _refuse_shards_alone(bundle: Bundle) -> None:
     ranks = 1
     for n in mesh:
         ranks *= n if isinstance(n, int) else 1
-    world = _world()
+    world = world_size()
     if world != ranks:
         dist = bundle.run.get("distributed") or {}
         where = bundle.path.parent if dist else "the incident folder"

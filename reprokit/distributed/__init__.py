@@ -110,6 +110,13 @@ def rank_info(out_dir: Path | None = None) -> RankInfo | None:
                     key, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
 
 
+def world_size() -> int:
+    """The size of this process's default process group (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def nccl_aborts_on_device_errors(backend: str, environ: Mapping[str, str] | None = None) -> bool:
     """Does NCCL's watchdog end this process on a CUDA error (``backend`` holds ``nccl`` and
     ``TORCH_NCCL_RETHROW_CUDA_ERRORS`` is not off in ``environ``, by default ``os.environ``)? The watchdog then throws

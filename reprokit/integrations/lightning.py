@@ -66,6 +66,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from reprokit.code import ref_of, resolve_project
 from reprokit.detect import current_step
+from reprokit.distributed import world_size
 from reprokit.errors import CaptureError, CodeLoadError, ConfigError
 from reprokit.record import Recorder
 from reprokit.skip import GUIDE, SkipSettings, as_indices
@@ -366,8 +367,7 @@ def build(config: dict[str, Any]) -> TrainState:
     flags = {k: config["trainer"][k] for k in TRAINER_FLAGS if k in config["trainer"]}  # nothing else reaches Trainer
     # Replay runs where the bundle was recorded when it can (reprokit's default device), else on the CPU.
     accelerator = "gpu" if config.get("accelerator") == "gpu" and torch.cuda.is_available() else "cpu"
-    ranks = torch.distributed.get_world_size() if torch.distributed.is_available() and \
-        torch.distributed.is_initialized() else 1
+    ranks = world_size()
     if ranks > 1:
         flags["strategy"] = "ddp"
     quiet = logging.getLogger("lightning.pytorch")  # "GPU available: ..." lines are about this headless trainer
