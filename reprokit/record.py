@@ -221,6 +221,13 @@ def _add_note(exc: BaseException, note: str) -> None:
     print(note, file=sys.stderr)
 
 
+
+def _raiser(exc: BaseException) -> Callable[[], None]:
+    """A probe for :func:`reprokit.device_error.behind` that raises ``exc`` (an error already met)."""
+    def probe() -> None:
+        raise exc
+    return probe
+
 class Recorder:
     """Watch a training loop and write a bundle when it fails.
 
@@ -1241,7 +1248,9 @@ class Recorder:
             except Exception as e:
                 if device_error.is_sticky(e):  # a later CUDA call failing the same way: the device died in the step
                     self._device_died(e)
-                    return self._dump_dead(failure, incident)
+                    # The step's exception was a symptom (a library call on the context its kernel had killed):
+                    # the bundle's failure is the device error, the exception kept as surfaced_as, as replay says.
+                    return self._dump_dead(device_error.behind(failure, _raiser(e)), incident)
                 self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
                 return None
         if not from_watcher:
@@ -1393,6 +1402,7 @@ class Recorder:
         snap, ring = found
         failure.step = ring[-1].step
         failure.detail = {**failure.detail, "device_error": {
+            **failure.detail.get("device_error", {}),
             "error": self._dead, "surfaced_at_step": surfaced, "rank": self.rank.rank if self.rank else None,
             "snapshot": "previous (the snapshot of the failing step had not landed)" if snap is not self._snapshot
             else "current"}}

@@ -182,3 +182,22 @@ def test_markers_land_in_stream_order_and_the_last_snapshot_stays_intact_while_t
         rec.close()
     finally:
         sys.path.remove(str(PROJECTS))
+
+
+def test_a_fault_in_the_first_step_is_a_device_error_whichever_call_meets_it_first(tmp_path):
+    """At step 0 the first matmul after the bad lookup may be the one that creates cuBLAS's handle, on the context
+    the assert has just killed: the step then raises ``CUBLAS_STATUS_INTERNAL_ERROR``, not the assert. The bundle's
+    failure is the device error either way (the first exception kept as ``surfaced_as``), and replays as one."""
+    call = (f"import rk_vocab as m; m.main({str(tmp_path / 'repros')!r}, device='cuda', steps=4, bad_step=0, "
+            "snapshot_every=4)")
+    run = _run([sys.executable, "-c", call], "recording a fault at step 0")
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines and json.loads(lines[-1])["bundle"], f"no bundle (exit {run.returncode}):\n{run.stderr[-4000:]}"
+    out = json.loads(lines[-1])
+    f = B.open_bundle(Path(out["bundle"])).failure
+    print(f"\nthe step raised {out['error']}; failure {f.kind} {f.exc_type}: {f.message}; detail {f.detail}")
+    assert f.kind == "device_error" and f.step == 0 and "device-side assert" in f.message, f
+    if "device-side assert" not in out["error"]:
+        assert f.detail["device_error"]["surfaced_as"].endswith(out["error"].split(": ", 1)[1]), f.detail
+    check_replay(out["bundle"], f"step 0, input_ids row {BAD_ROW} (dataset index {100 + BAD_ROW}), position "
+                                f"{BAD_POS}: id 64 >= num_embeddings 64 of wte")
