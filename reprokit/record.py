@@ -221,12 +221,12 @@ def _add_note(exc: BaseException, note: str) -> None:
     print(note, file=sys.stderr)
 
 
-
 def _raiser(exc: BaseException) -> Callable[[], None]:
     """A probe for :func:`reprokit.device_error.behind` that raises ``exc`` (an error already met)."""
     def probe() -> None:
         raise exc
     return probe
+
 
 class Recorder:
     """Watch a training loop and write a bundle when it fails.
