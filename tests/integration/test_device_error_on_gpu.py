@@ -34,7 +34,10 @@ TIMEOUT = 900
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "4",
+    """The children see one GPU (the first visible one): on a host with more, the Hugging Face Trainer would wrap its
+    model in DataParallel, which is another failure path (``Caught AcceleratorError in replica 0``), not this file's."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    return {**os.environ, "OMP_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": first,
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(PROJECTS), os.environ.get("PYTHONPATH", "")])}
 
 
