@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -90,9 +88,10 @@ def _package(project: Path, main: str = "train.py") -> None:
     (project / "mypkg" / main).write_text(TRAIN.replace("IMPORTS", PKG_IMPORTS))
 
 
-def _record(project: Path, module: str, out: Path) -> Path:
-    proc = subprocess.run([sys.executable, "-m", module, str(out)], cwd=project, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+def _record(forked, project: Path, module: str, out: Path) -> Path:
+    """``python -m MODULE OUT`` from ``project``, forked from the test process's fork server (``runpy.run_module``
+    as ``-m`` does: ``__main__.__spec__`` names the module, the working directory first on ``sys.path``)."""
+    proc = forked.capture([out], module=module, cwd=project, env=_env(), replace_env=True, timeout=300)
     assert proc.returncode == 7, proc.stderr
     return Path(proc.stdout.strip().splitlines()[-1])
 
@@ -120,10 +119,10 @@ def _assert_replays(bundle: Path, cwd: Path, *extra: str) -> None:
 
 
 @pytest.mark.slow
-def test_package_module_run_with_dash_m_replays_from_anywhere(tmp_path):
+def test_package_module_run_with_dash_m_replays_from_anywhere(tmp_path, fork_server):
     project = tmp_path / "proj"
     _package(project)
-    bundle = _record(project, "mypkg.train", tmp_path / "repros")
+    bundle = _record(fork_server, project, "mypkg.train", tmp_path / "repros")
 
     refs = json.loads((bundle / "run.json").read_text())["refs"]
     assert refs["build"] == {"module": "mypkg.train", "qualname": "build"}
@@ -156,10 +155,10 @@ def test_package_module_run_with_dash_m_replays_from_anywhere(tmp_path):
 
 
 @pytest.mark.slow
-def test_package_main_run_with_dash_m_replays(tmp_path):
+def test_package_main_run_with_dash_m_replays(tmp_path, fork_server):
     project = tmp_path / "proj"
     _package(project, main="__main__.py")
-    bundle = _record(project, "mypkg", tmp_path / "repros")
+    bundle = _record(fork_server, project, "mypkg", tmp_path / "repros")
     refs = json.loads((bundle / "run.json").read_text())["refs"]
     assert refs["build"] == {"module": "mypkg.__main__", "qualname": "build"}
     assert _code_files(bundle) == ["mypkg/__init__.py", "mypkg/__main__.py", "mypkg/data.py", "mypkg/model.py"]
@@ -167,13 +166,13 @@ def test_package_main_run_with_dash_m_replays(tmp_path):
 
 
 @pytest.mark.slow
-def test_top_level_module_run_with_dash_m_replays(tmp_path):
+def test_top_level_module_run_with_dash_m_replays(tmp_path, fork_server):
     project = tmp_path / "proj"
     project.mkdir()
     (project / "model.py").write_text(MODEL)
     (project / "data.py").write_text(DATA)
     (project / "train.py").write_text(TRAIN.replace("IMPORTS", "from model import Net\nfrom data import make_data"))
-    bundle = _record(project, "train", tmp_path / "repros")
+    bundle = _record(fork_server, project, "train", tmp_path / "repros")
     refs = json.loads((bundle / "run.json").read_text())["refs"]
     assert refs["build"] == {"module": "train", "qualname": "build"}
     assert _code_files(bundle) == ["data.py", "model.py", "train.py"]
