@@ -1,14 +1,13 @@
 """SIGKILL at random points of a bundle dump: nothing half-written is ever taken for a bundle.
 
-A child process trains the rk_mlp project until its loss goes NaN at step 5; the recorder then
-dumps a bundle. An audit hook in the child counts every file operation under ``out_dir`` (opens
-for writing, folders made, renames) and SIGKILLs the process right before the K-th one: no
-``finally``, no ``atexit``, nothing of reprokit runs after it. K is drawn at random among the
-operations of the dump (a first child, never killed, lists them). After each kill: no bundle is
-committed; every leftover is a hidden ``.tmp-*`` folder that ``find_leftovers`` calls abandoned,
-``verify`` reports (exit 1) and ``inspect`` / ``replay`` refuse (exit 3), unless the kill came right
-before the commit's rename (then the hidden folder is whole, yet never committed); ``reprokit gc``
-removes them all. CI kills at 2 random points plus that one; the long run, at 50 or more:
+A child process (forked from the test process's fork server) trains the rk_mlp project until its loss goes NaN at
+step 5; the recorder then dumps a bundle. An audit hook in the child counts every file operation under ``out_dir``
+(opens for writing, folders made, renames) and SIGKILLs the process right before the K-th one: no ``finally``, no
+``atexit``, nothing of reprokit runs after it. K is drawn at random among the operations of the dump (a first child,
+never killed, lists them). After each kill: no bundle is committed; every leftover is a hidden ``.tmp-*`` folder
+that ``find_leftovers`` calls abandoned, ``verify`` reports (exit 1) and ``inspect`` / ``replay`` refuse (exit 3),
+unless the kill came right before the commit's rename (then the hidden folder is whole, yet never committed);
+``reprokit gc`` removes them all. CI kills at 2 random points plus that one; the long run, at 50 or more:
 
     REPROKIT_KILL_POINTS=50 python -m pytest -q tests/integration/test_kill_during_dump.py
 """
@@ -20,7 +19,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -65,16 +63,18 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _child(out: Path, kill_at: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", CHILD, str(PROJECTS), str(out), str(kill_at)], capture_output=True,
-                          text=True, timeout=300, env=env)
+def _child(forked, out: Path, kill_at: int) -> subprocess.CompletedProcess:
+    """``CHILD`` run as a script in a process forked from the test process's fork server (a real process, which the
+    audit hook SIGKILLs: the server reports -9 as ``subprocess`` would)."""
+    script = out.parent / "child.py"
+    if not script.exists():
+        script.write_text(CHILD)
+    return forked.capture([PROJECTS, out, kill_at], script=script, cwd=out.parent, timeout=300)
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_points_of_a_dump_leaves_only_hidden_temp_folders_that_gc_removes(tmp_path):
-    whole = _child(tmp_path / "calibrate", 0)  # 0: never killed (a kill point never reached kills nothing)
+def test_sigkill_at_random_points_of_a_dump_leaves_only_hidden_temp_folders_that_gc_removes(tmp_path, fork_server):
+    whole = _child(fork_server, tmp_path / "calibrate", 0)  # 0: never killed (a kill point never reached kills nothing)
     assert whole.returncode == 0, whole.stderr
     ops = json.loads(whole.stdout.splitlines()[-1])
     assert ops[-1].startswith("os.rename bundle-"), ops  # the commit: os.replace audits as os.rename
@@ -90,7 +90,7 @@ def test_sigkill_at_random_points_of_a_dump_leaves_only_hidden_temp_folders_that
     points = sorted(points + ([dump[-1]] if dump[-1] not in points else []))  # always right before the commit too
     for n, k in enumerate(points):
         out = tmp_path / f"kill{n}-at{k}"
-        proc = _child(out, k)
+        proc = _child(fork_server, out, k)
         assert proc.returncode == -signal.SIGKILL, (k, proc.returncode, proc.stderr[-2000:])
         entries = sorted(out.iterdir())  # empty when killed before the temp folder was made
         assert bool(entries) == (k > dump[0]), (k, ops[k - 1], entries)
