@@ -13,6 +13,8 @@ the same clean state. What a fork cannot give is a fresh interpreter's start-up 
 imports of a process that never imported torch): tests about those keep ``subprocess``.
 
 The ``forked`` fixture (tests/conftest.py) is one server per test process, shared by every test that takes it.
+:func:`shared_bare` is the same for the hand-off runs (``python -S`` with only torch, numpy and safetensors): a
+``python -S`` server that imported torch alone, its runs with the import path of a fresh ``python -S`` run.
 """
 
 from __future__ import annotations
