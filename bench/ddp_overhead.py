@@ -4,7 +4,8 @@
     python bench/ddp_overhead.py --quick         # 2 CPU ranks (gloo), a tiny GPT, a few steps (timings meaningless)
     python bench/ddp_overhead.py --json --save bench/results
 
-It starts itself under ``torch.distributed.run`` (one process per GPU, or two on the CPU). Each rank runs the bare
+It starts itself under ``torch.distributed.run`` (one process per GPU, or two on the CPU; with --quick the
+launcher is forked from the bench's process, the ranks fresh). Each rank runs the bare
 DDP step and the step through ``Recorder.step`` in short interleaved blocks (10 steps; the order rotates every
 round), so drift hits both alike; "bare (A/A)" is the bare step timed as if it were a variant: the noise floor. A
 step's time includes ``loss.item()``, as real loops do, and the all-reduce, so a slow rank slows every rank. Then
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -196,6 +198,45 @@ def rank_main(args: argparse.Namespace) -> None:
     os._exit(0)  # no destroy_process_group: a peer may still sit in a collective after the incident
 
 
+def _torchrun(argv: list[str], env: dict[str, str], forked: bool) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run ARGV`` with ``env``, output captured. ``forked`` (--quick, a smoke run): the
+    launcher is a process forked from this one (torch imported already: no torch import of its own) when this one
+    has no other thread; it starts each rank as a fresh process all the same, as torchrun does."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *argv]
+    if not forked or threading.active_count() != 1:
+        return subprocess.run(cmd, capture_output=True, text=True, env=env)
+    import runpy
+    import traceback
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                for fd, target in ((devnull, 0), (out.fileno(), 1), (err.fileno(), 2)):
+                    os.dup2(fd, target)
+                os.environ.clear()
+                os.environ.update(env)
+                sys.argv = ["torchrun", *argv]
+                runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code & 0xFF)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, status, out.read(), err.read())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 CPU ranks, a tiny GPT, few steps (smoke run)")
@@ -219,13 +260,13 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.quick
     nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
     with tempfile.TemporaryDirectory(prefix="reprokit-ddp-bench-") as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", str(_free_port()), __file__, "--out", str(Path(tmp) / "repros"),
-               "--report", tmp, "--block", str(args.block), "--rounds", str(args.rounds),
-               "--variants", args.variants, "--loops", args.loops, "--loop-block", str(args.loop_block),
-               "--loop-rounds", str(args.loop_rounds)] + (["--quick"] if args.quick else [])
+        argv = ["--nproc_per_node", str(nproc), "--master_addr",
+                "127.0.0.1", "--master_port", str(_free_port()), __file__, "--out", str(Path(tmp) / "repros"),
+                "--report", tmp, "--block", str(args.block), "--rounds", str(args.rounds),
+                "--variants", args.variants, "--loops", args.loops, "--loop-block", str(args.loop_block),
+                "--loop-rounds", str(args.loop_rounds)] + (["--quick"] if args.quick else [])
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = _torchrun(argv, env, forked=args.quick)
         ranks = []
         for r in range(nproc):
             p = Path(tmp) / f"rank{r}.json"

@@ -12,12 +12,14 @@ query positions of that row see only padding and softmax over a row of ``-inf`` 
 recorder catches the NaN loss and writes a bundle (model + AdamW state, two steps); the bench
 shrinks it (steps, rows: what a user does first), runs ``reprokit extract`` on it, packs the
 extract (``reprokit pack``), and replays the packed ``repro.py`` (and the one-op repro) in a
-fresh interpreter whose import path holds only torch, numpy and safetensors.
+fresh interpreter whose import path holds only torch, numpy and safetensors (with --quick, a process
+forked from one such ``python -S`` interpreter that imported torch: the same import path).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -129,11 +131,15 @@ def batches(config, steps):
         yield {"idx": seq[:, :-1].clone(), "targets": seq[:, 1:].clone()}
 
 
-def _bare(site: Path, tmp: Path, *argv: str) -> subprocess.CompletedProcess:
-    """Run python -S with only ``site`` importable, from a folder holding nothing."""
+def _bare(site: Path, tmp: Path, *argv: str, server=None) -> subprocess.CompletedProcess:
+    """Run python -S with only ``site`` importable, from a folder holding nothing. ``server`` (--quick): a script
+    runs forked from that ``python -S`` fork server (tests/rk_forked.py, started with the same ``PYTHONPATH``; torch
+    imported once), which imports what a fresh ``python -S`` could and nothing more."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp)}
     cwd = tmp / "elsewhere"
     cwd.mkdir(exist_ok=True)
+    if server is not None and argv[0] != "-c":
+        return server.capture(list(argv[1:]), script=Path(argv[0]), cwd=cwd, env=env, replace_env=True, timeout=600)
     return subprocess.run([sys.executable, "-S", *argv], env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
@@ -151,7 +157,7 @@ def _parts(extract: Path) -> dict:
     return dict(sorted(parts.items()))
 
 
-def run(cfg: dict, tmp: Path) -> dict:
+def run(cfg: dict, tmp: Path, site: Path, server=None) -> dict:
     import reprokit
     from reprokit.bundle import open_bundle
     from reprokit.extract import extract
@@ -188,18 +194,13 @@ def run(cfg: dict, tmp: Path) -> dict:
     with tarfile.open(packed) as tf:
         tf.extractall(unpacked, filter="data")
     (top,) = list(unpacked.iterdir())
-    # Imported here, not at the top: replays import this module from the bundle's code snapshot, without tests/.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from rk_testing import minimal_site
-
-    site = minimal_site(tmp / "site")
     probes = {m: _bare(site, tmp, "-c", f"import {m}").returncode != 0 for m in ("reprokit", "click", "git")}
     t0 = time.perf_counter()
-    replay = _bare(site, tmp, str(top / "repro.py"), "--json")
+    replay = _bare(site, tmp, str(top / "repro.py"), "--json", server=server)
     times["standalone_replay_s"] = time.perf_counter() - t0
     got = json.loads(replay.stdout) if replay.returncode == 1 and replay.stdout.startswith("{") else {}
     op = top / "bundle" / "extract" / "op_repro.py"
-    one = _bare(site, tmp, str(op)) if op.exists() else None
+    one = _bare(site, tmp, str(op), server=server) if op.exists() else None
     return {
         "failure": str(failure).splitlines()[0],
         "bundle_bytes": _size(bundle), "shrunk_bytes": _size(shrunk.output), "extract_bytes": _size(ex.output),
@@ -230,13 +231,27 @@ def main() -> None:
     args = ap.parse_args()
     cfg = QUICK if args.quick else FULL
     variants = {}
-    for name, inline in VARIANTS.items():
-        with tempfile.TemporaryDirectory(prefix="extract-size-") as tmp:
-            res = run({**cfg, "inline": inline}, Path(tmp))
+    # Imported here, not at the top, and tests/ off the path again before recording: replays import this module from
+    # the bundle's code snapshot, without tests/.
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    sys.path.insert(0, tests)
+    from rk_forked import ForkedRuns
+    from rk_testing import minimal_site
+
+    sys.path.remove(tests)
+
+    with contextlib.ExitStack() as stack:
+        site = minimal_site(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="extract-size-site-"))) / "s")
+        # --quick (a smoke run): the hand-off runs fork from one python -S server instead of a torch import each.
+        server = stack.enter_context(ForkedRuns(env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site)}, bare=True)) \
+            if args.quick else None
+        for name, inline in VARIANTS.items():
+            with tempfile.TemporaryDirectory(prefix="extract-size-") as tmp:
+                variants[name] = run({**cfg, "inline": inline}, Path(tmp), site, server)
+    for res in variants.values():
         res["fits_10MB"] = res["packed_extract_bytes"] <= 10_000_000
         res["replays_standalone"] = res["standalone_replay"]["exit"] == 1 and res["standalone_replay"]["verdict"] == \
             "deterministic" and all(res["not_importable_in_replay_env"].values())
-        variants[name] = res
     from io_bench import _commit  # bench/ is the script's folder
     commit = _commit()
     params = sum(p.numel() for p in GPT(*(cfg[k] for k in ("layers", "d", "heads", "vocab", "ctx"))).parameters())

@@ -171,7 +171,8 @@ def loop_shapes(names: list[str], rec, state, cfg: dict, g, device: str, args, e
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model on CPU, few steps (smoke run)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model on CPU, few steps, snapshots every 10 steps instead of 100 (smoke run)")
     ap.add_argument("--block", type=int, default=None, help="steps per block (default 10, quick 2)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds of one block per variant, order rotated each round (default 80, quick 2)")
@@ -199,7 +200,13 @@ def main() -> None:
     g = torch.Generator(device=device).manual_seed(1)
     out_dir = Path(tempfile.mkdtemp(prefix="reprokit-bench-"))
 
+    # The warm-up fills one whole window and takes the next snapshot: 102 steps at the default snapshot_every=100;
+    # --quick (a smoke run, figures meaningless) takes the same path with a window of 10 steps in 12.
+    window = 10 if args.quick else 100
+    warm_steps = window + 2
+
     def recorder(**kw):
+        kw.setdefault("snapshot_every", window)
         return reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out_dir, **kw)
 
     recs = {"recorder": recorder(), "recorder+durable": recorder(durable=True),
@@ -276,8 +283,8 @@ def main() -> None:
             or name in loop_arms]
     warm_start = time.perf_counter()
     for name in warm:
-        run_block(name, 102)
-    warmup_s = time.perf_counter() - warm_start - len(warm) * 102 * statistics.median(run_block("bare", 5))
+        run_block(name, warm_steps)
+    warmup_s = time.perf_counter() - warm_start - len(warm) * warm_steps * statistics.median(run_block("bare", 5))
     results: dict[str, list[float]] = {v: [] for v in variants}
     blocks: dict[str, list[float]] = {v: [] for v in variants}  # per-round block means
     for i in range(rounds):
@@ -357,7 +364,7 @@ def main() -> None:
         from io_bench import disk_write
 
         timed_steps = len(results.get("recorder+durable", []))
-        n_durable = timed_steps + (102 if "recorder+durable" in warm else 0)
+        n_durable = timed_steps + (warm_steps if "recorder+durable" in warm else 0)
         per_step = flight.stats["bytes"] / max(1, n_durable)
         on_disk = sum(p.stat().st_size for p in flight.folder.rglob("*") if p.is_file())
         probe = out_dir / "disk-probe"

@@ -4,7 +4,8 @@
     python bench/spill_bench.py --quick --json                                                     # smoke run (CPU, ~10 MB)
 
 A stack of square ``Linear`` layers with AdamW (fused on CUDA) whose state (parameters + both moments) is
-``--size-gb``. Each phase runs in its own process, so its peak resident memory (``ru_maxrss``) is its own:
+``--size-gb``. Each phase runs in its own process, so its peak resident memory (``ru_maxrss``) is its own
+(with --quick, a process forked from the bench's, torch imported: no torch import each):
 
 1. record: a real ``Recorder(spill_dir=...)`` with ``snapshot_every=2``; step 3 returns a NaN loss, so the
    snapshot of step 2 (parameters and moments) is the bundle's state. Reported: the spill's seconds and
@@ -30,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -111,7 +113,42 @@ def phase_replay(bundle: Path, device: str) -> dict[str, Any]:
             "bit_exact": report.fidelity.get("bit_exact")}
 
 
-def child(args: list[str]) -> dict[str, Any]:
+def phase(args: list[str]) -> dict[str, Any]:
+    """``["--phase", "record", ROOT, CONFIG]`` or ``["--phase", "replay", BUNDLE, DEVICE]``."""
+    if args[1] == "record":
+        return phase_record(Path(args[2]), json.loads(args[3]))
+    return phase_replay(Path(args[2]), args[3])
+
+
+def child(args: list[str], quick: bool = False) -> dict[str, Any]:
+    """The phase in a fresh process of its own. ``quick`` (a smoke run, figures meaningless): in a process forked
+    from this one, which imported torch already, when this one has no other thread (else fresh, as always)."""
+    if quick and threading.active_count() == 1:
+        import traceback
+
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(read)
+                os.dup2(2, 1)  # what the phase prints goes with its errors, never into the bench's own output
+                with os.fdopen(write, "w") as out:
+                    out.write(json.dumps(phase(args)))
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read) as got:
+            text = got.read()
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if status:
+            raise SystemExit(f"phase {args[:2]} failed (exit {status}; its traceback is above)")
+        return json.loads(text)
     proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"phase {args[:2]} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -133,11 +170,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         drop_cache([probe])
         res["limits"]["disk_read_Bps"] = disk_read(probe)
         probe.unlink()
-        rec = res["record"] = child(["--phase", "record", str(root), json.dumps(config)])
+        rec = res["record"] = child(["--phase", "record", str(root), json.dumps(config)], args.quick)
         bundle = Path(rec["bundle"])
         shutil.rmtree(root / "spill", ignore_errors=True)  # the bundle holds its own links to the parts
         drop_cache(files_under(bundle))
-        rep = res["replay"] = child(["--phase", "replay", str(bundle), device])
+        rep = res["replay"] = child(["--phase", "replay", str(bundle), device], args.quick)
         state = rec["state_bytes"]
         res["summary"] = {
             "state_GB": state / 1e9,
@@ -157,10 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        if sys.argv[2] == "record":
-            print(json.dumps(phase_record(Path(sys.argv[3]), json.loads(sys.argv[4]))))
-        else:
-            print(json.dumps(phase_replay(Path(sys.argv[3]), sys.argv[4])))
+        print(json.dumps(phase(sys.argv[1:])))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=30.0, help="state size (parameters + AdamW moments), GB")

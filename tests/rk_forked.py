@@ -13,6 +13,8 @@ the same clean state. What a fork cannot give is a fresh interpreter's start-up 
 imports of a process that never imported torch): tests about those keep ``subprocess``.
 
 The ``forked`` fixture (tests/conftest.py) is one server per test process, shared by every test that takes it.
+:func:`shared_bare` is the same for the hand-off runs (``python -S`` with only torch, numpy and safetensors): a
+``python -S`` server that imported torch alone, its runs with the import path of a fresh ``python -S`` run.
 """
 
 from __future__ import annotations
@@ -40,8 +42,14 @@ class ForkedRuns:
         -11
     """
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env,
+    def __init__(self, env: dict[str, str] | None = None, bare: bool = False) -> None:
+        """``env``: the server's environment (default: this process's). ``bare``: the server runs as ``python -S``
+        and imports torch alone, with nothing on its import path but the standard library and ``env``'s
+        ``PYTHONPATH``: a run forked from it imports what ``python -S SCRIPT`` started with that environment could
+        import, and nothing more (e.g. a packed repro with only torch, numpy and safetensors: :func:`shared_bare`)."""
+        here = str(Path(__file__).resolve())
+        argv = [sys.executable, "-S", here, "--bare"] if bare else [sys.executable, here]
+        self._proc = subprocess.Popen(argv, cwd="/" if bare else ROOT, env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self._read()
         assert ready.get("threads") == 1, f"the fork server has {ready.get('threads')} threads: forking is unsafe"
@@ -150,6 +158,31 @@ def shared() -> ForkedRuns:
     return _SHARED
 
 
+_SHARED_BARE: ForkedRuns | None = None
+
+
+def shared_bare() -> ForkedRuns:
+    """This test process's bare fork server (``ForkedRuns(bare=True)``), started at the first call and stopped when
+    the process exits: ``python -S`` with only a minimal site (:func:`rk_testing.minimal_site`: torch, numpy,
+    safetensors and their requirements) on ``PYTHONPATH``, which is its ``site`` attribute. A hand-off run is
+    ``capture(..., env={"PYTHONPATH": str(server.site), ...}, replace_env=True)``: what ``python -S SCRIPT`` run
+    with that environment imports, without its own torch import."""
+    global _SHARED_BARE
+    if _SHARED_BARE is None or _SHARED_BARE._proc.poll() is not None:
+        import atexit
+
+        from rk_testing import minimal_site
+
+        top = Path(tempfile.mkdtemp(prefix="rk-bare-site-"))
+        site = minimal_site(top / "site")
+        server = ForkedRuns(env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site)}, bare=True)
+        server.site = site  # type: ignore[attr-defined]
+        atexit.register(shutil.rmtree, top, ignore_errors=True)
+        atexit.register(server.close)  # first out: the server stops, then its site goes
+        _SHARED_BARE = server
+    return _SHARED_BARE
+
+
 def _text(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
@@ -223,6 +256,16 @@ def _serve(requests: IO[str]) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--bare"]:  # python -S: torch (and what it imports) alone, see ForkedRuns(bare=True)
+        # Not this script's folder (tests/) on the path while torch imports: only PYTHONPATH and the standard
+        # library. Each run puts its own script's folder first (_child), in this placeholder's place.
+        sys.path.pop(0)
+        import torch  # noqa: F401
+
+        sys.path.insert(0, "")
+
+        _serve(sys.stdin)
+        raise SystemExit(0)
     import torch  # noqa: F401 - once, here: every run forked from this process has it
     import torch._dynamo  # noqa: F401 - imported lazily by the recorder's determinism flags
 

@@ -98,8 +98,10 @@ def test_subprocess_replay_from_unrelated_cwd(nan_bundle):
 
 
 @pytest.mark.slow
-def test_subprocess_demo(tmp_path):
-    proc = cli_process("demo", "--out", str(tmp_path))
+def test_subprocess_demo(tmp_path, fork_server):
+    # `python -m reprokit demo` (and the replay and the second demo) as processes of their own, forked from the fork
+    # server (no torch import each); a fresh interpreter's start-up is test_subprocess_replay_from_unrelated_cwd's.
+    proc = fork_server.reprokit("demo", "--out", tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "non-finite loss at step 250" in proc.stdout
     assert "reproduced 3/3, deterministic, losses bit-exact" in proc.stdout
@@ -109,8 +111,8 @@ def test_subprocess_demo(tmp_path):
     assert f"tar xzf {tmp_path / 'repro.tar.gz'} && python" in proc.stdout, "the next step works from any folder"
     bundles = list(tmp_path.glob("bundle-*"))
     assert len(bundles) == 1
-    assert cli_process("replay", str(bundles[0])).returncode == 1
-    again = cli_process("demo", "--out", str(tmp_path))  # refused before training, not after it
+    assert fork_server.reprokit("replay", bundles[0]).returncode == 1
+    again = fork_server.reprokit("demo", "--out", tmp_path)  # refused before training, not after it
     assert again.returncode == 2 and "already holds shrunk and repro.tar.gz" in again.stderr, again.stderr
     assert "non-finite loss" not in again.stdout and len(list(tmp_path.glob("bundle-*"))) == 1
 

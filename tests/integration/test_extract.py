@@ -7,16 +7,23 @@ import os
 import subprocess
 import sys
 import tarfile
+import textwrap
 
 import pytest
-from rk_testing import bundle_of, cli, minimal_site, record
+from rk_testing import bundle_of, cli, record
 
 from reprokit.pack import pack
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    return minimal_site(tmp_path_factory.mktemp("site") / "site")
+@pytest.fixture
+def bare_server():
+    """The hand-off runs' fork server (:func:`rk_forked.shared_bare`): ``python -S`` with only torch, numpy and
+    safetensors (a minimal site) on its path, torch imported once; each run is a process forked from it that imports
+    what a fresh ``python -S`` process with that environment could, and nothing more
+    (test_a_hand_off_run_has_the_import_path_of_a_fresh_python_s_process)."""
+    from rk_forked import shared_bare
+
+    return shared_bare()
 
 
 def _record(projects, tmp_path, case):
@@ -40,13 +47,49 @@ def _unpacked(tmp_path, packed):
     return top
 
 
-def _hand_off(tmp_path, site, folder, script, *args):
-    """Run ``script`` (relative to the unpacked folder) with only torch, numpy and safetensors importable."""
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site), "HOME": str(tmp_path)}
+def _hand_off_env(tmp_path, site):
+    """A colleague's environment with only torch, numpy and safetensors installed; ``python -S``: no site-packages."""
+    return {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site), "HOME": str(tmp_path)}
+
+
+def _hand_off(tmp_path, server, folder, script, *args):
+    """Run ``script`` (relative to the unpacked folder) from another folder with only torch, numpy and safetensors
+    importable: forked from the ``bare_server``, as ``python -S script`` with :func:`_hand_off_env` would run."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, "-S", str(folder / script), *args], env=env, cwd=elsewhere,
-                          capture_output=True, text=True, timeout=300)
+    return server.capture(list(args), script=folder / script, cwd=elsewhere, env=_hand_off_env(tmp_path, server.site),
+                          replace_env=True, timeout=300)
+
+
+def test_a_hand_off_run_has_the_import_path_of_a_fresh_python_s_process(tmp_path, bare_server):
+    """What makes the forked hand-off runs stand for fresh ``python -S`` ones: the same import path, flags, folder
+    and environment, and reprokit (or click, git, pytest) not importable; torch is merely imported already."""
+    folder = tmp_path / "unpacked"
+    folder.mkdir()
+    (folder / "probe.py").write_text(textwrap.dedent("""
+        import importlib.util, json, locale, os, sys
+        print(json.dumps({"path": sys.path, "flags": list(sys.flags), "no_site": sys.flags.no_site, "cwd": os.getcwd(),
+                          "env": dict(os.environ), "locale": locale.setlocale(locale.LC_CTYPE),
+                          "encodings": [sys.getfilesystemencoding(), locale.getpreferredencoding(False)],
+                          "executable": sys.executable, "argv": sys.argv,
+                          "importable": {name: importlib.util.find_spec(name) is not None for name in
+                                         ("torch", "numpy", "safetensors", "reprokit", "click", "git", "pytest")}}))
+    """))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    fresh = subprocess.run([sys.executable, "-S", str(folder / "probe.py"), "x"], env=_hand_off_env(tmp_path,
+                           bare_server.site), cwd=elsewhere, capture_output=True, text=True, timeout=60)
+    forked = _hand_off(tmp_path, bare_server, folder, "probe.py", "x")
+    assert fresh.returncode == forked.returncode == 0, fresh.stderr + forked.stderr
+    want, got = json.loads(fresh.stdout), json.loads(forked.stdout)
+    # PEP 538: an interpreter started in the C locale coerces it to C.UTF-8 and puts LC_CTYPE in its own
+    # environment. The forked run has the locale its server coerced the same way (same "locale" and "encodings"
+    # below); only the variable is not in its os.environ, which nothing but the processes it starts would read.
+    assert want["env"].pop("LC_CTYPE", None) in (None, "C.UTF-8") and "LC_CTYPE" not in got["env"], want["env"]
+    assert got == want
+    assert got["path"][0] == str(folder) and got["no_site"] == 1 and got["cwd"] == str(elsewhere), got
+    assert got["importable"] == {"torch": True, "numpy": True, "safetensors": True, "reprokit": False,
+                                 "click": False, "git": False, "pytest": False}, got["importable"]
 
 
 CASES = {
@@ -65,7 +108,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.slow
-def test_extract_replays_from_the_packed_extract_alone(projects, tmp_path, site, case):
+def test_extract_replays_from_the_packed_extract_alone(projects, tmp_path, bare_server, case):
     module, cls, phase, exc_type, op = CASES[case]
     bundle = _record(projects, tmp_path, case)
     out = tmp_path / "extract"
@@ -88,12 +131,12 @@ def test_extract_replays_from_the_packed_extract_alone(projects, tmp_path, site,
     # module, never a model (a model's weights are megabytes).
     assert packed.stat().st_size < 280_000, f"{packed.stat().st_size} B: the runtime plus one module, not a model"
     top = _unpacked(tmp_path, packed)
-    proc = _hand_off(tmp_path, site, top, "repro.py", "--json")
+    proc = _hand_off(tmp_path, bare_server, top, "repro.py", "--json")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     got = json.loads(proc.stdout)
     assert got["verdict"] == "deterministic" and got["failure"]["exception_type"] == exc_type, got
     if op is not None:
-        one = _hand_off(tmp_path, site, top, "bundle/extract/op_repro.py")
+        one = _hand_off(tmp_path, bare_server, top, "bundle/extract/op_repro.py")
         lines = one.stdout.strip().splitlines()
         assert one.returncode == 1 and lines[-1] == "REPRODUCED", one.stdout + one.stderr
         if exc_type == "FloatingPointError":
@@ -118,7 +161,7 @@ def test_extract_into_a_folder_that_holds_files_is_refused(projects, tmp_path):
 
 
 @pytest.mark.slow
-def test_no_module_to_blame_names_the_step_function_line(projects, tmp_path):
+def test_no_module_to_blame_names_the_step_function_line(projects, tmp_path, bare_server):
     lm = projects("rk_lm_mask")
     cfg = {"vocab": 50}
     _, exc = record(lm, cfg, lm.batches(cfg, 5, empty=(3, 2)), tmp_path / "repros", snapshot_every=2)
@@ -131,7 +174,7 @@ def test_no_module_to_blame_names_the_step_function_line(projects, tmp_path):
     r = cli("extract", bundle, "-o", out)
     assert r.exit_code == 1, r.output
     assert "no module to blame" in r.output and "rk_lm_mask.py:32" in r.output and "aten.div.Tensor" in r.output
-    one = subprocess.run([sys.executable, str(out / "op_repro.py")], capture_output=True, text=True, timeout=120)
+    one = _hand_off(tmp_path, bare_server, out, "op_repro.py")
     assert one.returncode == 1 and "aten.div.Tensor: " in one.stdout, one.stdout + one.stderr
 
 
@@ -143,7 +186,7 @@ def test_a_nan_from_the_batch_is_no_module_fault(shared_nan_bundle, tmp_path):
 
 
 @pytest.mark.slow
-def test_an_exception_raised_outside_every_module_gets_the_op_alone(projects, tmp_path):
+def test_an_exception_raised_outside_every_module_gets_the_op_alone(projects, tmp_path, bare_server):
     bundle = _record(projects, tmp_path, "loss_view")
     out = tmp_path / "x"
     r = cli("extract", bundle, "-o", out, "--json")
@@ -151,7 +194,7 @@ def test_an_exception_raised_outside_every_module_gets_the_op_alone(projects, tm
     msg = json.loads(r.stdout)["error"]["message"]
     assert "no module to blame" in msg and "RuntimeError was raised outside every module" in msg, msg
     assert "aten.view.default raised it" in msg, msg
-    one = subprocess.run([sys.executable, str(out / "op_repro.py")], capture_output=True, text=True, timeout=120)
+    one = _hand_off(tmp_path, bare_server, out, "op_repro.py")
     assert one.returncode == 1 and one.stdout.strip().splitlines()[-1] == "REPRODUCED", one.stdout + one.stderr
     assert "aten.view.default: raised RuntimeError: shape '[3, -1]' is invalid" in one.stdout, one.stdout
 
@@ -173,7 +216,7 @@ def test_an_op_that_does_not_fail_alone_is_not_written_as_a_repro():
 
 @pytest.mark.parametrize("case", ["masked", "bad_backward"])
 @pytest.mark.slow
-def test_a_module_over_the_size_limit_is_narrowed_to_its_one_op(projects, tmp_path, site, case):
+def test_a_module_over_the_size_limit_is_narrowed_to_its_one_op(projects, tmp_path, bare_server, case):
     from reprokit.bundle import open_bundle
     from reprokit.extract import extract
 
@@ -188,7 +231,7 @@ def test_a_module_over_the_size_limit_is_narrowed_to_its_one_op(projects, tmp_pa
     packed = tmp_path / "extract.tar.gz"
     pack(out, packed)
     top = _unpacked(tmp_path, packed)
-    proc = _hand_off(tmp_path, site, top, "repro.py", "--json")
+    proc = _hand_off(tmp_path, bare_server, top, "repro.py", "--json")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert json.loads(proc.stdout)["failure"]["exception_type"] == exc_type
 

@@ -14,7 +14,17 @@ import pytest
 
 from reprokit.isolation import IsolatedRunner
 
-pytestmark = pytest.mark.slow  # each test forks a server and waits out time limits: 6-18 s
+pytestmark = pytest.mark.slow  # the tests fork servers and wait out time limits: 6-18 s
+
+
+@pytest.fixture(scope="module")
+def runner():
+    """One runner for the tests that keep its server up (the server's start-up is seconds of torch import): it
+    starts its server once, and each test checks that the server is still the first one (``starts == 1``) after its
+    own calls. Torch is told it may use four threads, for the one-thread check; the other tests' commands do not
+    care. The interrupted-call test kills its server on purpose: it has a runner of its own."""
+    with IsolatedRunner({"OMP_NUM_THREADS": "4"}, empty_cwd=True) as shared:
+        yield shared
 
 # A folder's own ``reprokit`` (a checkout of reprokit itself, or of a project that vendors it): its ``python -m
 # reprokit`` says which copy ran, and with ``sleep`` starts a process of its own that never ends, then never ends.
@@ -57,34 +67,32 @@ def _wait_for(path: Path, within_s: float = 60.0) -> int:
     return int(path.read_text())
 
 
-def test_a_folder_holding_its_own_reprokit_runs_that_one_and_a_plain_folder_the_servers(tmp_path):
+def test_a_folder_holding_its_own_reprokit_runs_that_one_and_a_plain_folder_the_servers(tmp_path, runner):
     """A fresh ``python -m reprokit`` started in a checkout that holds a ``reprokit`` package runs that package (the
     folder is first on sys.path); so must the forked command, though the server has reprokit imported already."""
     vendoring = _vendoring(tmp_path / "vendoring")
     plain = tmp_path / "plain"
     plain.mkdir()
-    with IsolatedRunner(empty_cwd=True) as runner:
-        run = runner.run_command(["--version"], cwd=vendoring, timeout=120)
-        assert (run.returncode, run.stdout) == (0, "the folder's own reprokit ['--version']\n"), run
-        run = runner.run_command(["--version"], cwd=plain, timeout=120)
-        assert run.returncode == 0 and "the folder's own" not in run.stdout and "reprokit" in run.stdout, run
-        run = runner.run_command(["--version"], cwd=vendoring, timeout=120)  # nothing of one folder stays
-        assert run.stdout.startswith("the folder's own reprokit"), run
-        run = runner.run_command(["--version"], cwd=tmp_path / "gone", timeout=120)  # no such folder: said why
-        assert run.returncode == 1 and "FileNotFoundError" in run.stderr and "gone" in run.stderr, run
-        assert runner.starts == 1
+    run = runner.run_command(["--version"], cwd=vendoring, timeout=120)
+    assert (run.returncode, run.stdout) == (0, "the folder's own reprokit ['--version']\n"), run
+    run = runner.run_command(["--version"], cwd=plain, timeout=120)
+    assert run.returncode == 0 and "the folder's own" not in run.stdout and "reprokit" in run.stdout, run
+    run = runner.run_command(["--version"], cwd=vendoring, timeout=120)  # nothing of one folder stays
+    assert run.stdout.startswith("the folder's own reprokit"), run
+    run = runner.run_command(["--version"], cwd=tmp_path / "gone", timeout=120)  # no such folder: said why
+    assert run.returncode == 1 and "FileNotFoundError" in run.stderr and "gone" in run.stderr, run
+    assert runner.starts == 1
 
 
-def test_a_command_past_its_time_limit_is_killed_with_every_process_it_started(tmp_path):
+def test_a_command_past_its_time_limit_is_killed_with_every_process_it_started(tmp_path, runner):
     folder = _vendoring(tmp_path / "checkout")
-    with IsolatedRunner(empty_cwd=True) as runner:
-        t0 = time.monotonic()
-        run = runner.run_command(["sleep"], cwd=folder, timeout=5)
-        assert run.timed_out and time.monotonic() - t0 < 60, run
-        assert _gone(_wait_for(folder / "sleeper.pid")), "the command's own child outlived its time limit"
-        (folder / "sleeper.pid").unlink()
-        assert runner.run_command(["again"], cwd=folder, timeout=120).returncode == 0  # the server goes on
-        assert runner.starts == 1
+    t0 = time.monotonic()
+    run = runner.run_command(["sleep"], cwd=folder, timeout=5)
+    assert run.timed_out and time.monotonic() - t0 < 60, run
+    assert _gone(_wait_for(folder / "sleeper.pid")), "the command's own child outlived its time limit"
+    (folder / "sleeper.pid").unlink()
+    assert runner.run_command(["again"], cwd=folder, timeout=120).returncode == 0  # the server goes on
+    assert runner.starts == 1
 
 
 def test_an_interrupted_call_kills_the_command_and_what_it_started(tmp_path):
@@ -112,7 +120,7 @@ def test_an_interrupted_call_kills_the_command_and_what_it_started(tmp_path):
         assert runner.starts == 2
 
 
-def test_the_fork_server_has_one_thread_after_replays_and_commands(tmp_path, nan_bundle):
+def test_the_fork_server_has_one_thread_after_replays_and_commands(tmp_path, nan_bundle, runner):
     """Forking a process with other threads copies whatever locks they hold (an OpenMP pool's: a child that uses it
     can hang). The server runs no torch op of its own, so torch's pool never starts there, even where it may use four
     threads: after its forks the server has one thread (numpy's OpenBLAS pool, started at import, is shut down by
@@ -120,10 +128,10 @@ def test_the_fork_server_has_one_thread_after_replays_and_commands(tmp_path, nan
     from reprokit.bundle import open_bundle
 
     b = open_bundle(nan_bundle)
-    with IsolatedRunner({"OMP_NUM_THREADS": "4"}, empty_cwd=True) as runner:
-        a = runner.attempt(b.path, recorded=b.failure)
-        assert a.outcome is not None and a.outcome.same, a
-        run = runner.run_command(["inspect", str(b.path)], cwd=tmp_path, timeout=300)
-        assert run.returncode == 0, run.stderr
-        threads = os.listdir(f"/proc/{runner._child.proc.pid}/task")
+    a = runner.attempt(b.path, recorded=b.failure)
+    assert a.outcome is not None and a.outcome.same, a
+    run = runner.run_command(["inspect", str(b.path)], cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr
+    threads = os.listdir(f"/proc/{runner._child.proc.pid}/task")
     assert len(threads) == 1, threads
+    assert runner.starts == 1  # the server these forks came from is the runner's first (told four threads)

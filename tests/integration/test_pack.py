@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import minimal_site
 
 from reprokit import bundle as B
 from reprokit import gzip_members
@@ -132,6 +131,8 @@ def test_pack_refuses_a_tampered_bundle(nan_bundle, tmp_path):
 
 @pytest.mark.slow
 def test_hand_off_runs_with_only_torch_numpy_safetensors(nan_bundle, tmp_path):
+    from rk_forked import shared_bare
+
     out = tmp_path / "repro.tar.gz"
     pack(nan_bundle, out)
     unpacked = tmp_path / "colleague"
@@ -139,9 +140,12 @@ def test_hand_off_runs_with_only_torch_numpy_safetensors(nan_bundle, tmp_path):
     with tarfile.open(out) as tf:
         tf.extractall(unpacked, filter="data")
     (top,) = list(unpacked.iterdir())
-    site = minimal_site(tmp_path / "site")
+    # The repro runs forked from a python -S server with only the minimal site on its path (torch imported once):
+    # what a fresh `python -S repro.py` with this environment imports, and nothing more (checked in
+    # test_extract.py::test_a_hand_off_run_has_the_import_path_of_a_fresh_python_s_process).
+    server = shared_bare()
     # -S: no site-packages at all; the import path is the minimal site plus the extracted folder.
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site), "HOME": str(tmp_path)}
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(server.site), "HOME": str(tmp_path)}
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     probe = subprocess.run([sys.executable, "-S", "-c", "import click"], env=env, cwd=elsewhere,
@@ -149,15 +153,14 @@ def test_hand_off_runs_with_only_torch_numpy_safetensors(nan_bundle, tmp_path):
     assert probe.returncode != 0, "click must not be importable in the hand-off environment"
     probe = subprocess.run([sys.executable, "-S", "-c", "import git"], env=env, cwd=elsewhere, capture_output=True)
     assert probe.returncode != 0
-    proc = subprocess.run([sys.executable, "-S", str(top / "repro.py"), "--json", "--times", "2"], env=env,
-                          cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    proc = server.capture(["--json", "--times", "2"], script=top / "repro.py", cwd=elsewhere, env=env,
+                          replace_env=True, timeout=300)
     # Exit 1 means "reproduced", but an uncaught exception also exits 1: require the JSON and no traceback.
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     d = json.loads(proc.stdout)
     assert d["verdict"] == "deterministic" and d["failure"]["kind"] == "nonfinite_loss" and d["failure"]["step"] == 6
     assert d["fidelity"]["bit_exact"] and str(top) in d["code"]
-    human = subprocess.run([sys.executable, "-S", str(top / "repro.py")], env=env, cwd=elsewhere,
-                           capture_output=True, text=True, timeout=300)
+    human = server.capture([], script=top / "repro.py", cwd=elsewhere, env=env, replace_env=True, timeout=300)
     assert human.returncode == 1 and "REPRODUCED: 1/1" in human.stdout
 
 
