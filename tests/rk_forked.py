@@ -78,12 +78,18 @@ class ForkedRuns:
             raise RuntimeError(f"the fork server died (exit {self._proc.wait()})")
         return json.loads(line)
 
-    def start(self, script: Path, argv: list[str], *, cwd: Path, env: dict[str, str] | None = None,
-              log: Path | None = None) -> int:
-        """Fork a run of ``script`` with ``argv``; its pid (the caller may signal it). Its stdout and stderr go to
-        ``log`` (default: ``cwd/run.log``). Call :meth:`wait` before the next :meth:`start`."""
+    def start(self, script: Path | None, argv: list[str], *, cwd: Path, env: dict[str, str] | None = None,
+              log: Path | None = None, module: str | None = None, replace_env: bool = False,
+              new_session: bool = False) -> int:
+        """Fork a run of ``script`` (or of ``python -m module`` when ``script`` is None) with ``argv``; its pid (the
+        caller may signal it). Its stdout and stderr go to ``log`` (default: ``cwd/run.log``). ``env`` and
+        ``replace_env`` as for :meth:`capture`; ``new_session``: the run starts a session (and process group) of its
+        own, as ``subprocess.Popen(start_new_session=True)`` does, so the caller can kill the group. Call :meth:`wait`
+        before the next :meth:`start`."""
         assert self._proc.stdin is not None
-        req = {"script": str(script), "argv": argv, "cwd": str(cwd), "env": env or {},
+        assert (script is None) != (module is None), "a script or a module"
+        req = {"script": str(script) if script else None, "module": module, "argv": [str(a) for a in argv],
+               "cwd": str(cwd), "env": env or {}, "replace_env": replace_env, "new_session": new_session,
                "log": str(log or Path(cwd) / "run.log")}
         self._proc.stdin.write(json.dumps(req) + "\n")
         self._proc.stdin.flush()
@@ -197,6 +203,8 @@ def _child(req: dict[str, Any]) -> None:
 
     code = 0
     try:
+        if req.get("new_session"):
+            os.setsid()
         fd = os.open(os.devnull, os.O_RDONLY)  # never the server's requests
         os.dup2(fd, 0)
         os.close(fd)

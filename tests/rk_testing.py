@@ -131,6 +131,25 @@ def torchrun(script: Path, *args: Any, cwd: Path, launcher: Sequence[str] = (),
                             timeout=timeout)
 
 
+_DDP_NAN_RUN: list[tuple[Path, subprocess.CompletedProcess, float]] = []
+
+
+def ddp_nan_run(tmp_path_factory: Any) -> tuple[Path, subprocess.CompletedProcess, float]:
+    """``tests/projects/rk_ddp.py OUT nan cpu`` on two CPU ranks (:func:`torchrun`): rank 1 feeds a NaN at step 6,
+    windows from the snapshot of step 4, one incident folder in ``OUT``. Run once per test process (the session's
+    ``tmp_path_factory`` keeps its folder) and shared by every test module that takes it (test_distributed.py,
+    test_replicated.py): ``(OUT, the torchrun's CompletedProcess, its seconds)``. Shared, so read-only: a test that
+    changes the incident copies it first."""
+    import time
+
+    if not _DDP_NAN_RUN:
+        out = tmp_path_factory.mktemp("ddp_nan") / "repros"
+        t0 = time.monotonic()
+        proc = torchrun(PROJECTS / "rk_ddp.py", out, "nan", "cpu", cwd=out.parent)
+        _DDP_NAN_RUN.append((out, proc, time.monotonic() - t0))
+    return _DDP_NAN_RUN[0]
+
+
 def minimal_site(dest: Path) -> Path:
     """A folder of links to torch (with what it requires), numpy and safetensors, and nothing else: put it alone on
     ``PYTHONPATH`` of a ``python -S`` process to run a packed repro as a colleague with only those installed would

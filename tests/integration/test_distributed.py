@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from rk_testing import PROJECTS, entries, torchrun
+from rk_testing import PROJECTS, ddp_nan_run, entries, torchrun
 
 from reprokit.bundle import open_bundle
 from reprokit.cli import main as cli
@@ -27,10 +27,9 @@ def _torchrun(out: Path, mode: str, device: str = "cpu") -> tuple[subprocess.Com
 
 @pytest.fixture(scope="module")
 def nan_run(tmp_path_factory):
-    """One torchrun where rank 1 feeds a NaN at step 6 (shared by the tests that only read its incident)."""
-    out = tmp_path_factory.mktemp("nan") / "repros"
-    proc, seconds = _torchrun(out, "nan")
-    return out, proc, seconds
+    """One torchrun where rank 1 feeds a NaN at step 6 (shared by the tests that only read its incident, and with
+    test_replicated.py's in one test process: ``rk_testing.ddp_nan_run``)."""
+    return ddp_nan_run(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -168,15 +167,17 @@ def test_an_incident_replays_on_two_ranks_and_both_reproduce(tmp_path, nan_run):
     by_rank = {x["rank"]: x for x in d["ranks"]}
     assert by_rank[1]["failure"]["kind"] == "nonfinite_loss" and by_rank[1]["reproduced"]
     assert by_rank[0]["failure"]["kind"] == "nonfinite_grad" and by_rank[0]["reproduced"], by_rank[0]
-    human = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "2"])
-    assert human.exit_code == 1 and "rank 0: reproduced once (recorded" in human.stdout, human.output
-    assert ": rank 1 failed in training (non-finite loss at step 6" in human.stdout, human.output
     bad = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "3"])
     assert bad.exit_code == 2 and "recorded on 2 ranks" in bad.output
-    # --code: every rank imports build/step from a checkout; one without the project is refused before any rank runs
-    coded = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(PROJECTS),
-                                         *entries(_incident(out)[1][0]), "--json"])
-    assert coded.exit_code == 1 and json.loads(coded.stdout)["verdict"] == "deterministic", coded.output
+    # --code: every rank imports build/step from a checkout; one without the project is refused before any rank runs.
+    # The human text (one launch for both: the JSON run above took the bundles' own code): exit 1 with "reproduced
+    # once" on the incident's line is the verdict deterministic of a single run (verdict_phrase), on every rank.
+    human = CliRunner().invoke(cli, ["replay", str(folder), "--nproc", "2", "--code", str(PROJECTS),
+                                     *entries(_incident(out)[1][0])])
+    assert human.exit_code == 1 and "rank 0: reproduced once (recorded" in human.stdout, human.output
+    assert ": rank 1 failed in training (non-finite loss at step 6" in human.stdout, human.output
+    assert "replayed on 2 ranks: reproduced once" in human.stdout, human.output
+    assert "rank 1: reproduced once (recorded nonfinite_loss" in human.stdout, human.output
     empty = tmp_path / "empty-checkout"
     empty.mkdir()
     refused = CliRunner().invoke(cli, ["replay", str(folder), "--code", str(empty)])

@@ -127,17 +127,25 @@ def test_an_incident_that_cannot_be_declared_leaves_the_training_s_own_error(tmp
         rec.close()
 
 
+@pytest.fixture(scope="module")
+def raise_late(tmp_path_factory) -> Path:
+    """The incident of one torchrun (shared by the tests that only replay it): rank 1 raises before its backward at
+    step 7 (snapshot every 4 steps: a window of steps 4..7), rank 0 waits in step 7's all-reduce."""
+    out = tmp_path_factory.mktemp("raise_late") / "repros"
+    proc = _torchrun(out, "raise-late")
+    assert proc.returncode != 0 and "IndexError" in proc.stderr, proc.stderr[-3000:]
+    (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
+    return folder
+
+
 @pytest.mark.slow
-def test_a_rank_whose_process_dies_in_the_replay_is_an_error_never_fixed(tmp_path, monkeypatch):
+def test_a_rank_whose_process_dies_in_the_replay_is_an_error_never_fixed(raise_late, tmp_path, monkeypatch):
     """The failing rank's process dies in the failing step of the replay (a segfault, an OOM kill): it writes no
     report of its own. That is no evidence of a fix: the rank is judged as a death at that step, a different failure
     from the recorded IndexError, and the incident replay exits 125 (it once said not_reproduced, exit 0, the verdict
     of a fixed bug)."""
-    out = tmp_path / "repros"
-    proc = _torchrun(out, "crash-on-replay")
-    assert proc.returncode != 0 and "IndexError" in proc.stderr, proc.stderr[-3000:]
-    (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
-    (out / "crash").write_text("")  # from now on the failing step kills its process
+    folder = raise_late
+    monkeypatch.setenv(rk_dist_incidents.CRASH_ENV, "1")  # the replay's ranks: the failing step kills its process
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))
@@ -148,25 +156,21 @@ def test_a_rank_whose_process_dies_in_the_replay_is_an_error_never_fixed(tmp_pat
     # the killed ranks' private code copies went too (torch's own inductor cache folder may stay: not ours)
     assert [p for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
     failing = next(x for x in d["ranks"] if x["rank"] == 1)
-    assert failing["failure"]["kind"] == "crash" and failing["failure"]["step"] == 3, failing
+    assert failing["failure"]["kind"] == "crash" and failing["failure"]["step"] == 7, failing
     assert failing["recorded_failure"]["exception_type"] == "IndexError", failing
-    assert "rank 1" in format_incident(d) and "step 3" in format_incident(d), format_incident(d)
+    assert "rank 1" in format_incident(d) and "step 7" in format_incident(d), format_incident(d)
     if torch.cuda.device_count() < 2:  # ranks that cannot start where asked: refused before any starts (was exit 0)
         r = CliRunner().invoke(cli, ["replay", str(folder), "--device", "cuda"])
         assert r.exit_code == 2 and "use --device cpu" in r.output, r.output
 
 
 @pytest.mark.slow
-def test_times_replays_each_run_with_every_rank_starting_it_together(tmp_path):
+def test_times_replays_each_run_with_every_rank_starting_it_together(raise_late):
     """Rank 1 raises before its backward at step 7 (window 4..7): rank 0 waits in step 7's all-reduce. With
     --times 2 the second run must not pair rank 1's step-4 all-reduce with rank 0's first-run step 7 (its
     gradients then mixed two runs' and its losses from step 5 on were another training's): both runs of rank 1
     see the same losses."""
-    out = tmp_path / "repros"
-    proc = _torchrun(out, "raise-late")
-    assert proc.returncode != 0 and "IndexError" in proc.stderr, proc.stderr[-3000:]
-    (folder,) = [p for p in out.iterdir() if p.name.startswith("incident-")]
-    r = CliRunner().invoke(cli, ["replay", str(folder), "--times", "2", "--json"])
+    r = CliRunner().invoke(cli, ["replay", str(raise_late), "--times", "2", "--json"])
     d = json.loads(r.stdout)
     assert r.exit_code == 1 and d["verdict"] == "deterministic", r.output
     failing = next(x for x in d["ranks"] if x["rank"] == 1)

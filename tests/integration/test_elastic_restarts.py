@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -68,7 +68,7 @@ def test_the_restarted_attempt_trains_to_the_end_without_taking_the_first_attemp
     assert sorted(p.name for p in board.glob("*.*.json")) == [f"{key}.0.json"], sorted(os.listdir(board))
 
 
-def test_two_failing_attempts_give_two_incidents_each_replaying_on_two_ranks(tmp_path):
+def test_two_failing_attempts_give_two_incidents_each_replaying_on_two_ranks(tmp_path, fork_server, monkeypatch):
     """Attempt 0: rank 1 raises at step 3; attempt 1: rank 0 raises at step 5 and torchrun gives up. Two incident
     folders, each with both ranks' windows and its attempt's ``restart``; each replays on two ranks and reproduces
     on the rank that failed (exit 1)."""
@@ -82,14 +82,24 @@ def test_two_failing_attempts_give_two_incidents_each_replaying_on_two_ranks(tmp
     assert first.name[-8:] != second.name[-8:], "each attempt names its incidents with its own run key"
     assert _by_rank(first) == {1: ("exception", 3, 0), 0: ("peer", 3, 0)}, first
     assert _by_rank(second) == {0: ("exception", 5, 1), 1: ("peer", 5, 1)}, second
-    # both replays at once (each rank of each waits out its peers): `reprokit replay INCIDENT --nproc 2`
-    env = env_with_checkout(OMP_NUM_THREADS="1")
-    replays = [subprocess.Popen([sys.executable, "-m", "reprokit", "replay", str(folder), "--nproc", "2", "--json"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for folder in (first, second)]
-    for replay, rank, step in zip(replays, (1, 0), (3, 5)):
-        stdout, stderr = replay.communicate(timeout=150)
-        assert replay.returncode == 1, stdout + stderr[-3000:]
+    # both replays at once (each rank of each waits out its peers): `reprokit replay INCIDENT --nproc 2`, the first
+    # as a process of its own (forked from the fork server: no torch import of its own), the second in this process
+    # meanwhile; each starts its own torchrun of two ranks
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    argv = ["replay", str(first), "--nproc", "2", "--json"]
+    done: list[subprocess.CompletedProcess] = []
+    forked = threading.Thread(target=lambda: done.append(fork_server.capture(
+        argv, module="reprokit", cwd=tmp_path, env=env_with_checkout(OMP_NUM_THREADS="1"), replace_env=True,
+        timeout=150)))
+    forked.start()
+    try:
+        here = CliRunner().invoke(cli, ["replay", str(second), "--nproc", "2", "--json"])
+    finally:
+        forked.join()
+    assert done, "the forked replay raised (its traceback is above)"
+    replays = [(done[0].returncode, done[0].stdout, done[0].stderr), (here.exit_code, here.stdout, here.output)]
+    for (code, stdout, stderr), rank, step in zip(replays, (1, 0), (3, 5)):
+        assert code == 1, stdout + stderr[-3000:]
         d = json.loads(stdout)
         assert d["verdict"] == "deterministic" and d["reproduced"], d
         assert (d["failing_rank"], d["incident"]["step"]) == (rank, step), d

@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,17 +30,44 @@ BOUND_S = 30.0
 pytestmark = pytest.mark.slow
 
 
+class _Launch:
+    """torchrun forked from this test process's fork server (``rk_forked.shared``: the launcher pays no torch import
+    of its own; it starts each rank as a fresh process, as torchrun does), in a session of its own. What the tests use
+    of ``subprocess.Popen``: ``pid``, ``poll``, ``wait``, ``returncode``."""
+
+    def __init__(self, argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> None:
+        from rk_forked import shared
+
+        self._server = shared()
+        self.returncode: int | None = None
+        log.write_text("")  # there from the start (the run appends to it), for the tests that read it while it runs
+        self.pid = self._server.start(None, argv, module="torch.distributed.run", cwd=cwd, env=env, replace_env=True,
+                                      log=log, new_session=True)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and _ended(self.pid):  # the server reaps it and reports its exit status
+            self.returncode = self._server.wait()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("torchrun", timeout or 0)
+            time.sleep(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+
 def _start(out: Path, on_incident: str, exit_path: str, device: str = "cpu", failure: str = "raise",
-           launcher: tuple[str, ...] = (), step: int = 17) -> tuple[subprocess.Popen, Path]:
+           launcher: tuple[str, ...] = (), step: int = 17) -> tuple[_Launch, Path]:
     """torchrun in a session of its own (a test that stops it kills every worker, never an orphan left blocked)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{on_incident}-{exit_path}.log"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
-    with log.open("w") as sink:  # the child keeps its own descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                 "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *launcher,
-                                 str(PROJECT), str(out), on_incident, device, exit_path, failure, str(step)], env=env,
-                                cwd=out.parent, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = _Launch(["--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                    *launcher, str(PROJECT), str(out), on_incident, device, exit_path, failure, str(step)],
+                   cwd=out.parent, env=env, log=log)
     return proc, log
 
 
@@ -83,7 +109,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: _Launch) -> None:
     workers = _descendants(proc.pid)
     for pid in workers:
         try:

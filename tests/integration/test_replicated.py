@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import PROJECTS, torchrun
+from rk_testing import PROJECTS, ddp_nan_run, torchrun
 
 from reprokit.bundle import LOCAL_RNG, MANIFEST, REPLICATED, _self_digest, dumps, open_bundle, reference, verify
 from reprokit.cli import main as cli
@@ -36,9 +36,9 @@ def _by_rank(out: Path) -> tuple[Path, dict[int, Path]]:
 
 @pytest.fixture(scope="module")
 def incident(tmp_path_factory):
-    """rank 1 feeds a NaN at step 6 (windows start at the snapshot of step 4); replicated_state left at "auto"."""
-    out = tmp_path_factory.mktemp("replicated") / "repros"
-    proc = _torchrun(out, "nan")
+    """rank 1 feeds a NaN at step 6 (windows start at the snapshot of step 4); replicated_state left at "auto". The
+    run test_distributed.py reads too, in one test process (``rk_testing.ddp_nan_run``): read-only here as there."""
+    out, proc, _ = ddp_nan_run(tmp_path_factory)
     assert proc.returncode != 0 and "TrainingFailure" in proc.stderr, proc.stderr[-3000:]
     assert "RecorderWarning" not in proc.stderr, proc.stderr[-3000:]
     return _by_rank(out)

@@ -17,21 +17,23 @@ from torch.nn.parallel import DistributedDataParallel
 
 import reprokit
 
+CRASH_ENV = "RK_DIST_INCIDENTS_CRASH"
+"""Set (to anything) in a process's environment, its failing step kills the process instead of raising: what a replay's
+ranks are given to die in the failing step (a segfault, an OOM kill), the recording run never."""
+
 
 def build(config):
-    """``config["crash_flag"]``: once that file exists, the failing step kills its process instead of raising."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     if config.get("big"):  # a 1 MiB tensor: its bundle file is hashed on a helper thread, as a real model's is
         model.register_buffer("table", torch.zeros(1 << 18))
     if dist.is_available() and dist.is_initialized():
         model = DistributedDataParallel(model)
-    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-                               extra={"crash_flag": config["crash_flag"]} if "crash_flag" in config else {})
+    return reprokit.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
 
 
 def train_step(state, batch):
-    if bool(batch["boom"]) and os.path.exists(state.extra.get("crash_flag", "")):
+    if bool(batch["boom"]) and os.environ.get(CRASH_ENV):
         os._exit(7)  # the process dies in the failing step (as in a segfault or an OOM kill)
     if bool(batch["boom"]):
         raise IndexError("index 99 is out of bounds on this rank")
@@ -56,7 +58,7 @@ SCENARIOS = {
 def main(out_dir: str, scenario: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    config = {"crash_flag": os.path.join(out_dir, "crash")} if scenario == "crash-on-replay" else {}
+    config: dict = {}
     if scenario == "exit-unclosed":
         config["big"] = True  # written at interpreter exit, where no new thread helps
     state = build(config)
