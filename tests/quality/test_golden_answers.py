@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import runpy
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -149,17 +150,18 @@ def only_bundle(out: Path) -> Path:
 
 
 def example(script: str) -> Callable[[Path], Recorded]:
-    """Run ``python examples/SCRIPT --quick --out OUT`` as a process of its own, forked from the fork server that
-    imported torch (tests/rk_forked.py, as test_zoo.py runs them): the script records its bundle and replays it 3
-    times there, among the few modules a user's script has imported rather than the thousands this test process
-    holds, which every code snapshot and replay walks."""
+    """Run ``examples/SCRIPT --quick`` in this process, as ``python examples/SCRIPT --quick --out OUT`` would."""
 
     def run(tmp: Path) -> Recorded:
-        with on_path(ROOT / "tests"):
-            from rk_forked import shared
-
-        proc = shared().capture(["--quick", "--out", tmp / "repros"], script=EXAMPLES / script, cwd=tmp)
-        assert proc.returncode == 0, f"{script} did not tell its story:\n{proc.stdout}{proc.stderr}"
+        argv = sys.argv
+        sys.argv = [str(EXAMPLES / script), "--quick", "--out", str(tmp / "repros")]
+        try:
+            with on_path(EXAMPLES), pytest.raises(SystemExit) as done:
+                runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+        finally:
+            sys.argv = argv
+            sys.modules.pop("tinylm", None)
+        assert done.value.code == 0, f"{script} did not tell its story"
         return Recorded(only_bundle(tmp / "repros"))
 
     return run
