@@ -169,15 +169,16 @@ def test_reprokit_replay_of_a_device_error_bundle_as_a_user_runs_it(lm):
 
 
 @pytest.mark.slow
-def test_a_trainer_update_names_the_micro_batch_and_the_dataset_index(tmp_path):
+def test_a_trainer_update_names_the_micro_batch_and_the_dataset_index(fork_server, tmp_path):
     """The Hugging Face Trainer (a 4-layer GPT-2 made in code, ReprokitCallback): sample 21 holds the id 1000 of a
-    1000-token vocabulary."""
+    1000-token vocabulary. The run is a process of its own (``RK_GPU_FACE`` in its environment alone), forked from the
+    server that imported torch (tests/rk_forked.py): its start-up is not what this checks."""
     pytest.importorskip("transformers")
-    env = {**os.environ, "RK_GPU_FACE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(PROJECTS), os.environ.get("PYTHONPATH", "")])}
-    call = f"import rk_hf_vocab as m; m.main({str(tmp_path / 'repros')!r}, device='cpu', trainer_cls=m.GpuFaceTrainer)"
-    run = subprocess.run([sys.executable, "-c", call],
-                         capture_output=True, text=True, timeout=600, env=env)
+    script = tmp_path / "train_hf.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(PROJECTS)!r})\nimport rk_hf_vocab as m\n\n"
+                      f"m.main({str(tmp_path / 'repros')!r}, device='cpu', trainer_cls=m.GpuFaceTrainer)\n")
+    run = fork_server.capture([], script=script, cwd=tmp_path, env={"RK_GPU_FACE": "1", "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["bundle"] and out["error"] == "RuntimeError: CUDA error: device-side assert triggered", run.stderr
     code, d = replay(Path(out["bundle"]))

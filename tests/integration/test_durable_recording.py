@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -48,6 +49,23 @@ def _train(forked: ForkedRuns, tmp_path: Path, crash_step: int, **extra: str) ->
     return subprocess.CompletedProcess([str(script)], code, log, log)
 
 
+@pytest.fixture(scope="module")
+def killed_in_step_37(forked, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One run of the script that SIGKILLs itself in step 37, left as it died (its folder: the script, its log and
+    ``out/`` holding the flight log); only copied from (``died_in_step_37``), never changed."""
+    where = tmp_path_factory.mktemp("killed37")
+    return where, _train(forked, where, 37, DIE_HOW="kill")
+
+
+@pytest.fixture
+def died_in_step_37(killed_in_step_37, tmp_path) -> subprocess.CompletedProcess[str]:
+    """``tmp_path`` as the run that SIGKILLed itself in step 37 left it (a copy of ``killed_in_step_37``'s folder,
+    free to change: recover it, cut its log); what the run exited with and printed."""
+    where, proc = killed_in_step_37
+    shutil.copytree(where, tmp_path, symlinks=True, dirs_exist_ok=True)
+    return proc
+
+
 def _reprokit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """``reprokit ARGS`` in this process (click's CliRunner): the CLI's own code, without a torch import."""
     old = Path.cwd()
@@ -67,8 +85,8 @@ def _recover(tmp_path: Path) -> dict:
     return json.loads(r.stdout)
 
 
-def test_a_run_that_sigkills_itself_in_step_37_recovers_to_a_bundle_ending_at_step_37(forked, tmp_path):
-    proc = _train(forked, tmp_path, 37, DIE_HOW="kill")
+def test_a_run_that_sigkills_itself_in_step_37_recovers_to_a_bundle_ending_at_step_37(died_in_step_37, tmp_path):
+    proc = died_in_step_37
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert list((tmp_path / "out").glob("bundle-*")) == []  # nothing but the flight log: no Python frame caught it
 
@@ -145,8 +163,9 @@ def test_a_durable_run_keeps_at_most_two_windows_and_leaves_nothing_after_close(
     assert not (tmp_path / "out" / FLIGHT_DIR).exists()
 
 
-def test_a_torn_last_record_gives_the_longest_consistent_prefix_and_says_what_was_dropped(forked, tmp_path):
-    proc = _train(forked, tmp_path, 37, DIE_HOW="kill")
+def test_a_torn_last_record_gives_the_longest_consistent_prefix_and_says_what_was_dropped(died_in_step_37,
+                                                                                          tmp_path):
+    proc = died_in_step_37
     assert proc.returncode == -signal.SIGKILL
     [log] = (tmp_path / "out" / FLIGHT_DIR).glob("*/rank0/win-00000030/log")
     size = log.stat().st_size
@@ -162,8 +181,8 @@ def test_a_torn_last_record_gives_the_longest_consistent_prefix_and_says_what_wa
     assert verify(Path(run["bundle"])) == []
 
 
-def test_a_flight_log_without_a_usable_snapshot_gives_nothing_to_recover_with_why(forked, tmp_path):
-    proc = _train(forked, tmp_path, 37, DIE_HOW="kill")
+def test_a_flight_log_without_a_usable_snapshot_gives_nothing_to_recover_with_why(died_in_step_37, tmp_path):
+    proc = died_in_step_37
     assert proc.returncode == -signal.SIGKILL
     for state in (tmp_path / "out" / FLIGHT_DIR).glob("*/rank0/win-*/state-0.safetensors"):
         state.unlink()
@@ -174,8 +193,8 @@ def test_a_flight_log_without_a_usable_snapshot_gives_nothing_to_recover_with_wh
     assert list((tmp_path / "out").glob("bundle-*")) == []
 
 
-def test_replay_and_inspect_given_the_out_dir_recover_first_and_say_so(forked, tmp_path):
-    proc = _train(forked, tmp_path, 37, DIE_HOW="kill")
+def test_replay_and_inspect_given_the_out_dir_recover_first_and_say_so(died_in_step_37, tmp_path):
+    proc = died_in_step_37
     assert proc.returncode == -signal.SIGKILL
     shown = _reprokit("inspect", str(tmp_path / "out"), cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rk_testing import bundle_of, record
+from rk_testing import PROJECTS, bundle_of, record, tree_digest
 
 import reprokit
 from reprokit.bundle import open_bundle
@@ -78,19 +83,34 @@ def test_candidates_failing_differently_are_never_accepted(projects, tmp_path):
     assert report.reproduced and report.runs[0].failure.kind == "nonfinite_loss"
 
 
+@pytest.fixture(scope="module")
+def empty_document_bundle(tmp_path_factory) -> Iterator[Path]:
+    """rk_lm_mask, 4 steps, row 5 of step 3 an empty document: recorded once for the pass orders below, which
+    only read it (checked at the end)."""
+    sys.path.insert(0, str(PROJECTS))
+    try:
+        lm = importlib.import_module("rk_lm_mask")
+    finally:
+        sys.path.remove(str(PROJECTS))
+    cfg = {"vocab": 30}
+    _, exc = record(lm, cfg, lm.batches(cfg, 4, empty=(3, 5)), tmp_path_factory.mktemp("empty_doc") / "r")
+    bundle = bundle_of(exc)
+    before = tree_digest(bundle)
+    yield bundle
+    assert tree_digest(bundle) == before, "a shrink changed the bundle it shrank"
+
+
 @pytest.mark.parametrize("passes", [None, "sequence,rows,tokens"])
 @pytest.mark.slow
-def test_an_empty_document_shrinks_to_that_document_not_to_a_cut_that_empties_every_one(projects, tmp_path, passes):
+def test_an_empty_document_shrinks_to_that_document_not_to_a_cut_that_empties_every_one(empty_document_bundle,
+                                                                                          tmp_path, passes):
     """Loss = mean over documents of (ce * mask).sum / mask.sum; row 5 of step 3 has no target (0/0).
 
     A 1-position window also fails with a NaN loss (no document has a target there), and
     after it any row would do: the origin check (same op, same line, no healthy row NaN
     there, tried with a control row once the culprit is alone) rejects it, in any pass order.
     """
-    lm = projects("rk_lm_mask")
-    cfg = {"vocab": 30}
-    _, exc = record(lm, cfg, lm.batches(cfg, 4, empty=(3, 5)), tmp_path / "r")
-    r = shrink(exc.bundle, tmp_path / "small", **({"passes": passes.split(",")} if passes else {}))
+    r = shrink(empty_document_bundle, tmp_path / "small", **({"passes": passes.split(",")} if passes else {}))
     assert r.kept_rows == [5] and r.dataset_indices == [3 * 8 + 5]
     lo, hi = r.seq_window
     assert r.after["rows"] == 1 and r.after["seq"] == hi - lo >= 2
@@ -98,26 +118,25 @@ def test_an_empty_document_shrinks_to_that_document_not_to_a_cut_that_empties_ev
     mask = small.step(3)[0]["loss_mask"]
     assert mask.shape == (1, hi - lo) and not mask.any(), "still the empty document"
     # ...and no longer a window where any document is empty: the first healthy row keeps a target in it.
-    assert open_bundle(exc.bundle).step(3)[0]["loss_mask"][0, lo + 1:hi].any()
+    assert open_bundle(empty_document_bundle).step(3)[0]["loss_mask"][0, lo + 1:hi].any()
     assert r.replays <= 30, r.replays
     assert r.origin is not None and r.origin.rows == (5,) and r.origin_changed > 0
     assert small.run["provenance"]["origin"]["rows"] == [5] and small.run["provenance"]["origin_checks"] > 0
     assert reprokit.replay(r.output).reproduced
 
 
-def test_bundle_that_does_not_reproduce_is_refused(projects, tmp_path):
+def test_bundle_that_does_not_reproduce_is_refused(shared_nan_bundle, tmp_path):
+    """rk_mlp with a NaN input at step 6 (the shared NaN bundle, only read), replayed with code that sanitises it."""
     import shutil
 
-    mlp = projects("rk_mlp")
-    _, exc = record(mlp, {}, mlp.batches({}, 8, poison_step=6), tmp_path / "r", snapshot_every=4)
     fixed = tmp_path / "fixed"
-    shutil.copytree(exc.bundle / "code", fixed)
+    shutil.copytree(shared_nan_bundle / "code", fixed)
     src = (fixed / "rk_mlp.py").read_text().replace("def train_step(state, batch):\n",
                                                     "def train_step(state, batch):\n"
                                                     "    batch = {**batch, 'x': torch.nan_to_num(batch['x'])}\n")
     (fixed / "rk_mlp.py").write_text(src)
     with pytest.raises(reprokit.DidNotReproduce, match="does not reproduce"):
-        shrink(exc.bundle, tmp_path / "small", code=fixed)
+        shrink(shared_nan_bundle, tmp_path / "small", code=fixed)
     assert not (tmp_path / "small").exists()
 
 
