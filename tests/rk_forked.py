@@ -274,6 +274,7 @@ if __name__ == "__main__":
 
         _serve(sys.stdin)
         raise SystemExit(0)
+    import git  # noqa: F401 - gitpython, which every recording's code snapshot imports (git_info)
     import torch  # noqa: F401 - once, here: every run forked from this process has it
     import torch._dynamo  # noqa: F401 - imported lazily by the recorder's determinism flags
 
