@@ -118,11 +118,13 @@ def _is_library(path: Path) -> bool:
 
 
 def _real_path(file: str, folders: dict[str, str]) -> str:
-    """``os.path.realpath(file)`` (what ``Path(file).resolve()`` gives), each folder resolved once per ``folders``
-    cache: a process that imported transformers holds thousands of modules in a few hundred folders, and resolving
-    every component of every module's path took 0.7 s of CPU per call there. The file's own name is resolved only
-    when it is a symbolic link, as ``realpath`` would."""
+    """``os.path.realpath(file)``, each folder resolved once per ``folders`` cache: a process that imported
+    transformers holds thousands of modules in a few hundred folders, and resolving every component of every
+    module's path took 0.45 s of CPU per call there. The file's own name is resolved only when it is a symbolic
+    link, as ``realpath`` would (a path that ends in a separator, ``.`` or ``..`` goes to ``realpath`` whole)."""
     folder, name = os.path.split(file)
+    if name in ("", ".", ".."):
+        return os.path.realpath(file)
     real = folders.get(folder)
     if real is None:
         real = folders[folder] = os.path.realpath(folder)
@@ -581,6 +583,7 @@ def imported(code_dir: Path | None, objects: Sequence[Any] = ()) -> Iterator[Non
             folders: dict[str, str] = {}
             for name, mod in list(sys.modules.items()):
                 f = getattr(mod, "__file__", None) or ""
+                f = os.fspath(f) if isinstance(f, os.PathLike) else f
                 if name.startswith("_reprokit_script_") or (
                         isinstance(f, str) and f and _under(_real_path(f, folders), str(code_dir))):
                     del sys.modules[name]

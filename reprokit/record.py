@@ -35,6 +35,7 @@ replaces the window, it is taken only once every earlier step is judged clean (s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import os
 import shlex
@@ -1250,7 +1251,12 @@ class Recorder:
                     self._device_died(e)
                     # The step's exception was a symptom (a library call on the context its kernel had killed):
                     # the bundle's failure is the device error, the exception kept as surfaced_as, as replay says.
-                    return self._dump_dead(device_error.behind(failure, _raiser(e)), incident)
+                    # The caller's failure becomes that one (as _dump_dead updates the failures it writes in place):
+                    # what the run does next (skip, the note) reads the failure the bundle holds.
+                    dead = device_error.behind(failure, _raiser(e))
+                    for field in dataclasses.fields(failure):
+                        setattr(failure, field.name, getattr(dead, field.name))
+                    return self._dump_dead(failure, incident)
                 self._warn("", f"reprokit: {failure.describe()}, but the device failed ({e!r}); no bundle")
                 return None
         if not from_watcher:

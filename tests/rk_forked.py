@@ -12,7 +12,7 @@ for replays. Nothing a run imports (an example's modules, a bundle's code) is ev
 the same clean state. What a fork cannot give is a fresh interpreter's start-up (``PYTHONPATH`` read at start, the
 imports of a process that never imported torch): tests about those keep ``subprocess``.
 
-The ``forked`` fixture (tests/conftest.py) is one server per test process, shared by every test that takes it.
+The ``fork_server`` fixture (tests/conftest.py) is one server per test process, shared by every test that takes it.
 :func:`shared_bare` is the same for the hand-off runs (``python -S`` with only torch, numpy and safetensors): a
 ``python -S`` server that imported torch alone, its runs with the import path of a fresh ``python -S`` run.
 """
@@ -51,6 +51,7 @@ class ForkedRuns:
         argv = [sys.executable, "-S", here, "--bare"] if bare else [sys.executable, here]
         self._proc = subprocess.Popen(argv, cwd="/" if bare else ROOT, env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._busy = threading.Lock()  # one run at a time: the server answers on one pipe (see _claim)
         ready = self._read()
         assert ready.get("threads") == 1, f"the fork server has {ready.get('threads')} threads: forking is unsafe"
 
@@ -91,13 +92,23 @@ class ForkedRuns:
         req = {"script": str(script) if script else None, "module": module, "argv": [str(a) for a in argv],
                "cwd": str(cwd), "env": env or {}, "replace_env": replace_env, "new_session": new_session,
                "log": str(log or Path(cwd) / "run.log")}
+        self._claim()
         self._proc.stdin.write(json.dumps(req) + "\n")
         self._proc.stdin.flush()
         return int(self._read()["pid"])
 
+    def _claim(self) -> None:
+        """Refuse a second run while one is out (another thread's, or a :meth:`start` not yet waited for): the
+        server forks and reaps one run at a time and answers on one pipe, so two would read each other's lines."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this fork server has a run out: wait() for it first (one run at a time, one thread)")
+
     def wait(self) -> int:
         """The exit status of the run :meth:`start` forked, as ``subprocess`` gives it (``-N``: killed by signal N)."""
-        return int(self._read()["returncode"])
+        try:
+            return int(self._read()["returncode"])
+        finally:
+            self._busy.release()
 
     def run(self, script: Path, argv: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> int:
         """:meth:`start` then :meth:`wait`."""
@@ -119,6 +130,7 @@ class ForkedRuns:
             req = {"script": str(script) if script else None, "module": module, "argv": [str(a) for a in argv],
                    "cwd": str(cwd), "env": env or {}, "replace_env": replace_env, "stdout": str(out / "stdout"),
                    "stderr": str(out / "stderr")}
+            self._claim()
             self._proc.stdin.write(json.dumps(req) + "\n")
             self._proc.stdin.flush()
             pid, fired = int(self._read()["pid"]), []
@@ -152,8 +164,8 @@ _SHARED: ForkedRuns | None = None
 
 def shared() -> ForkedRuns:
     """This test process's fork server, started at the first call (this process's environment, this checkout first
-    on ``PYTHONPATH``) and stopped when the process exits; the ``fork_server`` fixture and ``rk_testing.torchrun``
-    use it."""
+    on ``PYTHONPATH``) and stopped when the process exits; the ``fork_server`` fixture, ``rk_testing.torchrun`` and
+    test_fail_fast's launcher use it."""
     global _SHARED
     if _SHARED is None or _SHARED._proc.poll() is not None:
         import atexit

@@ -92,6 +92,7 @@ def test_sigkill_at_random_points_of_a_dump_leaves_only_hidden_temp_folders_that
         out = tmp_path / f"kill{n}-at{k}"
         proc = _child(fork_server, out, k)
         assert proc.returncode == -signal.SIGKILL, (k, proc.returncode, proc.stderr[-2000:])
+        assert "(killed after" not in proc.stderr, f"kill point {k}: the run hung until its time limit"
         entries = sorted(out.iterdir())  # empty when killed before the temp folder was made
         assert bool(entries) == (k > dump[0]), (k, ops[k - 1], entries)
         assert all(p.name.startswith(B.TMP_PREFIX) and p.is_dir() for p in entries), (k, ops[k - 1], entries)

@@ -26,9 +26,9 @@ def _tree(root: Path) -> list[str]:
     (root / "real" / "pkg" / "twice.py").symlink_to(root / "real" / "pkg" / "to_c.py")  # a link to a link
     (root / "real" / "pkg" / "gone.py").symlink_to(root / "nowhere.py")  # dangling
     (root / "relative").symlink_to("real/pkg")  # a relative folder link
-    names = ("a.py", "b.py", "to_c.py", "twice.py", "gone.py", "missing.py")
+    names = ("a.py", "b.py", "to_c.py", "twice.py", "gone.py", "missing.py", "", ".", "..")
     folders = (root / "real" / "pkg", root / "linked" / "pkg", root / "relative", root / "real" / "pkg" / ".." / "pkg")
-    return [str(folder / name) for folder in folders for name in names]
+    return [f"{folder}/{name}" for folder in folders for name in names]  # "pkg/", "pkg/." and "pkg/.." as written
 
 
 def test_each_module_path_resolves_as_realpath_does(tmp_path):
@@ -39,14 +39,22 @@ def test_each_module_path_resolves_as_realpath_does(tmp_path):
     assert len(folders) == 4
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from(["", "a", "b", "ab", "..", "."]), min_size=1, max_size=4),
-       st.lists(st.sampled_from(["a", "b", "ab"]), min_size=0, max_size=4))
-def test_under_is_path_parents(folder_parts, tail):
-    folder = os.path.normpath("/" + "/".join(p for p in folder_parts if p))  # never "//" (POSIX keeps it)
-    path = os.path.normpath(os.path.join(folder, *tail))
+_PARTS = st.lists(st.sampled_from(["a", "b", "ab", "ba", "a.b"]), min_size=0, max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_PARTS, _PARTS, _PARTS)
+def test_under_is_path_parents(common, folder_tail, path_tail):
+    """Folder and path drawn apart from shared parts: siblings whose names share a prefix (``/a/b``, ``/a/bc``)
+    come up as often as parents and children."""
+    folder = "/" + "/".join(common + folder_tail)
+    path = "/" + "/".join(common + path_tail)
     for f, p in ((folder, path), (path, folder), ("/", path), (folder, "/")):
         assert _under(p, f) == (Path(f) in Path(p).parents), (p, f)
+
+
+def test_a_sibling_whose_name_extends_the_folder_s_is_not_under_it():
+    assert not _under("/a/bc/x.py", "/a/b") and not _under("/a/b", "/a/b") and _under("/a/b/x.py", "/a/b")
 
 
 def test_the_snapshot_lists_a_module_imported_through_a_folder_link_by_its_real_path(tmp_path, monkeypatch):
