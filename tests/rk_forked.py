@@ -179,6 +179,13 @@ def shared() -> ForkedRuns:
 _SHARED_BARE: ForkedRuns | None = None
 
 
+def hand_off_env(site: Path, home: Path) -> dict[str, str]:
+    """A colleague's environment with only torch, numpy and safetensors installed, for a ``python -S`` hand-off run
+    (fresh, or forked from :func:`shared_bare` with ``replace_env=True``): this machine's ``PATH``, the minimal
+    ``site`` as the whole ``PYTHONPATH``, ``home`` as ``HOME``; nothing else."""
+    return {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site), "HOME": str(home)}
+
+
 def shared_bare() -> ForkedRuns:
     """This test process's bare fork server (``ForkedRuns(bare=True)``), started at the first call and stopped when
     the process exits: ``python -S`` with only a minimal site (:func:`rk_testing.minimal_site`: torch, numpy,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tarfile
 import textwrap
 
 import pytest
+from rk_forked import hand_off_env
 from rk_testing import bundle_of, cli, record
 
 from reprokit.pack import pack
@@ -47,17 +47,12 @@ def _unpacked(tmp_path, packed):
     return top
 
 
-def _hand_off_env(tmp_path, site):
-    """A colleague's environment with only torch, numpy and safetensors installed; ``python -S``: no site-packages."""
-    return {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site), "HOME": str(tmp_path)}
-
-
 def _hand_off(tmp_path, server, folder, script, *args):
     """Run ``script`` (relative to the unpacked folder) from another folder with only torch, numpy and safetensors
-    importable: forked from the ``bare_server``, as ``python -S script`` with :func:`_hand_off_env` would run."""
+    importable: forked from the ``bare_server``, as ``python -S script`` with :func:`rk_forked.hand_off_env` would run."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
-    return server.capture(list(args), script=folder / script, cwd=elsewhere, env=_hand_off_env(tmp_path, server.site),
+    return server.capture(list(args), script=folder / script, cwd=elsewhere, env=hand_off_env(server.site, tmp_path),
                           replace_env=True, timeout=300)
 
 
@@ -77,8 +72,9 @@ def test_a_hand_off_run_has_the_import_path_of_a_fresh_python_s_process(tmp_path
     """))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    fresh = subprocess.run([sys.executable, "-S", str(folder / "probe.py"), "x"], env=_hand_off_env(tmp_path,
-                           bare_server.site), cwd=elsewhere, capture_output=True, text=True, timeout=60)
+    fresh = subprocess.run([sys.executable, "-S", str(folder / "probe.py"), "x"],
+                           env=hand_off_env(bare_server.site, tmp_path), cwd=elsewhere, capture_output=True,
+                           text=True, timeout=60)
     forked = _hand_off(tmp_path, bare_server, folder, "probe.py", "x")
     assert fresh.returncode == forked.returncode == 0, fresh.stderr + forked.stderr
     want, got = json.loads(fresh.stdout), json.loads(forked.stdout)

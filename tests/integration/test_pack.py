@@ -131,7 +131,7 @@ def test_pack_refuses_a_tampered_bundle(nan_bundle, tmp_path):
 
 @pytest.mark.slow
 def test_hand_off_runs_with_only_torch_numpy_safetensors(nan_bundle, tmp_path):
-    from rk_forked import shared_bare
+    from rk_forked import hand_off_env, shared_bare
 
     out = tmp_path / "repro.tar.gz"
     pack(nan_bundle, out)
@@ -145,7 +145,7 @@ def test_hand_off_runs_with_only_torch_numpy_safetensors(nan_bundle, tmp_path):
     # test_extract.py::test_a_hand_off_run_has_the_import_path_of_a_fresh_python_s_process).
     server = shared_bare()
     # -S: no site-packages at all; the import path is the minimal site plus the extracted folder.
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(server.site), "HOME": str(tmp_path)}
+    env = hand_off_env(server.site, tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     probe = subprocess.run([sys.executable, "-S", "-c", "import click"], env=env, cwd=elsewhere,
