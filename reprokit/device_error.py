@@ -132,12 +132,30 @@ def behind(failure: Failure, probe: Callable[[], Any]) -> Failure:
     try:
         probe()
     except Exception as e:
-        if not is_sticky(e):
-            return failure
-        return dataclasses.replace(
-            failure, kind="device_error", exc_type=type(e).__qualname__, message=str(e).splitlines()[0][:500],
-            detail={**failure.detail, "device_error": {"surfaced_as": f"{failure.exc_type}: {failure.message}"}})
+        return surfaced_as(failure, e) if is_sticky(e) else failure
     return failure
+
+
+def surfaced_as(failure: Failure, error: BaseException) -> Failure:
+    """``failure`` (a step's exception) as the device error ``error`` (a sticky CUDA error met after it): the same
+    step and frame, ``detail.device_error.surfaced_as`` keeping the exception the step raised. What :func:`behind`
+    gives when its probe raises ``error``; the recorder calls it with the error it has already met. A failure of
+    another kind (a NaN seen before the device died) is returned as it is.
+
+    Example:
+        >>> from reprokit.signature import Failure
+        >>> f = surfaced_as(Failure("exception", 0, exc_type="RuntimeError", message="CUBLAS_STATUS_INTERNAL_ERROR"),
+        ...                 RuntimeError("CUDA error: device-side assert triggered"))
+        >>> (f.kind, f.step, f.message, f.detail["device_error"]["surfaced_as"])
+        ('device_error', 0, 'CUDA error: device-side assert triggered', 'RuntimeError: CUBLAS_STATUS_INTERNAL_ERROR')
+        >>> surfaced_as(Failure("nonfinite_loss", 3), RuntimeError("CUDA error: an illegal memory access")).kind
+        'nonfinite_loss'
+    """
+    if failure.kind != "exception":
+        return failure
+    return dataclasses.replace(
+        failure, kind="device_error", exc_type=type(error).__qualname__, message=str(error).splitlines()[0][:500],
+        detail={**failure.detail, "device_error": {"surfaced_as": f"{failure.exc_type}: {failure.message}"}})
 
 
 def keep_to_exit(obj: Any) -> None:

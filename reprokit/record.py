@@ -222,13 +222,6 @@ def _add_note(exc: BaseException, note: str) -> None:
     print(note, file=sys.stderr)
 
 
-def _raiser(exc: BaseException) -> Callable[[], None]:
-    """A probe for :func:`reprokit.device_error.behind` that raises ``exc`` (an error already met)."""
-    def probe() -> None:
-        raise exc
-    return probe
-
-
 class Recorder:
     """Watch a training loop and write a bundle when it fails.
 
@@ -1253,7 +1246,7 @@ class Recorder:
                     # the bundle's failure is the device error, the exception kept as surfaced_as, as replay says.
                     # The caller's failure becomes that one (as _dump_dead updates the failures it writes in place):
                     # what the run does next (skip, the note) reads the failure the bundle holds.
-                    dead = device_error.behind(failure, _raiser(e))
+                    dead = device_error.surfaced_as(failure, e)
                     for field in dataclasses.fields(failure):
                         setattr(failure, field.name, getattr(dead, field.name))
                     return self._dump_dead(failure, incident)
