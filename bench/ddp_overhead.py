@@ -106,25 +106,26 @@ def rank_main(args: argparse.Namespace) -> None:
                 r.detach()
         return times
 
-    def loop_block(recorded: bool, n: int, every: int) -> float:
+    def loop_block(name: str, n: int, every: int) -> float:
         """ms/step of ``n`` steps with one synchronize at the end and the loss read every ``every`` steps."""
-        if recorded:
-            rec.attach()
+        r = recs.get(name)
+        if r is not None:
+            r.attach()
         try:
             bs = [batch() for _ in range(n)]
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             for i, b in enumerate(bs):
-                loss = rec.step(b) if recorded else train_step(state, b)
+                loss = r.step(b) if r is not None else train_step(state, b)
                 if (i + 1) % every == 0:
                     loss.item()
             if cuda:
                 torch.cuda.synchronize()
             return (time.perf_counter() - t0) / n * 1e3
         finally:
-            if recorded:
-                rec.detach()
+            if r is not None:
+                r.detach()
 
     steps, rounds = (2, 2) if args.quick else (args.block, args.rounds)
     for name in ("bare", *recs):
@@ -149,22 +150,25 @@ def rank_main(args: argparse.Namespace) -> None:
         table[v] = row
     loops: dict[str, dict] = {}
     n_loop, loop_rounds = (4, 1) if args.quick else (args.loop_block, args.loop_rounds)
+    looped = ["bare", *recs]  # the loop shapes time every recorder beside the bare loop, the order rotating each round
     for every in [int(x) for x in args.loops.split(",") if x]:
-        loop_block(False, n_loop, every)  # warm-up, both ways
-        loop_block(True, n_loop, every)
-        pairs = []
+        for name in looped:
+            loop_block(name, n_loop, every)  # warm-up, each way
+        times: dict[str, list[float]] = {name: [] for name in looped}
         for i in range(loop_rounds):
-            order = (False, True) if i % 2 == 0 else (True, False)
-            t = {recorded: loop_block(recorded, n_loop, every) for recorded in order}
-            pairs.append((t[False], t[True]))
-        r = [b / a for a, b in pairs]
-        row = {"bare_ms": statistics.mean(a for a, _ in pairs), "recorder_ms": statistics.mean(b for _, b in pairs),
-               "steps": n_loop * loop_rounds}
-        row["ratio"] = row["recorder_ms"] / row["bare_ms"]
-        if len(r) > 1:
-            half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
-            row["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
-        loops[f"loop/{every}"] = row
+            for name in looped[i % len(looped):] + looped[:i % len(looped)]:
+                times[name].append(loop_block(name, n_loop, every))
+        shape: dict[str, dict] = {}
+        for name in looped[1:]:
+            r = [b / a for a, b in zip(times["bare"], times[name])]
+            row = {"bare_ms": statistics.mean(times["bare"]), "recorder_ms": statistics.mean(times[name]),
+                   "steps": n_loop * loop_rounds}
+            row["ratio"] = row["recorder_ms"] / row["bare_ms"]
+            if len(r) > 1:
+                half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
+                row["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
+            shape[name] = row
+        loops[f"loop/{every}"] = {**shape["recorder"], "variants": {n: v for n, v in shape.items() if n != "recorder"}}
     # The incident: rank 1 feeds a NaN; every rank writes its window. Time each rank's own write.
     rec.attach()
     spent: dict[str, float] = {}
@@ -257,7 +261,8 @@ def main() -> None:
                     help="loop shapes: read the loss every N steps, one synchronize per block (comma-separated; '' for "
                          "none)")
     ap.add_argument("--loop-block", type=int, default=100, help="steps per block of the loop shapes")
-    ap.add_argument("--loop-rounds", type=int, default=6, help="rounds of the loop shapes, bare and recorder each")
+    ap.add_argument("--loop-rounds", type=int, default=6,
+                    help="rounds of the loop shapes, one block each of bare, recorder and every --variants recorder")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--save", default=None, help="folder to write ddp_overhead_<device>_<commit>.json into")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -305,11 +310,13 @@ def main() -> None:
             print(f"{r['rank']:>4} {name:<24}{v['mean_ms']:>10.2f}{v['median_ms']:>11.2f}{v['ratio']:>8.3f}{ci:>24}")
     if report["ratio_loops"]:
         print("loop shapes (one synchronize per block, the loss read every N steps):")
-        print(f"{'rank':>4} {'loop':<24}{'bare ms':>10}{'rec. ms':>11}{'x bare':>8}{'95% CI (paired rounds)':>24}")
+        print(f"{'rank':>4} {'loop':<36}{'bare ms':>10}{'rec. ms':>11}{'x bare':>8}{'95% CI (paired rounds)':>24}")
         for r in ranks:
-            for name, v in r["loop_shapes"].items():
-                ci = "[{:.3f}, {:.3f}]".format(*v["ratio_ci95"]) if "ratio_ci95" in v else ""
-                print(f"{r['rank']:>4} {name:<24}{v['bare_ms']:>10.2f}{v['recorder_ms']:>11.2f}{v['ratio']:>8.3f}{ci:>24}")
+            for name, shape in r["loop_shapes"].items():
+                for label, v in ((name, shape), *((f"{name} {n}", x) for n, x in shape.get("variants", {}).items())):
+                    ci = "[{:.3f}, {:.3f}]".format(*v["ratio_ci95"]) if "ratio_ci95" in v else ""
+                    print(f"{r['rank']:>4} {label:<36}{v['bare_ms']:>10.2f}{v['recorder_ms']:>11.2f}{v['ratio']:>8.3f}"
+                          f"{ci:>24}")
     for r in ranks:
         graphs = [f"{name} {g['replays']}/{g['eager']}/{g['captures']}" for name, g in r["grad_norm_graph"].items() if g]
         if graphs:
