@@ -10,7 +10,8 @@ Exactness: a graph reads the memory its capture read, so it is replayed only whe
 shape, strides and dtype it had at the capture, grouped the same way (the layout, :func:`grads_key`, built each step);
 otherwise the norm is queued eagerly. The caching allocator hands a step's gradients blocks in a few layouts that
 recur (the last step's, or a short cycle of them); a layout is captured the second time it is seen, up to
-``MAX_GRAPHS`` graphs are kept for replay and at most ``MAX_CAPTURES`` made in a run. A replay queues the same
+``MAX_GRAPHS`` graphs are kept for replay (an evicted one is dropped once the stream has passed its last replay) and
+at most ``MAX_CAPTURES`` made in a run. A replay queues the same
 kernels with the same launch configurations as the eager call: the same value, bit for bit. Capture and replay
 never wait for the device; a capture that fails turns the graphs off for the run (the norm is then queued eagerly)
 and says so once.
@@ -27,11 +28,12 @@ import torch
 
 from reprokit.errors import RecorderWarning
 
-MAX_GRAPHS = 8
-"""Graphs kept for replay, the most recently used: gradients whose blocks cycle through a few layouts hit one each step."""
+MAX_GRAPHS = 4
+"""Graphs kept for replay, the most recently used: gradients whose blocks cycle through a few layouts hit one each step.
+Each holds the norm's scratch memory on the device (a float per 64K-element chunk of the largest gradient, per
+gradient: about 0.35 MB for GPT-2-124M, in a 2 MB segment of its own pool)."""
 MAX_CAPTURES = 16
-"""Captures a run may make (each graph holds a small memory pool on the device, about 2 MB): past it, layouts already
-captured are still replayed and the others normed eagerly."""
+"""Captures a run may make: past it, the layouts kept are still replayed and the others normed eagerly."""
 
 
 def grads_key(groups: list[list[torch.Tensor]]) -> tuple[Any, ...]:
@@ -60,14 +62,16 @@ class NormGraph:
         self.eager = 0
         self.off: str | None = None
         """Why the graphs are off for this run (a capture failed), or None."""
-        self._earlier: list[Any] = []
-        """Graphs evicted from :attr:`graphs`, kept (with their outputs) until :meth:`close`: one may still be running
-        on the stream, and a graph's memory pool goes back to the allocator when it is destroyed."""
+        self._evicted: list[tuple[Any, torch.Tensor, torch.cuda.Event]] = []
+        """Graphs evicted from :attr:`graphs`, each kept with an event recorded on the stream when it was evicted,
+        until that event has passed (queried, never waited for): a replay of it may still be running."""
 
     def __call__(self, groups: list[list[torch.Tensor]]) -> torch.Tensor:
         if self.off is not None:
             self.eager += 1
             return self.norm(groups)
+        if self._evicted:
+            self._evicted = [e for e in self._evicted if not e[2].query()]
         key = grads_key(groups)
         hit = self.graphs.get(key)
         if hit is None:
@@ -112,14 +116,17 @@ class NormGraph:
             return None
         self.graphs[key] = (graph, out)
         while len(self.graphs) > MAX_GRAPHS:
-            self._earlier.append(self.graphs.popitem(last=False)[1])
+            old, old_out = self.graphs.popitem(last=False)[1]
+            passed = torch.cuda.Event()
+            passed.record()  # on this stream, after every replay of the evicted graph
+            self._evicted.append((old, old_out, passed))
         return graph, out
 
     def close(self) -> None:
         """Drop the graphs (after the stream they ran on has been waited for: see :meth:`Monitor.close`)."""
         self.graphs.clear()
         self.seen.clear()
-        self._earlier.clear()
+        self._evicted.clear()
 
     def stats(self) -> dict[str, Any]:
         return {"replays": self.replays, "eager": self.eager, "captures": self.captures, "off": self.off}

@@ -81,6 +81,10 @@ def test_a_run_whose_gradients_never_settle_stops_capturing_and_replays_only_the
         assert torch.equal(_norm(graph, [[t]], side), _norm_of_groups([[t]]))
         assert graph.replays == before + replayed
     assert graph.replays == replays + 1 and graph.captures == norm_graph.MAX_CAPTURES
+    # The graphs evicted from the kept ones are dropped once the stream has passed them (queried at the next call).
+    torch.cuda.synchronize()
+    _norm(graph, [[never]], side)
+    assert not graph._evicted
 
 
 def test_a_recorder_detached_and_attached_again_keeps_its_graphs_and_closing_it_drops_them(projects, tmp_path):
