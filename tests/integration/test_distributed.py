@@ -293,8 +293,8 @@ def test_nccl_a_device_side_assert_on_one_rank_gives_every_rank_s_bundle(tmp_pat
 @two_gpus
 @pytest.mark.slow
 def test_nccl_s_watchdog_aborts_a_rank_on_a_device_error_and_the_durable_window_recovers_it(tmp_path, monkeypatch):
-    """NCCL's default: its watchdog thread aborts rank 1 as soon as it sees the CUDA error, before any bundle can be
-    written, and torchrun stops rank 0. Rank 0's Recorder warned of it at the start, naming the setting; with
+    """NCCL's default: its watchdog thread aborts rank 1 as soon as it sees the CUDA error, mostly before rank 1's
+    bundle is written, and torchrun stops rank 0. Rank 0's Recorder warned of it at the start, naming the setting; with
     ``durable=True`` both windows are on disk, and ``reprokit recover`` makes them bundles."""
     monkeypatch.delenv("TORCH_NCCL_RETHROW_CUDA_ERRORS", raising=False)
     out = tmp_path / "repros"
@@ -305,10 +305,19 @@ def test_nccl_s_watchdog_aborts_a_rank_on_a_device_error_and_the_durable_window_
     r = CliRunner().invoke(cli, ["recover", str(out), "--json"])
     print(f"\ntorchrun ended after {seconds:.1f} s; recover exit {r.exit_code}: {r.stdout[:3000]}")
     assert r.exit_code == 0, r.output
-    written = sorted(out.rglob("bundle-*-crash*"))
+    written = sorted(out.rglob("bundle-*-rank*of2"))
     ranks = {open_bundle(b).run["distributed"]["rank"]: open_bundle(b) for b in written}
     assert set(ranks) == {0, 1}, (written, r.stdout)
-    assert (ranks[1].failure.kind, ranks[1].failure.exc_type) == ("crash", "SIGABRT"), ranks[1].failure
+    status = {d["rank"]: d["status"] for d in json.loads(r.stdout)["runs"][0]["ranks"]}
+    # Rank 1: the watchdog and rank 1's own recorder race. Mostly the watchdog aborts it before its window is written
+    # (recovered from the durable log: a SIGABRT crash); sometimes rank 1 writes its device-error bundle first (seen
+    # on 2x H200), which recover leaves as it is.
+    one = ranks[1].failure
+    if status[1] == "already_written":
+        assert one.kind == "device_error" and "device-side assert" in one.message, one
+    else:
+        assert status[1] == "recovered" and (one.kind, one.exc_type) == ("crash", "SIGABRT"), (status, one)
+    assert status[0] == "recovered", status
     assert (ranks[0].failure.kind, ranks[0].failure.exc_type) == ("crash", "SIGTERM"), ranks[0].failure
     assert 6 in ranks[1].steps and ranks[1].step(6)[0]["idx"].tolist() == [99], ranks[1].steps
 
