@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from io_bench import _commit  # the checkout's commit, or $BENCH_COMMIT
+from paired import ci95
 from torch.nn.parallel import DistributedDataParallel
 
 import reprokit
@@ -144,9 +144,8 @@ def rank_main(args: argparse.Namespace) -> None:
         r = [m / b for m, b in zip(means[v], means["bare"])]
         row = {"mean_ms": statistics.mean(t) * 1e3, "median_ms": statistics.median(t) * 1e3,
                "ratio": statistics.mean(t) / bare, "steps": len(t)}
-        if len(r) > 1:
-            half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
-            row["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
+        if (ci := ci95(r)) is not None:
+            row["ratio_ci95"] = ci
         table[v] = row
     loops: dict[str, dict] = {}
     n_loop, loop_rounds = (4, 1) if args.quick else (args.loop_block, args.loop_rounds)
@@ -164,9 +163,8 @@ def rank_main(args: argparse.Namespace) -> None:
             row = {"bare_ms": statistics.mean(times["bare"]), "recorder_ms": statistics.mean(times[name]),
                    "steps": n_loop * loop_rounds}
             row["ratio"] = row["recorder_ms"] / row["bare_ms"]
-            if len(r) > 1:
-                half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
-                row["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
+            if (ci := ci95(r)) is not None:
+                row["ratio_ci95"] = ci
             shape[name] = row
         loops[f"loop/{every}"] = {**shape["recorder"], "variants": {n: v for n, v in shape.items() if n != "recorder"}}
     # The incident: rank 1 feeds a NaN; every rank writes its window. Time each rank's own write.

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 from io_bench import _commit  # the checkout's commit, or $BENCH_COMMIT
+from paired import ci95
 
 import reprokit
 
@@ -138,9 +139,8 @@ def loop_shapes(names: list[str], rec, state, cfg: dict, g, device: str, args, e
         mean = statistics.mean(t[arm] for t in rows)
         out = {"ms": mean * 1e3, "ratio": mean / bare}
         r = [t[arm] / t["bare"] for t in rows]
-        if len(r) > 1:
-            half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
-            out["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
+        if (ci := ci95(r)) is not None:
+            out["ratio_ci95"] = ci
         return out
 
     before = rec.monitor.checks.stats()
@@ -392,9 +392,8 @@ def main() -> None:
     for name, per_round in blocks.items():
         # The ratio of each round's block to that round's bare block: drift between rounds cancels.
         r = [m / b for m, b in zip(per_round, blocks["bare"])]
-        if len(r) > 1:
-            half = 1.96 * statistics.stdev(r) / math.sqrt(len(r))
-            table[name]["ratio_ci95"] = [statistics.mean(r) - half, statistics.mean(r) + half]
+        if (ci := ci95(r)) is not None:
+            table[name]["ratio_ci95"] = ci
     breakdown = {name: sec / n_inst * 1e3 for name, sec in spent_in_blocks.items()}
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
               "commit": _commit(), "config": cfg, "variants": table, "snapshot": snap, "recorder_host_ms_per_step": breakdown,
