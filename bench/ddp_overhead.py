@@ -35,16 +35,12 @@ from paired import ci95
 from torch.nn.parallel import DistributedDataParallel
 
 import reprokit
-from reprokit.detect import _norm_of_groups
-from reprokit.norm_graph import NormGraph
 
 from gpt import GPT, GPT2, train_step  # bench/gpt.py (bench/ is the script's folder)
 
 QUICK = {"layers": 2, "d": 64, "heads": 4, "vocab": 256, "ctx": 32, "batch": 2}
-EXTRA = {"recorder-no-grad-check": {"check_grads": False}, "recorder-no-snapshot": {"snapshot_every": 10**9},
-         "recorder-eager-norm": {}}
-"""Recorders with one part off (``--variants``), timed beside the full one to find where its cost goes;
-``recorder-eager-norm`` queues the gradient norm eagerly, without its CUDA graphs (``reprokit.norm_graph``)."""
+EXTRA = {"recorder-no-grad-check": {"check_grads": False}, "recorder-no-snapshot": {"snapshot_every": 10**9}}
+"""Recorders with one part off (``--variants``), timed beside the full one to find where its cost goes."""
 
 
 def build(config):
@@ -78,10 +74,6 @@ def rank_main(args: argparse.Namespace) -> None:
         recs[name] = reprokit.Recorder(state, train_step, build=build, config=cfg, out_dir=out_dir / name,
                                        incident_wait_s=120, **EXTRA[name])
         recs[name].detach()
-        if name == "recorder-eager-norm" and cuda:
-            graphs = recs[name].monitor._graphs[torch.device("cuda", torch.cuda.current_device())] = \
-                NormGraph(_norm_of_groups)
-            graphs.off = "eager (the bench's recorder-eager-norm)"
 
     def batch():
         idx = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["ctx"] + 1), device=cfg["device"], generator=g)
@@ -200,7 +192,6 @@ def rank_main(args: argparse.Namespace) -> None:
     bundle = rec.bundles[-1] if rec.bundles else None
     size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file()) if bundle else 0
     doc = {"rank": rank, "world_size": world, "variants": table, "loop_shapes": loops, "failure": failed,
-           "grad_norm_graph": {name: r.stats()["grad_norm_graph"] for name, r in recs.items()},
            "dump_s": spent.get("dump_s"), "incident_step_s": incident_s, "bundle_bytes": size,
            "recorder_memory": rec.stats(),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "config": cfg}
@@ -315,10 +306,6 @@ def main() -> None:
                     ci = "[{:.3f}, {:.3f}]".format(*v["ratio_ci95"]) if "ratio_ci95" in v else ""
                     print(f"{r['rank']:>4} {label:<36}{v['bare_ms']:>10.2f}{v['recorder_ms']:>11.2f}{v['ratio']:>8.3f}"
                           f"{ci:>24}")
-    for r in ranks:
-        graphs = [f"{name} {g['replays']}/{g['eager']}/{g['captures']}" for name, g in r["grad_norm_graph"].items() if g]
-        if graphs:
-            print(f"rank {r['rank']}: the gradient norm's CUDA graphs (replays / eager / captures): {', '.join(graphs)}")
     for r in ranks:
         dump = f"{r['dump_s']:.2f} s" if r["dump_s"] is not None else "no bundle"
         print(f"rank {r['rank']}: failure {r['failure']}, own window written in {dump} "

@@ -13,9 +13,7 @@ is about to step, and the training stream waits for it only when the optimizer
 step has been queued: the norm (a memory-bound read of every gradient, ~0.2-0.3 ms
 for GPT-2-124M on an H200) runs beside the optimizer's kernels instead of before
 them. Measured on GPT-2-124M (H200): the norm in line cost 1.010x the bare step, on the
-side stream 0.999x. Its kernels are queued by replaying a CUDA graph of them while the gradients stay at the
-addresses the capture saw (:mod:`reprokit.norm_graph`): eagerly, ``torch._foreach_norm`` over 148 gradients costs
-~1.1 ms of host time, which a loop bound by its host (2-GPU DDP) pays on every step.
+side stream 0.999x.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ from reprokit.detect_settings import DetectSettings
 from reprokit.device_error import is_sticky
 from reprokit.errors import ConfigError, RecorderWarning
 from reprokit.lag import Checked, CheckQueue, Reading
-from reprokit.norm_graph import NormGraph
 from reprokit.signature import Failure, FailureKind, from_exception
 from reprokit.state import TrainState
 
@@ -138,13 +135,11 @@ class Monitor:
         self._sharded = False
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         self._unjoined: list[torch.cuda.Stream] = []
-        """Side streams with a norm queued that the training stream has not waited for yet."""
         self._dead: BaseException | None = None
         """The sticky device error a lagged read met (see :meth:`_judge`): the failure's exception."""
-        self._graphs: dict[torch.device, NormGraph] = {}
-        """Per side stream: the norm's kernels as a CUDA graph (see :mod:`reprokit.norm_graph`)."""
         self._held: list[Any] = []
         """What the norms queued aside read, kept alive until the training stream waits for them (see _norm_aside)."""
+        """Side streams with a norm queued that the training stream has not waited for yet."""
         self._hooks: tuple[Any, Any] | None = None
         self._hook_warned = False
         self._loss_warned = False
@@ -155,19 +150,12 @@ class Monitor:
         """Set by replay: the steps this monitor runs re-execute recorded ones (see :func:`current_step`)."""
         self.attach()
 
-    def detach(self) -> None:
-        """Remove the optimizer hooks (:meth:`attach` puts them back); the norm's CUDA graphs are kept."""
+    def close(self) -> None:
         if self._hooks is not None:
             for h in self._hooks:
                 h.remove()
             self._hooks = None
         self._join()
-
-    def close(self) -> None:
-        """Detach for good: the norm's CUDA graphs are dropped too."""
-        self.detach()
-        for graph in self._graphs.values():
-            graph.close()
 
     def attach(self) -> None:
         if self._hooks is None and self.settings.check_grads:
@@ -265,24 +253,12 @@ class Monitor:
         side = self._side.get(dev)
         if side is None:
             side = self._side[dev] = torch.cuda.Stream(device=dev)
-        graph = self._graphs.get(dev)
-        if graph is None:
-            graph = self._graphs[dev] = NormGraph(_norm_of_groups)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            norm = _amp_adjusted(graph(grads), None, found_inf)
+            norm = _amp_adjusted(_norm_of_groups(grads), None, found_inf)
         self._held.append((grads, found_inf))
         self._unjoined.append(side)
         return norm
-
-    def norm_graph_stats(self) -> dict[str, Any] | None:
-        """How the gradient norm was queued on the side stream (:meth:`NormGraph.stats`, summed over devices), or
-        None where it never was (the CPU, or no gradient check)."""
-        if not self._graphs:
-            return None
-        every = [g.stats() for g in self._graphs.values()]
-        return {**{k: sum(s[k] for s in every) for k in ("replays", "eager", "captures")},
-                "off": next((s["off"] for s in every if s["off"]), None)}
 
     def warm_up(self) -> None:
         """Run the step-end checks' device work once, on the parameters themselves (nothing is kept or changed).

@@ -1111,8 +1111,6 @@ class Recorder:
             a step before its checks were judged; ``lag_waits``, how many times the recorder waited for the device
             to judge one (a check ``max_lag`` steps old, a postponed snapshot, :meth:`wait_for_checks`);
             ``snapshot_postponed_steps``, the steps snapshots were postponed by in all; ``checks_pending`` now.
-            ``grad_norm_graph``: on a CUDA device, how the gradient norm was queued (:mod:`reprokit.norm_graph`):
-            ``replays`` of its CUDA graph, ``eager`` calls, ``captures``, and why the graph is ``off`` (or None).
 
         Example:
             >>> rec.stats()["peak_pinned_bytes"]                             # doctest: +SKIP
@@ -1123,8 +1121,7 @@ class Recorder:
                 "snapshot_bytes": self._engine.held_bytes, "window_steps": len(self._ring),
                 "window_bytes": window + self._ring_other, "snapshots_spilled": self._engine.spilled_for_memory,
                 "state": "referenced" if self._refer else "snapshotted", "state_bytes_saved": self._saved,
-                **self.monitor.checks.stats(), "snapshot_postponed_steps": self._postponed_total,
-                "grad_norm_graph": self.monitor.norm_graph_stats()}
+                **self.monitor.checks.stats(), "snapshot_postponed_steps": self._postponed_total}
 
     def _drop_window(self, key: str, message: str) -> None:
         """The window cannot be replayed any more: forget it until the next snapshot, and say so (once per key)."""
@@ -1521,7 +1518,7 @@ class Recorder:
 
     def detach(self) -> None:
         """Stop watching (remove the optimizer hooks) but keep buffers, window and snapshot; see :meth:`attach`."""
-        self.monitor.detach()
+        self.monitor.close()
         self._engine.detach()
 
     def attach(self) -> None:

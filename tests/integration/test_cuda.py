@@ -26,7 +26,6 @@ def test_cuda_run_records_and_replays_bit_exact_on_gpu(projects, tmp_path, amp):
     cfg = {"device": "cuda", "amp": amp}
     rec, exc = record(gpu, cfg, gpu.batches(40, 33, "cuda"), tmp_path, snapshot_every=10)
     assert isinstance(exc, reprokit.TrainingFailure) and exc.failure.step == 33
-    assert rec.stats()["grad_norm_graph"]["replays"] >= 25, rec.stats()  # the norm's CUDA graph (norm_graph)
     b = open_bundle(exc.bundle)
     assert b.run["device"].startswith("cuda")
     _, _, rng = b.step(b.steps[0])  # the snapshot due at 30 may wait for earlier checks (lagged): a step or more
@@ -142,9 +141,6 @@ def test_recorder_adds_no_sync_in_100_steps(projects, tmp_path, amp):
     assert watched == bare, (bare, watched)
     assert snapshots >= 3 and waits <= snapshots, (waits, snapshots, stats)
     assert stats["lag_max"] <= stats["max_lag"], stats
-    # The gradient norm was queued by replaying its CUDA graphs (reprokit.norm_graph) on some of these steps (as many
-    # as the allocator's layouts of the gradients allow), which adds no sync either.
-    assert stats["grad_norm_graph"]["replays"] > 0 and stats["grad_norm_graph"]["off"] is None, stats
 
 
 def test_a_nan_on_the_gpu_is_attributed_to_its_step_while_the_host_runs_ahead(projects, tmp_path):
