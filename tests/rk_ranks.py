@@ -11,6 +11,9 @@ unbuffered (torchrun runs ``python -u``). The stand-in stays what torchrun watch
 sends (SIGTERM when another rank failed), and ends as the rank ended (its exit code, or killed by the same signal).
 When the stand-in dies (SIGKILLed by torchrun or a test), the server SIGKILLs its rank: none outlives its launch.
 
+The same stand-in, ``python -S tests/rk_ranks.py -m reprokit ARGS`` (:func:`stand_in`), is the ``python -m reprokit``
+that a test's ``git bisect run`` starts at each commit.
+
 What a fork cannot give is a fresh interpreter's start-up: a test about a rank's own imports or start keeps fresh
 ranks (:func:`rk_testing.torchrun` with ``fresh_ranks=True``).
 """
@@ -85,12 +88,18 @@ def shared(env: dict[str, str]) -> RankServer:
         return server
 
 
+def stand_in(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``(["python", "-S", "tests/rk_ranks.py"], env with the server's socket)``: the command that, followed by
+    ``SCRIPT ARGS`` or ``-m MODULE ARGS``, runs as ``python SCRIPT ARGS`` (``python -m MODULE ARGS``) would, forked
+    from :func:`shared` ``(env)``: for a command a tool starts (torchrun's ranks, ``git bisect run``'s)."""
+    return [sys.executable, "-S", str(HERE)], {**env, SERVER_VAR: shared(env).socket}
+
+
 def torchrun_argv(script: Path | str, args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """torchrun's arguments from the script on (``--no-python`` and the stand-in, then ``script ARGS``) and the
     launcher's environment (``env`` with the server's socket), for ranks forked from :func:`shared`."""
-    server = shared(env)
-    return (["--no-python", sys.executable, "-S", str(HERE), str(script), *map(str, args)],
-            {**env, SERVER_VAR: server.socket})
+    command, env = stand_in(env)
+    return ["--no-python", *command, str(script), *map(str, args)], env
 
 
 # --- the stand-in (torchrun's "rank") ------------------------------------------------------------------------------
@@ -98,7 +107,10 @@ def torchrun_argv(script: Path | str, args: list[str], env: dict[str, str]) -> t
 def _stand_in(argv: list[str]) -> None:
     env = dict(os.environ)
     path = env.pop(SERVER_VAR)
-    req = {"script": argv[0], "argv": argv[1:], "cwd": os.getcwd(), "env": env}
+    if argv[0] == "-m":
+        req = {"script": None, "module": argv[1], "argv": argv[2:], "cwd": os.getcwd(), "env": env}
+    else:
+        req = {"script": argv[0], "argv": argv[1:], "cwd": os.getcwd(), "env": env}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(path)
     socket.send_fds(sock, [json.dumps(req).encode()], [0, 1, 2])
