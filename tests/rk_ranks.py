@@ -130,7 +130,8 @@ def _stand_in(argv: list[str]) -> None:
         os._exit(1)
     code = int(json.loads(reply)["returncode"])
     if code < 0:  # die as the rank died: torchrun reads the signal from its worker's exit status
-        signal.signal(-code, signal.SIG_DFL)
+        if -code in FORWARDED:
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code & 0xFF)
 
@@ -154,6 +155,14 @@ def _rank(req: dict[str, Any], fds: list[int]) -> None:
     _child({**req, "replace_env": True, "new_session": True, "streams_ready": True})
 
 
+def _receives(conn: socket.socket) -> bool:
+    """Whether ``conn`` (readable) still has its stand-in at the other end: it never writes after its request."""
+    try:
+        return bool(conn.recv(1))
+    except OSError:
+        return False
+
+
 def _serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
@@ -168,7 +177,15 @@ def _serve(path: str) -> None:
                 return  # the test process closed our input (or ended)
             if listener in readable:
                 conn, _ = listener.accept()
-                data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                try:
+                    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                except OSError:
+                    data, fds = b"", []
+                if not data or len(fds) != 3:  # a stand-in that died before it asked
+                    for fd in fds:
+                        os.close(fd)
+                    conn.close()
+                    continue
                 sys.stdout.flush()
                 pid = os.fork()
                 if pid == 0:
@@ -178,10 +195,13 @@ def _serve(path: str) -> None:
                     _rank(json.loads(data), fds)
                 for fd in fds:
                     os.close(fd)
-                conn.send(json.dumps({"pid": pid}).encode())
+                try:
+                    conn.send(json.dumps({"pid": pid}).encode())
+                except OSError:  # the stand-in is gone: its connection reads as closed below, and the rank is killed
+                    pass
                 ranks[pid], conns[conn] = conn, pid
             for conn in readable:
-                if conn in conns and not conn.recv(1):  # the stand-in died: so does its rank
+                if conn in conns and not _receives(conn):  # the stand-in died: so does its rank
                     try:
                         os.kill(conns[conn], signal.SIGKILL)
                     except ProcessLookupError:
