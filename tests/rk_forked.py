@@ -224,13 +224,14 @@ def _child(req: dict[str, Any]) -> None:
     try:
         if req.get("new_session"):
             os.setsid()
-        fd = os.open(os.devnull, os.O_RDONLY)  # never the server's requests
-        os.dup2(fd, 0)
-        os.close(fd)
-        for target, path in ((1, req.get("stdout") or req["log"]), (2, req.get("stderr") or req["log"])):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(fd, target)
+        if not req.get("streams_ready"):  # (rk_ranks gives its ranks their stand-in's streams itself)
+            fd = os.open(os.devnull, os.O_RDONLY)  # never the server's requests
+            os.dup2(fd, 0)
             os.close(fd)
+            for target, path in ((1, req.get("stdout") or req["log"]), (2, req.get("stderr") or req["log"])):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(fd, target)
+                os.close(fd)
         os.chdir(req["cwd"])
         if req.get("replace_env"):
             os.environ.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import sys
 
 import git
@@ -185,12 +186,16 @@ def test_users_working_tree_is_untouched(recorded, tmp_path):
 
 @pytest.mark.slow
 def test_plain_git_bisect_run_gives_the_same_answer(recorded, tmp_path, bisect_runner):
-    """The README's recipe: `git bisect run reprokit replay BUNDLE --code .` (exit codes 1/0/125 fit)."""
+    """The README's recipe: `git bisect run reprokit replay BUNDLE --code .` (exit codes 1/0/125 fit). Each
+    `python -m reprokit` git starts is forked from the rank server (``rk_ranks.stand_in``: no torch import each)."""
+    from rk_ranks import stand_in
+
     repo, shas, bundle = recorded(n=8, bug_at=5, syntax_error=(3,))
+    python, env = stand_in(dict(os.environ))
     repo.git.bisect("start", shas[-1], shas[0])
     try:
-        out = repo.git.bisect("run", sys.executable, "-m", "reprokit", "replay", str(bundle),
-                              "--code", ".", *entries(bundle))
+        out = repo.git.bisect("run", *python, "-m", "reprokit", "replay", str(bundle), "--code", ".",
+                              *entries(bundle), env=env)
     finally:
         repo.git.bisect("reset")
     assert f"{shas[4]} is the first bad commit" in out

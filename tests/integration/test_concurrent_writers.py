@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rk_testing import PROJECTS, copy_bundle, env_with_checkout
+from rk_testing import copy_bundle
 
 from reprokit import bundle as B
 from reprokit.cli import main
@@ -51,16 +51,18 @@ def test_concurrent_commits_under_one_name_keep_every_bundle(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_second_shrink_to_the_same_output_is_refused_up_front(shared_nan_bundle, tmp_path):
+def test_a_second_shrink_to_the_same_output_is_refused_up_front(shared_nan_bundle, tmp_path, tmp_path_factory,
+                                                               fork_server):
+    """The first ``python -m reprokit shrink`` runs in a process of its own (forked from the fork server), the second
+    in this one while the first holds the claim."""
     bundle = copy_bundle(shared_nan_bundle, tmp_path)
     same = tmp_path / "small"
     claim = tmp_path / f".small{B.CLAIM_SUFFIX}"
-    first = subprocess.Popen([sys.executable, "-m", "reprokit", "shrink", str(bundle), "-o", str(same)],
-                             env=env_with_checkout(PROJECTS),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path_factory.mktemp("first-shrink") / "log"  # outside tmp_path, whose listing is checked
+    pid = fork_server.start(None, ["shrink", bundle, "-o", same], module="reprokit", cwd=Path("/"), log=log)
     try:
         deadline = time.monotonic() + 120
-        while not claim.exists() and first.poll() is None and time.monotonic() < deadline:
+        while not claim.exists() and _running(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert claim.exists(), "the first shrink never claimed its output"
         t0 = time.monotonic()
@@ -68,10 +70,18 @@ def test_a_second_shrink_to_the_same_output_is_refused_up_front(shared_nan_bundl
         assert second.exit_code == 2 and "is being written by process" in second.output, second.output
         assert time.monotonic() - t0 < 30
     finally:
-        out, _ = first.communicate(timeout=600)
-    assert first.returncode == 0, out
+        code = fork_server.wait()
+    assert code == 0, log.read_text()
     assert B.verify(same) == []
     assert not claim.exists() and sorted(p.name for p in tmp_path.iterdir()) == [bundle.name, "small"]
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (not gone, not a zombie its parent has yet to reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 def test_a_claim_left_by_a_dead_process_is_taken_over(tmp_path):

@@ -32,8 +32,8 @@ pytestmark = pytest.mark.slow
 
 class _Launch:
     """torchrun forked from this test process's fork server (``rk_forked.shared``: the launcher pays no torch import
-    of its own; it starts each rank as a fresh process, as torchrun does), in a session of its own. What the tests use
-    of ``subprocess.Popen``: ``pid``, ``poll``, ``wait``, ``returncode``."""
+    of its own; nor do its ranks, forked from the rank server, ``rk_ranks``), in a session of its own. What the tests
+    use of ``subprocess.Popen``: ``pid``, ``poll``, ``wait``, ``returncode``."""
 
     def __init__(self, argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> None:
         from rk_forked import shared
@@ -62,12 +62,14 @@ class _Launch:
 def _start(out: Path, on_incident: str, exit_path: str, device: str = "cpu", failure: str = "raise",
            launcher: tuple[str, ...] = (), step: int = 17) -> tuple[_Launch, Path]:
     """torchrun in a session of its own (a test that stops it kills every worker, never an orphan left blocked)."""
+    from rk_ranks import torchrun_argv
+
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{on_incident}-{exit_path}.log"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
+    rank, env = torchrun_argv(PROJECT, [str(out), on_incident, device, exit_path, failure, str(step)], env)
     proc = _Launch(["--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                    *launcher, str(PROJECT), str(out), on_incident, device, exit_path, failure, str(step)],
-                   cwd=out.parent, env=env, log=log)
+                    *launcher, *rank], cwd=out.parent, env=env, log=log)
     return proc, log
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rk_testing import bundle_of, cli_process
+from rk_testing import bundle_of
 
 import reprokit
 from reprokit import bundle as B
@@ -32,7 +32,8 @@ def fit(projects, tmp_path: Path, n: int, poison_step: int | None, **kw) -> tupl
 
 
 @pytest.mark.slow
-def test_an_integration_on_the_public_interface_writes_a_bundle_that_carries_its_model_class(projects, tmp_path):
+def test_an_integration_on_the_public_interface_writes_a_bundle_that_carries_its_model_class(projects, tmp_path,
+                                                                                             fork_server):
     _, exc = fit(projects, tmp_path, 12, poison_step=9)
     assert isinstance(exc, reprokit.TrainingFailure)
     bundle = bundle_of(exc)
@@ -43,9 +44,9 @@ def test_an_integration_on_the_public_interface_writes_a_bundle_that_carries_its
     assert (bundle / "code" / "rk_own_model.py").is_file(), "the carried class's file is in the code snapshot"
 
     # Replay imports the model class from the bundle's snapshot: moved away from the project, in a process where the
-    # test projects are not importable, it still replays.
+    # test projects are not importable (forked from the fork server, which never imported them), it still replays.
     moved = shutil.copytree(bundle, tmp_path / "elsewhere" / bundle.name)
-    proc = cli_process("replay", moved, "--times", "2", "--json", "--trust")
+    proc = fork_server.reprokit("replay", moved, "--times", "2", "--json", "--trust")
     assert proc.returncode == 1, proc.stderr
     d = json.loads(proc.stdout)
     assert d["verdict"] == "deterministic" and d["failure"]["step"] == 9 and d["fidelity"]["bit_exact"]

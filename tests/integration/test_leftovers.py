@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -33,22 +32,29 @@ def _gc(*args: str) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
-def test_sigkilled_writer_leaves_a_folder_that_gc_removes_and_a_live_one_it_keeps(tmp_path):
+def test_sigkilled_writer_leaves_a_folder_that_gc_removes_and_a_live_one_it_keeps(tmp_path, tmp_path_factory,
+                                                                                  fork_server):
+    """The writer is a process of its own, forked from the fork server (no torch import of its own)."""
+    import time
+
     out = tmp_path / "repros"
-    child = subprocess.Popen([sys.executable, "-c", WRITER, str(out)], stdout=subprocess.PIPE, text=True)
+    work = tmp_path_factory.mktemp("writer")  # its script and output, outside tmp_path
+    (work / "writer.py").write_text(WRITER)
+    (work / "log").write_text("")  # there from the start (the run appends to it)
+    pid = fork_server.start(work / "writer.py", [str(out)], cwd=work, log=work / "log")
     try:
-        tmp = child.stdout.readline().strip()
-        assert tmp and os.path.isdir(tmp), "the writer started"
+        deadline = time.monotonic() + 120
+        while not (tmp := (work / "log").read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert tmp and os.path.isdir(tmp), f"the writer started: {tmp}"
         code, d = _gc(str(out))
         assert code == 0 and [(x["state"], x["removed"]) for x in d["leftovers"]] == [("writing", False)]
-        assert d["leftovers"][0]["owner"].startswith(f"pid {child.pid} ") and d["leftovers"][0]["bytes"] > 16384
-        os.kill(child.pid, signal.SIGKILL)  # no cleanup can run
-        child.wait(timeout=30)
+        assert d["leftovers"][0]["owner"].startswith(f"pid {pid} ") and d["leftovers"][0]["bytes"] > 16384
+        os.kill(pid, signal.SIGKILL)  # no cleanup can run
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        child.stdout.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        assert fork_server.wait() == -signal.SIGKILL
     assert os.path.isdir(tmp), "SIGKILL leaves the temp folder behind"
     (found,) = B.find_leftovers(out)
     assert found.state == "abandoned" and str(found.path) == tmp

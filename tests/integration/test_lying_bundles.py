@@ -8,10 +8,7 @@ bundle (rk_mlp, NaN loss at step 6, window 4..6) edited the way a careless tool 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,8 +18,6 @@ from rk_testing import cli, reseal
 from reprokit import bundle as B
 from reprokit.errors import BundleError
 from reprokit.replayer import replay
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def edit_run(bundle: Path, edit: Callable[[dict], object]) -> Path:
@@ -100,15 +95,16 @@ def test_a_failure_kind_replay_cannot_check_is_an_invalid_bundle(nan_bundle, edi
 
 
 @pytest.mark.slow
-def test_the_pytest_plugin_reports_a_bundle_that_cannot_fail_as_an_error(shared_nan_bundle, tmp_path):
+def test_the_pytest_plugin_reports_a_bundle_that_cannot_fail_as_an_error(shared_nan_bundle, tmp_path, fork_server):
+    """``python -m pytest -p reprokit.testing`` as a process of its own, forked from the fork server (no torch import
+    of its own), as test_testing_plugin runs the plugin."""
     folder = tmp_path / "regressions"
     for case, (edit, _) in CANNOT_FAIL.items():
         edit_run(Path(shutil.copytree(shared_nan_bundle, folder / case / shared_nan_bundle.name)), edit)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "reprokit.testing", "-p", "no:cacheprovider", "-q",
-                           "-rA", "--reprokit-bundles", str(folder)], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" /
-                                                                                           "projects")])},
-                          timeout=300)
+    # Forked from a server that imported reprokit, pytest cannot rewrite the plugin's package and warns so.
+    proc = fork_server.capture(["-p", "reprokit.testing", "-p", "no:cacheprovider", "-q", "-rA",
+                                "-W", "ignore::pytest.PytestAssertRewriteWarning", "--reprokit-bundles", folder],
+                               module="pytest", cwd=tmp_path, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "2 error" in proc.stdout and "passed" not in proc.stdout, out
 

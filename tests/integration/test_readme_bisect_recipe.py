@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -96,27 +96,31 @@ def test_docs_entry_fits_a_script_and_a_module_form_entry_is_named_in_the_error(
     assert "then pass: --entry build=train.py:build,step=train.py:train_step" in proc.stderr
 
 
-def _bisect(repo: git.Repo, shas: list[str], line: str) -> subprocess.CompletedProcess:
+def _bisect(repo: git.Repo, shas: list[str], line: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     cwd = repo.working_tree_dir
     subprocess.run(["git", "bisect", "start", shas[-1], shas[0]], cwd=cwd, check=True, capture_output=True)
     try:
-        return subprocess.run(["sh", "-c", line], cwd=cwd, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return subprocess.run(["sh", "-c", line], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
     finally:
         subprocess.run(["git", "bisect", "reset"], cwd=cwd, check=True, capture_output=True)
 
 
 @pytest.mark.slow
 def test_docs_git_bisect_run_line_finds_the_commit_and_stops_on_a_usage_error(project):
+    """The page's line as written, but for its ``reprokit``: ``python -m reprokit`` forked from the rank server
+    (``rk_ranks.stand_in``: no torch import at each commit)."""
+    from rk_ranks import stand_in
+
     repo, shas, bundle, _ = project
+    python, env = stand_in({**os.environ, "PYTHONPATH": str(ROOT)})
     line = next(ln for ln in _docs_bisect_block().splitlines() if ln.startswith("git bisect run"))
     line = line.replace("/abs/path/to/BUNDLE", str(bundle)).replace("reprokit replay",
-                                                                    f"{sys.executable} -m reprokit replay")
-    proc = _bisect(repo, shas, line)
+                                                                    f"{shlex.join(python)} -m reprokit replay")
+    proc = _bisect(repo, shas, line, env)
     assert proc.returncode == 0 and f"{shas[1]} is the first bad commit" in proc.stdout, proc.stdout + proc.stderr
     # A wrong --entry exits 2, which plain `git bisect run` reads as bad: the docs' line stops instead of
     # naming a wrong commit.
     wrong = line.replace("build=train.py:build,step=train.py:train_step", "build=train:build,step=train:train_step")
     assert wrong != line
-    proc = _bisect(repo, shas, wrong)
+    proc = _bisect(repo, shas, wrong, env)
     assert proc.returncode != 0 and "is the first bad commit" not in proc.stdout, proc.stdout + proc.stderr
