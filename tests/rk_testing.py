@@ -114,20 +114,25 @@ def cli_process(*args: Any, cwd: Path | str = "/", env: dict[str, str] | None = 
 
 
 def torchrun(script: Path, *args: Any, cwd: Path, launcher: Sequence[str] = (),
-             timeout: float = 240, fresh_ranks: bool = False) -> subprocess.CompletedProcess:
+             timeout: float = 240, fresh_ranks: bool | None = None) -> subprocess.CompletedProcess:
     """Run ``script ARGS`` on two CPU ranks under ``python -m torch.distributed.run`` (gloo; the scripts pick it) on a
     free local port, one thread per rank, the test projects importable and faulthandler on (a hung rank dumps its
     stack). ``launcher`` adds torchrun options (``["--max-restarts", "1"]``). Text output captured. The launcher is
     forked from this process's fork server (``rk_forked.shared``: no torch import of its own), and so is each rank,
     from the rank server (``rk_ranks``: torchrun starts a stand-in per rank that hands it over), unless
-    ``fresh_ranks``: then torchrun starts each rank as a fresh process. Past ``timeout`` the launcher is killed
-    (exit -9)."""
+    ``fresh_ranks``: then torchrun starts each rank as a fresh process. ``fresh_ranks`` defaults to whether this
+    machine has a CUDA device: the GPU tests keep the fresh ranks they were verified with; the CPU suite forks them.
+    Past ``timeout`` the launcher is killed (exit -9)."""
     from rk_forked import shared
 
     from reprokit.distributed.incident import free_port
 
     env = env_with_checkout(PROJECTS, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     rank = [str(script), *map(str, args)]
+    if fresh_ranks is None:
+        import torch
+
+        fresh_ranks = torch.cuda.is_available()
     if not fresh_ranks:
         from rk_ranks import torchrun_argv
 
