@@ -33,6 +33,20 @@ from typing import IO, Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def end_server(proc: subprocess.Popen) -> None:
+    """Stop a server that serves until its standard input closes (this module's, rk_ranks'): close it, give the server
+    30 s to end (its runs still going are its to end), else kill it."""
+    if proc.stdin:
+        proc.stdin.close()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout:
+        proc.stdout.close()
+
+
 class ForkedRuns:
     """A fork server for training scripts. Use as a context manager (the server stops at the end).
 
@@ -62,15 +76,7 @@ class ForkedRuns:
         self.close()
 
     def close(self) -> None:
-        if self._proc.stdin:
-            self._proc.stdin.close()
-        try:
-            self._proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        if self._proc.stdout:
-            self._proc.stdout.close()
+        end_server(self._proc)
 
     def _read(self) -> dict[str, Any]:
         assert self._proc.stdout is not None

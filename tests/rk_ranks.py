@@ -57,15 +57,9 @@ class RankServer:
     def close(self) -> None:
         import shutil
 
-        if self._proc.stdin:
-            self._proc.stdin.close()
-        try:
-            self._proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        if self._proc.stdout:
-            self._proc.stdout.close()
+        from rk_forked import end_server
+
+        end_server(self._proc)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -93,6 +87,14 @@ def stand_in(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     ``SCRIPT ARGS`` or ``-m MODULE ARGS``, runs as ``python SCRIPT ARGS`` (``python -m MODULE ARGS``) would, forked
     from :func:`shared` ``(env)``: for a command a tool starts (torchrun's ranks, ``git bisect run``'s)."""
     return [sys.executable, "-S", str(HERE)], {**env, SERVER_VAR: shared(env).socket}
+
+
+def forks_ranks() -> bool:
+    """Whether tests fork torchrun's ranks here: on a CPU-only machine. On a machine with a CUDA device the ranks
+    stay fresh processes, as the GPU tests were verified with them."""
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def torchrun_argv(script: Path | str, args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:

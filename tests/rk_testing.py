@@ -120,22 +120,19 @@ def torchrun(script: Path, *args: Any, cwd: Path, launcher: Sequence[str] = (),
     stack). ``launcher`` adds torchrun options (``["--max-restarts", "1"]``). Text output captured. The launcher is
     forked from this process's fork server (``rk_forked.shared``: no torch import of its own), and so is each rank,
     from the rank server (``rk_ranks``: torchrun starts a stand-in per rank that hands it over), unless
-    ``fresh_ranks``: then torchrun starts each rank as a fresh process. ``fresh_ranks`` defaults to whether this
-    machine has a CUDA device: the GPU tests keep the fresh ranks they were verified with; the CPU suite forks them.
+    ``fresh_ranks``: then torchrun starts each rank as a fresh process. ``fresh_ranks`` defaults to
+    ``not rk_ranks.forks_ranks()`` (fresh on a machine with a CUDA device, forked on a CPU-only one).
     Past ``timeout`` the launcher is killed (exit -9)."""
     from rk_forked import shared
+    from rk_ranks import forks_ranks, torchrun_argv
 
     from reprokit.distributed.incident import free_port
 
     env = env_with_checkout(PROJECTS, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     rank = [str(script), *map(str, args)]
     if fresh_ranks is None:
-        import torch
-
-        fresh_ranks = torch.cuda.is_available()
+        fresh_ranks = not forks_ranks()
     if not fresh_ranks:
-        from rk_ranks import torchrun_argv
-
         rank, env = torchrun_argv(script, list(args), env)
     argv = ["--nproc_per_node", "2", *launcher, "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
             *rank]

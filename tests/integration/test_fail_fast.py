@@ -62,13 +62,13 @@ class _Launch:
 def _start(out: Path, on_incident: str, exit_path: str, device: str = "cpu", failure: str = "raise",
            launcher: tuple[str, ...] = (), step: int = 17) -> tuple[_Launch, Path]:
     """torchrun in a session of its own (a test that stops it kills every worker, never an orphan left blocked)."""
-    from rk_ranks import torchrun_argv
+    from rk_ranks import forks_ranks, torchrun_argv
 
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{on_incident}-{exit_path}.log"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'projects'}", "OMP_NUM_THREADS": "1"}
     rank = [str(PROJECT), str(out), on_incident, device, exit_path, failure, str(step)]
-    if not torch.cuda.is_available():  # ranks forked from the rank server; a GPU machine keeps fresh ranks
+    if forks_ranks():
         rank, env = torchrun_argv(PROJECT, rank[1:], env)
     proc = _Launch(["--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                     *launcher, *rank], cwd=out.parent, env=env, log=log)
